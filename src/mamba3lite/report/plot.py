@@ -1,0 +1,105 @@
+"""`mamba3lite plot`: training curves from metrics.jsonl to a PNG (matplotlib, an optional extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mamba3lite.errors import ConfigError, DataError
+from mamba3lite.report.metrics import ema, read_metrics
+
+_EVENT_STYLE = {"rollback": ("tab:red", "rollback"), "resume": ("tab:green", "resume")}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ConfigError("plotting needs matplotlib; fix: pip install 'mamba3lite[plot]'") from e
+    return plt
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw loss (raw, smoothed, validation), learning rate and tokens/s against step; mark resume and
+    rollback events. Returns the PNG's path (default: RUN_DIR/metrics.png)."""
+    run_dir = Path(run_dir)
+    m = read_metrics(run_dir)
+    if not m.train and not m.eval:
+        raise DataError(f"{run_dir} has no train or eval rows in metrics.jsonl yet: nothing to plot")
+    out = Path(out) if out is not None else (run_dir if run_dir.is_dir() else run_dir.parent) / "metrics.png"
+    if out.suffix.lower() != ".png":
+        raise ConfigError(f"plot output must be a .png file, got {out}")
+    plt = _pyplot()
+
+    fig, (ax_loss, ax_lr, ax_tps) = plt.subplots(
+        3, 1, figsize=(9, 9), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1]}
+    )
+    steps = [r["step"] for r in m.train if "loss" in r]
+    losses = [r["loss"] for r in m.train if "loss" in r]
+    if steps:
+        ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, lw=1, label="train loss")
+        ax_loss.plot(steps, ema(losses), color="tab:blue", lw=2, label="train loss (EMA)")
+    ev = [(r["step"], r["val_loss"]) for r in m.eval if "val_loss" in r]
+    if ev:
+        ax_loss.plot(*zip(*ev), "o-", color="tab:orange", lw=2, label="validation loss")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.grid(alpha=0.3)
+
+    lr = [(r["step"], r["lr"]) for r in m.train if "lr" in r]
+    if lr:
+        ax_lr.plot(*zip(*lr), color="tab:purple")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.grid(alpha=0.3)
+
+    # The start-up window's throughput includes set-up time: drawn apart, never joined to the rest.
+    tps = [
+        (r["step"], r["tokens_per_s"]) for r in m.train if "tokens_per_s" in r and not r.get("warmup_window")
+    ]
+    if tps:
+        ax_tps.plot(*zip(*tps), color="tab:green")
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_xlabel("step")
+    ax_tps.grid(alpha=0.3)
+
+    seen = set()
+    for e in m.events:
+        style = _EVENT_STYLE.get(e.get("event", ""))
+        if style is None:
+            continue
+        color, name = style
+        for ax in (ax_loss, ax_lr, ax_tps):
+            ax.axvline(
+                e["step"],
+                color=color,
+                ls="--",
+                lw=1,
+                label=name if ax is ax_loss and name not in seen else None,
+            )
+        seen.add(name)
+
+    # Tokens on a secondary axis: the step -> tokens map is monotone within one timeline.
+    pts = sorted({(r["step"], r["tokens"]) for r in m.train + m.eval if r.get("tokens") is not None})
+    if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+        import numpy as np
+
+        s_arr, t_arr = (np.array(v, dtype=float) for v in zip(*pts))
+        top = ax_loss.secondary_xaxis(
+            "top",
+            functions=(
+                lambda s: np.interp(s, s_arr, t_arr) / 1e6,
+                lambda t: np.interp(t, t_arr / 1e6, s_arr),
+            ),
+        )
+        top.set_xlabel("tokens (millions)")
+
+    ax_loss.legend(loc="upper right")
+    fig.suptitle(f"mamba3lite run: {run_dir.name}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
