@@ -1,0 +1,195 @@
+"""ModelConfig: the shape and switches of a Mamba-3 language model (MAMBA3.md §1, §5).
+
+Every field documents itself in `metadata["help"]` (the README's config reference is generated from it).
+Values are validated on creation; a bad value raises `ConfigError` naming the field (`model.<name>`).
+Derived sizes (d_inner, nheads, n_angles, ...) are properties, never stored.
+
+Defaults are the paper's 180M SISO shape (12 layers, d_model 768, MLP 1500 -> 1536) with the GPT-2
+vocabulary of this project (50,257 tokens, eos 50,256): 126,946,368 parameters with tied embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from mamba3lite.errors import ConfigError
+
+A_ACTIVATIONS = ("heavy_tail", "softplus")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and switches of `Mamba3Transformer`. Field names follow the official Mamba-3 layer."""
+
+    vocab_size: int = field(
+        default=50257, metadata={"help": "vocabulary size V (GPT-2: 50,257); rows of the tied embedding"}
+    )
+    d_model: int = field(default=768, metadata={"help": "residual stream width D"})
+    n_layers: int = field(
+        default=12, metadata={"help": "number of layers, each = Mamba-3 mixer block + SwiGLU MLP block"}
+    )
+    d_intermediate: int = field(
+        default=1500,
+        metadata={
+            "help": "SwiGLU hidden width F before rounding; the real width is rounded up to a multiple "
+            "of mlp_multiple_of (as the official GatedMLP); 0 = no MLP blocks"
+        },
+    )
+    mlp_multiple_of: int = field(
+        default=128, metadata={"help": "the MLP width is rounded up to a multiple of this"}
+    )
+    d_state: int = field(default=128, metadata={"help": "SSM state size N per head (state is P x N)"})
+    expand: int = field(default=2, metadata={"help": "mixer inner width d_inner = expand * d_model"})
+    headdim: int = field(default=64, metadata={"help": "head dimension P; nheads = d_inner / headdim"})
+    ngroups: int = field(
+        default=1, metadata={"help": "number of B/C groups G, each shared by nheads/G heads (num_bc_heads)"}
+    )
+    rope_fraction: float = field(
+        default=0.5,
+        metadata={"help": "fraction of the d_state channels rotated by the data-dependent RoPE: 0.5 or 1.0"},
+    )
+    A_floor: float = field(
+        default=1e-4, metadata={"help": "lower bound on -A (decay rate per unit of Δ), keeps A strictly < 0"}
+    )
+    a_activation: str = field(
+        default="heavy_tail",
+        metadata={
+            "help": "A = -max(f(a), A_floor) with f = 'heavy_tail' (official HEAD: 1+a for a>=0, "
+            "1/(1-a) for a<0) or 'softplus' (paper release)"
+        },
+    )
+    dt_min: float = field(default=1e-3, metadata={"help": "lower end of the log-uniform Δ initialisation"})
+    dt_max: float = field(default=0.1, metadata={"help": "upper end of the log-uniform Δ initialisation"})
+    dt_init_floor: float = field(default=1e-4, metadata={"help": "floor applied to the initial Δ samples"})
+    is_outproj_norm: bool = field(
+        default=False,
+        metadata={"help": "pre-gate grouped (per-head) RMSNorm on the mixer output (the paper's hybrids)"},
+    )
+    is_mimo: bool = field(default=False, metadata={"help": "multi-input multi-output SSM of rank mimo_rank"})
+    mimo_rank: int = field(
+        default=4, metadata={"help": "MIMO rank R; ignored (treated as 1) when is_mimo is false, as official"}
+    )
+    chunk_size: int = field(
+        default=64,
+        metadata={"help": "tokens per chunk of the parallel scan (official: 64 SISO, 64/R for MIMO)"},
+    )
+    trapezoid: bool = field(
+        default=True,
+        metadata={
+            "help": "exponential-trapezoidal discretisation with learned λ; false = λ≡1, "
+            "exponential-Euler as Mamba-2 (ablation)"
+        },
+    )
+    rope: bool = field(
+        default=True, metadata={"help": "data-dependent rotation of B and C; false = no rotation (ablation)"}
+    )
+    tie_embeddings: bool = field(
+        default=True, metadata={"help": "LM head shares its weight with the token embedding"}
+    )
+    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of the model's RMSNorms"})
+    reset_at_eos: bool = field(
+        default=False,
+        metadata={
+            "help": "a token whose previous input token is eos_id starts from a fresh state, so packed "
+            "documents behave as if each ran alone"
+        },
+    )
+    eos_id: int = field(default=50256, metadata={"help": "end-of-document token id (GPT-2: 50,256)"})
+    init_std: float = field(default=0.02, metadata={"help": "standard deviation of the embedding init"})
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"model.{name} {why} (got {getattr(self, name)!r})")
+
+        # Types first: YAML gives strings/floats where ints are meant only when the user made a typo.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = type(f.default)
+            if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+                # YAML 1.1 reads "1e-4" as a string and "1" as an int; both mean a float here.
+                try:
+                    setattr(self, f.name, float(value))
+                except ValueError:
+                    raise bad(f.name, "must be a number") from None
+            elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise bad(f.name, f"must be of type {want.__name__}")
+
+        for name in ("vocab_size", "d_model", "n_layers", "d_state", "expand", "headdim", "ngroups"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.d_intermediate < 0:
+            raise bad("d_intermediate", "must be >= 0 (0 = no MLP)")
+        if self.mlp_multiple_of < 1:
+            raise bad("mlp_multiple_of", "must be >= 1")
+        if self.chunk_size < 1:
+            raise bad("chunk_size", "must be >= 1")
+        if self.d_inner % self.headdim:
+            raise bad("headdim", f"must divide d_inner = expand * d_model = {self.d_inner}")
+        if self.nheads % self.ngroups:
+            raise bad("ngroups", f"must divide nheads = {self.nheads}")
+        if self.rope_fraction not in (0.5, 1.0):
+            raise bad("rope_fraction", "must be 0.5 or 1.0")
+        if self.n_angles < 1:
+            raise bad("d_state", "is too small: int(d_state * rope_fraction) must be >= 2")
+        if self.is_mimo and self.d_state % 2:
+            raise bad("d_state", "must be even for MIMO (split-half rotation pairs)")
+        if self.a_activation not in A_ACTIVATIONS:
+            raise bad("a_activation", f"must be one of {', '.join(A_ACTIVATIONS)}")
+        if not self.A_floor >= 0:
+            raise bad("A_floor", "must be >= 0")
+        if not 0 < self.dt_min <= self.dt_max:
+            raise bad("dt_min", f"must satisfy 0 < dt_min <= dt_max = {self.dt_max}")
+        if not self.dt_init_floor > 0:
+            raise bad("dt_init_floor", "must be > 0")
+        if self.is_mimo and self.mimo_rank < 1:
+            raise bad("mimo_rank", "must be >= 1")
+        if not self.norm_eps > 0:
+            raise bad("norm_eps", "must be > 0")
+        if not self.init_std > 0:
+            raise bad("init_std", "must be > 0")
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise bad("eos_id", f"must be a token id in [0, vocab_size = {self.vocab_size})")
+        for name in ("rope_fraction", "A_floor", "dt_min", "dt_max", "norm_eps", "init_std"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be finite")
+
+    # ---- derived sizes (MAMBA3.md §1.1) ----
+    @property
+    def d_inner(self) -> int:
+        """Mixer inner width E = expand * d_model."""
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        """Number of SSM heads H = d_inner / headdim."""
+        return self.d_inner // self.headdim
+
+    @property
+    def rank(self) -> int:
+        """Effective MIMO rank R: mimo_rank when is_mimo, else 1 (official behaviour)."""
+        return self.mimo_rank if self.is_mimo else 1
+
+    @property
+    def n_angles(self) -> int:
+        """Number of rotary angles S: split = int(N * rope_fraction) made even, S = split / 2."""
+        split = int(self.d_state * self.rope_fraction)
+        split -= split % 2
+        return split // 2
+
+    @property
+    def d_mlp(self) -> int:
+        """Real SwiGLU width F: d_intermediate rounded up to a multiple of mlp_multiple_of (0 = no MLP)."""
+        m = self.mlp_multiple_of
+        return (self.d_intermediate + m - 1) // m * m
+
+    @property
+    def d_in_proj(self) -> int:
+        """Width of the mixer's in_proj: 2E + 2·N·G·R + 3H + S (official split order z,x,B,C,Δ,A,λ,θ)."""
+        bc = 2 * self.d_state * self.ngroups * self.rank
+        return 2 * self.d_inner + bc + 3 * self.nheads + self.n_angles
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """Field name -> its documentation (used to generate the README's config reference)."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}
