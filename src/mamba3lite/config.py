@@ -1,0 +1,422 @@
+"""The run configuration: typed, documented, validated dataclasses, loaded from YAML, overridable.
+
+A config file has three sections, in the seed's layout:
+
+    model:     ModelConfig (mamba3lite.model): the architecture
+    training:  TrainingConfig: optimisation, schedule, cadence, checkpoints
+    data:      DataConfig: where the token shards are (`train_data_path`, as in the seed)
+
+Every field carries `metadata={"help": ...}` (meaning and unit); `config_reference_markdown()` renders
+them for the README. Values are validated on creation (`__post_init__`) with a `ConfigError` that names
+the field ("training.lr must be > 0, got -1"). Unknown keys, in YAML or in `--set section.key=value`
+overrides, are errors with a did-you-mean suggestion. A preset is named by path or by bare name
+("tiny" -> the packaged `mamba3lite/configs/tiny.yaml`).
+
+The seed kept `data_path` in its TrainingConfig; here it is `data.train_data_path` (the key its YAML
+already used), next to `val_data_path` and `dummy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mamba3lite.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mamba3lite.model import ModelConfig
+
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+SECTIONS = ("model", "training", "data")
+DTYPES = ("bf16", "fp32")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with its documentation (meaning, unit) in metadata."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _positive(section: str, obj: Any, names: tuple[str, ...], *, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{name} must be {bound}, got {value}")
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation, schedule, cadence and checkpointing. Defaults are the seed's 440M recipe."""
+
+    max_seq_len: int = _f(2048, "window length L in tokens: each sample is L inputs + L shifted targets")
+    micro_batch_size: int = _f(16, "windows per forward/backward pass on each process")
+    gradient_accumulation_steps: int = _f(
+        2,
+        "micro-batches accumulated per optimizer step; the global batch is micro_batch_size x this x "
+        "number of processes (windows)",
+    )
+    max_steps: int = _f(256_000, "optimizer steps of the run; also the end of the cosine schedule")
+    lr: float = _f(1.5e-3, "peak learning rate (after warmup)")
+    min_lr: float = _f(1e-5, "learning rate at the end of the cosine decay (reached at max_steps)")
+    warmup_steps: int = _f(2000, "optimizer steps of linear warmup from 0 to lr")
+    weight_decay: float = _f(
+        0.1, "AdamW decoupled weight decay on matrices (not norms, biases, embeddings, dt_bias, D)"
+    )
+    betas: tuple[float, float] = _f((0.9, 0.95), "AdamW (beta1, beta2)")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient L2 norm to this; 0 disables clipping")
+    dtype: str = _f("bf16", "compute dtype: bf16 (autocast, weights stay fp32) or fp32", choices=DTYPES)
+    device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    compile: bool = _f(False, "torch.compile the model (slow start, faster steps on GPU)")
+    grad_checkpointing: bool = _f(False, "recompute block activations in backward to save memory")
+    seed: int = _f(1337, "seed of the model init, the data order and every RNG")
+    log_every: int = _f(50, "optimizer steps per logged window (loss is the window mean)")
+    eval_every: int = _f(1000, "optimizer steps between validation evaluations; 0 disables")
+    eval_batches: int = _f(20, "micro-batches (of micro_batch_size windows) per validation evaluation")
+    save_every: int = _f(4000, "optimizer steps between checkpoints (one is also written at the end)")
+    keep_last_n: int = _f(3, "verified checkpoints kept; older ones are deleted; 0 keeps all")
+    checkpoint_dir: str = _f("runs/run", "run directory: checkpoints, config.yaml, metrics.jsonl")
+    nan_guard_max_consecutive: int = _f(
+        5, "consecutive non-finite micro-steps (each skipped) before rolling back to the last checkpoint"
+    )
+    max_rollbacks: int = _f(3, "NaN rollbacks allowed without saving a newer checkpoint before giving up")
+    peak_tflops: float = _f(0.0, "accelerator peak TFLOP/s for MFU; 0 = look up the GPU (none on CPU)")
+    progress: bool = _f(True, "show a progress bar when stderr is an interactive terminal")
+
+    def __post_init__(self) -> None:
+        s = "training"
+        _positive(
+            s,
+            self,
+            (
+                "max_seq_len",
+                "micro_batch_size",
+                "gradient_accumulation_steps",
+                "max_steps",
+                "lr",
+                "log_every",
+                "save_every",
+                "eval_batches",
+                "nan_guard_max_consecutive",
+                "eps",
+            ),
+        )
+        _positive(
+            s,
+            self,
+            (
+                "min_lr",
+                "warmup_steps",
+                "weight_decay",
+                "grad_clip",
+                "eval_every",
+                "keep_last_n",
+                "max_rollbacks",
+                "peak_tflops",
+            ),
+            allow_zero=True,
+        )
+        if self.min_lr > self.lr:
+            raise ConfigError(f"training.min_lr ({self.min_lr}) must be <= training.lr ({self.lr})")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"training.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"training.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not self.checkpoint_dir:
+            raise ConfigError("training.checkpoint_dir must not be empty")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+    def windows_per_step(self, world_size: int = 1) -> int:
+        """Global batch in windows per optimizer step."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * world_size
+
+    def tokens_per_step(self, world_size: int = 1) -> int:
+        """Input tokens trained on per optimizer step (all processes)."""
+        return self.windows_per_step(world_size) * self.max_seq_len
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from. Paths are dataset directories (manifest.json) or seed-format files."""
+
+    train_data_path: str = _f(
+        "data/pretrain_data.bin", "training tokens: a prepared dataset directory or a seed-format token file"
+    )
+    val_data_path: str | None = _f(
+        None,
+        "validation tokens; default: the val split of train_data_path "
+        "when its manifest has one, else no evaluation",
+    )
+    dummy: bool = _f(False, "train on seeded random tokens instead of data (plumbing tests only)")
+
+    def __post_init__(self) -> None:
+        if not self.dummy and not self.train_data_path:
+            raise ConfigError("data.train_data_path must be set (or data.dummy: true for random tokens)")
+
+
+def _model_config_cls() -> type:
+    from mamba3lite.model import ModelConfig
+
+    return ModelConfig
+
+
+def _default_model() -> ModelConfig:
+    return _model_config_cls()()
+
+
+@dataclass
+class Config:
+    """A whole run: the three sections. Build with `load_config`, `Config.from_dict` or directly."""
+
+    model: ModelConfig = field(default_factory=_default_model)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    @classmethod
+    def section_classes(cls) -> dict[str, type]:
+        return {"model": _model_config_cls(), "training": TrainingConfig, "data": DataConfig}
+
+    @classmethod
+    def from_dict(cls, raw: dict | None, *, source: str = "config") -> Config:
+        """Build from a nested mapping (YAML, a checkpoint's meta). Missing keys take defaults."""
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{source}: the top level must be a mapping with sections {', '.join(SECTIONS)}"
+            )
+        _reject_unknown(raw.keys(), SECTIONS, where=f"{source}: unknown section")
+        sections = {}
+        for name, section_cls in cls.section_classes().items():
+            values = raw.get(name) or {}
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: section `{name}:` must be a mapping of key: value")
+            sections[name] = build_section(section_cls, values, name)
+        return cls(**sections)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (tuples become lists): JSON and YAML safe."""
+        return {name: _plain(dataclasses.asdict(getattr(self, name))) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> Config:
+        """A copy with `section.key=value` overrides applied (values typed by the field)."""
+        cfg = self
+        for item in overrides:
+            key, sep, text = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. training.lr=3e-4")
+            section, dot, name = key.strip().partition(".")
+            if not dot:
+                raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. training.lr=3e-4")
+            _reject_unknown([section], SECTIONS, where="--set: unknown section")
+            cfg = cfg.replace(section, **{name: _parse_text(text.strip())})
+        return cfg
+
+    def replace(self, section: str, **values: Any) -> Config:
+        """A copy with fields of one section replaced (coerced and validated like YAML values)."""
+        section_cls = self.section_classes()[section]
+        current = dataclasses.asdict(getattr(self, section))
+        _reject_unknown(values.keys(), current.keys(), where=f"unknown key in section `{section}:`")
+        merged = {**current, **values}
+        return dataclasses.replace(self, **{section: build_section(section_cls, merged, section)})
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _parse_text(text: str) -> Any:
+    """A --set value: YAML scalar syntax (3e-4 stays a string for YAML 1.1; coercion handles it)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _reject_unknown(keys: Any, known: Any, *, where: str) -> None:
+    known = list(known)
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.5)
+            hint = f"; did you mean `{close[0]}`?" if close else f"; known: {', '.join(map(str, known))}"
+            raise ConfigError(f"{where} `{key}`{hint}")
+
+
+def build_section(section_cls: type, values: dict, section: str) -> Any:
+    """Instantiate one section dataclass from a mapping, coercing each value to its field's type."""
+    fields = {f.name: f for f in dataclasses.fields(section_cls) if f.init}
+    _reject_unknown(values.keys(), fields.keys(), where=f"unknown key in section `{section}:`")
+    hints = typing.get_type_hints(section_cls)
+    kwargs = {name: _coerce(value, hints[name], f"{section}.{name}") for name, value in values.items()}
+    try:
+        return section_cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a section class validating with plain exceptions
+        raise ConfigError(f"section `{section}:`: {e}") from e
+
+
+def _coerce(value: Any, type_: Any, where: str) -> Any:
+    """Check/convert one value against a field's type hint; errors name the field."""
+    origin = typing.get_origin(type_)
+    args = typing.get_args(type_)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))
+        if is_none and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where} must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {list(value)}")
+            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if type_ is Any:
+        return value
+    if type_ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if type_ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value.replace("_", ""))
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if type_ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if type_ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def resolve_preset(name_or_path: str | Path) -> Path:
+    """A config file path, or a packaged preset's bare name ("tiny" -> configs/tiny.yaml)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    if p.suffix in ("", ".yaml", ".yml") and len(p.parts) == 1:
+        packaged = PRESET_DIR / (p.name if p.suffix else f"{p.name}.yaml")
+        if packaged.is_file():
+            return packaged
+    presets = available_presets()
+    close = difflib.get_close_matches(p.stem, presets, n=1, cutoff=0.5)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    raise ConfigError(
+        f"config not found: {name_or_path} (not a file, not a packaged preset){hint} "
+        f"Presets: {', '.join(presets) or '(none)'}"
+    )
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a preset/YAML file, then apply `section.key=value` overrides in order."""
+    import yaml
+
+    path = resolve_preset(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    return Config.from_dict(raw, source=str(path)).with_overrides(list(overrides))
+
+
+def write_resolved_config(cfg: Config, path: str | Path) -> None:
+    """Write the fully resolved config (every field, defaults included) as YAML, atomically."""
+    from mamba3lite.data.shards import atomic_write_bytes
+
+    header = "# Resolved config of this run (every field; written by `mamba3lite train`).\n"
+    atomic_write_bytes(Path(path), (header + cfg.to_yaml()).encode("utf-8"))
+
+
+def _type_name(type_: Any) -> str:
+    text = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
+    return str(text).replace("typing.", "")
+
+
+def config_reference_markdown() -> str:
+    """Markdown tables of every field of every section (name, type, default, meaning) for the README."""
+    lines: list[str] = []
+    for section, section_cls in Config.section_classes().items():
+        lines += [f"### `{section}:`", ""]
+        doc = (section_cls.__doc__ or "").strip().splitlines()
+        if doc and not doc[0].startswith(section_cls.__name__ + "("):
+            lines += [doc[0], ""]
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(section_cls):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = "(required)"
+            default = _plain(default)
+            meaning = f.metadata.get("help", "").replace("|", "\\|")
+            type_text = _type_name(f.type).replace("|", "\\|")
+            lines.append(f"| `{f.name}` | {type_text} | `{default}` | {meaning} |")
+        lines.append("")
+    return "\n".join(lines)
