@@ -1,0 +1,231 @@
+"""CheckpointManager: atomic triple, verification, fallback, tied weights once, name-keyed optimizer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from mamba3lite.errors import CheckpointError
+from mamba3lite.train.checkpoint import (
+    CheckpointManager,
+    RunLock,
+    capture_rng_state,
+    checkpoint_files,
+    param_names,
+    restore_rng_state,
+)
+
+
+class TinyLM(nn.Module):
+    """Stand-in with the real model's traits: tied head, a norm, a `_no_weight_decay` parameter."""
+
+    def __init__(self, vocab: int = 11, d: int = 6, reverse: bool = False) -> None:
+        super().__init__()
+        if reverse:  # same parameters registered in another order
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            self.proj = nn.Linear(d, d)
+            self.embed = nn.Embedding(vocab, d)
+        else:
+            self.embed = nn.Embedding(vocab, d)
+            self.proj = nn.Linear(d, d)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+        self.D = nn.Parameter(torch.ones(d))
+        self.D._no_weight_decay = True
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.tanh(self.proj(self.embed(x))) * self.D
+        logits = self.lm_head(h)
+        if y is None:
+            return logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _trained(seed: int = 0, steps: int = 3, reverse: bool = False) -> tuple[TinyLM, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyLM(reverse=reverse)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 11, (2, 5), generator=g)
+        model(x, x.roll(1, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _fresh(reverse: bool = False) -> tuple[TinyLM, torch.optim.Optimizer]:
+    torch.manual_seed(123)
+    model = TinyLM(reverse=reverse)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_roundtrip_restores_weights_optimizer_and_tie(tmp_path):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(7, model, opt, meta={"tokens_seen": 70, "sampler": {"epoch": 0, "consumed": 14}})
+    m2, o2 = _fresh()
+    meta = mgr.load(7, m2, o2)
+    assert meta["step"] == 7 and meta["tokens_seen"] == 70 and meta["sampler"]["consumed"] == 14
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), m2.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert m2.lm_head.weight is m2.embed.weight
+    s1, s2 = opt.state_dict(), o2.state_dict()
+    for i in s1["state"]:
+        for k in s1["state"][i]:
+            assert torch.equal(s1["state"][i][k], s2["state"][i][k])
+
+
+def test_tied_weight_is_stored_once(tmp_path):
+    model, opt = _trained()
+    CheckpointManager(tmp_path).save(1, model, opt)
+    with safe_open(str(checkpoint_files(tmp_path, 1)["model"]), framework="pt") as f:
+        keys = set(f.keys())
+    assert "embed.weight" in keys and "lm_head.weight" not in keys
+    meta = json.loads(checkpoint_files(tmp_path, 1)["meta"].read_text())
+    assert meta["tied"] == {"lm_head.weight": "embed.weight"}
+
+
+def test_optimizer_state_follows_names_not_order(tmp_path):
+    model, opt = _trained()
+    CheckpointManager(tmp_path).save(3, model, opt)
+    m2, o2 = _fresh(reverse=True)  # parameters registered in a different order
+    CheckpointManager(tmp_path).load(3, m2, o2)
+    names1, names2 = param_names(model), param_names(m2)
+    assert names2[id(m2.embed.weight)] == "embed.weight"  # the tied pair is keyed the same either way
+    saved = {names1[id(p)]: opt.state[p]["exp_avg"] for p in model.parameters()}
+    loaded = {names2[id(p)]: o2.state[p]["exp_avg"] for p in m2.parameters()}
+    assert saved.keys() == loaded.keys()
+    for name in saved:
+        assert torch.equal(saved[name], loaded[name]), name
+
+
+@pytest.mark.parametrize("kind", ["model", "optim", "meta"])
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_torn_checkpoint_falls_back_with_warning(tmp_path, kind, damage):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, model, opt)
+    mgr.save(2, model, opt)
+    path = checkpoint_files(tmp_path, 2)[kind]
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 2] ^= 0xFF
+        data[len(data) // 3] ^= 0x01
+        path.write_bytes(bytes(data))
+    fresh = CheckpointManager(tmp_path)  # no hash cache from the saves
+    with pytest.warns(UserWarning, match=path.name):
+        assert fresh.latest_step() == 1
+    with pytest.raises(CheckpointError, match=path.name):
+        fresh.load(2, *_fresh())
+    assert fresh.load(1, *_fresh())["step"] == 1
+
+
+def test_missing_meta_means_unfinished_save(tmp_path):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, model, opt)
+    mgr.save(2, model, opt)
+    checkpoint_files(tmp_path, 2)["meta"].unlink()
+    with pytest.warns(UserWarning, match="meta_step_2.json"):
+        assert mgr.latest_step() == 1
+    assert mgr.list_steps() == [1, 2]
+    assert not mgr.status(2).verified
+
+
+def test_crash_during_save_leaves_previous_checkpoint_and_no_meta(tmp_path, monkeypatch):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, model, opt)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError):
+        mgr.save(2, model, opt)
+    monkeypatch.undo()
+    assert not checkpoint_files(tmp_path, 2)["meta"].exists()
+    assert CheckpointManager(tmp_path).latest_step() == 1
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_retention_keeps_last_n_verified_and_never_the_newest_verified(tmp_path):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path, keep_last_n=2)
+    for s in (1, 2, 3, 4, 5):
+        mgr.save(s, model, opt)
+    assert mgr.list_steps() == [4, 5]
+    # The newest file set is torn: it does not count, and the older verified ones must survive.
+    p = checkpoint_files(tmp_path, 5)["model"]
+    p.write_bytes(p.read_bytes()[:100])
+    mgr = CheckpointManager(tmp_path, keep_last_n=1)
+    mgr.prune()
+    assert mgr.list_steps() == [4, 5]
+    with pytest.warns(UserWarning):
+        assert mgr.latest_step() == 4
+
+
+def test_explicit_step_loads_exactly_that_step(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    m1, o1 = _trained(steps=1)
+    mgr.save(10, m1, o1)
+    m2, o2 = _trained(steps=4)
+    mgr.save(20, m2, o2)
+    m, o = _fresh()
+    assert mgr.load(10, m, o)["step"] == 10
+    assert torch.equal(m.proj.weight, m1.proj.weight)
+    with pytest.raises(CheckpointError, match="step 30"):
+        mgr.load(30, m, o)
+
+
+def test_seed_format_with_both_tied_copies_still_loads(tmp_path):
+    model, opt = _trained()
+    # The seed: both copies of the tied tensor (the second cloned), index-keyed optimizer, no hashes.
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model_step_5.safetensors"))
+    torch.save(opt.state_dict(), tmp_path / "optim_step_5.pt")
+    (tmp_path / "meta_step_5.json").write_text(json.dumps({"step": 5, "opt_steps": 5, "tag": "step_5"}))
+    mgr = CheckpointManager(tmp_path)
+    assert mgr.latest_step() == 5 and mgr.status(5).format == "seed"
+    m2, o2 = _fresh()
+    with pytest.warns(UserWarning, match="seed-format"):
+        mgr.load(5, m2, o2)
+    assert torch.equal(m2.embed.weight, model.embed.weight) and m2.lm_head.weight is m2.embed.weight
+
+
+def test_wrong_model_is_a_clear_error(tmp_path):
+    model, opt = _trained()
+    CheckpointManager(tmp_path).save(1, model, opt)
+    other = TinyLM(vocab=13)
+    with pytest.raises(CheckpointError, match=r"model_step_1\.safetensors"):
+        CheckpointManager(tmp_path).load(1, other)
+
+
+def test_run_lock_is_exclusive(tmp_path):
+    with RunLock(tmp_path), pytest.raises(CheckpointError, match="in use by another trainer"):
+        RunLock(tmp_path).acquire()
+    RunLock(tmp_path).acquire().release()  # free again once released
+
+
+def test_rng_state_roundtrip_through_json():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = json.loads(json.dumps(capture_rng_state()))
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    restore_rng_state(state)
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
