@@ -1,0 +1,184 @@
+"""`mamba3lite prepare`: raw text → verified GPT-2 token shards (a thin call into `data.prepare`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from mamba3lite.errors import ConfigError
+
+HELP = "turn raw text into verified GPT-2 token shards (manifest.json + shard files)"
+
+EPILOG = """\
+sources (repeat --source; --weight applies to the --source just before it):
+  FILE                 .txt .md .py (other files are read as UTF-8 text), .jsonl, .jsonl.gz, .parquet
+  DIR                  every file below it (hidden files and __pycache__ skipped; binary files skipped
+                       and counted)
+  'GLOB'               e.g. 'corpus/**/*.md' (quote it)
+  stdlib               this Python's standard-library .py files (no tests, idlelib, site-packages)
+  hf:NAME[:CONFIG]     a Hugging Face dataset, streamed (pip install 'mamba3lite[hf]')
+
+examples:
+  mamba3lite prepare --source stdlib --out data/stdlib --val-fraction 0.02
+  mamba3lite prepare --source web/ --weight 0.7 --source stdlib --weight 0.3 \\
+      --target-tokens 5e6 --out data/mix
+  mamba3lite prepare --mixture mixture.yaml --out data/mix
+"""
+
+
+class _SourceAction(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest) or [])
+        items.append([values, None])
+        setattr(namespace, self.dest, items)
+
+
+class _WeightAction(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = namespace.sources or []
+        if not items:
+            parser.error("--weight must follow the --source it applies to")
+        if items[-1][1] is not None:
+            parser.error(f"--source {items[-1][0]} has two --weight values")
+        items[-1][1] = values
+
+
+def _count(text: str) -> int:
+    """An integer that may be written 5e6 or 50_000_000."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mamba3lite.data.prepare import DEFAULT_MIN_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument(
+        "--source",
+        dest="sources",
+        action=_SourceAction,
+        metavar="SRC",
+        default=[],
+        help="a text source (repeatable); see below",
+    )
+    parser.add_argument(
+        "--weight",
+        action=_WeightAction,
+        type=float,
+        metavar="W",
+        help="mixing weight of the preceding --source (default 1); with --target-tokens, "
+        "source i gets W_i/sum(W) of the tokens",
+    )
+    parser.add_argument(
+        "--mixture",
+        metavar="FILE.yaml",
+        help="a YAML mixture: `sources: [{source: SRC, weight: W}, ...]`, optional `target_tokens:`",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to write")
+    parser.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        help="'gpt2' (default, offline) or a path to a Hugging Face tokenizer.json",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer processes (default min(4, CPUs); 0 = in this process); the output "
+        "is the same for any value",
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=_count,
+        default=DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:_}); documents are never split",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        metavar="F",
+        help=f"fraction of documents in the val split, chosen by content hash "
+        f"(default {DEFAULT_VAL_FRACTION})",
+    )
+    parser.add_argument(
+        "--min-chars",
+        type=int,
+        default=DEFAULT_MIN_CHARS,
+        metavar="N",
+        help=f"drop documents shorter than N characters after cleaning (default {DEFAULT_MIN_CHARS})",
+    )
+    parser.add_argument(
+        "--no-dedup",
+        dest="dedup",
+        action="store_false",
+        help="keep exact duplicate documents (default: drop them)",
+    )
+    parser.add_argument(
+        "--target-tokens",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="stop after about N tokens, split between sources by weight",
+    )
+    parser.add_argument(
+        "--max-docs",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="read at most N documents from each source (a quick slice)",
+    )
+    parser.add_argument(
+        "--text-field",
+        default="text",
+        help="the text field of .jsonl / .parquet / hf sources (default: text)",
+    )
+    parser.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip and count malformed JSONL lines instead of stopping at the first",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a different dataset in --out (kept intact until the new one is done)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="salts the train/val split hash (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mamba3lite.data.prepare import prepare
+
+    if not args.sources and not args.mixture:
+        raise ConfigError(
+            "no sources; pass --source PATH (repeatable), --source stdlib or --mixture FILE.yaml"
+        )
+    sources = [(spec, 1.0 if weight is None else weight) for spec, weight in args.sources]
+    summary = prepare(
+        sources,
+        args.out,
+        mixture=args.mixture,
+        tokenizer=args.tokenizer,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        val_fraction=args.val_fraction,
+        min_chars=args.min_chars,
+        dedup=args.dedup,
+        target_tokens=args.target_tokens,
+        text_field=args.text_field,
+        skip_bad_lines=args.skip_bad_lines,
+        overwrite=args.overwrite,
+        seed=args.seed,
+        max_docs=args.max_docs,
+        progress=sys.stderr.isatty() and not os.environ.get("MAMBA3LITE_NO_PROGRESS"),
+    )
+    print(summary.table())
+    return 0

@@ -1,0 +1,276 @@
+"""Text sources for `mamba3lite prepare`: where documents come from, in a fixed order.
+
+A source spec is one of
+
+    path/to/file        .txt .md .py (any other name is read as UTF-8 text too), .jsonl, .jsonl.gz, .parquet
+    path/to/dir         every regular file below it, hidden files/dirs and __pycache__ skipped
+    'glob/**/*.md'      a glob (recursive `**` allowed); matching directories are walked as above
+    stdlib              the running interpreter's standard-library .py files (see `stdlib_files`)
+    hf:NAME[:CONFIG]    a Hugging Face dataset's "train" split, streamed (needs the `datasets` package)
+
+A source is a deterministic sequence of *units*, one per document: a text file is one unit, a JSONL line
+one unit (blank lines are not units), a Parquet row or a streamed dataset row one unit. Files are taken in
+sorted relative-path order, so the same input gives the same sequence on every machine. Each unit is
+`(location, kind, payload)`:
+
+    KIND_TEXT_BYTES   payload = the file's raw bytes; the worker decodes it and detects binary files
+    KIND_JSONL        payload = one raw JSONL line (bytes); the worker parses it
+    KIND_STR          payload = an already decoded str (Parquet, hf); None when the row has no text
+
+Decoding and parsing happen in the tokenizer workers (`decode_bytes`, `looks_binary`, `parse_jsonl_line`
+are pure functions for that), so the reading process only does I/O.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import gzip
+import json
+import os
+import re
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+
+KIND_TEXT_BYTES = 0
+KIND_JSONL = 1
+KIND_STR = 2
+
+STRUCTURED_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+# stdlib parts left out of the `stdlib` corpus: third-party packages, the (huge, repetitive) test suite,
+# and IDLE. What remains is ~670 files / ~11 MB of Python for CPython 3.11.
+STDLIB_EXCLUDED_PARTS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+)
+
+_BINARY_PROBE_BYTES = 8192
+# Bytes that never occur in text: C0 controls except \t \n \v \f \r and ESC (ANSI colours), and DEL.
+_NON_TEXT_BYTES = bytes([*range(0, 7), 8, *range(14, 27), *range(28, 32), 127])
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+Location = str | tuple[str, int]
+Unit = tuple[Location, int, "bytes | str | None"]
+
+
+def format_location(loc: Location) -> str:
+    """`path` or `path:line` (1-based line / row number), for messages."""
+    return f"{loc[0]}:{loc[1]}" if isinstance(loc, tuple) else loc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure helpers run in the workers.
+
+
+def looks_binary(data: bytes) -> bool:
+    """True if `data` is evidently not text: a NUL byte, or > 10% non-text control bytes, in the first 8 KiB.
+
+    (git's heuristic plus a control-byte ratio; UTF-8 multi-byte sequences are text.)"""
+    head = data[:_BINARY_PROBE_BYTES]
+    if not head:
+        return False
+    if b"\x00" in head:
+        return True
+    n_bad = len(head) - len(head.translate(None, _NON_TEXT_BYTES))
+    return n_bad > 0.1 * len(head)
+
+
+def decode_bytes(data: bytes) -> str:
+    """UTF-8 decode that never fails: each undecodable byte becomes a lone surrogate (surrogateescape).
+
+    The cleaner turns every lone surrogate into U+FFFD and counts them, so undecodable file bytes and
+    invalid `\\ud800` escapes in JSON are replaced and counted in one place."""
+    return data.decode("utf-8", errors="surrogateescape")
+
+
+def parse_jsonl_line(line: bytes, text_field: str) -> tuple[str | None, str | None]:
+    """(text, None) for a good line, (None, problem) for a malformed one (problem names the fix)."""
+    try:
+        obj = json.loads(decode_bytes(line))
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON ({e.msg} at column {e.colno})"
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    if text_field not in obj:
+        fields = ", ".join(sorted(map(str, obj))[:8]) or "none"
+        return None, (
+            f"no field {text_field!r} (fields: {fields}); fix: --text-field NAME, "
+            "or --skip-bad-lines to skip such lines"
+        )
+    text = obj[text_field]
+    if text is None:
+        return "", None
+    if not isinstance(text, str):
+        return None, f"field {text_field!r} is a {type(text).__name__}, not a string"
+    return text, None
+
+
+def replace_surrogates(text: str) -> tuple[str, int]:
+    """Replace lone surrogates (undecodable bytes, bad JSON escapes) by U+FFFD; returns (text, n_replaced)."""
+    return _SURROGATE_RE.subn("\ufffd", text)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sources.
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The interpreter's standard-library .py files minus STDLIB_EXCLUDED_PARTS, by relative path."""
+    root = stdlib_dir()
+    if not root.is_dir():
+        raise DataNotFoundError(
+            f"the standard library directory {root} does not exist; use file sources instead of `stdlib`"
+        )
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if p.is_file() and not STDLIB_EXCLUDED_PARTS.intersection(p.relative_to(root).parts[:-1])
+    ]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _walk_dir(root: Path) -> list[Path]:
+    """Every regular file below `root` by relative posix path; hidden entries and __pycache__ skipped."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        out.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+    files = [p for p in out if p.is_file()]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _is_glob(spec: str) -> bool:
+    return any(c in spec for c in "*?[")
+
+
+class Source:
+    """One source spec, resolved at construction (a missing path fails here, before any work starts).
+
+    `units(start)` yields the source's units from index `start` on (earlier ones are skipped as cheaply
+    as the format allows: text files are not even read), at most `max_docs` units in all."""
+
+    def __init__(self, spec: str, *, text_field: str = "text", max_docs: int | None = None) -> None:
+        self.spec = spec
+        self.text_field = text_field
+        self.max_docs = max_docs
+        self.files: list[Path] = []
+        self.hf: tuple[str, str | None] | None = None
+        if spec == "stdlib":
+            self.files = stdlib_files()
+        elif spec.startswith("hf:"):
+            parts = spec[3:].split(":")
+            if not parts[0] or len(parts) > 2:
+                raise ConfigError(f"bad source {spec!r}; expected hf:NAME or hf:NAME:CONFIG")
+            self.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
+            _import_datasets()  # fail now, not after the other sources were read
+        elif _is_glob(spec):
+            matches = sorted(globlib.glob(spec, recursive=True))
+            if not matches:
+                raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
+            for m in matches:
+                p = Path(m)
+                self.files.extend(_walk_dir(p) if p.is_dir() else [p] if p.is_file() else [])
+        else:
+            p = Path(spec)
+            if p.is_dir():
+                self.files = _walk_dir(p)
+            elif p.is_file():
+                self.files = [p]
+            else:
+                raise DataNotFoundError(
+                    f"source not found: {spec}; fix: check the path, or use `stdlib` or hf:NAME"
+                )
+        if self.hf is None and not self.files:
+            raise DataError(f"source {spec!r} holds no files")
+
+    def __repr__(self) -> str:
+        return f"Source({self.spec!r})"
+
+    def units(self, start: int = 0) -> Iterator[Unit]:
+        """The units from index `start` (0-based), at most `max_docs` in all; see the module docstring."""
+        limit = self.max_docs
+        index = 0
+        gen = self._iter_hf() if self.hf is not None else self._iter_files(start)
+        for index, unit in enumerate(gen):
+            if limit is not None and index >= limit:
+                return
+            if unit is None:  # a skipped unit (index < start), not read
+                assert index < start
+                continue
+            if index >= start:
+                yield unit
+
+    def _iter_files(self, start: int) -> Iterator[Unit | None]:
+        index = 0
+        for path in self.files:
+            name = path.name
+            if name.endswith((".jsonl", ".jsonl.gz")):
+                opener = gzip.open if name.endswith(".gz") else open
+                try:
+                    with opener(path, "rb") as f:
+                        for lineno, line in enumerate(f, 1):
+                            if not line.strip():
+                                continue
+                            yield None if index < start else (((str(path), lineno)), KIND_JSONL, line)
+                            index += 1
+                except (OSError, EOFError) as e:  # e.g. a truncated .gz
+                    raise DataError(f"cannot read {path}: {e}") from e
+            elif name.endswith(".parquet"):
+                for row, text in enumerate(self._parquet_texts(path), 1):
+                    yield None if index < start else ((str(path), row), KIND_STR, text)
+                    index += 1
+            else:
+                yield None if index < start else (str(path), KIND_TEXT_BYTES, path.read_bytes())
+                index += 1
+
+    def _parquet_texts(self, path: Path) -> Iterator[str | None]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ConfigError(
+                f"reading {path} needs the `pyarrow` package; fix: pip install 'mamba3lite[parquet]'"
+            ) from e
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise DataError(f"cannot read parquet file {path}: {e}") from e
+        names = pf.schema_arrow.names
+        if self.text_field not in names:
+            raise DataError(
+                f"{path} has no column {self.text_field!r} (columns: {', '.join(names)}); "
+                "fix: --text-field NAME"
+            )
+        for batch in pf.iter_batches(columns=[self.text_field], batch_size=1024):
+            yield from batch.column(0).to_pylist()
+
+    def _iter_hf(self) -> Iterator[Unit]:
+        assert self.hf is not None
+        name, config = self.hf
+        datasets = _import_datasets()
+        try:
+            ds = datasets.load_dataset(name, config, split="train", streaming=True)
+        except Exception as e:  # network, unknown name, bad config: the library's message says which
+            raise DataError(f"cannot load Hugging Face dataset {self.spec!r}: {e}") from e
+        for row, example in enumerate(ds, 1):
+            if self.text_field not in example:
+                raise DataError(
+                    f"{self.spec} row {row} has no field {self.text_field!r} "
+                    f"(fields: {', '.join(map(str, example))}); fix: --text-field NAME"
+                )
+            text = example[self.text_field]
+            yield (self.spec, row), KIND_STR, text if isinstance(text, str) else None
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(
+            "hf: sources need the Hugging Face `datasets` package; fix: pip install 'mamba3lite[hf]'"
+        ) from e
+    return datasets
