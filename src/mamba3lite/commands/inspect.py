@@ -1,0 +1,143 @@
+"""`mamba3lite inspect PATH [--verify]`: describe a dataset directory, a checkpoint directory or a shard file.
+
+What PATH is decides what is shown (`detect_kind`). Implemented: dataset directories (a `manifest.json`
+inside). Checkpoint directories and single shard files are recognised and answered with a clear "not
+supported yet" error; their handlers are `_inspect_checkpoint` and `_inspect_shard_file` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+
+HELP = "describe (and --verify) a dataset directory, a checkpoint directory or a shard file"
+
+DATASET, CHECKPOINT, SHARD_FILE = "dataset", "checkpoint", "shard file"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "path", metavar="PATH", help="a dataset directory, a checkpoint directory or a shard file"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="dataset: re-hash every shard and check sizes, counts and max token ids against "
+        "the manifest; exit non-zero naming the first bad shard",
+    )
+
+
+def detect_kind(path: Path) -> str:
+    """DATASET, CHECKPOINT or SHARD_FILE; DataNotFoundError / ConfigError when PATH is none of them."""
+    from mamba3lite.data.shards import MANIFEST_NAME
+
+    if not path.exists():
+        raise DataNotFoundError(f"{path} does not exist")
+    if path.is_file():
+        if path.name == MANIFEST_NAME:
+            return DATASET
+        return SHARD_FILE
+    if (path / MANIFEST_NAME).is_file():
+        return DATASET
+    if (
+        any(path.glob("*.safetensors"))
+        or any(path.glob("*.pt"))
+        or any(path.glob("checkpoint*"))
+        or any(path.glob("step_*"))
+    ):
+        return CHECKPOINT
+    raise ConfigError(
+        f"{path} is a directory without {MANIFEST_NAME} or checkpoint files; expected a dataset "
+        "directory (made by `mamba3lite prepare`), a checkpoint directory or a shard file"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    kind = detect_kind(path)
+    handler = {DATASET: _inspect_dataset, CHECKPOINT: _inspect_checkpoint, SHARD_FILE: _inspect_shard_file}[
+        kind
+    ]
+    return handler(path, args)
+
+
+def _inspect_checkpoint(path: Path, args: argparse.Namespace) -> int:
+    raise ConfigError(
+        f"{path}: inspecting checkpoint directories is not supported yet; inspect a dataset directory instead"
+    )
+
+
+def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
+    raise ConfigError(
+        f"{path}: inspecting a single shard file is not supported yet; inspect the dataset "
+        "directory that holds it (`mamba3lite inspect DIR --verify`)"
+    )
+
+
+def describe_dataset(path: Path) -> str:
+    """The human-readable description of a dataset directory (its manifest)."""
+    from mamba3lite.data.shards import SPLITS, Manifest
+
+    if path.is_file():
+        path = path.parent
+    m = Manifest.load(path)
+    lines = [
+        f"dataset     {path}",
+        f"tokenizer   {m.tokenizer['name']} (vocab hash {m.tokenizer['vocab_hash'][:12]}…)",
+        f"vocab       {m.vocab_size:,}   eos id {m.eos_id}   dtype {m.dtype}   format v{m.format_version}",
+        "",
+        f"{'split':<8}{'shards':>8}{'documents':>12}{'tokens':>15}{'text bytes':>15}",
+    ]
+    for split in SPLITS:
+        sh = m.split_shards(split)
+        lines.append(
+            f"{split:<8}{len(sh):>8,}{sum(s.n_docs for s in sh):>12,}{m.n_tokens(split):>15,}"
+            f"{sum(s.n_bytes for s in sh):>15,}"
+        )
+    stats = m.extra.get("stats")
+    if isinstance(stats, dict):
+        sources = stats.get("sources") or []
+        if sources:
+            lines += ["", f"{'source':<40}{'weight':>8}{'documents':>12}{'train tok':>14}{'val tok':>12}"]
+            for src in sources:
+                spec = str(src.get("spec", "?"))
+                spec = spec if len(spec) <= 38 else "…" + spec[-37:]
+                docs, toks = src.get("documents", {}), src.get("tokens", {})
+                lines.append(
+                    f"{spec:<40}{src.get('weight', 1):>8g}{sum(docs.values()):>12,}"
+                    f"{toks.get('train', 0):>14,}{toks.get('val', 0):>12,}"
+                )
+        dropped = stats.get("dropped") or {}
+        lines += [
+            "",
+            f"documents   read {stats.get('documents_in', 0):,}, kept {stats.get('kept', 0):,}; dropped: "
+            + (", ".join(f"{k} {v:,}" for k, v in dropped.items()) or "none"),
+            f"replaced    {stats.get('replaced_bytes', 0):,} undecodable bytes / bad characters",
+        ]
+    return "\n".join(lines)
+
+
+def _inspect_dataset(path: Path, args: argparse.Namespace) -> int:
+    from mamba3lite.data.shards import verify_dataset
+
+    print(describe_dataset(path))
+    if not args.verify:
+        return 0
+    dataset_dir = path.parent if path.is_file() else path
+    problems = verify_dataset(dataset_dir)
+    if problems:
+        for p in problems:
+            print(f"BAD  {p}", file=sys.stderr)
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise DataError(f"verification failed: {problems[0]}{more}; re-run `mamba3lite prepare`")
+    from mamba3lite.data.shards import Manifest
+
+    m = Manifest.load(dataset_dir)
+    print(
+        f"\nverified: {len(m.shards)} shards, {m.n_tokens():,} tokens — sizes, sha256, max ids and EOS "
+        "counts match the manifest"
+    )
+    return 0
