@@ -185,9 +185,12 @@ class ModelConfig:
 
     @property
     def d_in_proj(self) -> int:
-        """Width of the mixer's in_proj: 2E + 2·N·G·R + 3H + S (official split order z,x,B,C,Δ,A,λ,θ)."""
+        """Width of the mixer's in_proj: 2E + 2·N·G·R + 3H + S (official split order z,x,B,C,Δ,A,λ,θ);
+        the ablations drop the λ columns (trapezoid off: H fewer) and the θ columns (rope off: S fewer)."""
         bc = 2 * self.d_state * self.ngroups * self.rank
-        return 2 * self.d_inner + bc + 3 * self.nheads + self.n_angles
+        lam = self.nheads if self.trapezoid else 0
+        theta = self.n_angles if self.rope else 0
+        return 2 * self.d_inner + bc + 2 * self.nheads + lam + theta
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

@@ -1,0 +1,328 @@
+"""The Mamba-3 mixer (MAMBA3.md §1-4): projections, discretisation, data-dependent RoPE, gate; forward/step.
+
+Paper symbols, mapped once (shape letters as STYLE.md rule 3):
+    z      gate input, (.., E) ................ out = y ⊙ SiLU(z)
+    x      SSM input ("V"), (.., H, P) ......... no activation, no conv
+    B, C   keys / queries ("K", "Q"), (.., R, G, N), RMS-normed over N, + per-head bias, then rotated
+    Δ      step size softplus(a^Δ + dt_bias), (.., H)
+    A      decay rate −max(f(a^A), A_floor) < 0, f = heavy-tail (default) or softplus, (.., H)
+    λ      trapezoid mix σ(a^λ) ∈ (0, 1), (.., H); λ ≡ 1 is exponential-Euler (Mamba-2)
+    θ      rotation angles: θ_t = θ_{t−1} + π·tanh(a^θ_t)·Δ_t (mod 2π), per head, (.., H, S)
+    D      skip: y += D·x
+The recurrence itself is in `scan.py`. SISO rotates interleaved channel pairs (2i, 2i+1); MIMO rotates
+split halves (i, i + N/2), as the official kernels (a wrong pairing does not match official weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
+from mamba3lite.model.scan import chunked_scan, scan_step, sequential_scan
+
+SCAN_IMPLS = ("chunked", "sequential")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in at least fp32, with a learned gain (init 1), no bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(xf.dtype), self.eps)
+
+
+def heavy_tail(a: Tensor) -> Tensor:
+    """f(a) = 1 + a for a ≥ 0 and 1/(1 − a) for a < 0: positive, C¹, linear tail (official HEAD)."""
+    return torch.where(a >= 0, 1 + a, 1 / (1 - a.clamp(max=0)))
+
+
+def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """R(θ) on channel pairs (2i, 2i+1), i < S; channels ≥ 2S pass through. cos/sin broadcast to (.., S)."""
+    S = cos.shape[-1]
+    a, b = x[..., : 2 * S : 2], x[..., 1 : 2 * S : 2]
+    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([rot, x[..., 2 * S :]], dim=-1)
+
+
+def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """R(θ) on channel pairs (i, i + N/2), i < S; the other channels pass through."""
+    S, half = cos.shape[-1], x.shape[-1] // 2
+    a, b = x[..., :S], x[..., half : half + S]
+    return torch.cat([a * cos - b * sin, x[..., S:half], a * sin + b * cos, x[..., half + S :]], dim=-1)
+
+
+def cumulative_angles(dtheta_BTHS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
+    """θ_t = (θ_{t−1} + dθ_t) mod 2π with θ_{−1} = theta0 (or 0), restarting from 0 at resets.
+
+    The running sum is taken in float64 where the device has it (a long fp32 cumsum loses the angle's
+    low bits), then wrapped to [0, 2π) and returned in the dtype of dtheta.
+    """
+    wide = torch.float32 if dtheta_BTHS.device.type == "mps" else torch.float64
+    d = dtheta_BTHS.to(wide)
+    cs = torch.cumsum(d, dim=1)
+    if theta0_BHS is not None:
+        cs = cs + theta0_BHS.to(wide)[:, None]
+    if reset_BT is not None:
+        T = d.shape[1]
+        # Subtract the exclusive running sum at the latest reset ≤ t (which includes theta0).
+        idx_BT = torch.where(reset_BT, torch.arange(T, device=d.device), 0)
+        last_BT = torch.cummax(idx_BT, dim=1).values
+        excl = cs - d
+        base = torch.gather(excl, 1, last_BT[:, :, None, None].expand_as(excl))
+        has_reset = torch.cumsum(reset_BT.to(torch.int32), dim=1) > 0
+        cs = cs - base * has_reset[:, :, None, None]
+    return torch.remainder(cs, 2 * math.pi).to(dtheta_BTHS.dtype)
+
+
+@dataclass
+class Mamba3Cache:
+    """Decode state of one layer (MAMBA3.md §4). Updated in place by `Mamba3.forward(..., cache)`/`step`.
+
+    angle_BHS: θ of the last token (state dtype); ssm_BHPN: h of the last token (state dtype);
+    k_BRHN: biased and rotated key of the last token; v_BHP: raw x of the last token (model dtype).
+    """
+
+    angle_BHS: Tensor
+    ssm_BHPN: Tensor
+    k_BRHN: Tensor
+    v_BHP: Tensor
+
+
+class Mamba3(nn.Module):
+    """Mamba-3 mixer with the official layer's constructor arguments and parameter names.
+
+    forward(u_BTD, cache=None, reset_BT=None) -> out_BTD: chunked scan (or the sequential reference if
+    `scan_impl="sequential"`). With a cache, the scan starts from it and writes the final state back.
+    step(u_BD, cache, reset_B=None) -> out_BD: one token in O(1), cache updated in place.
+    `reset_BT[b, t]` true: token t starts a fresh state (packed documents; the LM computes it).
+
+    Ablations (not official arguments): `trapezoid=False` (λ ≡ 1, the λ projection is dropped) and
+    `rope=False` (no rotation, the θ projection is dropped). An official state_dict loads with
+    strict=True only with both on (the defaults).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 128,
+        expand: int = 2,
+        headdim: int = 64,
+        ngroups: int = 1,
+        rope_fraction: float = 0.5,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+        A_floor: float = 1e-4,
+        is_outproj_norm: bool = False,
+        is_mimo: bool = False,
+        mimo_rank: int = 4,
+        chunk_size: int = 64,
+        *,
+        a_activation: str = "heavy_tail",
+        trapezoid: bool = True,
+        rope: bool = True,
+        scan_impl: str = "chunked",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        # ModelConfig validates the shape once, with messages that name the field.
+        cfg = ModelConfig(
+            d_model=d_model, d_state=d_state, expand=expand, headdim=headdim, ngroups=ngroups,
+            rope_fraction=rope_fraction, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor,
+            A_floor=A_floor, is_outproj_norm=is_outproj_norm, is_mimo=is_mimo, mimo_rank=mimo_rank,
+            chunk_size=chunk_size, a_activation=a_activation, trapezoid=trapezoid, rope=rope,
+        )  # fmt: skip
+        assert a_activation in A_ACTIVATIONS
+        fk = {"device": device, "dtype": dtype}
+        self.d_model, self.d_state, self.headdim, self.ngroups = d_model, d_state, headdim, ngroups
+        self.d_inner, self.nheads, self.num_rope_angles = cfg.d_inner, cfg.nheads, cfg.n_angles
+        self.is_mimo, self.mimo_rank, self.chunk_size = is_mimo, cfg.rank, chunk_size
+        self.is_outproj_norm, self.A_floor = is_outproj_norm, A_floor
+        self.trapezoid, self.rope = trapezoid, rope
+        E, H, N, G, R, S = self.d_inner, self.nheads, d_state, ngroups, self.mimo_rank, self.num_rope_angles
+        P = headdim
+
+        # Official split order z, x, B, C, Δ, A, λ, θ; the ablations drop the columns they do not use.
+        self._split = [E, E, N * G * R, N * G * R, H, H] + ([H] if trapezoid else []) + ([S] if rope else [])
+        self.in_proj = nn.Linear(d_model, sum(self._split), bias=False, **fk)
+
+        self.dt_bias = nn.Parameter(torch.empty(H, **fk))
+        self.dt_bias._no_weight_decay = True
+        self.B_bias = nn.Parameter(torch.ones(H, R, N, **fk))
+        self.C_bias = nn.Parameter(torch.ones(H, R, N, **fk))
+        self.B_norm = RMSNorm(N, eps=1e-5, **fk)
+        self.C_norm = RMSNorm(N, eps=1e-5, **fk)
+        if is_mimo:
+            self.mimo_x = nn.Parameter(torch.full((H, R, P), 1.0 / R, **fk))
+            self.mimo_z = nn.Parameter(torch.ones(H, R, P, **fk))
+            self.mimo_o = nn.Parameter(torch.full((H, R, P), 1.0 / R, **fk))
+        self.D = nn.Parameter(torch.ones(H, **fk))
+        self.D._no_weight_decay = True
+        if is_outproj_norm:
+            self.norm = RMSNorm(E, eps=1e-5, **fk)
+        self.out_proj = nn.Linear(E, d_model, bias=False, **fk)
+        self._init_dt_bias(dt_min, dt_max, dt_init_floor)
+
+        self._f_A = heavy_tail if a_activation == "heavy_tail" else F.softplus
+        self._rotate = rotate_halves if is_mimo else rotate_interleaved
+        self.set_scan_impl(scan_impl)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, device=None, dtype=None) -> Mamba3:
+        """The mixer of one layer of the LM described by `cfg`."""
+        return cls(
+            cfg.d_model, cfg.d_state, cfg.expand, cfg.headdim, cfg.ngroups, cfg.rope_fraction,
+            cfg.dt_min, cfg.dt_max, cfg.dt_init_floor, cfg.A_floor, cfg.is_outproj_norm, cfg.is_mimo,
+            cfg.mimo_rank, cfg.chunk_size, a_activation=cfg.a_activation, trapezoid=cfg.trapezoid,
+            rope=cfg.rope, device=device, dtype=dtype,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _init_dt_bias(self, dt_min: float, dt_max: float, floor: float) -> None:
+        # Δ₀ log-uniform in [dt_min, dt_max], floored; the bias is softplus⁻¹(Δ₀) = Δ₀ + log(−expm1(−Δ₀)).
+        u = torch.rand(self.nheads, device=self.dt_bias.device, dtype=torch.float32)
+        dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def set_scan_impl(self, name: str) -> None:
+        """Choose the scan used by forward: "chunked" (default, fast) or "sequential" (the reference)."""
+        if name not in SCAN_IMPLS:
+            raise ValueError(f"scan_impl must be one of {SCAN_IMPLS}, got {name!r}")
+        self.scan_impl = name
+        if name == "chunked":
+            self._scan = functools.partial(chunked_scan, chunk_size=self.chunk_size)
+        else:
+            self._scan = sequential_scan
+
+    # ---- pieces shared by forward and step (any leading shape "..") ----
+    def _project(self, u: Tensor):
+        """in_proj and per-head scalars: z, x (..,H,P), B, C (..,R,G,N), Δ, A, λ (..,H), dθ (..,H,S)."""
+        parts = torch.split(self.in_proj(u), self._split, dim=-1)
+        z, x, Bp, Cp, a_dt, a_A = parts[:6]
+        sd = torch.promote_types(a_dt.dtype, torch.float32)
+        dt = F.softplus(a_dt.to(sd) + self.dt_bias.to(sd))
+        A = -self._f_A(a_A.to(sd)).clamp(min=self.A_floor)
+        lam = torch.sigmoid(parts[6].to(sd)) if self.trapezoid else torch.ones_like(dt)
+        dtheta = None
+        if self.rope:
+            dtheta = math.pi * torch.tanh(parts[-1].to(sd))[..., None, :] * dt[..., :, None]
+        R, G, N = self.mimo_rank, self.ngroups, self.d_state
+        x = x.unflatten(-1, (self.nheads, self.headdim))
+        Bp = Bp.unflatten(-1, (R, G, N))
+        Cp = Cp.unflatten(-1, (R, G, N))
+        return z, x, Bp, Cp, dt, A, lam, dtheta
+
+    def _qk(self, Bp: Tensor, Cp: Tensor, theta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """BCNorm, per-head bias, rotation: (.., R, G, N) -> q, k (.., R, H, N)."""
+        k, q = self.B_norm(Bp), self.C_norm(Cp)
+        if self.ngroups > 1:  # head h reads group h // (H / G)
+            k = k.repeat_interleave(self.nheads // self.ngroups, dim=-2)
+            q = q.repeat_interleave(self.nheads // self.ngroups, dim=-2)
+        k = k + self.B_bias.transpose(0, 1).to(k.dtype)
+        q = q + self.C_bias.transpose(0, 1).to(q.dtype)
+        if theta is not None:
+            cos, sin = torch.cos(theta).unsqueeze(-3), torch.sin(theta).unsqueeze(-3)  # (.., 1, H, S)
+            k, q = self._rotate(k, cos, sin), self._rotate(q, cos, sin)
+        return q, k
+
+    def _values(self, x: Tensor) -> Tensor:
+        """x (.., H, P) -> v (.., R, H, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""
+        if self.is_mimo:
+            return x.unsqueeze(-3) * self.mimo_x.transpose(0, 1).to(x.dtype)
+        return x.unsqueeze(-3)
+
+    def _output(self, y: Tensor, v: Tensor, z: Tensor) -> Tensor:
+        """y (.., R, H, P) -> (.., D): + D·v, optional per-head RMSNorm, ⊙ SiLU(z), Σ_r mimo_o, out_proj."""
+        y = y + self.D[:, None].to(y.dtype) * v
+        if self.is_outproj_norm:
+            w = self.norm.weight.view(self.nheads, self.headdim)
+            y = F.rms_norm(y, (self.headdim,), eps=self.norm.eps) * w.to(y.dtype)
+        zr = z.unflatten(-1, (self.nheads, self.headdim)).unsqueeze(-3)
+        if self.is_mimo:
+            zr = zr * self.mimo_z.transpose(0, 1).to(zr.dtype)
+        y = y * F.silu(zr)
+        if self.is_mimo:
+            y = (y * self.mimo_o.transpose(0, 1).to(y.dtype)).sum(-3)
+        else:
+            y = y.squeeze(-3)
+        return self.out_proj(y.flatten(-2))
+
+    # ---- public ----
+    def forward(
+        self, u_BTD: Tensor, cache: Mamba3Cache | None = None, reset_BT: Tensor | None = None
+    ) -> Tensor:
+        z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BTD)
+        theta_BTHS = None
+        if dtheta is not None:
+            theta_BTHS = cumulative_angles(dtheta, None if cache is None else cache.angle_BHS, reset_BT)
+        q, k = self._qk(Bp, Cp, theta_BTHS)
+        v = self._values(x_BTHP)
+        init = {}
+        if cache is not None:
+            init = {
+                "h0_BHPN": cache.ssm_BHPN,
+                "k_prev_BRHN": cache.k_BRHN,
+                "v_prev_BRHP": self._values(cache.v_BHP),
+            }
+        y, h_BHPN = self._scan(q, k, v, A * dt, dt, lam, reset_BT=reset_BT, **init)
+        if cache is not None and u_BTD.shape[1] > 0:
+            with torch.no_grad():
+                if theta_BTHS is not None:
+                    cache.angle_BHS.copy_(theta_BTHS[:, -1])
+                cache.ssm_BHPN.copy_(h_BHPN)
+                cache.k_BRHN.copy_(k[:, -1])
+                cache.v_BHP.copy_(x_BTHP[:, -1])
+        return self._output(y, v, z)
+
+    def step(self, u_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None = None) -> Tensor:
+        z, x_BHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BD)
+        theta_BHS = None
+        if dtheta is not None:
+            prev = cache.angle_BHS.to(dtheta.dtype)
+            if reset_B is not None:
+                prev = prev * (~reset_B).to(prev.dtype)[:, None, None]
+            theta_BHS = torch.remainder(prev + dtheta, 2 * math.pi)
+        q, k = self._qk(Bp, Cp, theta_BHS)
+        v = self._values(x_BHP)
+        y, h_BHPN = scan_step(
+            q, k, v, A * dt, dt, lam, cache.ssm_BHPN, cache.k_BRHN, self._values(cache.v_BHP), reset_B
+        )
+        with torch.no_grad():
+            if theta_BHS is not None:
+                cache.angle_BHS.copy_(theta_BHS)
+            cache.ssm_BHPN.copy_(h_BHPN)
+            cache.k_BRHN.copy_(k)
+            cache.v_BHP.copy_(x_BHP)
+        return self._output(y, v, z)
+
+    def allocate_cache(self, batch_size: int, device=None, dtype=None) -> Mamba3Cache:
+        """Zero decode state for `batch_size` rows. dtype: model dtype (default: in_proj's); states ≥ fp32."""
+        dtype = dtype or self.in_proj.weight.dtype
+        device = device or self.in_proj.weight.device
+        sd = torch.promote_types(dtype, torch.float32)
+        Bsz, H, P, N, R, S = (
+            batch_size,
+            self.nheads,
+            self.headdim,
+            self.d_state,
+            self.mimo_rank,
+            self.num_rope_angles,
+        )
+        return Mamba3Cache(
+            angle_BHS=torch.zeros(Bsz, H, S, device=device, dtype=sd),
+            ssm_BHPN=torch.zeros(Bsz, H, P, N, device=device, dtype=sd),
+            k_BRHN=torch.zeros(Bsz, R, H, N, device=device, dtype=dtype),
+            v_BHP=torch.zeros(Bsz, H, P, device=device, dtype=dtype),
+        )

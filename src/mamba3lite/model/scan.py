@@ -1,0 +1,245 @@
+"""The Mamba-3 recurrence three ways: sequential reference, chunked parallel scan, single decode step.
+
+All three compute, per batch row and head, with h_{-1} = 0 unless a state is given (MAMBA3.md §2.3, §3):
+
+    α_t = exp(ΔA_t)                   (`adt` = Δ_t·A_t ≤ 0)
+    β_t = (1 − λ_t) Δ_t α_t            (the trapezoid's "previous token" weight)
+    γ_t = λ_t Δ_t                      (the "current token" weight)
+    h_t = α_t h_{t−1} + β_t Σ_r v_{t−1,r} k_{t−1,r}ᵀ + γ_t Σ_r v_{t,r} k_{t,r}ᵀ        h_t ∈ R^{P×N}
+    y_{t,r} = h_t q_{t,r}
+
+The inputs are already prepared by the mixer: q (= C̄) and k (= B̄) are biased and rotated, v is the
+value (x, or x ⊙ mimo_x for MIMO), λ is σ(a^λ) (or 1 for the exponential-Euler ablation). The D·x skip,
+gate and output projection are the mixer's. SISO is R = 1.
+
+Reset: `reset_BT[b, t]` true means token t starts a fresh state (α_t = β_t = 0), used for packed
+documents. Shapes: B batch, T time, R MIMO rank, H heads, P head dim, N state size, L chunk length.
+
+Dtypes: decay exponents, cumulative sums and states are kept in at least fp32 (float64 when the inputs
+are float64); the matmuls run in the inputs' dtype or the autocast dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """Matmul; under autocast the dtypes are autocast's business, otherwise promote to a common dtype."""
+    if a.dtype != b.dtype and not torch.is_autocast_enabled(a.device.type):
+        common = torch.promote_types(a.dtype, b.dtype)
+        a, b = a.to(common), b.to(common)
+    return a @ b
+
+
+def scan_step(
+    q_BRHN: Tensor,
+    k_BRHN: Tensor,
+    v_BRHP: Tensor,
+    adt_BH: Tensor,
+    dt_BH: Tensor,
+    lam_BH: Tensor,
+    h_BHPN: Tensor,
+    k_prev_BRHN: Tensor,
+    v_prev_BRHP: Tensor,
+    reset_B: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One token of the recurrence (decode, MAMBA3.md §4 step 3-4). Returns (y_BRHP, new h_BHPN).
+
+    O(1) in the context length; h is returned as a new tensor (the caller stores it).
+    """
+    sd = _state_dtype(h_BHPN.dtype)
+    adt, dt, lam = adt_BH.to(sd), dt_BH.to(sd), lam_BH.to(sd)
+    alpha = torch.exp(adt)
+    beta = (1 - lam) * dt * alpha
+    if reset_B is not None:
+        keep = (~reset_B).to(sd)[:, None]
+        alpha, beta = alpha * keep, beta * keep
+    prev_BHPN = torch.einsum("brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
+    cur_BHPN = torch.einsum("brhp,brhn->bhpn", v_BRHP.to(sd), k_BRHN.to(sd))
+    h = alpha[..., None, None] * h_BHPN.to(sd) + beta[..., None, None] * prev_BHPN
+    h = h + (lam * dt)[..., None, None] * cur_BHPN
+    y_BRHP = torch.einsum("bhpn,brhn->brhp", h, q_BRHN.to(sd))
+    return y_BRHP, h
+
+
+def sequential_scan(
+    q_BTRHN: Tensor,
+    k_BTRHN: Tensor,
+    v_BTRHP: Tensor,
+    adt_BTH: Tensor,
+    dt_BTH: Tensor,
+    lam_BTH: Tensor,
+    *,
+    h0_BHPN: Tensor | None = None,
+    k_prev_BRHN: Tensor | None = None,
+    v_prev_BRHP: Tensor | None = None,
+    reset_BT: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The executable definition: a loop over time of the equations in the module docstring.
+
+    Returns (y_BTRHP in the state dtype, final state h_BHPN). `h0`, `k_prev`, `v_prev` are the decode
+    state before token 0 (zeros when None). Slow (T Python iterations): tests and benchmarks only.
+    """
+    Bsz, T, R, H, N = q_BTRHN.shape
+    P = v_BTRHP.shape[-1]
+    sd = _state_dtype(adt_BTH.dtype)
+    dev = q_BTRHN.device
+    h = torch.zeros(Bsz, H, P, N, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd)
+    k_prev = torch.zeros(Bsz, R, H, N, dtype=sd, device=dev) if k_prev_BRHN is None else k_prev_BRHN.to(sd)
+    v_prev = torch.zeros(Bsz, R, H, P, dtype=sd, device=dev) if v_prev_BRHP is None else v_prev_BRHP.to(sd)
+    adt, dt, lam = adt_BTH.to(sd), dt_BTH.to(sd), lam_BTH.to(sd)
+    ys = []
+    for t in range(T):
+        alpha_BH = torch.exp(adt[:, t])
+        beta_BH = (1 - lam[:, t]) * dt[:, t] * alpha_BH
+        gamma_BH = lam[:, t] * dt[:, t]
+        if reset_BT is not None:
+            keep = (~reset_BT[:, t]).to(sd)[:, None]
+            alpha_BH, beta_BH = alpha_BH * keep, beta_BH * keep
+        k_t, v_t, q_t = k_BTRHN[:, t].to(sd), v_BTRHP[:, t].to(sd), q_BTRHN[:, t].to(sd)
+        h = (
+            alpha_BH[..., None, None] * h
+            + beta_BH[..., None, None] * torch.einsum("brhp,brhn->bhpn", v_prev, k_prev)
+            + gamma_BH[..., None, None] * torch.einsum("brhp,brhn->bhpn", v_t, k_t)
+        )
+        ys.append(torch.einsum("bhpn,brhn->brhp", h, q_t))
+        k_prev, v_prev = k_t, v_t
+    y = torch.stack(ys, dim=1) if ys else q_BTRHN.new_zeros(Bsz, 0, R, H, P, dtype=sd)
+    return y, h
+
+
+def chunked_scan(
+    q_BTRHN: Tensor,
+    k_BTRHN: Tensor,
+    v_BTRHP: Tensor,
+    adt_BTH: Tensor,
+    dt_BTH: Tensor,
+    lam_BTH: Tensor,
+    *,
+    chunk_size: int,
+    h0_BHPN: Tensor | None = None,
+    k_prev_BRHN: Tensor | None = None,
+    v_prev_BRHP: Tensor | None = None,
+    reset_BT: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Chunked parallel form of the recurrence (MAMBA3.md §2.4, §3); same contract as `sequential_scan`.
+
+    Any T (the last chunk is zero-padded: padded tokens have ΔA = 0 and zero weights, so they change
+    neither the outputs nor the final state). Cost per token: O(L·R²·(N+P)) for the intra-chunk
+    quadratic form plus O(R·P·N) for state passing; memory O(T·L) for the masks, never (T, T).
+
+    Algorithm. Within a chunk, with cs_t = Σ_{r≤t} ΔA_r (inclusive, chunk-local):
+      y_t = Σ_{s≤t} e^{cs_t − cs_s} w_{t,s} (q_t·k_s) v_s + e^{cs_t} S q_t,
+      w_{t,t} = γ_t,  w_{t,s<t} = scale_s = γ_s + (1 − λ_{s+1}) Δ_{s+1},
+    where S is the carried matrix at the chunk start. Folding the next token's β term (without its α)
+    into scale_s makes the carry S = h_end + (1 − λ_next) Δ_next v_end k_endᵀ, which a single
+    multiply-add per chunk propagates: S ← e^{cs_last} S + Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ.
+    At the sequence end "next" is past the end (weight 0), so the returned state is the true h_T.
+    Resets cut the decay mask between segments (the (−inf) log-decay never enters a subtraction).
+    """
+    Bsz, T, R, H, N = q_BTRHN.shape
+    P = v_BTRHP.shape[-1]
+    if T == 0:  # nothing to scan; the state only absorbs nothing (the β term needs a next token)
+        return sequential_scan(
+            q_BTRHN,
+            k_BTRHN,
+            v_BTRHP,
+            adt_BTH,
+            dt_BTH,
+            lam_BTH,
+            h0_BHPN=h0_BHPN,
+            k_prev_BRHN=k_prev_BRHN,
+            v_prev_BRHP=v_prev_BRHP,
+            reset_BT=reset_BT,
+        )
+    L = max(1, min(chunk_size, T))
+    nc = -(-T // L)
+    pad = nc * L - T
+    sd = _state_dtype(adt_BTH.dtype)
+    dev = q_BTRHN.device
+
+    gamma = lam_BTH.to(sd) * dt_BTH.to(sd)
+    boa = (1 - lam_BTH.to(sd)) * dt_BTH.to(sd)  # β/α = (1 − λ)Δ
+    adt = adt_BTH.to(sd)
+    if reset_BT is not None:
+        boa = boa * (~reset_BT).to(sd)[:, :, None]
+    boa_next = torch.cat([boa[:, 1:], boa.new_zeros(Bsz, 1, H)], dim=1)
+    scale = gamma + boa_next
+
+    def to_chunks_scalar(x_BTH: Tensor) -> Tensor:  # -> (B, H, nc, L)
+        x_BTH = torch.nn.functional.pad(x_BTH, (0, 0, 0, pad))
+        return x_BTH.transpose(1, 2).reshape(Bsz, H, nc, L)
+
+    def to_chunks(x_BTRHX: Tensor) -> Tensor:  # -> (B, H, nc, L·R, X)
+        X = x_BTRHX.shape[-1]
+        x = torch.nn.functional.pad(x_BTRHX, (0, 0, 0, 0, 0, 0, 0, pad))
+        return x.view(Bsz, nc, L, R, H, X).permute(0, 4, 1, 2, 3, 5).reshape(Bsz, H, nc, L * R, X)
+
+    cs_BHcL = torch.cumsum(to_chunks_scalar(adt), dim=-1)
+    scale_BHcL = to_chunks_scalar(scale)
+    boa_next_BHcL = to_chunks_scalar(boa_next)
+    q_c, k_c, v_c = to_chunks(q_BTRHN), to_chunks(k_BTRHN), to_chunks(v_BTRHP)
+
+    # Masks: causal (s ≤ t) and, with resets, same segment. seg_t = number of resets in the chunk up to t.
+    causal_LL = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    if reset_BT is not None:
+        rs = torch.nn.functional.pad(reset_BT, (0, pad)).view(Bsz, 1, nc, L).to(torch.int32)
+        seg_B1cL = torch.cumsum(rs, dim=-1)
+        mask = causal_LL & (seg_B1cL[..., :, None] == seg_B1cL[..., None, :])
+        from_start_B1cL = seg_B1cL == 0  # no reset between the chunk start and t (inclusive)
+        to_end_B1cL = seg_B1cL == seg_B1cL[..., -1:]  # no reset in (s, chunk end]
+    else:
+        mask = causal_LL
+    # e^{cs_t − cs_s} only where s ≤ t: mask the exponent first so no exp of a positive number happens.
+    diff = cs_BHcL[..., :, None] - cs_BHcL[..., None, :]
+    decay_BHcLL = torch.exp(diff.masked_fill(~mask, float("-inf")))
+    # Off-diagonal weight scale_s, diagonal weight γ_t = scale_t − (1 − λ_{t+1}) Δ_{t+1}.
+    W_BHcLL = decay_BHcLL * scale_BHcL[..., None, :] - torch.diag_embed(boa_next_BHcL)
+
+    scores = _mm(q_c, k_c.transpose(-1, -2))  # (B, H, nc, L·R, L·R)
+    if R == 1:
+        scores = scores * W_BHcLL
+    else:
+        scores = (scores.view(Bsz, H, nc, L, R, L, R) * W_BHcLL[..., :, None, :, None]).view(
+            Bsz, H, nc, L * R, L * R
+        )
+    y_intra = _mm(scores, v_c)
+
+    # State passing. dS_c = Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ (the chunk's own contribution).
+    to_end_BHcL = torch.exp(cs_BHcL[..., -1:] - cs_BHcL)
+    chunk_decay_BHc = torch.exp(cs_BHcL[..., -1])
+    if reset_BT is not None:
+        to_end_BHcL = to_end_BHcL * to_end_B1cL
+        chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
+    kw = k_c.view(Bsz, H, nc, L, R, N) * (scale_BHcL * to_end_BHcL)[..., None, None]
+    kw = kw.view(Bsz, H, nc, L * R, N)
+    dS_BHcPN = _mm(v_c.transpose(-1, -2), kw).to(sd)
+
+    S = torch.zeros(Bsz, H, P, N, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd)
+    if k_prev_BRHN is not None:
+        assert v_prev_BRHP is not None
+        # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
+        S = S + boa[:, 0, :, None, None] * torch.einsum(
+            "brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd)
+        )
+    starts = []
+    for c in range(nc):
+        starts.append(S)
+        S = chunk_decay_BHc[:, :, c, None, None] * S + dS_BHcPN[:, :, c]
+    h_T = S
+    S_BHcPN = torch.stack(starts, dim=2)
+
+    from_start = torch.exp(cs_BHcL)
+    if reset_BT is not None:
+        from_start = from_start * from_start_B1cL
+    qS = _mm(q_c, S_BHcPN.transpose(-1, -2))
+    y_inter = qS.view(Bsz, H, nc, L, R, P) * from_start[..., None, None]
+    y = y_intra.view(Bsz, H, nc, L, R, P).to(sd) + y_inter
+    y_BTRHP = y.permute(0, 2, 3, 4, 1, 5).reshape(Bsz, nc * L, R, H, P)[:, :T]
+    return y_BTRHP, h_T

@@ -1,0 +1,258 @@
+"""Mamba3Transformer: the Llama-style Mamba-3 language model (MAMBA3.md §5) with decode and generate.
+
+    embed ─► n_layers × [x += Mamba3(RMSNorm(x)); x += SwiGLU(RMSNorm(x))] ─► RMSNorm ─► lm_head (tied)
+
+No positional embedding: positions enter only through the data-dependent rotation inside the mixer.
+The residual stream stays in fp32 (official `residual_in_fp32`); under autocast the matmuls run in bf16.
+
+Weight decay: parameters that must not be decayed carry `p._no_weight_decay = True` (the mixer's
+dt_bias and D, as official); the trainer also exempts every parameter with ndim < 2 (norms, biases) and
+the embedding (`embed.weight`, which is also the tied head).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from mamba3lite.model.config import ModelConfig
+from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache, RMSNorm
+from mamba3lite.model.sampling import sample_next
+
+# Rows of logits materialised at once by the loss: 512 × 50,257 × 4 B ≈ 100 MB per buffer.
+LOSS_CHUNK_ROWS = 512
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU as the official GatedMLP: [v, g] = fc1(x).chunk(2); out = fc2(v ⊙ SiLU(g)); no biases."""
+
+    def __init__(self, d_model: int, d_hidden: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, 2 * d_hidden, bias=False, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(d_hidden, d_model, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        v, g = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(v * F.silu(g))
+
+
+class Block(nn.Module):
+    """One layer: x += mixer(norm(x)); x += mlp(norm2(x)) (the MLP half is absent when d_mlp = 0)."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+        self.mixer = Mamba3.from_config(cfg, device=device, dtype=dtype)
+        self.mlp = None
+        if cfg.d_mlp > 0:
+            self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+            self.mlp = GatedMLP(cfg.d_model, cfg.d_mlp, device=device, dtype=dtype)
+
+    def forward(
+        self, x_BTD: Tensor, reset_BT: Tensor | None = None, cache: Mamba3Cache | None = None
+    ) -> Tensor:
+        x_BTD = x_BTD + self.mixer(self.norm(x_BTD), cache, reset_BT)
+        if self.mlp is not None:
+            x_BTD = x_BTD + self.mlp(self.norm2(x_BTD))
+        return x_BTD
+
+    def step(self, x_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None) -> Tensor:
+        x_BD = x_BD + self.mixer.step(self.norm(x_BD), cache, reset_B)
+        if self.mlp is not None:
+            x_BD = x_BD + self.mlp(self.norm2(x_BD))
+        return x_BD
+
+
+@dataclass
+class ModelCache:
+    """Decode state of the whole model: one `Mamba3Cache` per layer, plus the last token fed (for resets
+    at EOS; −1 before any token). `prefill` and `step` update it in place."""
+
+    layers: list[Mamba3Cache]
+    last_token_B: Tensor
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean CE(h @ Wᵀ, targets) over rows with target ≠ ignore_index, never holding all (N, V) logits.
+
+    The forward pass walks over row chunks and, when gradients are needed, computes them right away
+    (softmax − onehot is known as soon as the logits are): the backward pass only scales the stored
+    gradients. Same FLOPs as the plain loss, memory O(chunk · V) instead of O(N · V).
+    """
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, ignore_index: int, chunk_rows: int, needs_grad: bool):
+        N = h_ND.shape[0]
+        dev = h_ND.device
+        cd = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h_ND.dtype
+        h, w = h_ND.to(cd), w_VD.to(cd)
+        acc = torch.promote_types(cd, torch.float32)
+        valid_N = targets_N != ignore_index
+        n_valid = valid_N.sum()
+        loss = torch.zeros((), dtype=acc, device=dev)
+        grad_h = torch.empty_like(h_ND) if needs_grad else None
+        grad_w = torch.zeros(w_VD.shape, dtype=acc, device=dev) if needs_grad else None
+        for i in range(0, N, chunk_rows):
+            j = min(i + chunk_rows, N)
+            logits = (h[i:j] @ w.T).to(acc)
+            tgt = targets_N[i:j].clamp(min=0)[:, None]
+            valid = valid_N[i:j]
+            lse = torch.logsumexp(logits, dim=-1)
+            loss = loss + ((lse - logits.gather(1, tgt)[:, 0]) * valid).sum()
+            if needs_grad:
+                # d loss / d logits = (softmax − onehot) / n_valid on the valid rows.
+                g = torch.exp(logits - lse[:, None])
+                g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype))
+                g = (g * (valid.to(acc)[:, None] / n_valid.clamp(min=1).to(acc))).to(cd)
+                grad_h[i:j] = (g @ w).to(h_ND.dtype)
+                grad_w += (g.T @ h[i:j]).to(acc)
+        if needs_grad:
+            ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype))
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None
+
+
+def linear_cross_entropy(
+    h_ND: Tensor, w_VD: Tensor, targets_N: Tensor, ignore_index: int = -100, chunk_rows: int = LOSS_CHUNK_ROWS
+) -> Tensor:
+    """Mean next-token cross-entropy of logits h @ Wᵀ (fp32 scalar), computed in row chunks."""
+    needs_grad = torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad)
+    return _LinearCrossEntropy.apply(h_ND, w_VD, targets_N, ignore_index, chunk_rows, needs_grad)
+
+
+class Mamba3Transformer(nn.Module):
+    """The language model. See the module docstring for the layout; `cfg` fixes everything.
+
+    forward(input_ids_BT, targets_BT=None): logits_BTV (fp32 when not under autocast), or, with
+    targets, the mean cross-entropy over positions whose target is not −100 (fp32 scalar).
+    `grad_checkpointing` (settable): recompute each layer in the backward pass to save memory.
+    Decode: `allocate_cache`, `prefill`, `step` (cache updated in place), `generate` (a generator).
+    """
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.grad_checkpointing = False
+        fk = {"device": device, "dtype": dtype}
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, **fk)
+        self.layers = nn.ModuleList(Block(cfg, **fk) for _ in range(cfg.n_layers))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, **fk)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **fk)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        # Official wrapper: embedding ~ N(0, 0.02); the residual-branch outputs (out_proj, fc2) keep
+        # Linear's kaiming_uniform(a=√5) init divided by √n_layers (the k = 1 that takes effect, §5).
+        nn.init.normal_(self.embed.weight, std=self.cfg.init_std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=self.cfg.init_std)
+        for block in self.layers:
+            block.mixer.out_proj.weight.div_(math.sqrt(self.cfg.n_layers))
+            if block.mlp is not None:
+                block.mlp.fc2.weight.div_(math.sqrt(self.cfg.n_layers))
+
+    def set_scan_impl(self, name: str) -> None:
+        """Use the "chunked" (default) or the "sequential" reference scan in every layer's forward."""
+        for block in self.layers:
+            block.mixer.set_scan_impl(name)
+
+    def _resets(self, input_ids_BT: Tensor, last_token_B: Tensor | None) -> Tensor | None:
+        """reset[b, t] = the previous input token is EOS (token 0 looks at the cache's last token)."""
+        if not self.cfg.reset_at_eos:
+            return None
+        prev_BT = torch.roll(input_ids_BT, 1, dims=1)
+        if last_token_B is None:
+            prev_BT[:, 0] = -1
+        else:
+            prev_BT[:, 0] = last_token_B
+        return prev_BT == self.cfg.eos_id
+
+    def _body(self, input_ids_BT: Tensor, reset_BT: Tensor | None, caches: list | None = None) -> Tensor:
+        x_BTD = self.embed(input_ids_BT)
+        for i, block in enumerate(self.layers):
+            cache = None if caches is None else caches[i]
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+                x_BTD = checkpoint(block, x_BTD, reset_BT, use_reentrant=False)
+            else:
+                x_BTD = block(x_BTD, reset_BT, cache)
+        return self.norm_f(x_BTD)
+
+    def forward(self, input_ids_BT: Tensor, targets_BT: Tensor | None = None) -> Tensor:
+        h_BTD = self._body(input_ids_BT, self._resets(input_ids_BT, None))
+        if targets_BT is None:
+            return self.lm_head(h_BTD)
+        return linear_cross_entropy(h_BTD.flatten(0, 1), self.lm_head.weight, targets_BT.flatten())
+
+    # ---- decode ----
+    def allocate_cache(self, batch_size: int, device=None, dtype=None) -> ModelCache:
+        """Zero decode state for `batch_size` rows (see `Mamba3.allocate_cache` for dtypes)."""
+        device = device or self.embed.weight.device
+        return ModelCache(
+            layers=[b.mixer.allocate_cache(batch_size, device=device, dtype=dtype) for b in self.layers],
+            last_token_B=torch.full((batch_size,), -1, dtype=torch.long, device=device),
+        )
+
+    @torch.no_grad()
+    def prefill(self, input_ids_BT: Tensor, cache: ModelCache) -> tuple[Tensor, ModelCache]:
+        """Run the prompt through the chunked scan, continuing from `cache` (fresh or used) and writing
+        the final state into it in place. Returns (logits of the last position (B, V), the same cache)."""
+        if input_ids_BT.shape[1] == 0:
+            raise ValueError("prefill needs at least one token per row")
+        reset_BT = self._resets(input_ids_BT, cache.last_token_B)
+        h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
+        cache.last_token_B.copy_(input_ids_BT[:, -1])
+        return self.lm_head(h_BTD[:, -1]), cache
+
+    @torch.no_grad()
+    def step(self, token_B: Tensor, cache: ModelCache) -> Tensor:
+        """Feed one token per row; O(1) in the context length. Updates `cache` in place; returns (B, V)."""
+        reset_B = (cache.last_token_B == self.cfg.eos_id) if self.cfg.reset_at_eos else None
+        x_BD = self.embed(token_B)
+        for block, layer_cache in zip(self.layers, cache.layers):
+            x_BD = block.step(x_BD, layer_cache, reset_B)
+        cache.last_token_B.copy_(token_B)
+        return self.lm_head(self.norm_f(x_BD))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids_BT: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_id: int | None = None,
+    ) -> Iterator[Tensor]:
+        """Yield the new tokens (B,) one step at a time: prefill, then sample / step.
+
+        Stops after `max_new_tokens` or once every row has produced `eos_id`; a row that has finished
+        keeps yielding `eos_id`. temperature 0 is greedy. Sampling is `sampling.sample_next`.
+        """
+        cache = self.allocate_cache(input_ids_BT.shape[0], device=input_ids_BT.device)
+        logits_BV, _ = self.prefill(input_ids_BT, cache)
+        done_B = torch.zeros(input_ids_BT.shape[0], dtype=torch.bool, device=input_ids_BT.device)
+        for i in range(max_new_tokens):
+            token_B = sample_next(logits_BV, temperature, top_k, top_p, generator)
+            if eos_id is not None:
+                token_B = token_B.masked_fill(done_B, eos_id)
+                done_B |= token_B == eos_id
+            yield token_B
+            if eos_id is not None and bool(done_B.all()):
+                return
+            if i + 1 < max_new_tokens:
+                logits_BV = self.step(token_B, cache)
