@@ -1,0 +1,154 @@
+"""Text sources: resolution, order, formats, binary detection, decoding, and the hf stand-in."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+import types
+
+import pytest
+
+from mamba3lite.data import sources as S
+from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+
+
+def _texts(src: S.Source, start: int = 0) -> list:
+    return [(S.format_location(loc), kind, payload) for loc, kind, payload in src.units(start)]
+
+
+def test_directory_is_walked_in_sorted_order_skipping_hidden(tmp_path):
+    for rel in ["b.txt", "a/z.md", "a/b.py", ".hidden.txt", ".git/x.txt", "__pycache__/c.txt"]:
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(rel)
+    units = _texts(S.Source(str(tmp_path)))
+    assert [payload.decode() for _, _, payload in units] == ["a/b.py", "a/z.md", "b.txt"]
+    assert all(kind == S.KIND_TEXT_BYTES for _, kind, _ in units)
+
+
+def test_glob_and_single_file(tmp_path):
+    for name in ["x1.md", "x2.md", "y.txt"]:
+        (tmp_path / name).write_text(name)
+    got = [p.decode() for _, _, p in _texts(S.Source(str(tmp_path / "*.md")))]
+    assert got == ["x1.md", "x2.md"]
+    assert [p for _, _, p in _texts(S.Source(str(tmp_path / "y.txt")))] == [b"y.txt"]
+
+
+def test_missing_path_and_empty_glob(tmp_path):
+    with pytest.raises(DataNotFoundError, match="source not found"):
+        S.Source(str(tmp_path / "nope"))
+    with pytest.raises(DataNotFoundError, match="matches no files"):
+        S.Source(str(tmp_path / "*.nothing"))
+
+
+def test_jsonl_lines_are_units_with_locations_and_blank_lines_skipped(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"text": "one"}\n\n{"text": "two"}\n')
+    units = _texts(S.Source(str(p)))
+    assert [(loc, kind) for loc, kind, _ in units] == [(f"{p}:1", S.KIND_JSONL), (f"{p}:3", S.KIND_JSONL)]
+    gz = tmp_path / "e.jsonl.gz"
+    with gzip.open(gz, "wb") as f:
+        f.write(b'{"text": "zipped"}\n')
+    assert [S.parse_jsonl_line(p, "text") for _, _, p in _texts(S.Source(str(gz)))] == [("zipped", None)]
+
+
+def test_parse_jsonl_line_problems():
+    assert S.parse_jsonl_line(b'{"text": "a\\u00e9"}', "text") == ("a\u00e9", None)
+    assert S.parse_jsonl_line(b'{"text": null}', "text") == ("", None)
+    text, problem = S.parse_jsonl_line(b'{"text": "a"', "text")
+    assert text is None and "malformed JSON" in problem
+    text, problem = S.parse_jsonl_line(b'{"body": "a"}', "text")
+    assert text is None and "no field 'text'" in problem and "body" in problem and "--text-field" in problem
+    assert "not a string" in S.parse_jsonl_line(b'{"text": 3}', "text")[1]
+    assert "JSON object" in S.parse_jsonl_line(b"[1, 2]", "text")[1]
+
+
+def test_start_and_max_docs_give_the_same_units_as_slicing(tmp_path):
+    for i in range(5):
+        (tmp_path / f"f{i}.txt").write_text(f"file {i}")
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(4)))
+    full = _texts(S.Source(str(tmp_path)))
+    assert len(full) == 9
+    for start in range(10):
+        assert _texts(S.Source(str(tmp_path)), start) == full[start:]
+    assert _texts(S.Source(str(tmp_path), max_docs=7), 3) == full[3:7]
+
+
+def test_binary_detection():
+    assert S.looks_binary(b"abc\x00def")
+    assert S.looks_binary(bytes(range(1, 32)) * 10)
+    assert not S.looks_binary("plain text, ünïcode, tabs\tand\nnewlines\r\n".encode())
+    assert not S.looks_binary(b"")
+    assert not S.looks_binary("日本語のテキスト".encode() * 100)
+
+
+def test_undecodable_bytes_become_counted_replacements():
+    text = S.decode_bytes(b"ok \xff\xfe end \xe2\x82")
+    fixed, n = S.replace_surrogates(text)
+    assert n == 4
+    assert fixed == "ok \ufffd\ufffd end \ufffd\ufffd"
+    assert S.replace_surrogates("clean ünïcode") == ("clean ünïcode", 0)
+
+
+def test_parquet_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"content": ["alpha", None, "gamma"], "id": [1, 2, 3]}), p)
+    units = _texts(S.Source(str(p), text_field="content"))
+    assert [(loc, kind, payload) for loc, kind, payload in units] == [
+        (f"{p}:1", S.KIND_STR, "alpha"),
+        (f"{p}:2", S.KIND_STR, None),
+        (f"{p}:3", S.KIND_STR, "gamma"),
+    ]
+    with pytest.raises(DataError, match=r"no column 'text'.*content"):
+        list(S.Source(str(p)).units())
+
+
+def test_stdlib_corpus_is_sorted_and_excludes_tests():
+    files = S.stdlib_files()
+    root = S.stdlib_dir()
+    rels = [f.relative_to(root).as_posix() for f in files]
+    assert len(rels) > 100 and rels == sorted(rels)
+    assert "os.py" in rels
+    assert not any(part in S.STDLIB_EXCLUDED_PARTS for r in rels for part in r.split("/")[:-1])
+
+
+@pytest.fixture
+def fake_datasets(monkeypatch):
+    """A local stand-in for the `datasets` package: load_dataset streams dicts; records its arguments."""
+    calls = []
+    module = types.ModuleType("datasets")
+
+    def load_dataset(name, config=None, split=None, streaming=False):
+        calls.append((name, config, split, streaming))
+        if name == "missing/ds":
+            raise FileNotFoundError("Dataset 'missing/ds' doesn't exist on the Hub")
+        return iter([{"text": f"row {i} of {name}", "meta": i} for i in range(3)])
+
+    module.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", module)
+    return calls
+
+
+def test_hf_source_streams_train_split(fake_datasets):
+    src = S.Source("hf:org/corpus:en")
+    units = _texts(src)
+    assert fake_datasets == [("org/corpus", "en", "train", True)]
+    assert units == [(f"hf:org/corpus:en:{i + 1}", S.KIND_STR, f"row {i} of org/corpus") for i in range(3)]
+    assert [u[2] for u in _texts(S.Source("hf:org/corpus"), 2)] == [u[2] for u in units[2:]]
+    assert fake_datasets[-1][1] is None
+
+
+def test_hf_source_errors(fake_datasets, monkeypatch):
+    with pytest.raises(DataError, match=r"no field 'body'.*meta"):
+        list(S.Source("hf:org/corpus", text_field="body").units())
+    with pytest.raises(DataError, match="cannot load Hugging Face dataset 'hf:missing/ds'"):
+        list(S.Source("hf:missing/ds").units())
+    with pytest.raises(ConfigError, match="hf:NAME"):
+        S.Source("hf:")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails -> an install hint
+    with pytest.raises(ConfigError, match="pip install"):
+        S.Source("hf:org/corpus")
