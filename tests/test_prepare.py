@@ -12,7 +12,7 @@ from mamba3lite.data.prepare import SourceSpec, clean_text, load_mixture, prepar
 from mamba3lite.data.shards import Manifest, verify_dataset
 from mamba3lite.errors import ConfigError
 from mamba3lite.tokenizer import load_tokenizer
-from prepare_helpers import shard_docs, tree_hashes
+from test_prepare_helpers import shard_docs, tree_hashes
 
 TOK = load_tokenizer("gpt2")
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the prepare/inspect tests: read a dataset back document by document, hash a tree."""
+"""Helpers (no tests) for the prepare/inspect tests: read a dataset back per document, hash a tree."""
 
 from __future__ import annotations
 
