@@ -1,0 +1,153 @@
+"""`prepare` on bad input: a clear error, a non-zero exit where fatal, and nothing on disk damaged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mamba3lite.data.prepare import prepare
+from mamba3lite.data.shards import Manifest, verify_dataset
+from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+from test_prepare_helpers import tree_hashes
+
+
+def _jsonl(path, texts, bad_at=None, bad=b"{not json\n"):
+    lines = [json.dumps({"text": t}).encode() + b"\n" for t in texts]
+    if bad_at is not None:
+        lines.insert(bad_at, bad)
+    path.write_bytes(b"".join(lines))
+    return str(path)
+
+
+def _docs(n, tag="doc"):
+    return [f"{tag} {i}: " + "some words " * (3 + i % 5) for i in range(n)]
+
+
+@pytest.fixture
+def existing(tmp_path):
+    """A finished dataset in tmp_path/ds, and the hashes of everything under it."""
+    src = _jsonl(tmp_path / "old.jsonl", _docs(30, "old"))
+    out = tmp_path / "ds"
+    prepare([src], out, workers=0, shard_tokens=100, val_fraction=0.2, min_chars=1)
+    return out, tree_hashes(out)
+
+
+def test_missing_path_cli(cli, tmp_path):
+    r = cli("prepare", "--source", str(tmp_path / "nope"), "--out", str(tmp_path / "ds"))
+    assert r.returncode == 2
+    assert "error: source not found" in r.stderr and str(tmp_path / "nope") in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "ds").exists()
+
+
+def test_unknown_tokenizer(cli, tmp_path):
+    (tmp_path / "a.txt").write_text("text long enough to keep")
+    with pytest.raises(ConfigError, match="unknown tokenizer 'gpt3'"):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "ds", tokenizer="gpt3", workers=0)
+    r = cli(
+        "prepare", "--source", str(tmp_path / "a.txt"), "--out", str(tmp_path / "ds"), "--tokenizer", "gpt3"
+    )
+    assert r.returncode == 2 and "unknown tokenizer" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "ds").exists()
+
+
+def test_empty_corpus_after_filtering(tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_text("short")
+    (d / "b.txt").write_text("\n\n")
+    (d / "c.bin").write_bytes(b"\x00\x01\x02" * 100)
+    with pytest.raises(DataError, match=r"empty corpus: 3 documents read.*too_short 1.*binary 1.*empty 1"):
+        prepare([str(d)], tmp_path / "ds", workers=0)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_malformed_jsonl_line_names_file_and_line(cli, tmp_path):
+    src = _jsonl(tmp_path / "d.jsonl", _docs(5), bad_at=3)
+    with pytest.raises(DataError, match=rf"{src}:4: malformed JSON"):
+        prepare([src], tmp_path / "ds", workers=0, min_chars=1)
+    assert not (tmp_path / "ds").exists()
+    r = cli("prepare", "--source", src, "--out", str(tmp_path / "ds"), "--workers", "0")
+    assert r.returncode == 2 and f"{src}:4: malformed JSON" in r.stderr and "--skip-bad-lines" not in r.stdout
+    s = prepare([src], tmp_path / "ds", workers=0, min_chars=1, skip_bad_lines=True, val_fraction=0.0)
+    assert s.stats["dropped"]["bad_lines"] == 1 and s.stats["kept"] == 5
+
+
+def test_jsonl_without_the_text_field(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"content": t}) + "\n" for t in _docs(3)))
+    with pytest.raises(DataError, match=r"d.jsonl:1: no field 'text' \(fields: content\); fix: --text-field"):
+        prepare([str(src)], tmp_path / "ds", workers=0)
+    s = prepare([str(src)], tmp_path / "ds", workers=0, text_field="content", val_fraction=0.0, min_chars=1)
+    assert s.stats["kept"] == 3
+
+
+def test_bad_arguments(tmp_path):
+    (tmp_path / "a.txt").write_text("text long enough to keep")
+    src = str(tmp_path / "a.txt")
+    for kw, msg in [
+        ({"val_fraction": 1.0}, "--val-fraction"),
+        ({"shard_tokens": 0}, "--shard-tokens"),
+        ({"min_chars": -1}, "--min-chars"),
+        ({"target_tokens": 0}, "--target-tokens"),
+        ({"sources": [(src, 0.0)]}, "weight must be a positive"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            prepare(**{"sources": [src], "out": tmp_path / "ds", "workers": 0, **kw})
+    with pytest.raises(ConfigError, match="no sources"):
+        prepare([], tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_out_holding_a_different_dataset_is_refused_unless_overwrite(existing, tmp_path):
+    out, before = existing
+    new = _jsonl(tmp_path / "new.jsonl", _docs(10, "new"))
+    with pytest.raises(ConfigError, match=r"holds a dataset prepared with different arguments.*--overwrite"):
+        prepare([new], out, workers=0, min_chars=1)
+    assert tree_hashes(out) == before
+    prepare([new], out, workers=0, min_chars=1, val_fraction=0.0, overwrite=True)
+    assert verify_dataset(out) == []
+    assert Manifest.load(out).extra["stats"]["kept"] == 10
+    assert not (out / "val").exists()  # the old dataset's val split went with it
+
+
+def test_out_that_is_not_a_dataset_is_refused(tmp_path):
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (tmp_path / "a.txt").write_text("text long enough to keep")
+    with pytest.raises(ConfigError, match=r"is not empty.*holds no mamba3lite dataset"):
+        prepare([str(tmp_path / "a.txt")], out, workers=0)
+    assert list(tree_hashes(out)) == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "file", workers=0)
+
+
+def test_failure_mid_run_leaves_the_previous_dataset_intact(existing, tmp_path):
+    """Many shards are written (to the staging area) before the bad line is reached."""
+    out, before = existing
+    src = _jsonl(tmp_path / "new.jsonl", _docs(200, "new"), bad_at=150)
+    with pytest.raises(DataError, match=r"new.jsonl:151: malformed JSON"):
+        prepare([src], out, workers=0, min_chars=1, shard_tokens=50, overwrite=True)
+    assert tree_hashes(out) == before
+    assert verify_dataset(out) == []
+
+
+def test_failure_in_a_workers_run_is_reported_cleanly(cli, existing, tmp_path):
+    out, before = existing
+    src = _jsonl(tmp_path / "new.jsonl", _docs(100, "new"), bad_at=60, bad=b'{"body": "no text"}\n')
+    r = cli(
+        "prepare", "--source", src, "--out", str(out), "--workers", "2", "--overwrite", "--shard-tokens", "50"
+    )
+    assert r.returncode == 2 and "new.jsonl:61: no field 'text'" in r.stderr and "Traceback" not in r.stderr
+    assert tree_hashes(out) == before
+
+
+def test_missing_path_among_good_sources_fails_before_any_work(existing, tmp_path):
+    out, before = existing
+    good = _jsonl(tmp_path / "new.jsonl", _docs(10))
+    with pytest.raises(DataNotFoundError, match="source not found"):
+        prepare([good, str(tmp_path / "missing_dir")], out, workers=0, overwrite=True)
+    assert tree_hashes(out) == before
