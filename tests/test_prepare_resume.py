@@ -1,0 +1,138 @@
+"""Resume: an interrupted `prepare` re-run with the same arguments equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mamba3lite.data import prepare as P
+from mamba3lite.data.shards import verify_dataset
+from test_prepare_helpers import tree_hashes
+
+
+def _corpus(tmp_path) -> list:
+    """Two sources with duplicates across them, so cursors, dedup set and both splits all matter."""
+    a = [f"alpha {i}: " + "words " * (4 + i % 9) for i in range(120)]
+    b = [f"beta {i}: " + "tokens " * (3 + i % 5) for i in range(80)] + a[::10]  # 12 duplicates of alpha
+    for name, texts in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return [P.SourceSpec(str(tmp_path / "a.jsonl"), 2.0), P.SourceSpec(str(tmp_path / "b.jsonl"), 1.0)]
+
+
+KW = {"workers": 0, "shard_tokens": 60, "val_fraction": 0.25, "min_chars": 1}
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def _interrupt_after(monkeypatch, n_snapshots: int) -> None:
+    original = P._Run._snapshot
+    count = [0]
+
+    def snapshot(self):
+        original(self)
+        count[0] += 1
+        if count[0] == n_snapshots:
+            raise _Interrupt
+
+    monkeypatch.setattr(P._Run, "_snapshot", snapshot)
+
+
+@pytest.mark.parametrize("n_snapshots", [1, 5, 17])
+def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch, n_snapshots):
+    sources = _corpus(tmp_path)
+    ref = P.prepare(sources, tmp_path / "ref", **KW)
+    assert len(ref.manifest.shards) > 20
+    out = tmp_path / "ds"
+    with monkeypatch.context() as m:
+        _interrupt_after(m, n_snapshots)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, out, **KW)
+    assert (out / P.STAGE_DIRNAME / P.STATE_NAME).is_file() and not (out / "manifest.json").exists()
+    resumed = P.prepare(sources, out, **KW)
+    assert resumed.resumed_shards == n_snapshots
+    assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+
+
+def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
+    sources = _corpus(tmp_path)
+    P.prepare(sources, tmp_path / "ref", **KW)
+    out = tmp_path / "ds"
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 4)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, out, **KW)
+    shard = out / P.STAGE_DIRNAME / "train" / "shard_00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])  # a damaged shard: resuming would be wrong
+    s = P.prepare(sources, out, **KW)
+    assert s.resumed_shards == 0 and "does not verify" in capsys.readouterr().err
+    assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+    # A state from other arguments is not resumed either.
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 4)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, tmp_path / "ds2", **{**KW, "seed": 1})
+    s = P.prepare(sources, tmp_path / "ds2", **KW)
+    assert s.resumed_shards == 0 and "arguments differ" in capsys.readouterr().err
+    assert tree_hashes(tmp_path / "ds2") == tree_hashes(tmp_path / "ref")
+
+
+def _prepare_cmd(out, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "mamba3lite",
+        "prepare",
+        "--source",
+        "stdlib",
+        "--max-docs",
+        "120",
+        "--shard-tokens",
+        "20000",
+        "--val-fraction",
+        "0.05",
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_resume_after_kill(tmp_path):
+    """Kill a real run (SIGKILL, no clean-up) after a few shards; the re-run equals an uninterrupted run."""
+    out = tmp_path / "ds"
+    env = {**os.environ, P.SLEEP_ENV: "0.3"}
+    proc = subprocess.Popen(_prepare_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = out / P.STAGE_DIRNAME / P.STATE_NAME
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if json.loads(state.read_text())["snapshot"] >= 3:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        assert proc.poll() is None, (
+            "the run finished before it could be killed: " + proc.stderr.read().decode()
+        )
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not (out / "manifest.json").exists()
+    r = subprocess.run(_prepare_cmd(out), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "resuming:" in r.stderr
+    ref = subprocess.run(_prepare_cmd(tmp_path / "ref"), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    assert verify_dataset(out) == []
+    assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
