@@ -417,6 +417,11 @@ class TrainingLogger:
         self._warmup = False
         return row
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave `seconds` (an evaluation, a checkpoint save) out of the current window's wall time, so
+        tokens/s measures training only."""
+        self._t0 += max(0.0, seconds)
+
     def steady_tokens_per_s(self) -> float | None:
         """Tokens/s over all closed windows except start-up ones (None if there were none)."""
         return self._steady_tokens / self._steady_seconds if self._steady_seconds > 0 else None

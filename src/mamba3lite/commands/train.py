@@ -1,0 +1,128 @@
+"""`mamba3lite train`: pretrain from a YAML config (a thin layer over `Pretrainer`).
+
+    mamba3lite train --config tiny --data-path data/stdlib
+    torchrun --nproc_per_node 8 -m mamba3lite train --config configs/440m.yaml --data-path ...
+
+Flags override the config file; `--set section.key=value` overrides anything, typed. The run directory
+(`--checkpoint-dir`, default `training.checkpoint_dir`) holds config.yaml, run.json, metrics.jsonl and
+the checkpoints. `--resume latest` (default) continues from the newest verified checkpoint there;
+`--resume N` from exactly step N; `--resume none` starts fresh (and refuses a directory with
+checkpoints). `--dry-run` trains 2 steps end to end, evaluates, and writes a checkpoint (the seed's
+smoke test). SIGTERM / Ctrl-C: the current step finishes, a checkpoint is written, exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mamba3lite.errors import ConfigError
+
+HELP = "pretrain a Mamba-3 language model from a YAML config"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        default="tiny",
+        metavar="FILE|PRESET",
+        help="YAML config file, or a packaged preset name (tiny, ...); default: tiny",
+    )
+    parser.add_argument("--data-path", metavar="P", help="training data (overrides data.train_data_path)")
+    parser.add_argument("--val-data-path", metavar="P", help="validation data (overrides data.val_data_path)")
+    parser.add_argument(
+        "--checkpoint-dir", metavar="D", help="run directory (overrides training.checkpoint_dir)"
+    )
+    parser.add_argument(
+        "--resume",
+        default="latest",
+        metavar="latest|none|N",
+        help="latest verified checkpoint (default), none (fresh run), or exactly step N",
+    )
+    parser.add_argument("--max-steps", type=int, metavar="N", help="overrides training.max_steps")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="2 optimizer steps end to end (train, evaluate, checkpoint): a smoke test",
+    )
+    parser.add_argument(
+        "--dummy",
+        action="store_true",
+        help="random tokens instead of data (plumbing tests only; never a fallback)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any config field, e.g. --set training.lr=3e-4 (repeatable)",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def parse_resume(text: str) -> str | int:
+    text = text.strip().lower()
+    if text in ("latest", "none"):
+        return text
+    try:
+        step = int(text)
+    except ValueError:
+        raise ConfigError(f"--resume must be latest, none or a step number, got {text!r}") from None
+    if step < 0:
+        raise ConfigError(f"--resume step must be >= 0, got {step}")
+    return step
+
+
+def build_config(args: argparse.Namespace):
+    """The resolved Config: file, then --set overrides, then the dedicated flags."""
+    from mamba3lite.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.data_path is not None:
+        cfg = cfg.replace("data", train_data_path=args.data_path)
+    if args.val_data_path is not None:
+        cfg = cfg.replace("data", val_data_path=args.val_data_path)
+    if args.dummy:
+        cfg = cfg.replace("data", dummy=True)
+    if args.checkpoint_dir is not None:
+        cfg = cfg.replace("training", checkpoint_dir=args.checkpoint_dir)
+    if args.max_steps is not None:
+        cfg = cfg.replace("training", max_steps=args.max_steps)
+    if args.dry_run:
+        t = cfg.training
+        cfg = cfg.replace(
+            "training",
+            max_steps=2,
+            log_every=1,
+            eval_every=2,
+            save_every=2,
+            eval_batches=min(t.eval_batches, 2),
+            warmup_steps=min(t.warmup_steps, 1),
+        )
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    resume = parse_resume(args.resume)
+    cfg = build_config(args)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    from mamba3lite.train import distributed as D
+    from mamba3lite.train.trainer import Pretrainer
+
+    info = D.init_distributed(cfg.training.device)
+    try:
+        trainer = Pretrainer(cfg, resume=resume, dist=info)
+        result = trainer.train()
+        if info.is_main:
+            what = "stopped" if result.stopped else "done"
+            tps = f", steady {result.steady_tokens_per_s:,.0f} tokens/s" if result.steady_tokens_per_s else ""
+            print(
+                f"{what}: step {result.step}, {result.tokens_seen:,} tokens{tps}; run directory "
+                f"{cfg.training.checkpoint_dir}",
+                flush=True,
+            )
+    finally:
+        D.teardown()
+    return 0

@@ -1,0 +1,161 @@
+"""torchrun set-up and the few collectives the trainer needs.
+
+`init_distributed()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): with WORLD_SIZE > 1
+it initialises the default process group (NCCL on CUDA, gloo on CPU) and pins the local GPU; without
+it, everything here is a no-op for one process. The trainer then:
+- wraps the model in DDP (`wrap_ddp`), which broadcasts rank 0's initial weights;
+- runs every micro-step under `no_sync()` and averages gradients ONCE per optimizer step with
+  `all_reduce_grads`. Reason: the NaN guard may skip any micro-step, including the last one, and DDP
+  expects a backward after every synchronising forward; an explicit all-reduce after accumulation is
+  correct whichever micro-steps ran (all ranks skip the same ones: `all_agree_finite`);
+- uses `any_rank` so all ranks agree on stop signals, and `broadcast_int` for rollback targets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(preference: str, local_rank: int = 0) -> torch.device:
+    """`auto` -> cuda:local_rank when CUDA is available, else cpu; `cuda` -> cuda:local_rank."""
+    if preference == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if preference == "cuda":
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device(preference)
+
+
+def init_distributed(device_preference: str = "auto") -> DistInfo:
+    """Initialise from torchrun's environment; a single process when WORLD_SIZE is unset or 1."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_preference, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    """DDP-wrap when distributed (broadcasts rank 0's parameters); the model itself otherwise."""
+    if not info.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=ids)
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], world_size: int) -> None:
+    """Average gradients across ranks in place, in flat buckets (one collective per ~32 MB)."""
+    if world_size <= 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    limit = 32 * 2**20
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= world_size
+        offset = 0
+        for g in bucket:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+        bucket, size = [], 0
+
+    for g in grads:
+        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > limit):
+            flush()
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    flush()
+
+
+def _device_for_collectives(info: DistInfo) -> torch.device:
+    return info.device if info.device.type == "cuda" else torch.device("cpu")
+
+
+def all_agree_finite(loss: torch.Tensor, info: DistInfo) -> bool:
+    """True iff the loss is finite on EVERY rank (so all ranks skip the same micro-steps)."""
+    ok = torch.isfinite(loss.detach()).all().to(torch.float32).reshape(1)
+    if info.distributed:
+        ok = ok.to(_device_for_collectives(info))
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item() > 0)
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True if `flag` is true on any rank (stop signals: one rank's SIGTERM stops all)."""
+    if not info.distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=_device_for_collectives(info))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def mean_across(value: float, info: DistInfo) -> float:
+    """Average of a float over ranks."""
+    if not info.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_device_for_collectives(info))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item() / info.world_size)
+
+
+def sum_across(values: list[float], info: DistInfo) -> list[float]:
+    if not info.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_device_for_collectives(info))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def broadcast_int(value: int, info: DistInfo, src: int = 0) -> int:
+    """Rank `src`'s integer on every rank (e.g. the rollback step rank 0 found)."""
+    if not info.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device_for_collectives(info))
+    dist.broadcast(t, src=src)
+    return int(t.item())
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()

@@ -1,0 +1,730 @@
+"""Pretrainer: the training loop (the seed's training/pretrain.py with its documented defects fixed).
+
+One optimizer step = `gradient_accumulation_steps` micro-steps of `micro_batch_size` windows on each
+process. The global batch (micro × accumulation × world size windows) is drawn by `WindowSampler`,
+whose order is a pure function of (seed, epoch, consumed), so it is the same for any world size.
+
+Per micro-step: forward under autocast (bf16 when configured), then the NaN guard: if the loss is
+non-finite on ANY rank, every rank skips the micro-step (no backward: gradients and optimizer state are
+untouched) and an event is logged. After `nan_guard_max_consecutive` consecutive skipped micro-steps the
+run rolls back to the newest verified checkpoint (model, optimizer, sampler, RNG, counters) and goes on
+from there; with no checkpoint it stops with `TrainingError`, and so it does after `max_rollbacks`
+rollbacks that did not lead to a newer checkpoint. When only some micro-steps of a step were skipped,
+the gradient is rescaled to the mean over the good ones.
+
+Per optimizer step: gradients averaged across ranks (one explicit all-reduce; see distributed.py),
+global-norm clipping (the pre-clip norm is logged), lr = `lr_at(step)` (a pure function: the
+"scheduler state" is the step), AdamW step, then the logger (every step; it averages windows), periodic
+evaluation and checkpoints, and the stop check: SIGTERM/SIGINT only set a flag; after the current step
+all ranks agree, a checkpoint is written, a "stop" event logged, and `train()` returns (exit code 0).
+
+Resume is exact: model, optimizer (by parameter name), sampler position, Python/numpy/torch RNG states,
+step and token counters are in the checkpoint, so N steps == N/2 + resume + N/2 bit for bit (fp32, CPU).
+`resume="latest"` picks the newest VERIFIED checkpoint; an explicit step N loads exactly N (the seed
+silently replaced it with the latest: its Pitfall 6); newer checkpoints are moved to DIR/superseded/
+so that a later crash cannot resume the abandoned timeline, and their metrics rows are marked
+superseded.
+
+Fault injection for tests: the environment variable MAMBA3LITE_INJECT_NONFINITE, read when the
+Pretrainer is built, makes chosen micro-steps' losses NaN. Micro-steps are counted per process from 0
+in execution order (not restored by resume or rollback, so an injected fault does not recur after a
+rollback). Syntax: comma-separated items, each an index `7` or a run `start:count` (`10:5` = 10..14);
+optionally prefixed by `rR@` to apply to rank R only (`r1@3` = micro-step 3 on rank 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mamba3lite.config import Config, write_resolved_config
+from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
+from mamba3lite.train import distributed as D
+from mamba3lite.train.checkpoint import CheckpointManager, RunLock, capture_rng_state, restore_rng_state
+from mamba3lite.train.logging import TrainingLogger, build_logger, peak_flops
+from mamba3lite.train.optim import build_optimizer, lr_at, set_lr
+
+INJECT_ENV = "MAMBA3LITE_INJECT_NONFINITE"
+
+
+def parse_injection(spec: str, rank: int = 0) -> set[int]:
+    """Micro-step indices (this process's count) whose loss is made NaN; see the module docstring."""
+    out: set[int] = set()
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if "@" in item:
+            who, _, item = item.partition("@")
+            if not who.startswith("r") or not who[1:].isdigit():
+                raise ConfigError(f"{INJECT_ENV}: bad rank prefix {who!r} (expected rN@...)")
+            if int(who[1:]) != rank:
+                continue
+        try:
+            if ":" in item:
+                start, count = (int(v) for v in item.split(":"))
+                out.update(range(start, start + count))
+            else:
+                out.add(int(item))
+        except ValueError:
+            raise ConfigError(f"{INJECT_ENV}: bad item {item!r} (expected N or START:COUNT)") from None
+    return out
+
+
+def code_version() -> dict:
+    """Package version and, when running from a git checkout, the commit (and whether it is dirty)."""
+    from mamba3lite import __version__
+
+    info: dict[str, Any] = {"package": __version__, "git_commit": None}
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        if commit.returncode == 0:
+            info["git_commit"] = commit.stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            info["git_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def _manifest_sha256(path: str | None) -> str | None:
+    if not path:
+        return None
+    p = Path(path)
+    m = p / "manifest.json" if p.is_dir() else (p if p.name == "manifest.json" else None)
+    if m is None or not m.is_file():
+        return None
+    return hashlib.sha256(m.read_bytes()).hexdigest()
+
+
+@dataclass
+class TrainResult:
+    """What `Pretrainer.train()` did."""
+
+    step: int  # optimizer steps completed (the run's global step)
+    tokens_seen: int
+    stopped: bool  # ended early by a signal (a checkpoint was written)
+    history: list[tuple[int, float | None]] = field(default_factory=list)  # (step, loss) this call
+    last_eval: dict | None = None
+    steady_tokens_per_s: float | None = None
+    rollbacks: int = 0
+
+
+class Pretrainer:
+    """Builds everything from a `Config` and runs `train()`.
+
+    Args:
+        config: the resolved config. `training.checkpoint_dir` is the run directory.
+        resume: "latest" (newest verified checkpoint, or a fresh start), "none" (fresh; refuses a
+            directory that already holds checkpoints), or a step number (exactly that checkpoint).
+        dist: from `distributed.init_distributed()`; default: one process on `training.device`.
+        model, train_data, val_data: injected instead of built from the config (tests).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        resume: str | int = "latest",
+        dist: D.DistInfo | None = None,
+        model: torch.nn.Module | None = None,
+        train_data: Any = None,
+        val_data: Any = None,
+    ) -> None:
+        self.cfg = config
+        tc = config.training
+        self.tc = tc
+        if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
+            raise ConfigError(f"resume must be 'latest', 'none' or a step number >= 0, got {resume!r}")
+        self.resume = resume
+        self.dist = dist or D.DistInfo(device=D.pick_device(tc.device))
+        self.device = self.dist.device
+        self.run_dir = Path(tc.checkpoint_dir)
+        self.inject = parse_injection(os.environ.get(INJECT_ENV, ""), self.dist.rank)
+
+        self._seed_everything(tc.seed)
+        self.train_data = train_data if train_data is not None else self._build_train_data()
+        self.val_data = val_data if val_data is not None else self._build_val_data()
+        if model is None:
+            from mamba3lite.model import Mamba3Transformer
+
+            model = Mamba3Transformer(config.model)
+        self.raw_model = model.to(self.device)
+        if hasattr(self.raw_model, "grad_checkpointing"):
+            self.raw_model.grad_checkpointing = tc.grad_checkpointing
+        self.model = D.wrap_ddp(self.raw_model, self.dist)
+        if tc.compile:
+            self.model = torch.compile(self.model)
+        self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(
+            self.raw_model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps
+        )
+
+        from mamba3lite.data import WindowSampler
+
+        self.global_windows = tc.windows_per_step(self.dist.world_size)
+        if len(self.train_data) < self.global_windows:
+            raise DataError(
+                f"the training data has {len(self.train_data)} windows of {tc.max_seq_len} tokens, fewer "
+                f"than one global batch ({self.global_windows} windows = micro_batch_size x "
+                "gradient_accumulation_steps x processes); use more data or a smaller batch"
+            )
+        self.sampler = WindowSampler(
+            len(self.train_data),
+            self.global_windows,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            seed=tc.seed,
+            shuffle=True,
+        )
+        self._sampler_iter = iter(self.sampler)
+        self.ckpt = CheckpointManager(self.run_dir, keep_last_n=tc.keep_last_n)
+        self.autocast_dtype = torch.bfloat16 if tc.dtype == "bf16" else None
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.micro_count = 0  # per process, never restored: the fault-injection clock
+        self.nan_streak = 0
+        self.rollbacks = 0
+        self._rollbacks_without_progress = 0
+        self._rollback_floor = -1  # a save past this step counts as progress
+        self._last_saved = -1
+        self._pending_skipped = 0
+        self._pending_tokens = 0
+        self._stop = threading.Event()
+        self.wandb_run_id: str | None = None
+        self.logger = TrainingLogger.disabled()
+        self.history: list[tuple[int, float | None]] = []
+        self.last_eval: dict | None = None
+        self._tokens_per_step = tc.tokens_per_step(self.dist.world_size)
+        self._code_version: dict | None = None
+
+    # ---------------------------------------------------------------------------------- building
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def _build_train_data(self) -> Any:
+        from mamba3lite.data import PretrainDataset
+
+        dc, tc = self.cfg.data, self.tc
+        return PretrainDataset(
+            None if dc.dummy else dc.train_data_path,
+            tc.max_seq_len,
+            self.cfg.model.vocab_size,
+            split="train",
+            dummy=dc.dummy,
+            seed=tc.seed,
+        )
+
+    def _build_val_data(self) -> Any:
+        from mamba3lite.data import PretrainDataset
+        from mamba3lite.data.shards import Manifest
+
+        dc, tc = self.cfg.data, self.tc
+        vocab = self.cfg.model.vocab_size
+        if dc.dummy:
+            return PretrainDataset(
+                None,
+                tc.max_seq_len,
+                vocab,
+                dummy=True,
+                seed=tc.seed + 1,
+                dummy_tokens=max(tc.eval_batches * tc.micro_batch_size, 8) * tc.max_seq_len + 1,
+            )
+        if dc.val_data_path:
+            p = Path(dc.val_data_path)
+            split = (
+                "val" if (p / "manifest.json").exists() and Manifest.load(p).split_shards("val") else "train"
+            )
+            return PretrainDataset(p, tc.max_seq_len, vocab, split=split)
+        manifest = getattr(self.train_data, "manifest", None)
+        if manifest is not None and manifest.n_tokens("val") > tc.max_seq_len:
+            return PretrainDataset(dc.train_data_path, tc.max_seq_len, vocab, split="val")
+        return None
+
+    def _data_identity(self) -> dict | None:
+        m = getattr(self.train_data, "manifest", None)
+        if m is None:
+            return None
+        return {
+            "tokenizer": m.tokenizer.get("name"),
+            "vocab_hash": m.tokenizer.get("vocab_hash"),
+            "vocab_size": m.vocab_size,
+            "eos_id": m.eos_id,
+            "manifest_sha256": _manifest_sha256(self.cfg.data.train_data_path),
+        }
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> None:
+        """Write the checkpoint of the current step (rank 0 writes; all ranks wait)."""
+        if self.dist.is_main:
+            meta = {
+                "config": self.cfg.to_dict(),
+                "tokens_seen": self.tokens_seen,
+                "scheduler": {
+                    "kind": "warmup_cosine",
+                    "step": self.step,
+                    "lr": lr_at(max(self.step - 1, 0), **self._sched_kw()),
+                },
+                "sampler": self.sampler.state_dict(),
+                "rng": capture_rng_state(),
+                "data": self._data_identity(),
+                "metrics": self.logger.last_row,
+                "last_eval": self.last_eval,
+                "wandb_run_id": self.wandb_run_id,
+                "world_size": self.dist.world_size,
+                "global_batch_windows": self.global_windows,
+                "rollbacks": self.rollbacks,
+                "code_version": self._code_version,
+            }
+            self.ckpt.save(self.step, self.raw_model, self.optimizer, meta)
+        D.barrier(self.dist)
+        self._last_saved = self.step
+        if self.step > self._rollback_floor:
+            self._rollbacks_without_progress = 0
+
+    def _restore(self, step: int) -> dict:
+        """Load checkpoint `step` into model, optimizer, sampler, RNG and counters (all ranks)."""
+        meta = self.ckpt.load(step, self.raw_model, self.optimizer, map_location=self.device)
+        saved_cfg = meta.get("config") or {}
+        if "model" in saved_cfg:
+            mine = self.cfg.to_dict()["model"]
+            diff = sorted(
+                k for k in set(mine) | set(saved_cfg["model"]) if mine.get(k) != saved_cfg["model"].get(k)
+            )
+            if diff:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.run_dir} was trained with another model config "
+                    f"(differs in model.{', model.'.join(diff)}); use its config or another --checkpoint-dir"
+                )
+        saved_data, mine_data = meta.get("data") or {}, self._data_identity() or {}
+        if (
+            saved_data.get("vocab_hash")
+            and mine_data.get("vocab_hash")
+            and saved_data["vocab_hash"] != mine_data["vocab_hash"]
+        ):
+            raise CheckpointError(
+                f"checkpoint step {step} was trained on tokenizer {saved_data.get('tokenizer')} (vocab hash "
+                f"{saved_data['vocab_hash'][:12]}), the data at {self.cfg.data.train_data_path} uses "
+                f"{mine_data.get('tokenizer')} ({mine_data['vocab_hash'][:12]})"
+            )
+        self.step = int(meta["step"])
+        self.tokens_seen = int(meta.get("tokens_seen", 0))
+        if "sampler" in meta:
+            self.sampler.load_state_dict(meta["sampler"])
+        elif self.dist.is_main:
+            self.logger.event(
+                self.step, "warning", "seed-format checkpoint: no sampler state, data order restarts"
+            )
+        self._sampler_iter = iter(self.sampler)
+        if "rng" in meta:
+            restore_rng_state(meta["rng"])
+        self.wandb_run_id = meta.get("wandb_run_id") or self.wandb_run_id
+        self.last_eval = meta.get("last_eval")
+        self._last_saved = self.step
+        return meta
+
+    def _sched_kw(self) -> dict:
+        tc = self.tc
+        return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps}
+
+    def _pick_resume_target(self) -> int:
+        """The step to resume from (-1: fresh start), decided on rank 0 and broadcast."""
+        target = -1
+        if self.resume == "none":
+            if self.dist.is_main and self.ckpt.list_steps():
+                raise CheckpointError(
+                    f"{self.run_dir} already holds checkpoints (steps {self.ckpt.list_steps()}); use "
+                    "--resume latest to continue, or another --checkpoint-dir for a fresh run"
+                )
+        elif self.resume == "latest":
+            if self.dist.is_main:
+                latest = self.ckpt.latest_step()
+                target = -1 if latest is None else latest
+        else:
+            target = int(self.resume)
+        return D.broadcast_int(target, self.dist)
+
+    def _apply_resume(self, target: int) -> None:
+        if target < 0:
+            return
+        self._restore(target)
+        if self.dist.is_main:
+            newer = [s for s in self.ckpt.list_steps() if s > target]
+            note = ""
+            if newer:
+                where = self.ckpt.move_aside(newer)
+                note = f"; newer checkpoints {newer} moved to {where}"
+            marked = self.logger.supersede_after(target)
+            self.logger.event(
+                self.step,
+                "resume",
+                f"resumed from step {target} (tokens {self.tokens_seen:,}){note}; {marked} later metrics "
+                "rows superseded",
+                tokens_total=self.tokens_seen,
+            )
+        D.barrier(self.dist)
+
+    # ------------------------------------------------------------------------------------ steps
+    def _next_indices(self) -> list[int]:
+        try:
+            return list(next(self._sampler_iter))
+        except StopIteration:  # end of an epoch: the sampler moves on to the next one
+            self._sampler_iter = iter(self.sampler)
+            try:
+                return list(next(self._sampler_iter))
+            except StopIteration:
+                raise TrainingError(
+                    "the sampler yields no batch: is the dataset smaller than a global batch?"
+                ) from None
+
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.train_data[i] for i in indices]
+        x = torch.stack([p[0] for p in pairs]).to(self.device, non_blocking=True)
+        y = torch.stack([p[1] for p in pairs]).to(self.device, non_blocking=True)
+        return x, y
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        inner = getattr(self.model, "_orig_mod", self.model)
+        return inner.no_sync() if self.dist.distributed else contextlib.nullcontext()
+
+    def train_step(self) -> bool:
+        """One optimizer step (accumulation, NaN guard, all-reduce, clip, AdamW). Returns False when the
+        step was abandoned (every micro-step skipped, or a rollback happened)."""
+        tc = self.tc
+        mb, accum = tc.micro_batch_size, tc.gradient_accumulation_steps
+        lr = lr_at(self.step, **self._sched_kw())
+        set_lr(self.optimizer, lr)
+        indices = self._next_indices()
+        assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
+        good, loss_sum, skipped = 0, 0.0, 0
+        for i in range(accum):
+            x, y = self._batch(indices[i * mb : (i + 1) * mb])
+            with self._no_sync():
+                with self._autocast():
+                    loss = self.model(x, y)
+                if self.micro_count in self.inject:
+                    loss = loss * float("nan")
+                self.micro_count += 1
+                if D.all_agree_finite(loss, self.dist):
+                    (loss / accum).backward()
+                    good += 1
+                    loss_sum += float(loss.detach())
+                    self.nan_streak = 0
+                    continue
+            skipped += 1
+            self.nan_streak += 1
+            if self.dist.is_main:
+                self.logger.event(
+                    self.step,
+                    "nan_skip",
+                    f"non-finite loss at micro-step {i} of step "
+                    f"{self.step + 1} skipped ({self.nan_streak} in a row)",
+                    tokens_total=self.tokens_seen,
+                )
+            if self.nan_streak >= tc.nan_guard_max_consecutive:
+                self._rollback()
+                return False
+        tokens = self._tokens_per_step
+        self.tokens_seen += tokens
+        if good == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._pending_skipped += skipped
+            self._pending_tokens += tokens
+            return False
+        D.all_reduce_grads(self.params, self.dist.world_size)
+        if good < accum:  # mean over the micro-batches that ran
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(accum / good)
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(grad_norm):  # finite loss, overflowing backward: skip like a NaN loss
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nan_streak += 1
+            if self.dist.is_main:
+                self.logger.event(
+                    self.step,
+                    "nan_skip",
+                    f"non-finite gradient norm at step {self.step + 1}; optimizer step skipped",
+                    tokens_total=self.tokens_seen,
+                )
+            if self.nan_streak >= tc.nan_guard_max_consecutive:
+                self._rollback()
+            self._pending_skipped += skipped + good
+            self._pending_tokens += tokens
+            return False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        loss_mean = D.mean_across(loss_sum / good, self.dist)
+        self.history.append((self.step, loss_mean))
+        self.logger.log_step(
+            self.step,
+            loss=loss_mean,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens_processed=tokens + self._pending_tokens,
+            tokens_total=self.tokens_seen,
+            skipped=skipped + self._pending_skipped,
+        )
+        self._pending_skipped = self._pending_tokens = 0
+        return True
+
+    def _rollback(self) -> None:
+        streak = self.nan_streak
+        self.optimizer.zero_grad(set_to_none=True)
+        target = -1
+        if self.dist.is_main:
+            latest = self.ckpt.latest_step()
+            target = -1 if latest is None else latest
+        target = D.broadcast_int(target, self.dist)
+        if target < 0:
+            raise TrainingError(
+                f"{streak} consecutive non-finite losses at step {self.step + 1} and no checkpoint in "
+                f"{self.run_dir} to roll back to; lower training.lr, check the data, or save earlier "
+                "(training.save_every)"
+            )
+        self._rollbacks_without_progress += 1
+        if self._rollbacks_without_progress > self.tc.max_rollbacks:
+            raise TrainingError(
+                f"non-finite losses again after {self._rollbacks_without_progress - 1} rollback(s) to step "
+                f"{target} without progress (training.max_rollbacks = {self.tc.max_rollbacks}); lower "
+                "training.lr or check the data around this step"
+            )
+        from_step = self.step
+        self._restore(target)
+        self.rollbacks += 1
+        self._rollback_floor = max(self._rollback_floor, target)
+        self.nan_streak = 0
+        self._pending_skipped = self._pending_tokens = 0
+        if self.dist.is_main:
+            marked = self.logger.supersede_after(target)
+            self.logger.event(
+                self.step,
+                "rollback",
+                f"{streak} consecutive non-finite micro-steps at step "
+                f"{from_step + 1}: rolled back to step {target}; {marked} rows superseded",
+                tokens_total=self.tokens_seen,
+            )
+            self.logger.restart_window()
+        D.barrier(self.dist)
+
+    # ------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """Mean loss over `eval_batches` micro-batches of windows spread evenly over the validation set
+        (deterministic; split across ranks); perplexity; bits per byte when the dataset knows bytes."""
+        if self.val_data is None:
+            return None
+        tc = self.tc
+        n = len(self.val_data)
+        total = min(tc.eval_batches * tc.micro_batch_size, n)
+        picks = [k * n // total for k in range(total)]
+        mine = picks[self.dist.rank :: self.dist.world_size]
+        self.raw_model.eval()
+        loss_sum, count = 0.0, 0
+        try:
+            for i in range(0, len(mine), tc.micro_batch_size):
+                idx = mine[i : i + tc.micro_batch_size]
+                pairs = [self.val_data[j] for j in idx]
+                x = torch.stack([p[0] for p in pairs]).to(self.device)
+                y = torch.stack([p[1] for p in pairs]).to(self.device)
+                with self._autocast():
+                    loss = self.raw_model(x, y)
+                loss_sum += float(loss) * len(idx)
+                count += len(idx)
+        finally:
+            self.raw_model.train()
+        loss_sum, count = D.sum_across([loss_sum, float(count)], self.dist)
+        val_loss = loss_sum / max(count, 1)
+        out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_windows": int(count)}
+        bpt = getattr(self.val_data, "bytes_per_token", None)
+        if bpt:
+            out["val_bpb"] = val_loss / math.log(2) / bpt
+        self.last_eval = {"step": self.step, **out}
+        if self.dist.is_main:
+            self.logger.log_eval(self.step, self.tokens_seen, out)
+        return out
+
+    # ------------------------------------------------------------------------------------- run
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self._stop.set()
+        if self.dist.is_main:
+            print(
+                f"received {signal.Signals(signum).name}: stopping after this step (saving a checkpoint)",
+                flush=True,
+            )
+
+    def _write_run_records(self) -> None:
+        from mamba3lite.data.shards import atomic_write_json
+
+        write_resolved_config(self.cfg, self.run_dir / "config.yaml")
+        self._code_version = code_version()
+        info_path = self.run_dir / "run.json"
+        info: dict[str, Any] = {}
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            import json
+
+            info = json.loads(info_path.read_text(encoding="utf-8"))
+        starts = info.get("starts", []) if isinstance(info.get("starts"), list) else []
+        starts.append(
+            {
+                "time": time.time(),
+                "code_version": self._code_version,
+                "world_size": self.dist.world_size,
+                "resume": self.resume,
+                "device": str(self.device),
+            }
+        )
+        atomic_write_json(
+            info_path,
+            {
+                "data_path": None if self.cfg.data.dummy else self.cfg.data.train_data_path,
+                "val_data_path": self.cfg.data.val_data_path,
+                "dummy": self.cfg.data.dummy,
+                "data_manifest_sha256": _manifest_sha256(
+                    None if self.cfg.data.dummy else self.cfg.data.train_data_path
+                ),
+                "data": self._data_identity(),
+                "code_version": self._code_version,
+                "starts": starts[-50:],
+            },
+        )
+
+    def train(self, until_step: int | None = None) -> TrainResult:
+        """Train to `training.max_steps` (or to `until_step`, then save: a resumable pause). Holds the
+        run-directory lock for the whole call. Returns a `TrainResult`."""
+        tc = self.tc
+        target = tc.max_steps if until_step is None else min(until_step, tc.max_steps)
+        lock = RunLock(self.run_dir)
+        lock_error: CheckpointError | None = None
+        if self.dist.is_main:
+            try:
+                lock.acquire()
+            except CheckpointError as e:
+                lock_error = e
+        if D.any_rank(lock_error is not None, self.dist):
+            raise lock_error or CheckpointError(f"{self.run_dir} is in use by another trainer")
+        old_handlers: dict[int, Any] = {}
+        try:
+            target_step = self._pick_resume_target()
+            if self.dist.is_main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self._write_run_records()
+                if target_step >= 0:  # a resumed run continues the same W&B run
+                    with contextlib.suppress(CheckpointError):
+                        self.wandb_run_id = self.ckpt.read_meta(target_step).get("wandb_run_id")
+                self.logger = self._build_logger()
+                self.wandb_run_id = self.logger.wandb_run_id or self.wandb_run_id
+            self._apply_resume(target_step)
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    old_handlers[sig] = signal.signal(sig, self._on_signal)
+            if self.dist.is_main:
+                what = "resumed" if self.step else "start"
+                self.logger.event(
+                    self.step,
+                    "start",
+                    f"{what} at step {self.step} -> {target} on "
+                    f"{self.dist.world_size} x {self.device}; {self._tokens_per_step:,} tokens/step",
+                    tokens_total=self.tokens_seen,
+                )
+            self.logger.restart_window()
+            stopped = False
+            self.history = []
+            while self.step < target:
+                if not self.train_step():
+                    continue
+                t0 = time.time()
+                if self.step % tc.save_every == 0:
+                    self.save_checkpoint()
+                if tc.eval_every and self.step % tc.eval_every == 0:
+                    self.evaluate()
+                self.logger.exclude_time(time.time() - t0)
+                if D.any_rank(self._stop.is_set(), self.dist):
+                    stopped = True
+                    break
+            self.logger.flush()
+            if self.step > 0 and self._last_saved != self.step:
+                self.save_checkpoint()
+            if self.dist.is_main:
+                if stopped:
+                    self.logger.event(
+                        self.step,
+                        "stop",
+                        f"stopped by signal at step {self.step}; checkpoint "
+                        f"saved, `mamba3lite train` resumes from it",
+                        tokens_total=self.tokens_seen,
+                    )
+                else:
+                    self.logger.event(
+                        self.step, "end", f"reached step {self.step}", tokens_total=self.tokens_seen
+                    )
+            return TrainResult(
+                step=self.step,
+                tokens_seen=self.tokens_seen,
+                stopped=stopped,
+                history=list(self.history),
+                last_eval=self.last_eval,
+                steady_tokens_per_s=self.logger.steady_tokens_per_s(),
+                rollbacks=self.rollbacks,
+            )
+        finally:
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
+            self.logger.close()
+            lock.release()
+
+    def _build_logger(self) -> TrainingLogger:
+        tc = self.tc
+        flops = None
+        try:
+            from mamba3lite.model import model_flops_per_token
+
+            flops = model_flops_per_token(self.cfg.model, tc.max_seq_len)["train"]
+        except (ImportError, KeyError):
+            pass
+        return build_logger(
+            self.run_dir,
+            log_every=tc.log_every,
+            flops_per_token=flops,
+            peak_flops_per_s=peak_flops(self.device, tc.peak_tflops),
+            device=self.device,
+            max_steps=tc.max_steps,
+            start_step=self.step,
+            progress=tc.progress,
+            wandb_run_id=self.wandb_run_id,
+            config=self.cfg.to_dict(),
+        )
