@@ -98,6 +98,15 @@ def test_exact_resume_across_an_epoch_boundary():
     assert first + rest == uninterrupted
 
 
+def test_load_into_a_sampler_that_already_ran():
+    uninterrupted, _ = global_batches(50, 8, 1, 12, seed=4)
+    _, state = global_batches(50, 8, 1, 3, seed=4)
+    s = WindowSampler(50, 8, seed=77)
+    take(s, 4)  # caches seed 77's order for epoch 0
+    s.load_state_dict(state)
+    assert take(s, 9) == uninterrupted[3:]
+
+
 def test_resume_on_a_changed_world_size():
     n, G = 200, 12
     uninterrupted, _ = global_batches(n, G, 1, 40, seed=8)

@@ -78,7 +78,7 @@ class WindowSampler:
         self.consumed = 0
         self.windows_dropped = 0  # total over the epochs this sampler has started (the tails skipped)
         self._reported_epoch: int | None = None
-        self._perm_epoch: int | None = None
+        self._perm_key: tuple[int, int] | None = None
         self._perm: np.ndarray | None = None
         self.set_world(rank, world_size)
 
@@ -110,9 +110,10 @@ class WindowSampler:
         self.rank, self.world_size = rank, world_size
 
     def _order(self, epoch: int) -> np.ndarray:
-        if self._perm_epoch != epoch:  # one permutation per epoch, cached: O(n_windows) once, not per batch
+        key = (self.seed, epoch)
+        if self._perm_key != key:  # one permutation per epoch, cached: O(n_windows) once, not per batch
             self._perm = epoch_permutation(self.n_windows, self.seed, epoch, self.shuffle)
-            self._perm_epoch = epoch
+            self._perm_key = key
         assert self._perm is not None
         return self._perm
 
@@ -170,7 +171,6 @@ class WindowSampler:
                 f"windows: the checkpoint was made on different data or a different max_seq_len"
             )
         self.seed, self.epoch, self.consumed = state["seed"], state["epoch"], state["consumed"]
-        self._perm_epoch, self._perm = None, None
         self._reported_epoch = None
 
     def __repr__(self) -> str:
