@@ -1,0 +1,263 @@
+"""Pretrainer: exact resume, NaN guard (skip, rollback, limits), explicit --resume N, lock, evaluation.
+
+A tiny real Mamba-3 model (fp32, CPU) on seeded dummy tokens or on a small dataset written through
+`shards.write_shard` + `Manifest`, so every test runs the real loop in a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from mamba3lite.config import Config
+from mamba3lite.data.shards import Manifest, dtype_for_vocab, write_shard
+from mamba3lite.errors import CheckpointError, TrainingError
+from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
+from mamba3lite.train.trainer import INJECT_ENV, Pretrainer, parse_injection
+
+VOCAB = 64
+
+
+def tiny_config(run_dir, **training) -> Config:
+    cfg = Config().replace(
+        "model",
+        vocab_size=VOCAB,
+        d_model=16,
+        n_layers=1,
+        d_intermediate=32,
+        d_state=8,
+        headdim=8,
+        chunk_size=8,
+        eos_id=0,
+    )
+    base = dict(
+        max_seq_len=16,
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        warmup_steps=2,
+        lr=1e-2,
+        min_lr=1e-3,
+        log_every=1,
+        save_every=1000,
+        eval_every=0,
+        eval_batches=2,
+        dtype="fp32",
+        device="cpu",
+        checkpoint_dir=str(run_dir),
+        keep_last_n=0,
+        progress=False,
+    )
+    base.update(training)
+    return cfg.replace("training", **base).replace("data", dummy=True)
+
+
+def make_dataset(root, n_train: int = 4000, n_val: int = 600, seed: int = 0) -> str:
+    """A prepared-dataset directory (manifest + train/val shards) with a learnable pattern."""
+    rng = np.random.default_rng(seed)
+    dtype = dtype_for_vocab(VOCAB)
+    shards = []
+    for split, n in (("train", n_train), ("val", n_val)):
+        tokens = (np.arange(n) * 7 + rng.integers(0, 3, n)) % (VOCAB - 1) + 1
+        tokens[::50] = 0  # "EOS"
+        shards.append(
+            write_shard(
+                root,
+                f"{split}/shard_00000.bin",
+                tokens,
+                split=split,
+                n_docs=n // 50,
+                n_bytes=3 * n,
+                dtype=dtype,
+            )
+        )
+    Manifest(
+        vocab_size=VOCAB,
+        eos_id=0,
+        dtype="uint16",
+        tokenizer={"name": "test", "vocab_hash": "ab" * 32},
+        shards=shards,
+    ).save(root)
+    return str(root)
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(trainer: Pretrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
+
+
+def test_parse_injection():
+    assert parse_injection("3, 10:3,r1@20") == {3, 10, 11, 12}
+    assert parse_injection("3,r1@20:2", rank=1) == {3, 20, 21}
+    assert parse_injection("") == set()
+
+
+def test_exact_resume_bit_for_bit(tmp_path):
+    full = Pretrainer(tiny_config(tmp_path / "a"))
+    r_full = full.train()
+    assert r_full.step == 6 and len(r_full.history) == 6
+
+    first = Pretrainer(tiny_config(tmp_path / "b"))
+    r1 = first.train(until_step=3)
+    assert r1.step == 3 and CheckpointManager(tmp_path / "b").latest_step() == 3
+    second = Pretrainer(tiny_config(tmp_path / "b"))  # resume="latest"
+    r2 = second.train()
+    assert [s for s, _ in r1.history + r2.history] == [1, 2, 3, 4, 5, 6]
+    assert [loss for _, loss in r1.history + r2.history] == [loss for _, loss in r_full.history]
+    w_full, w_resumed = weights(full), weights(second)
+    assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)
+    assert second.sampler.state_dict() == full.sampler.state_dict()
+    assert second.tokens_seen == full.tokens_seen == 6 * 2 * 2 * 16
+    events = [r["event"] for r in metrics(tmp_path / "b") if r["kind"] == "event"]
+    assert "resume" in events
+
+
+def test_nan_skip_leaves_optimizer_untouched_and_is_logged(tmp_path, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "2")  # micro-step 2 = first micro-step of step 2
+    t = Pretrainer(tiny_config(tmp_path, gradient_accumulation_steps=1))
+    result = t.train()
+    # step 2's only micro-step was skipped: 6 optimizer steps still happen, from 7 batches
+    assert result.step == 6 and t.micro_count == 7
+    state = t.optimizer.state[t.params[0]]
+    assert int(state["step"]) == 6
+    assert all(torch.isfinite(p).all() for p in t.raw_model.parameters())
+    rows = metrics(tmp_path)
+    assert sum(r.get("event") == "nan_skip" for r in rows) == 1
+    assert sum(r.get("skipped", 0) for r in rows if r["kind"] == "train") == 1
+
+
+def test_partial_skip_equals_training_on_the_good_micro_batch(tmp_path, monkeypatch):
+    # accumulation 2 with micro-step 1 skipped == the step's gradient is the good micro-batch's alone
+    monkeypatch.setenv(INJECT_ENV, "1")
+    a = Pretrainer(tiny_config(tmp_path / "a", max_steps=1))
+    a.train()
+    monkeypatch.delenv(INJECT_ENV)
+    b = Pretrainer(tiny_config(tmp_path / "b", max_steps=1))
+    indices = b._next_indices()
+    x, y = b._batch(indices[:2])
+    b.raw_model(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(b.params, b.tc.grad_clip)
+    from mamba3lite.train.optim import lr_at, set_lr
+
+    set_lr(b.optimizer, lr_at(0, **b._sched_kw()))
+    b.optimizer.step()
+    wa, wb = weights(a), weights(b)
+    assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-7) for k in wa)
+
+
+def test_rollback_after_consecutive_nan_then_continue(tmp_path, monkeypatch):
+    # save at 2 and 4; micro-steps 10..12 (steps 6-7) are bad -> roll back to step 4 and go on
+    monkeypatch.setenv(INJECT_ENV, "10:3")
+    t = Pretrainer(tiny_config(tmp_path, max_steps=8, save_every=2, nan_guard_max_consecutive=3))
+    result = t.train()
+    assert result.step == 8 and result.rollbacks == 1
+    rows = metrics(tmp_path)
+    (rb,) = [r for r in rows if r.get("event") == "rollback"]
+    assert rb["step"] == 4 and "rolled back to step 4" in rb["message"]
+    superseded = [r for r in rows if r.get("superseded")]
+    assert superseded and all(r["step"] > 4 for r in superseded)
+    live_train_steps = [r["step"] for r in rows if r["kind"] == "train" and not r.get("superseded")]
+    assert live_train_steps == list(range(1, 9))
+
+
+def test_nan_without_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "0:3")
+    t = Pretrainer(tiny_config(tmp_path, nan_guard_max_consecutive=3))
+    with pytest.raises(TrainingError, match="no checkpoint"):
+        t.train()
+
+
+def test_rollbacks_without_progress_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "8:1000")  # from step 5 on, every micro-step is bad
+    t = Pretrainer(
+        tiny_config(tmp_path, max_steps=10, save_every=2, nan_guard_max_consecutive=2, max_rollbacks=2)
+    )
+    with pytest.raises(TrainingError, match="max_rollbacks = 2"):
+        t.train()
+    assert t.rollbacks == 2
+    assert CheckpointManager(tmp_path).latest_step() == 4
+
+
+def test_explicit_resume_loads_exactly_that_step(tmp_path):
+    run = tmp_path / "run"
+    a = Pretrainer(tiny_config(run, max_steps=6, save_every=2))
+    ra = a.train()
+    b = Pretrainer(tiny_config(run, max_steps=6, save_every=2), resume=2)
+    rb = b.train(until_step=4)
+    assert rb.history[0][0] == 3  # resumed at 2, not at the latest (6)
+    assert rb.history == ra.history[2:4]  # the same data order and state as the first timeline
+    assert (run / "superseded" / "model_step_6.safetensors").exists()
+    assert CheckpointManager(run).list_steps() == [2, 4]
+    rows = metrics(run)
+    assert any(r.get("superseded") and r["step"] == 6 for r in rows)
+    with pytest.raises(CheckpointError, match="step 5"):
+        Pretrainer(tiny_config(run, max_steps=6), resume=5).train()
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
+    Pretrainer(tiny_config(tmp_path, max_steps=1)).train()
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        Pretrainer(tiny_config(tmp_path, max_steps=2), resume="none").train()
+
+
+def test_second_trainer_on_the_same_directory_is_refused(tmp_path):
+    first = Pretrainer(tiny_config(tmp_path, max_steps=4))
+    reached, release = threading.Event(), threading.Event()
+    original = first.train_step
+
+    def gated() -> bool:
+        if first.step == 2:
+            reached.set()
+            release.wait(timeout=60)
+        return original()
+
+    first.train_step = gated
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", first.train()))
+    thread.start()
+    assert reached.wait(timeout=60)
+    try:
+        with pytest.raises(CheckpointError, match="in use by another trainer"):
+            Pretrainer(tiny_config(tmp_path, max_steps=4)).train()
+    finally:
+        release.set()
+        thread.join(timeout=120)
+    assert out["r"].step == 4 and CheckpointManager(tmp_path).latest_step() == 4
+
+
+def test_evaluation_on_manifest_val_split_with_bits_per_byte(tmp_path):
+    data = make_dataset(tmp_path / "data")
+    cfg = tiny_config(tmp_path / "run", max_steps=4, eval_every=2).replace(
+        "data", dummy=False, train_data_path=data
+    )
+    t = Pretrainer(cfg)
+    result = t.train()
+    evals = [r for r in metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    ev = evals[-1]
+    assert ev["val_bpb"] == pytest.approx(ev["val_loss"] / np.log(2) / 3.0)
+    assert ev["val_ppl"] == pytest.approx(np.exp(ev["val_loss"]))
+    assert result.last_eval["val_loss"] == ev["val_loss"]
+    meta = json.loads(checkpoint_files(tmp_path / "run", 4)["meta"].read_text())
+    assert meta["data"]["vocab_hash"] == "ab" * 32 and meta["data"]["tokenizer"] == "test"
+    assert meta["data"]["vocab_size"] == VOCAB and meta["sampler"] and meta["rng"]["torch"]
+    run_info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run_info["data_manifest_sha256"] and run_info["code_version"]["package"]
+    assert (tmp_path / "run" / "config.yaml").read_text().count("train_data_path") == 1
+
+
+def test_logged_tokens_per_second_counts_accumulation(tmp_path):
+    t = Pretrainer(tiny_config(tmp_path, max_steps=4, log_every=2))
+    t.train()
+    rows = [r for r in metrics(tmp_path) if r["kind"] == "train"]
+    assert [r["tokens"] for r in rows] == [2 * 64, 4 * 64]  # micro 2 x accum 2 x seq 16 per step
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(2 * 64 / r["window_seconds"])
+    assert rows[0]["warmup_window"] is True and "warmup_window" not in rows[1]
