@@ -1,0 +1,137 @@
+"""Config: defaults, validation naming the field, YAML, typed --set overrides, did-you-mean, reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from mamba3lite.config import (
+    PRESET_DIR,
+    Config,
+    DataConfig,
+    TrainingConfig,
+    available_presets,
+    config_reference_markdown,
+    load_config,
+    resolve_preset,
+    write_resolved_config,
+)
+from mamba3lite.errors import ConfigError
+from mamba3lite.model import ModelConfig
+
+
+def test_seed_defaults():
+    t = TrainingConfig()
+    assert (t.max_seq_len, t.micro_batch_size, t.gradient_accumulation_steps) == (2048, 16, 2)
+    assert (t.max_steps, t.log_every, t.save_every, t.nan_guard_max_consecutive) == (256_000, 50, 4000, 5)
+    assert DataConfig().train_data_path == "data/pretrain_data.bin"
+    assert t.tokens_per_step() == 65_536 and t.tokens_per_step(world_size=4) == 4 * 65_536
+
+
+def test_every_field_is_documented():
+    for cls in (TrainingConfig, DataConfig, ModelConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.lr=-1", "training.lr must be > 0, got -1"),
+        ("training.min_lr=1", "training.min_lr"),
+        ("training.dtype=fp16", "training.dtype must be one of bf16, fp32"),
+        ("training.betas=0.9,1.5", "training.betas"),
+        ("training.max_steps=abc", "training.max_steps must be an integer"),
+        ("training.compile=maybe", "training.compile must be true or false"),
+        ("training.device=tpu", "training.device"),
+        ("training.micro_batch_size=0", "training.micro_batch_size must be > 0"),
+        ("model.d_model=0", "model.d_model"),
+    ],
+)
+def test_invalid_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as e:
+        Config().with_overrides([override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("training.lrr=1", "`lr`"),
+        ("trainng.lr=1", "`training`"),
+        ("data.train_data_pth=x", "`train_data_path`"),
+        ("model.d_modle=8", "`d_model`"),
+    ],
+)
+def test_unknown_keys_suggest(override, suggestion):
+    with pytest.raises(ConfigError, match=f"did you mean {suggestion}"):
+        Config().with_overrides([override])
+
+
+def test_typed_overrides():
+    cfg = Config().with_overrides(
+        [
+            "training.lr=3e-4",
+            "training.max_steps=1_000",
+            "training.compile=true",
+            "training.betas=[0.8, 0.9]",
+            "data.val_data_path=none",
+            "data.dummy=yes",
+            "model.n_layers=2",
+        ]
+    )
+    t = cfg.training
+    assert t.lr == 3e-4 and isinstance(t.lr, float) and t.max_steps == 1000 and t.compile is True
+    assert t.betas == (0.8, 0.9) and cfg.data.val_data_path is None and cfg.data.dummy is True
+    assert cfg.model.n_layers == 2
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        Config().with_overrides(["training.lr"])
+
+
+def test_yaml_roundtrip_and_unknown_section(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"d_model": 64, "n_layers": 2},
+                "training": {"lr": "1e-3"},
+                "data": {"train_data_path": "somewhere"},
+            }
+        )
+    )
+    cfg = load_config(p, ["training.max_steps=7"])
+    assert cfg.model.d_model == 64 and cfg.training.lr == 1e-3 and cfg.training.max_steps == 7
+    assert cfg.data.train_data_path == "somewhere"
+    out = tmp_path / "run" / "config.yaml"
+    write_resolved_config(cfg, out)
+    assert load_config(out) == cfg  # every field written, read back identical
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    p.write_text("trainig:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match="did you mean `training`"):
+        load_config(p)
+    p.write_text("training: [1, 2]\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(p)
+    p.write_text("training: {lr: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_presets_by_name_and_missing(tmp_path):
+    with pytest.raises(ConfigError, match="config not found"):
+        resolve_preset(tmp_path / "nope.yaml")
+    for name in available_presets():
+        assert resolve_preset(name) == PRESET_DIR / f"{name}.yaml"
+        cfg = load_config(name)  # every packaged preset loads and validates
+        assert cfg.training.max_seq_len >= 1
+
+
+def test_reference_markdown_covers_every_field():
+    md = config_reference_markdown()
+    for section, cls in (("model", ModelConfig), ("training", TrainingConfig), ("data", DataConfig)):
+        assert f"### `{section}:`" in md
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}` |" in md
+    assert "| `lr` | float | `0.0015` | peak learning rate" in md
