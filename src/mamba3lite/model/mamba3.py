@@ -47,42 +47,42 @@ def heavy_tail(a: Tensor) -> Tensor:
     return torch.where(a >= 0, 1 + a, 1 / (1 - a.clamp(max=0)))
 
 
-def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """R(θ) on channel pairs (2i, 2i+1), i < S; channels ≥ 2S pass through. cos/sin broadcast to (.., S)."""
-    S = cos.shape[-1]
-    a, b = x[..., : 2 * S : 2], x[..., 1 : 2 * S : 2]
-    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-    return torch.cat([rot, x[..., 2 * S :]], dim=-1)
+def rotate_interleaved(x: Tensor, rot: Tensor) -> Tensor:
+    """R(θ) on channel pairs (2i, 2i+1), i < S, as one complex multiply by rot = e^{iθ} (.., S);
+    channels ≥ 2S pass through. x must be fp32/fp64 (the normed, biased B or C)."""
+    S = rot.shape[-1]
+    pairs = torch.view_as_complex(x[..., : 2 * S].unflatten(-1, (S, 2)))
+    return torch.cat([torch.view_as_real(pairs * rot).flatten(-2), x[..., 2 * S :]], dim=-1)
 
 
-def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """R(θ) on channel pairs (i, i + N/2), i < S; the other channels pass through."""
-    S, half = cos.shape[-1], x.shape[-1] // 2
-    a, b = x[..., :S], x[..., half : half + S]
-    return torch.cat([a * cos - b * sin, x[..., S:half], a * sin + b * cos, x[..., half + S :]], dim=-1)
+def rotate_halves(x: Tensor, rot: Tensor) -> Tensor:
+    """R(θ) on channel pairs (i, i + N/2), i < S, via rot = e^{iθ} (.., S); other channels pass through."""
+    S, half = rot.shape[-1], x.shape[-1] // 2
+    r = torch.complex(x[..., :S], x[..., half : half + S]) * rot
+    return torch.cat([r.real, x[..., S:half], r.imag, x[..., half + S :]], dim=-1)
 
 
-def cumulative_angles(dtheta_BTHS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
-    """θ_t = (θ_{t−1} + dθ_t) mod 2π with θ_{−1} = theta0 (or 0), restarting from 0 at resets.
+def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
+    """θ_t = (θ_{t−1} + dθ_t) mod 2π along T with θ_{−1} = theta0 (or 0), restarting from 0 at resets.
 
     The running sum is taken in float64 where the device has it (a long fp32 cumsum loses the angle's
     low bits), then wrapped to [0, 2π) and returned in the dtype of dtheta.
     """
-    wide = torch.float32 if dtheta_BTHS.device.type == "mps" else torch.float64
-    d = dtheta_BTHS.to(wide)
-    cs = torch.cumsum(d, dim=1)
+    wide = torch.float32 if dtheta_BHTS.device.type == "mps" else torch.float64
+    d = dtheta_BHTS.to(wide)
+    cs = torch.cumsum(d, dim=2)
     if theta0_BHS is not None:
-        cs = cs + theta0_BHS.to(wide)[:, None]
+        cs = cs + theta0_BHS.to(wide)[:, :, None]
     if reset_BT is not None:
-        T = d.shape[1]
+        T = d.shape[2]
         # Subtract the exclusive running sum at the latest reset ≤ t (which includes theta0).
         idx_BT = torch.where(reset_BT, torch.arange(T, device=d.device), 0)
         last_BT = torch.cummax(idx_BT, dim=1).values
         excl = cs - d
-        base = torch.gather(excl, 1, last_BT[:, :, None, None].expand_as(excl))
-        has_reset = torch.cumsum(reset_BT.to(torch.int32), dim=1) > 0
-        cs = cs - base * has_reset[:, :, None, None]
-    return torch.remainder(cs, 2 * math.pi).to(dtheta_BTHS.dtype)
+        base = torch.gather(excl, 2, last_BT[:, None, :, None].expand_as(excl))
+        has_reset_BT = torch.cumsum(reset_BT.to(torch.int32), dim=1) > 0
+        cs = cs - base * has_reset_BT[:, None, :, None]
+    return torch.remainder(cs, 2 * math.pi).to(dtheta_BHTS.dtype)
 
 
 @dataclass
@@ -206,106 +206,108 @@ class Mamba3(nn.Module):
         else:
             self._scan = sequential_scan
 
-    # ---- pieces shared by forward and step (any leading shape "..") ----
-    def _project(self, u: Tensor):
-        """in_proj and per-head scalars: z, x (..,H,P), B, C (..,R,G,N), Δ, A, λ (..,H), dθ (..,H,S)."""
-        parts = torch.split(self.in_proj(u), self._split, dim=-1)
+    # ---- pieces shared by forward and step; head-major layout (B, H, T, ...) as the scan wants ----
+    def _project(self, u_BTD: Tensor):
+        """in_proj, split, per-head scalars. Returns z (B,T,E), x (B,T,H,P), B, C (B,T,R,G,N),
+        Δ, A, λ (B,H,T) in ≥ fp32, dθ (B,H,T,S) or None."""
+        parts = torch.split(self.in_proj(u_BTD), self._split, dim=-1)
         z, x, Bp, Cp, a_dt, a_A = parts[:6]
         sd = torch.promote_types(a_dt.dtype, torch.float32)
-        dt = F.softplus(a_dt.to(sd) + self.dt_bias.to(sd))
-        A = -self._f_A(a_A.to(sd)).clamp(min=self.A_floor)
-        lam = torch.sigmoid(parts[6].to(sd)) if self.trapezoid else torch.ones_like(dt)
+        dt = F.softplus(a_dt.transpose(1, 2).to(sd) + self.dt_bias.to(sd)[:, None])
+        A = -self._f_A(a_A.transpose(1, 2).to(sd)).clamp(min=self.A_floor)
+        lam = torch.sigmoid(parts[6].transpose(1, 2).to(sd)) if self.trapezoid else torch.ones_like(dt)
         dtheta = None
         if self.rope:
-            dtheta = math.pi * torch.tanh(parts[-1].to(sd))[..., None, :] * dt[..., :, None]
+            dtheta = math.pi * torch.tanh(parts[-1].to(sd))[:, None] * dt[..., None]
         R, G, N = self.mimo_rank, self.ngroups, self.d_state
         x = x.unflatten(-1, (self.nheads, self.headdim))
-        Bp = Bp.unflatten(-1, (R, G, N))
-        Cp = Cp.unflatten(-1, (R, G, N))
-        return z, x, Bp, Cp, dt, A, lam, dtheta
+        return z, x, Bp.unflatten(-1, (R, G, N)), Cp.unflatten(-1, (R, G, N)), dt, A, lam, dtheta
 
-    def _qk(self, Bp: Tensor, Cp: Tensor, theta: Tensor | None) -> tuple[Tensor, Tensor]:
-        """BCNorm, per-head bias, rotation: (.., R, G, N) -> q, k (.., R, H, N)."""
-        k, q = self.B_norm(Bp), self.C_norm(Cp)
+    def _qk(self, Bp: Tensor, Cp: Tensor, theta_BHTS: Tensor | None) -> tuple[Tensor, Tensor]:
+        """BCNorm, per-head bias, rotation: (B, T, R, G, N) -> q, k (B, H, T, R, N)."""
+        k = self.B_norm(Bp).permute(0, 3, 1, 2, 4)  # (B, G, T, R, N)
+        q = self.C_norm(Cp).permute(0, 3, 1, 2, 4)
         if self.ngroups > 1:  # head h reads group h // (H / G)
-            k = k.repeat_interleave(self.nheads // self.ngroups, dim=-2)
-            q = q.repeat_interleave(self.nheads // self.ngroups, dim=-2)
-        k = k + self.B_bias.transpose(0, 1).to(k.dtype)
-        q = q + self.C_bias.transpose(0, 1).to(q.dtype)
-        if theta is not None:
-            cos, sin = torch.cos(theta).unsqueeze(-3), torch.sin(theta).unsqueeze(-3)  # (.., 1, H, S)
-            k, q = self._rotate(k, cos, sin), self._rotate(q, cos, sin)
+            k = k.repeat_interleave(self.nheads // self.ngroups, dim=1)
+            q = q.repeat_interleave(self.nheads // self.ngroups, dim=1)
+        k = k + self.B_bias[:, None].to(k.dtype)
+        q = q + self.C_bias[:, None].to(q.dtype)
+        if theta_BHTS is not None:
+            rot = torch.polar(torch.ones_like(theta_BHTS), theta_BHTS)[:, :, :, None]  # e^{iθ}, (B,H,T,1,S)
+            k, q = self._rotate(k, rot), self._rotate(q, rot)
         return q, k
 
-    def _values(self, x: Tensor) -> Tensor:
-        """x (.., H, P) -> v (.., R, H, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""
+    def _values(self, x_BTHP: Tensor) -> Tensor:
+        """x -> v (B, H, T, R, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""
+        x = x_BTHP.transpose(1, 2).unsqueeze(3)
         if self.is_mimo:
-            return x.unsqueeze(-3) * self.mimo_x.transpose(0, 1).to(x.dtype)
-        return x.unsqueeze(-3)
+            return x * self.mimo_x[:, None].to(x.dtype)
+        return x.contiguous()
 
-    def _output(self, y: Tensor, v: Tensor, z: Tensor) -> Tensor:
-        """y (.., R, H, P) -> (.., D): + D·v, optional per-head RMSNorm, ⊙ SiLU(z), Σ_r mimo_o, out_proj."""
-        y = y + self.D[:, None].to(y.dtype) * v
+    def _cache_values(self, x_BHP: Tensor) -> Tensor:
+        """Cached raw x (B, H, P) -> v_prev (B, R, H, P)."""
+        if self.is_mimo:
+            return x_BHP[:, None] * self.mimo_x.transpose(0, 1).to(x_BHP.dtype)
+        return x_BHP[:, None]
+
+    def _output(self, y_BHTRP: Tensor, v_BHTRP: Tensor, z_BTE: Tensor) -> Tensor:
+        """+ D·v, optional per-head RMSNorm, ⊙ SiLU(z), Σ_r mimo_o, out_proj: -> (B, T, D)."""
+        H, P = self.nheads, self.headdim
+        y = torch.addcmul(y_BHTRP, self.D[:, None, None, None].to(y_BHTRP.dtype), v_BHTRP)
         if self.is_outproj_norm:
-            w = self.norm.weight.view(self.nheads, self.headdim)
-            y = F.rms_norm(y, (self.headdim,), eps=self.norm.eps) * w.to(y.dtype)
-        zr = z.unflatten(-1, (self.nheads, self.headdim)).unsqueeze(-3)
+            y = F.rms_norm(y, (P,), eps=self.norm.eps) * self.norm.weight.view(H, 1, 1, P).to(y.dtype)
+        zr = z_BTE.unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
         if self.is_mimo:
-            zr = zr * self.mimo_z.transpose(0, 1).to(zr.dtype)
+            zr = zr * self.mimo_z[:, None].to(zr.dtype)
         y = y * F.silu(zr)
-        if self.is_mimo:
-            y = (y * self.mimo_o.transpose(0, 1).to(y.dtype)).sum(-3)
-        else:
-            y = y.squeeze(-3)
-        return self.out_proj(y.flatten(-2))
+        y = (y * self.mimo_o[:, None].to(y.dtype)).sum(3) if self.is_mimo else y.squeeze(3)
+        return self.out_proj(y.transpose(1, 2).flatten(2))
 
     # ---- public ----
     def forward(
         self, u_BTD: Tensor, cache: Mamba3Cache | None = None, reset_BT: Tensor | None = None
     ) -> Tensor:
         z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BTD)
-        theta_BTHS = None
+        theta_BHTS = None
         if dtheta is not None:
-            theta_BTHS = cumulative_angles(dtheta, None if cache is None else cache.angle_BHS, reset_BT)
-        q, k = self._qk(Bp, Cp, theta_BTHS)
+            theta_BHTS = cumulative_angles(dtheta, None if cache is None else cache.angle_BHS, reset_BT)
+        q, k = self._qk(Bp, Cp, theta_BHTS)
         v = self._values(x_BTHP)
         init = {}
         if cache is not None:
-            init = {
-                "h0_BHPN": cache.ssm_BHPN,
-                "k_prev_BRHN": cache.k_BRHN,
-                "v_prev_BRHP": self._values(cache.v_BHP),
-            }
+            v_prev = self._cache_values(cache.v_BHP)
+            init = {"h0_BHPN": cache.ssm_BHPN, "k_prev_BRHN": cache.k_BRHN, "v_prev_BRHP": v_prev}
         y, h_BHPN = self._scan(q, k, v, A * dt, dt, lam, reset_BT=reset_BT, **init)
         if cache is not None and u_BTD.shape[1] > 0:
             with torch.no_grad():
-                if theta_BTHS is not None:
-                    cache.angle_BHS.copy_(theta_BTHS[:, -1])
+                if theta_BHTS is not None:
+                    cache.angle_BHS.copy_(theta_BHTS[:, :, -1])
                 cache.ssm_BHPN.copy_(h_BHPN)
-                cache.k_BRHN.copy_(k[:, -1])
+                cache.k_BRHN.copy_(k[:, :, -1].transpose(1, 2))
                 cache.v_BHP.copy_(x_BTHP[:, -1])
         return self._output(y, v, z)
 
     def step(self, u_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None = None) -> Tensor:
-        z, x_BHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BD)
-        theta_BHS = None
+        z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BD[:, None])  # T = 1
+        theta_BHTS = None
         if dtheta is not None:
-            prev = cache.angle_BHS.to(dtheta.dtype)
+            prev_BHS = cache.angle_BHS.to(dtheta.dtype)
             if reset_B is not None:
-                prev = prev * (~reset_B).to(prev.dtype)[:, None, None]
-            theta_BHS = torch.remainder(prev + dtheta, 2 * math.pi)
-        q, k = self._qk(Bp, Cp, theta_BHS)
-        v = self._values(x_BHP)
-        y, h_BHPN = scan_step(
-            q, k, v, A * dt, dt, lam, cache.ssm_BHPN, cache.k_BRHN, self._values(cache.v_BHP), reset_B
-        )
+                prev_BHS = prev_BHS * (~reset_B).to(prev_BHS.dtype)[:, None, None]
+            theta_BHTS = torch.remainder(prev_BHS[:, :, None] + dtheta, 2 * math.pi)
+        q, k = self._qk(Bp, Cp, theta_BHTS)
+        v = self._values(x_BTHP)
+        y_BHRP, h_BHPN = scan_step(
+            q[:, :, 0], k[:, :, 0], v[:, :, 0], (A * dt)[:, :, 0], dt[:, :, 0], lam[:, :, 0],
+            cache.ssm_BHPN, cache.k_BRHN, self._cache_values(cache.v_BHP), reset_B,
+        )  # fmt: skip
         with torch.no_grad():
-            if theta_BHS is not None:
-                cache.angle_BHS.copy_(theta_BHS)
+            if theta_BHTS is not None:
+                cache.angle_BHS.copy_(theta_BHTS[:, :, 0])
             cache.ssm_BHPN.copy_(h_BHPN)
-            cache.k_BRHN.copy_(k)
-            cache.v_BHP.copy_(x_BHP)
-        return self._output(y, v, z)
+            cache.k_BRHN.copy_(k[:, :, 0].transpose(1, 2))
+            cache.v_BHP.copy_(x_BTHP[:, 0])
+        return self._output(y_BHRP[:, :, None], v, z)[:, 0]
 
     def allocate_cache(self, batch_size: int, device=None, dtype=None) -> Mamba3Cache:
         """Zero decode state for `batch_size` rows. dtype: model dtype (default: in_proj's); states ≥ fp32."""

@@ -14,6 +14,8 @@ gate and output projection are the mixer's. SISO is R = 1.
 
 Reset: `reset_BT[b, t]` true means token t starts a fresh state (α_t = β_t = 0), used for packed
 documents. Shapes: B batch, T time, R MIMO rank, H heads, P head dim, N state size, L chunk length.
+Layout is head-major, (B, H, T, R, ·), so that the chunked scan's chunk view needs no copy; the decode
+state uses the official cache layout (k_prev (B, R, H, N), v_prev (B, R, H, P), h (B, H, P, N)).
 
 Dtypes: decay exponents, cumulative sums and states are kept in at least fp32 (float64 when the inputs
 are float64); the matmuls run in the inputs' dtype or the autocast dtype.
@@ -38,9 +40,9 @@ def _mm(a: Tensor, b: Tensor) -> Tensor:
 
 
 def scan_step(
-    q_BRHN: Tensor,
-    k_BRHN: Tensor,
-    v_BRHP: Tensor,
+    q_BHRN: Tensor,
+    k_BHRN: Tensor,
+    v_BHRP: Tensor,
     adt_BH: Tensor,
     dt_BH: Tensor,
     lam_BH: Tensor,
@@ -49,7 +51,7 @@ def scan_step(
     v_prev_BRHP: Tensor,
     reset_B: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One token of the recurrence (decode, MAMBA3.md §4 step 3-4). Returns (y_BRHP, new h_BHPN).
+    """One token of the recurrence (decode, MAMBA3.md §4 step 3-4). Returns (y_BHRP, new h_BHPN).
 
     O(1) in the context length; h is returned as a new tensor (the caller stores it).
     """
@@ -61,20 +63,20 @@ def scan_step(
         keep = (~reset_B).to(sd)[:, None]
         alpha, beta = alpha * keep, beta * keep
     prev_BHPN = torch.einsum("brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
-    cur_BHPN = torch.einsum("brhp,brhn->bhpn", v_BRHP.to(sd), k_BRHN.to(sd))
+    cur_BHPN = torch.einsum("bhrp,bhrn->bhpn", v_BHRP.to(sd), k_BHRN.to(sd))
     h = alpha[..., None, None] * h_BHPN.to(sd) + beta[..., None, None] * prev_BHPN
     h = h + (lam * dt)[..., None, None] * cur_BHPN
-    y_BRHP = torch.einsum("bhpn,brhn->brhp", h, q_BRHN.to(sd))
-    return y_BRHP, h
+    y_BHRP = torch.einsum("bhpn,bhrn->bhrp", h, q_BHRN.to(sd))
+    return y_BHRP, h
 
 
 def sequential_scan(
-    q_BTRHN: Tensor,
-    k_BTRHN: Tensor,
-    v_BTRHP: Tensor,
-    adt_BTH: Tensor,
-    dt_BTH: Tensor,
-    lam_BTH: Tensor,
+    q_BHTRN: Tensor,
+    k_BHTRN: Tensor,
+    v_BHTRP: Tensor,
+    adt_BHT: Tensor,
+    dt_BHT: Tensor,
+    lam_BHT: Tensor,
     *,
     h0_BHPN: Tensor | None = None,
     k_prev_BRHN: Tensor | None = None,
@@ -83,44 +85,48 @@ def sequential_scan(
 ) -> tuple[Tensor, Tensor]:
     """The executable definition: a loop over time of the equations in the module docstring.
 
-    Returns (y_BTRHP in the state dtype, final state h_BHPN). `h0`, `k_prev`, `v_prev` are the decode
+    Returns (y_BHTRP in the state dtype, final state h_BHPN). `h0`, `k_prev`, `v_prev` are the decode
     state before token 0 (zeros when None). Slow (T Python iterations): tests and benchmarks only.
     """
-    Bsz, T, R, H, N = q_BTRHN.shape
-    P = v_BTRHP.shape[-1]
-    sd = _state_dtype(adt_BTH.dtype)
-    dev = q_BTRHN.device
+    Bsz, H, T, R, N = q_BHTRN.shape
+    P = v_BHTRP.shape[-1]
+    sd = _state_dtype(adt_BHT.dtype)
+    dev = q_BHTRN.device
     h = torch.zeros(Bsz, H, P, N, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd)
-    k_prev = torch.zeros(Bsz, R, H, N, dtype=sd, device=dev) if k_prev_BRHN is None else k_prev_BRHN.to(sd)
-    v_prev = torch.zeros(Bsz, R, H, P, dtype=sd, device=dev) if v_prev_BRHP is None else v_prev_BRHP.to(sd)
-    adt, dt, lam = adt_BTH.to(sd), dt_BTH.to(sd), lam_BTH.to(sd)
+    if k_prev_BRHN is None:
+        k_prev = torch.zeros(Bsz, H, R, N, dtype=sd, device=dev)
+        v_prev = torch.zeros(Bsz, H, R, P, dtype=sd, device=dev)
+    else:
+        assert v_prev_BRHP is not None
+        k_prev, v_prev = k_prev_BRHN.transpose(1, 2).to(sd), v_prev_BRHP.transpose(1, 2).to(sd)
+    adt, dt, lam = adt_BHT.to(sd), dt_BHT.to(sd), lam_BHT.to(sd)
     ys = []
     for t in range(T):
-        alpha_BH = torch.exp(adt[:, t])
-        beta_BH = (1 - lam[:, t]) * dt[:, t] * alpha_BH
-        gamma_BH = lam[:, t] * dt[:, t]
+        alpha_BH = torch.exp(adt[:, :, t])
+        beta_BH = (1 - lam[:, :, t]) * dt[:, :, t] * alpha_BH
+        gamma_BH = lam[:, :, t] * dt[:, :, t]
         if reset_BT is not None:
             keep = (~reset_BT[:, t]).to(sd)[:, None]
             alpha_BH, beta_BH = alpha_BH * keep, beta_BH * keep
-        k_t, v_t, q_t = k_BTRHN[:, t].to(sd), v_BTRHP[:, t].to(sd), q_BTRHN[:, t].to(sd)
+        k_t, v_t, q_t = k_BHTRN[:, :, t].to(sd), v_BHTRP[:, :, t].to(sd), q_BHTRN[:, :, t].to(sd)
         h = (
             alpha_BH[..., None, None] * h
-            + beta_BH[..., None, None] * torch.einsum("brhp,brhn->bhpn", v_prev, k_prev)
-            + gamma_BH[..., None, None] * torch.einsum("brhp,brhn->bhpn", v_t, k_t)
+            + beta_BH[..., None, None] * torch.einsum("bhrp,bhrn->bhpn", v_prev, k_prev)
+            + gamma_BH[..., None, None] * torch.einsum("bhrp,bhrn->bhpn", v_t, k_t)
         )
-        ys.append(torch.einsum("bhpn,brhn->brhp", h, q_t))
+        ys.append(torch.einsum("bhpn,bhrn->bhrp", h, q_t))
         k_prev, v_prev = k_t, v_t
-    y = torch.stack(ys, dim=1) if ys else q_BTRHN.new_zeros(Bsz, 0, R, H, P, dtype=sd)
+    y = torch.stack(ys, dim=2) if ys else q_BHTRN.new_zeros(Bsz, H, 0, R, P, dtype=sd)
     return y, h
 
 
 def chunked_scan(
-    q_BTRHN: Tensor,
-    k_BTRHN: Tensor,
-    v_BTRHP: Tensor,
-    adt_BTH: Tensor,
-    dt_BTH: Tensor,
-    lam_BTH: Tensor,
+    q_BHTRN: Tensor,
+    k_BHTRN: Tensor,
+    v_BHTRP: Tensor,
+    adt_BHT: Tensor,
+    dt_BHT: Tensor,
+    lam_BHT: Tensor,
     *,
     chunk_size: int,
     h0_BHPN: Tensor | None = None,
@@ -141,50 +147,43 @@ def chunked_scan(
     into scale_s makes the carry S = h_end + (1 − λ_next) Δ_next v_end k_endᵀ, which a single
     multiply-add per chunk propagates: S ← e^{cs_last} S + Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ.
     At the sequence end "next" is past the end (weight 0), so the returned state is the true h_T.
-    Resets cut the decay mask between segments (the (−inf) log-decay never enters a subtraction).
+    Resets cut the decay mask between segments (no (−inf) log-decay ever enters a subtraction).
+    Under autocast the (L, L) weights are cast to the autocast dtype before they scale the scores, as
+    flash-style kernels do; exponents, cumulative sums and the carried state stay fp32.
     """
-    Bsz, T, R, H, N = q_BTRHN.shape
-    P = v_BTRHP.shape[-1]
-    if T == 0:  # nothing to scan; the state only absorbs nothing (the β term needs a next token)
-        return sequential_scan(
-            q_BTRHN,
-            k_BTRHN,
-            v_BTRHP,
-            adt_BTH,
-            dt_BTH,
-            lam_BTH,
-            h0_BHPN=h0_BHPN,
-            k_prev_BRHN=k_prev_BRHN,
-            v_prev_BRHP=v_prev_BRHP,
-            reset_BT=reset_BT,
-        )
+    Bsz, H, T, R, N = q_BHTRN.shape
+    P = v_BHTRP.shape[-1]
+    init = {"h0_BHPN": h0_BHPN, "k_prev_BRHN": k_prev_BRHN, "v_prev_BRHP": v_prev_BRHP}
+    if T == 0:  # nothing to scan: the state is returned unchanged
+        return sequential_scan(q_BHTRN, k_BHTRN, v_BHTRP, adt_BHT, dt_BHT, lam_BHT, reset_BT=reset_BT, **init)
     L = max(1, min(chunk_size, T))
     nc = -(-T // L)
     pad = nc * L - T
-    sd = _state_dtype(adt_BTH.dtype)
-    dev = q_BTRHN.device
+    sd = _state_dtype(adt_BHT.dtype)
+    dev = q_BHTRN.device
+    autocast = torch.is_autocast_enabled(dev.type)
 
-    gamma = lam_BTH.to(sd) * dt_BTH.to(sd)
-    boa = (1 - lam_BTH.to(sd)) * dt_BTH.to(sd)  # β/α = (1 − λ)Δ
-    adt = adt_BTH.to(sd)
+    lam, dt = lam_BHT.to(sd), dt_BHT.to(sd)
+    gamma = lam * dt
+    boa = (1 - lam) * dt  # β/α = (1 − λ)Δ
     if reset_BT is not None:
-        boa = boa * (~reset_BT).to(sd)[:, :, None]
-    boa_next = torch.cat([boa[:, 1:], boa.new_zeros(Bsz, 1, H)], dim=1)
+        boa = boa * (~reset_BT).to(sd)[:, None, :]
+    boa_next = torch.nn.functional.pad(boa[:, :, 1:], (0, 1))
     scale = gamma + boa_next
 
-    def to_chunks_scalar(x_BTH: Tensor) -> Tensor:  # -> (B, H, nc, L)
-        x_BTH = torch.nn.functional.pad(x_BTH, (0, 0, 0, pad))
-        return x_BTH.transpose(1, 2).reshape(Bsz, H, nc, L)
+    def chunks(
+        x: Tensor, *inner: int
+    ) -> Tensor:  # (B, H, T, *inner) -> (B, H, nc, L, *inner), a view if T = nc·L
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0) * len(inner) + (0, pad))
+        return x.reshape(Bsz, H, nc, L, *inner)
 
-    def to_chunks(x_BTRHX: Tensor) -> Tensor:  # -> (B, H, nc, L·R, X)
-        X = x_BTRHX.shape[-1]
-        x = torch.nn.functional.pad(x_BTRHX, (0, 0, 0, 0, 0, 0, 0, pad))
-        return x.view(Bsz, nc, L, R, H, X).permute(0, 4, 1, 2, 3, 5).reshape(Bsz, H, nc, L * R, X)
-
-    cs_BHcL = torch.cumsum(to_chunks_scalar(adt), dim=-1)
-    scale_BHcL = to_chunks_scalar(scale)
-    boa_next_BHcL = to_chunks_scalar(boa_next)
-    q_c, k_c, v_c = to_chunks(q_BTRHN), to_chunks(k_BTRHN), to_chunks(v_BTRHP)
+    cs_BHcL = torch.cumsum(chunks(adt_BHT.to(sd)), dim=-1)
+    scale_BHcL = chunks(scale)
+    boa_next_BHcL = chunks(boa_next)
+    q_c = chunks(q_BHTRN, R, N).view(Bsz, H, nc, L * R, N)
+    k_c = chunks(k_BHTRN, R, N)
+    v_c = chunks(v_BHTRP, R, P).view(Bsz, H, nc, L * R, P)
 
     # Masks: causal (s ≤ t) and, with resets, same segment. seg_t = number of resets in the chunk up to t.
     causal_LL = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
@@ -197,12 +196,14 @@ def chunked_scan(
     else:
         mask = causal_LL
     # e^{cs_t − cs_s} only where s ≤ t: mask the exponent first so no exp of a positive number happens.
-    diff = cs_BHcL[..., :, None] - cs_BHcL[..., None, :]
-    decay_BHcLL = torch.exp(diff.masked_fill(~mask, float("-inf")))
-    # Off-diagonal weight scale_s, diagonal weight γ_t = scale_t − (1 − λ_{t+1}) Δ_{t+1}.
-    W_BHcLL = decay_BHcLL * scale_BHcL[..., None, :] - torch.diag_embed(boa_next_BHcL)
+    W_BHcLL = (cs_BHcL[..., :, None] - cs_BHcL[..., None, :]).masked_fill_(~mask, float("-inf")).exp_()
+    # Off-diagonal weight scale_s; diagonal weight γ_t = scale_t − (1 − λ_{t+1}) Δ_{t+1} (decay 1 there).
+    W_BHcLL = W_BHcLL * scale_BHcL[..., None, :]
+    W_BHcLL.diagonal(dim1=-2, dim2=-1).sub_(boa_next_BHcL)
+    if autocast:
+        W_BHcLL = W_BHcLL.to(torch.get_autocast_dtype(dev.type))
 
-    scores = _mm(q_c, k_c.transpose(-1, -2))  # (B, H, nc, L·R, L·R)
+    scores = _mm(q_c, k_c.view(Bsz, H, nc, L * R, N).transpose(-1, -2))  # (B, H, nc, L·R, L·R)
     if R == 1:
         scores = scores * W_BHcLL
     else:
@@ -217,17 +218,15 @@ def chunked_scan(
     if reset_BT is not None:
         to_end_BHcL = to_end_BHcL * to_end_B1cL
         chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
-    kw = k_c.view(Bsz, H, nc, L, R, N) * (scale_BHcL * to_end_BHcL)[..., None, None]
-    kw = kw.view(Bsz, H, nc, L * R, N)
+    kw = (k_c * (scale_BHcL * to_end_BHcL)[..., None, None].to(k_c.dtype)).view(Bsz, H, nc, L * R, N)
     dS_BHcPN = _mm(v_c.transpose(-1, -2), kw).to(sd)
 
     S = torch.zeros(Bsz, H, P, N, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd)
     if k_prev_BRHN is not None:
         assert v_prev_BRHP is not None
         # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
-        S = S + boa[:, 0, :, None, None] * torch.einsum(
-            "brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd)
-        )
+        prev_BHPN = torch.einsum("brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
+        S = S + boa[:, :, 0, None, None] * prev_BHPN
     starts = []
     for c in range(nc):
         starts.append(S)
@@ -238,8 +237,6 @@ def chunked_scan(
     from_start = torch.exp(cs_BHcL)
     if reset_BT is not None:
         from_start = from_start * from_start_B1cL
-    qS = _mm(q_c, S_BHcPN.transpose(-1, -2))
-    y_inter = qS.view(Bsz, H, nc, L, R, P) * from_start[..., None, None]
-    y = y_intra.view(Bsz, H, nc, L, R, P).to(sd) + y_inter
-    y_BTRHP = y.permute(0, 2, 3, 4, 1, 5).reshape(Bsz, nc * L, R, H, P)[:, :T]
-    return y_BTRHP, h_T
+    qS = _mm(q_c, S_BHcPN.transpose(-1, -2)).view(Bsz, H, nc, L, R, P)
+    y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P).to(sd), qS.to(sd), from_start[..., None, None])
+    return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T
