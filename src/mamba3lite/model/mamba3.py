@@ -239,10 +239,10 @@ class Mamba3(nn.Module):
 
     def _values(self, x_BTHP: Tensor) -> Tensor:
         """x -> v (B, H, T, R, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""
-        x = x_BTHP.transpose(1, 2).unsqueeze(3)
+        x = x_BTHP.transpose(1, 2).contiguous().unsqueeze(3)
         if self.is_mimo:
             return x * self.mimo_x[:, None].to(x.dtype)
-        return x.contiguous()
+        return x
 
     def _cache_values(self, x_BHP: Tensor) -> Tensor:
         """Cached raw x (B, H, P) -> v_prev (B, R, H, P)."""

@@ -171,9 +171,8 @@ def chunked_scan(
     boa_next = torch.nn.functional.pad(boa[:, :, 1:], (0, 1))
     scale = gamma + boa_next
 
-    def chunks(
-        x: Tensor, *inner: int
-    ) -> Tensor:  # (B, H, T, *inner) -> (B, H, nc, L, *inner), a view if T = nc·L
+    def chunks(x: Tensor, *inner: int) -> Tensor:
+        # (B, H, T, *inner) -> (B, H, nc, L, *inner); a free view when T = nc·L and x is contiguous.
         if pad:
             x = torch.nn.functional.pad(x, (0, 0) * len(inner) + (0, pad))
         return x.reshape(Bsz, H, nc, L, *inner)
@@ -181,9 +180,9 @@ def chunked_scan(
     cs_BHcL = torch.cumsum(chunks(adt_BHT.to(sd)), dim=-1)
     scale_BHcL = chunks(scale)
     boa_next_BHcL = chunks(boa_next)
-    q_c = chunks(q_BHTRN, R, N).view(Bsz, H, nc, L * R, N)
+    q_c = chunks(q_BHTRN, R, N).reshape(Bsz, H, nc, L * R, N)
     k_c = chunks(k_BHTRN, R, N)
-    v_c = chunks(v_BHTRP, R, P).view(Bsz, H, nc, L * R, P)
+    v_c = chunks(v_BHTRP, R, P).reshape(Bsz, H, nc, L * R, P)
 
     # Masks: causal (s ≤ t) and, with resets, same segment. seg_t = number of resets in the chunk up to t.
     causal_LL = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
@@ -203,7 +202,7 @@ def chunked_scan(
     if autocast:
         W_BHcLL = W_BHcLL.to(torch.get_autocast_dtype(dev.type))
 
-    scores = _mm(q_c, k_c.view(Bsz, H, nc, L * R, N).transpose(-1, -2))  # (B, H, nc, L·R, L·R)
+    scores = _mm(q_c, k_c.reshape(Bsz, H, nc, L * R, N).transpose(-1, -2))  # (B, H, nc, L·R, L·R)
     if R == 1:
         scores = scores * W_BHcLL
     else:
@@ -218,7 +217,7 @@ def chunked_scan(
     if reset_BT is not None:
         to_end_BHcL = to_end_BHcL * to_end_B1cL
         chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
-    kw = (k_c * (scale_BHcL * to_end_BHcL)[..., None, None].to(k_c.dtype)).view(Bsz, H, nc, L * R, N)
+    kw = (k_c * (scale_BHcL * to_end_BHcL)[..., None, None].to(k_c.dtype)).reshape(Bsz, H, nc, L * R, N)
     dS_BHcPN = _mm(v_c.transpose(-1, -2), kw).to(sd)
 
     S = torch.zeros(Bsz, H, P, N, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd)

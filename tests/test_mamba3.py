@@ -1,0 +1,237 @@
+"""The Mamba-3 mixer (model/mamba3.py): official names and init, the three scans agree through the whole
+layer (float64), decode == forward, ablation switches change the math as specified, bf16 autocast."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mamba3lite.errors import ConfigError
+from mamba3lite.model.mamba3 import Mamba3, cumulative_angles, heavy_tail, rotate_halves, rotate_interleaved
+
+F64 = torch.float64
+D_MODEL = 32
+
+
+def make_layer(seed=0, **kw) -> Mamba3:
+    """A tiny float64 layer whose parameters are all perturbed (so no term is trivially 1 or 0)."""
+    torch.manual_seed(seed)
+    args = {"d_state": 16, "headdim": 8, "chunk_size": 5, **kw}
+    layer = Mamba3(D_MODEL, **args).to(F64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return layer
+
+
+def inputs(B=2, T=23, seed=1):
+    return torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+VARIANTS = [
+    {},
+    {"is_outproj_norm": True},
+    {"is_mimo": True, "mimo_rank": 2},
+    {"is_mimo": True, "mimo_rank": 3, "is_outproj_norm": True},
+    {"ngroups": 2},
+    {"rope_fraction": 1.0, "a_activation": "softplus"},
+]
+
+
+def official_keys(mimo: bool, norm: bool) -> set[str]:
+    keys = {"in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm.weight", "C_norm.weight", "D"}
+    keys |= {"out_proj.weight"}
+    if mimo:
+        keys |= {"mimo_x", "mimo_z", "mimo_o"}
+    if norm:
+        keys |= {"norm.weight"}
+    return keys
+
+
+@pytest.mark.parametrize("mimo", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+def test_official_parameter_names_shapes_and_init(mimo, norm):
+    D, N, P = 64, 32, 16
+    layer = Mamba3(D, d_state=N, headdim=P, is_mimo=mimo, mimo_rank=4, is_outproj_norm=norm)
+    E, H, R, S = 2 * D, 2 * D // P, (4 if mimo else 1), N // 4
+    sd = layer.state_dict()
+    assert set(sd) == official_keys(mimo, norm)
+    assert sd["in_proj.weight"].shape == (2 * E + 2 * N * R + 3 * H + S, D)
+    assert sd["out_proj.weight"].shape == (D, E)
+    assert sd["dt_bias"].shape == sd["D"].shape == (H,)
+    assert sd["B_bias"].shape == sd["C_bias"].shape == (H, R, N)
+    assert sd["B_norm.weight"].shape == sd["C_norm.weight"].shape == (N,)
+    assert torch.equal(sd["B_bias"], torch.ones(H, R, N)) and torch.equal(sd["D"], torch.ones(H))
+    dt0 = F.softplus(sd["dt_bias"])
+    assert (dt0 >= 1e-3 - 1e-7).all() and (dt0 <= 0.1 + 1e-7).all()
+    if mimo:
+        assert sd["mimo_x"].shape == (H, R, P)
+        torch.testing.assert_close(sd["mimo_x"], torch.full((H, R, P), 0.25))
+        torch.testing.assert_close(sd["mimo_z"], torch.ones(H, R, P))
+        torch.testing.assert_close(sd["mimo_o"], torch.full((H, R, P), 0.25))
+    if norm:
+        assert sd["norm.weight"].shape == (E,)
+    no_wd = {name for name, p in layer.named_parameters() if getattr(p, "_no_weight_decay", False)}
+    assert no_wd == {"dt_bias", "D"}
+    # A state_dict written by one layer loads strictly into another and reproduces its outputs.
+    other = Mamba3(D, d_state=N, headdim=P, is_mimo=mimo, mimo_rank=4, is_outproj_norm=norm)
+    other.load_state_dict(sd, strict=True)
+    u = torch.randn(1, 9, D)
+    torch.testing.assert_close(other(u), layer(u))
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "siso")
+def test_forward_chunked_equals_sequential(kw):
+    layer = make_layer(**kw)
+    u = inputs()
+    y = layer(u)
+    layer.set_scan_impl("sequential")
+    torch.testing.assert_close(y, layer(u), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "siso")
+@pytest.mark.parametrize("k", [1, 9])
+def test_prefill_then_steps_equals_forward(kw, k):
+    layer = make_layer(**kw)
+    u = inputs(T=20)
+    reset = torch.zeros(2, 20, dtype=torch.bool)
+    reset[0, 4] = reset[1, 12] = reset[1, 13] = True
+    y = layer(u, reset_BT=reset)
+    cache = layer.allocate_cache(2, dtype=F64)
+    outs = [layer(u[:, :k], cache, reset[:, :k])]
+    outs += [layer.step(u[:, t], cache, reset[:, t])[:, None] for t in range(k, 20)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), y, rtol=1e-10, atol=1e-10)
+
+
+def test_cache_contents_after_prefill():
+    """The four cache tensors hold θ_T, h_T, the biased+rotated k̄_T (B, R, H, N) and the raw x_T."""
+    layer = make_layer(is_mimo=True, mimo_rank=2)
+    u = inputs(T=7)
+    cache = layer.allocate_cache(2, dtype=F64)
+    layer(u, cache)
+    _, x, Bp, Cp, _, _, _, dtheta = layer._project(u)
+    theta = cumulative_angles(dtheta, None, None)
+    _, k = layer._qk(Bp, Cp, theta)
+    torch.testing.assert_close(cache.angle_BHS, theta[:, :, -1])
+    torch.testing.assert_close(cache.k_BRHN, k[:, :, -1].transpose(1, 2))
+    torch.testing.assert_close(cache.v_BHP, x[:, -1])
+    H, P, N = layer.nheads, layer.headdim, layer.d_state
+    assert cache.ssm_BHPN.shape == (2, H, P, N) and cache.ssm_BHPN.abs().max() > 0
+
+
+def test_exponential_euler_ablation_is_mamba2_recurrence():
+    """trapezoid=False: λ ≡ 1, i.e. h_t = e^{ΔA} h_{t−1} + Δ_t x_t k̄_tᵀ, and no λ columns in in_proj."""
+    layer = make_layer(trapezoid=False)
+    ref = make_layer()
+    assert layer.in_proj.weight.shape[0] == ref.in_proj.weight.shape[0] - layer.nheads
+    u = inputs(T=12)
+    z, x, Bp, Cp, dt, A, _, dtheta = layer._project(u)
+    q, k = layer._qk(Bp, Cp, cumulative_angles(dtheta, None, None))
+    v = layer._values(x)
+    h = torch.zeros(2, layer.nheads, layer.headdim, layer.d_state, dtype=F64)
+    ys = []
+    for t in range(12):
+        a = torch.exp(A[:, :, t] * dt[:, :, t])[..., None, None]
+        h = a * h + dt[:, :, t, None, None] * torch.einsum("bhp,bhn->bhpn", v[:, :, t, 0], k[:, :, t, 0])
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, q[:, :, t, 0]))
+    y = torch.stack(ys, dim=2)[:, :, :, None]
+    torch.testing.assert_close(layer(u), layer._output(y, v, z), rtol=1e-10, atol=1e-10)
+
+
+def test_rope_off_is_no_rotation():
+    """rope=False equals the rotating layer whose θ projection is zero (dθ = 0 ⇒ R = I) ..."""
+    plain = make_layer(rope=False)
+    rot = make_layer()
+    S = rot.num_rope_angles
+    assert plain.in_proj.weight.shape[0] == rot.in_proj.weight.shape[0] - S
+    with torch.no_grad():
+        rot.load_state_dict(
+            {k: v for k, v in plain.state_dict().items() if k != "in_proj.weight"}, strict=False
+        )
+        rot.in_proj.weight[:-S] = plain.in_proj.weight
+        rot.in_proj.weight[-S:] = 0
+    u = inputs()
+    torch.testing.assert_close(rot(u), plain(u), rtol=1e-12, atol=1e-12)
+    # ... and a nonzero θ projection does change the output (the test above is not vacuous).
+    with torch.no_grad():
+        rot.in_proj.weight[-S:] = torch.randn(S, D_MODEL, dtype=F64)
+    assert (rot(u) - plain(u)).abs().max() > 1e-3
+
+
+def test_rotation_pairings():
+    """SISO rotates (2i, 2i+1); MIMO rotates (i, i + N/2); both by +θ; the rest passes through."""
+    N, S = 8, 2
+    theta = torch.tensor([0.3, -1.1], dtype=F64)
+    rot = torch.polar(torch.ones_like(theta), theta)
+    x = torch.arange(1.0, N + 1, dtype=F64)
+    c, s = torch.cos(theta), torch.sin(theta)
+    out = rotate_interleaved(x, rot)
+    for i in range(S):
+        a, b = x[2 * i], x[2 * i + 1]
+        torch.testing.assert_close(
+            out[2 * i : 2 * i + 2], torch.stack([a * c[i] - b * s[i], a * s[i] + b * c[i]])
+        )
+    torch.testing.assert_close(out[2 * S :], x[2 * S :])
+    out = rotate_halves(x, rot)
+    for i in range(S):
+        a, b = x[i], x[N // 2 + i]
+        torch.testing.assert_close(
+            out[[i, N // 2 + i]], torch.stack([a * c[i] - b * s[i], a * s[i] + b * c[i]])
+        )
+    torch.testing.assert_close(out[S : N // 2], x[S : N // 2])
+    torch.testing.assert_close(out[N // 2 + S :], x[N // 2 + S :])
+
+
+def test_cumulative_angles_with_start_and_resets():
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(2, 3, 15, 4, generator=g, dtype=F64)
+    theta0 = torch.randn(2, 3, 4, generator=g, dtype=F64)
+    reset = torch.zeros(2, 15, dtype=torch.bool)
+    reset[0, 5] = reset[0, 6] = reset[1, 14] = True
+    got = cumulative_angles(d, theta0, reset)
+    th = theta0.clone()
+    for t in range(15):
+        th = torch.where(reset[:, t, None, None], 0.0, th) + d[:, :, t]
+        want = torch.remainder(th, 2 * math.pi)
+        torch.testing.assert_close(got[:, :, t], want)
+
+
+def test_heavy_tail_and_A_floor():
+    a = torch.tensor([-3.0, -1.0, 0.0, 2.0], dtype=F64)
+    torch.testing.assert_close(heavy_tail(a), torch.tensor([0.25, 0.5, 1.0, 3.0], dtype=F64))
+    layer = make_layer(A_floor=0.7)
+    _, _, _, _, _, A, _, _ = layer._project(inputs())
+    assert (A <= -0.7).all()
+
+
+def test_gradients_flow_to_every_parameter():
+    for kw in ({}, {"is_mimo": True, "mimo_rank": 2, "is_outproj_norm": True}):
+        layer = make_layer(**kw)
+        layer(inputs()).square().sum().backward()
+        for name, p in layer.named_parameters():
+            assert p.grad is not None and p.grad.abs().max() > 0, name
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_mimo": True, "mimo_rank": 4, "chunk_size": 16}])
+def test_bf16_autocast_forward_backward(kw):
+    torch.manual_seed(0)
+    layer = Mamba3(64, d_state=32, headdim=16, **kw)
+    u = torch.randn(2, 70, 64, requires_grad=True)
+    ref = layer(u)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(u)
+    y.float().square().mean().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(u.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    assert all(p.dtype == torch.float32 for p in layer.parameters())
+    assert (y.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_bad_shape_names_the_field():
+    with pytest.raises(ConfigError, match="headdim"):
+        Mamba3(32, headdim=48)
+    with pytest.raises(ValueError, match="scan_impl"):
+        Mamba3(32, d_state=16, headdim=8, scan_impl="fast")
