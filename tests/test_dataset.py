@@ -107,6 +107,55 @@ def test_windows_equal_seed_semantics(tmp_path_factory, layout, n_tokens, L, cut
     assert_matches_reference(ds, tokens, L)
 
 
+def assert_batched_equals_single(ds: PretrainDataset, indices: list[int]) -> None:
+    """The batched paths (DataLoader's __getitems__, the trainer's get_batch) equal ds[i] one by one."""
+    singles = [ds[i] for i in indices]
+    for (bx, by), (sx, sy) in zip(ds.__getitems__(indices), singles, strict=True):
+        assert bx.dtype == torch.int64 and torch.equal(bx, sx) and torch.equal(by, sy)
+    x_BT, y_BT = ds.get_batch(indices)
+    assert x_BT.shape == y_BT.shape == (len(indices), ds.max_seq_len) and x_BT.dtype == torch.int64
+    if indices:
+        assert torch.equal(x_BT, torch.stack([x for x, _ in singles]))
+        assert torch.equal(y_BT, torch.stack([y for _, y in singles]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_tokens=st.integers(2, 300),
+    L=st.integers(1, 40),
+    cuts=st.lists(st.integers(0, 10_000), max_size=8),
+    data=st.data(),
+)
+def test_batched_gather_equals_per_window_reference(tmp_path_factory, layout, n_tokens, L, cuts, data):
+    tokens = np.random.default_rng(n_tokens).integers(0, VOCAB, n_tokens)
+    L = min(L, n_tokens - 1)
+    parts = split_parts(tokens, cuts) if not layout.startswith("single") else [tokens]
+    ds = build(layout, tmp_path_factory.mktemp(layout), parts, L)
+    indices = data.draw(st.lists(st.integers(0, len(ds) - 1), max_size=12))
+    assert_batched_equals_single(ds, indices)
+
+
+def test_batched_gather_on_mixed_source_dtypes(tmp_path):
+    # A manifest-less directory may mix torch.save'd int64 shards with raw ones: the cast path.
+    tokens = np.random.default_rng(4).integers(0, 60_000, 500)
+    torch.save(torch.from_numpy(tokens[:123]), tmp_path / "shard_0000.bin")
+    tokens[123:300].astype("<u2").tofile(tmp_path / "shard_0001.bin")
+    torch.save(torch.from_numpy(tokens[300:].astype(np.int32)), tmp_path / "shard_0002.bin")
+    ds = PretrainDataset(tmp_path, 30, 60_000, dtype="uint16")
+    assert_matches_reference(ds, tokens, 30)
+    assert_batched_equals_single(ds, [*range(len(ds)), 3, 0])
+    with pytest.raises(IndexError):
+        ds.get_batch([0, len(ds)])
+    with pytest.raises(IndexError):
+        ds.__getitems__([-1])
+
+
+def test_dummy_batched_equals_single():
+    ds = PretrainDataset(None, 8, 100, dummy=True, seed=3, dummy_tokens=100)
+    assert_batched_equals_single(ds, [0, 11, 5, 5])
+
+
 @pytest.mark.parametrize("layout", ["manifest", "seed_torch_dir", "raw_dir"])
 def test_window_starting_exactly_at_a_shard_start(tmp_path, layout):
     L = 8
@@ -181,6 +230,11 @@ def test_dataloader_batches(tmp_path):
     xb, yb = next(iter(DataLoader(ds, batch_size=4, num_workers=0, drop_last=True)))
     assert xb.shape == yb.shape == (4, 32) and xb.dtype == torch.int64
     assert torch.equal(xb[:, 1:], yb[:, :-1])
+    assert torch.equal(xb, torch.stack([ds[i][0] for i in range(4)]))
+    # a shuffled loader goes through __getitems__ with arbitrary indices
+    g = torch.Generator().manual_seed(0)
+    for xb, yb in DataLoader(ds, batch_size=5, shuffle=True, generator=g):
+        assert xb.shape[1] == 32 and torch.equal(xb[:, 1:], yb[:, :-1])
 
 
 def test_pickles_small_and_reopens(tmp_path):

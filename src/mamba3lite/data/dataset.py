@@ -141,6 +141,8 @@ class PretrainDataset(Dataset):
         self._sources: list[tuple[Path, np.dtype | None]] = []
         self._arrays: list[np.ndarray] = []  # the non-empty token arrays, in reading order
         self._starts: list[int] = []  # global index of each array's first token (for bisect)
+        self._ends: list[int] = []  # global index one past each array's last token
+        self._one_dtype = True  # all arrays share a dtype (then _gather concatenates without casting)
         self._tensors: list[torch.Tensor] = []  # torch.load'ed sources, kept alive under their numpy views
 
         if dummy:
@@ -282,9 +284,12 @@ class PretrainDataset(Dataset):
                 per_source.append(t.numpy())
             else:
                 per_source.append(open_tokens(p, np_dtype))
-        self._arrays = [a for a in per_source if a.shape[0]]
+        # Plain ndarray views of the maps: np.memmap's subclass machinery costs ~1 µs per slice.
+        self._arrays = [np.asarray(a) for a in per_source if a.shape[0]]
         sizes = [a.shape[0] for a in self._arrays]
-        self._starts = [int(s) for s in np.cumsum([0, *sizes[:-1]])] if sizes else []
+        self._starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64).tolist() if sizes else []
+        self._ends = [start + size for start, size in zip(self._starts, sizes)]
+        self._one_dtype = len({a.dtype for a in self._arrays}) <= 1
         return per_source
 
     def _check_ranges(self, per_source: list[np.ndarray]) -> None:
@@ -307,6 +312,58 @@ class PretrainDataset(Dataset):
         chunk = self._dummy_window(i) if self.layout == "dummy" else self._window(i)
         t = torch.from_numpy(chunk)
         return t[:-1], t[1:]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Batched __getitem__ (the DataLoader calls it with one batch's indices): the same windows as
+        [ds[i] for i in indices], assembled into one (B, L + 1) buffer by a single copy."""
+        t_BT = torch.from_numpy(self._gather(indices))
+        return list(zip(t_BT[:, :-1].unbind(0), t_BT[:, 1:].unbind(0)))
+
+    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_BT, y_BT) for windows `indices`: CPU int64 tensors of shape (B, L), y_BT[:, j] ==
+        x_BT[:, j+1]; views of one (B, L + 1) buffer. The same windows a DataLoader would stack, without
+        its per-sample collation (for a trainer that feeds WindowSampler batches straight in)."""
+        t_BT = torch.from_numpy(self._gather(indices))
+        return t_BT[:, :-1], t_BT[:, 1:]
+
+    def _gather(self, indices: list[int]) -> np.ndarray:
+        """Windows `indices` as one int64 (B, L + 1) array. Rows are contiguous, so the pieces of all
+        windows (one slice per window and shard touched), in order, tile the flat buffer exactly: one
+        np.concatenate copies them all and one astype widens them. Locating pieces costs a few integer
+        ops per piece; nothing is done per token. `_window` is the per-window reference it must equal."""
+        n, L = len(self), self.max_seq_len
+        T = L + 1
+        if self.layout == "dummy":
+            out_BT = np.empty((len(indices), T), dtype=np.int64)
+            for b, i in enumerate(indices):
+                if not 0 <= i < n:
+                    raise IndexError(f"window {i} out of range for {n} windows")
+                out_BT[b] = self._dummy_window(operator.index(i))
+            return out_BT
+        starts, ends, arrays = self._starts, self._ends, self._arrays
+        pieces: list[np.ndarray] = []
+        append = pieces.append  # this loop is the data path's hot spot: keep it lean
+        for i in indices:
+            if not 0 <= i < n:
+                raise IndexError(f"window {i} out of range for {n} windows")
+            start = i * L
+            stop = start + T
+            k = bisect.bisect_right(starts, start) - 1
+            while ends[k] < stop:  # the window runs past shard k: take the rest of it (never empty)
+                append(arrays[k][start - starts[k] :])
+                start = ends[k]
+                k += 1
+            append(arrays[k][start - starts[k] : stop - starts[k]])
+        if not pieces:
+            return np.empty((0, T), dtype=np.int64)
+        if self._one_dtype:
+            # Same-dtype pieces concatenate as plain memcpys; then one vectorised widening to int64.
+            return np.concatenate(pieces).astype(np.int64, copy=False).reshape(len(indices), T)
+        out_BT = np.empty((len(indices), T), dtype=np.int64)
+        # Mixed sources (e.g. torch uint64 next to int64) would promote to float: cast into int64 instead.
+        # ids were range-checked at construction (< vocab_size), so the cast is exact.
+        np.concatenate(pieces, out=out_BT.reshape(-1), casting="unsafe")
+        return out_BT
 
     def _window(self, i: int) -> np.ndarray:
         """Tokens [i·L, i·L + L + 1) as a fresh int64 array, one slice copy per shard touched."""
@@ -335,7 +392,7 @@ class PretrainDataset(Dataset):
     def __getstate__(self) -> dict:
         # DataLoader workers (spawn) pickle the dataset: ship the file list, not the mapped bytes.
         state = self.__dict__.copy()
-        state["_arrays"], state["_starts"], state["_tensors"] = [], [], []
+        state["_arrays"], state["_starts"], state["_ends"], state["_tensors"] = [], [], [], []
         return state
 
     def __setstate__(self, state: dict) -> None:
