@@ -11,8 +11,9 @@ Fixes of the seed's defects (its "Checkpointing" section):
 - Every file is written atomically (temp file, fsync, rename, directory fsync) through
   `mamba3lite.data.shards.atomic_write_bytes`; the seed only claimed it ("Honesty check").
 - A step counts only when its meta parses and both other files match the recorded sizes and hashes,
-  so a torn-but-complete triple (Pitfall 1) is detected; `latest_step()` skips it with a warning
-  naming the bad file and returns the newest VERIFIED step.
+  so a torn-but-complete triple (Pitfall 1) is detected, and the meta carries the sha256 of its own
+  content (`meta_sha256`), so an edit that still parses is detected too; `latest_step()` skips it
+  with a warning naming the bad file and returns the newest VERIFIED step.
 - The tied embedding is written once, not twice (Pitfall 2); seed-format files with both copies load.
 - Optimizer moments are keyed by parameter name, so a changed parameter order cannot silently put
   moments on the wrong tensors (Pitfall 4). Loading uses weights_only=True throughout.
@@ -45,6 +46,9 @@ from mamba3lite.errors import CheckpointError
 META_FORMAT = "mamba3lite-checkpoint-v1"
 OPTIM_FORMAT = "mamba3lite-optim-v1"
 LOCK_NAME = ".lock"
+# Test-only fault injection: seconds to sleep after each data file of a save (before the meta), so that
+# a test can kill or signal a process inside the save window reliably. Unset (the default): no pause.
+SLOW_SAVE_ENV = "MAMBA3LITE_TEST_SLOW_SAVE"
 _NAME_RE = re.compile(r"^(model|optim|meta)_step_(\d+)\.(safetensors|pt|json)$")
 _EXT = {"model": "safetensors", "optim": "pt", "meta": "json"}
 
@@ -56,6 +60,19 @@ def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
 
 def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()  # releases the GIL on big buffers: runs beside the writes
+
+
+def _meta_digest(record: dict) -> str:
+    """sha256 of a meta record without its own `meta_sha256`, over a canonical JSON form (round-tripped
+    first, so int dict keys and tuples hash as they will read back)."""
+    body = json.loads(json.dumps({k: v for k, v in record.items() if k != "meta_sha256"}))
+    return _sha256(json.dumps(body, sort_keys=True).encode("utf-8"))
+
+
+def _test_pause() -> None:
+    delay = os.environ.get(SLOW_SAVE_ENV)
+    if delay:
+        time.sleep(float(delay))
 
 
 def _sha256_file(path: Path) -> str:
@@ -310,7 +327,9 @@ class CheckpointManager:
         with ThreadPoolExecutor(max_workers=2) as pool:  # hash while the other thread writes
             hashes = {"model": pool.submit(_sha256, weights), "optim": pool.submit(_sha256, optim)}
             atomic_write_bytes(paths["model"], weights)
+            _test_pause()
             atomic_write_bytes(paths["optim"], optim)
+            _test_pause()
             digests = {k: f.result() for k, f in hashes.items()}
         record = {
             **(meta or {}),
@@ -328,6 +347,9 @@ class CheckpointManager:
             json.dumps(record)
         except TypeError as e:
             raise AssertionError(f"checkpoint meta must be JSON-serialisable: {e}") from None
+        # The meta checks the other two files; this checks the meta itself, so a flipped byte that
+        # still parses (a digit of the sampler position, say) is detected instead of silently resumed.
+        record["meta_sha256"] = _meta_digest(record)
         atomic_write_json(paths["meta"], record)
         fsync_dir(self.dir)
         for kind in ("model", "optim"):  # what we just wrote needs no re-hash when loaded
@@ -396,6 +418,8 @@ class CheckpointManager:
                 except Exception as e:
                     problems.append(f"{paths['model']}: unreadable ({e})")
             return CheckpointStatus(step, False, not problems, "seed", problems, sizes)
+        if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):  # absent: older v1 meta
+            problems.append(f"{paths['meta']}: content differs from its meta_sha256 (corrupt or edited)")
         for kind in ("model", "optim"):
             want = meta.get("files", {}).get(kind, {})
             path = paths[kind]
