@@ -79,15 +79,16 @@ def test_verify_cli_exit_code(cli, dataset, tmp_path):
     assert r.returncode != 0 and "manifest.json" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_other_kinds_are_not_supported_yet(dataset, tmp_path, capsys):
+def test_other_kinds_dispatch_to_their_modes(dataset, tmp_path, capsys):
+    # The shard-file and checkpoint modes themselves are tested in test_inspect_run.py.
     shard = dataset / Manifest.load(dataset).shards[0].path
-    assert main(["inspect", str(shard)]) == 2
-    assert "single shard file is not supported yet" in capsys.readouterr().err
+    assert main(["inspect", str(shard)]) == 0
+    assert "tokens" in capsys.readouterr().out
     ckpt = tmp_path / "run"
     ckpt.mkdir()
     (ckpt / "model.safetensors").write_bytes(b"")
     assert main(["inspect", str(ckpt)]) == 2
-    assert "checkpoint directories is not supported yet" in capsys.readouterr().err
+    assert "holds no checkpoint files" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     empty = tmp_path / "empty"

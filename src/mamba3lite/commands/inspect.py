@@ -1,8 +1,7 @@
 """`mamba3lite inspect PATH [--verify]`: describe a dataset directory, a checkpoint directory or a shard file.
 
-What PATH is decides what is shown (`detect_kind`). Implemented: dataset directories (a `manifest.json`
-inside). Checkpoint directories and single shard files are recognised and answered with a clear "not
-supported yet" error; their handlers are `_inspect_checkpoint` and `_inspect_shard_file` below.
+What PATH is decides what is shown (`detect_kind`): dataset directories (a `manifest.json` inside) here;
+checkpoint (run) directories and single shard files in `mamba3lite.report.inspect_run`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="dataset: re-hash every shard and check sizes, counts and max token ids against "
-        "the manifest; exit non-zero naming the first bad shard",
+        "the manifest; checkpoint directory: every step's files against its meta; shard file: "
+        "against its manifest entry. Exit non-zero naming the first bad shard or step",
     )
 
 
@@ -65,16 +65,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _inspect_checkpoint(path: Path, args: argparse.Namespace) -> int:
-    raise ConfigError(
-        f"{path}: inspecting checkpoint directories is not supported yet; inspect a dataset directory instead"
-    )
+    from mamba3lite.report.inspect_run import inspect_checkpoint_dir
+
+    return inspect_checkpoint_dir(path, args.verify)
 
 
 def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
-    raise ConfigError(
-        f"{path}: inspecting a single shard file is not supported yet; inspect the dataset "
-        "directory that holds it (`mamba3lite inspect DIR --verify`)"
-    )
+    from mamba3lite.report.inspect_run import inspect_shard_file
+
+    return inspect_shard_file(path, args.verify)
 
 
 def describe_dataset(path: Path) -> str:

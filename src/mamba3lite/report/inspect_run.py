@@ -1,0 +1,264 @@
+"""What `mamba3lite inspect` shows for a checkpoint (run) directory and for a single shard file.
+
+Checkpoint directory: every step on disk with its state (verified: meta parses and both other files
+match its recorded sizes and sha256; seed format: complete but without checksums; else what is wrong,
+naming the file), then, from the newest loadable step: the config summary, the parameter count, tokens
+seen, the last logged metrics and evaluation. `--verify` makes any bad step an error (non-zero exit).
+
+Shard file: its dtype (from the dataset's manifest when the file belongs to one; from the torch.save
+header for seed-format tensors; else guessed, and said so), token and EOS counts, max id, the manifest's
+record of it when there is one, and a decoded preview of its first tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from mamba3lite.errors import CheckpointError, DataError
+
+PREVIEW_TOKENS = 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoint directories
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fmt_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def describe_checkpoint_dir(path: Path) -> tuple[str, list[str]]:
+    """(the description, the problems: one line per step that cannot be loaded)."""
+    from mamba3lite.train.checkpoint import CheckpointManager
+
+    ckpt = CheckpointManager(path)
+    steps = ckpt.list_steps()
+    if not steps:
+        raise CheckpointError(f"{path} holds no checkpoint files (model_step_N / optim_step_N / meta_step_N)")
+    header = f"{'step':>10}  {'state':<12}{'weights':>12}{'optimizer':>12}  notes"
+    lines = [f"run directory  {path}", "", header]
+    problems: list[str] = []
+    statuses = {}
+    for step in steps:
+        st = ckpt.status(step)
+        statuses[step] = st
+        state = "verified" if st.verified else "seed format" if st.loadable else "BAD"
+        note = "; ".join(st.problems)
+        lines.append(
+            f"{step:>10,}  {state:<12}{_fmt_size(st.sizes.get('model')):>12}"
+            f"{_fmt_size(st.sizes.get('optim')):>12}  {note}"
+        )
+        if not st.loadable:
+            problems.append(f"step {step}: {note}")
+    good = [s for s in steps if statuses[s].loadable]
+    lines.append("")
+    lines.append(f"{len(good)} of {len(steps)} steps loadable" + (f"; newest: {good[-1]:,}" if good else ""))
+    if good:
+        lines += ["", *_describe_meta(ckpt.read_meta(good[-1]))]
+    superseded = path / "superseded"
+    if superseded.is_dir():
+        lines.append(f"superseded     {superseded} (checkpoints of an abandoned timeline, kept aside)")
+    return "\n".join(lines), problems
+
+
+def _describe_meta(meta: dict) -> list[str]:
+    from mamba3lite.config import Config
+    from mamba3lite.errors import ConfigError
+    from mamba3lite.model import count_parameters
+
+    lines = [f"newest loadable step {meta['step']:,}"]
+    raw = meta.get("config")
+    if isinstance(raw, dict) and "model" in raw:
+        try:
+            cfg = Config.from_dict(raw, source="checkpoint meta")
+        except ConfigError as e:
+            lines.append(f"config         (does not validate: {e})")
+        else:
+            m, t, d = cfg.model, cfg.training, cfg.data
+            kind = f"MIMO rank {m.mimo_rank}" if m.is_mimo else "SISO"
+            lines += [
+                f"model          {m.n_layers} layers, d_model {m.d_model}, d_state {m.d_state}, "
+                f"headdim {m.headdim}, expand {m.expand}, {kind}, vocab {m.vocab_size:,}",
+                f"parameters     {count_parameters(m):,}",
+                f"training       max_seq_len {t.max_seq_len}, {t.windows_per_step()} windows/step "
+                "per process "
+                f"(micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps}), lr {t.lr:g}, "
+                f"max_steps {t.max_steps:,}, dtype {t.dtype}",
+                f"data           {'dummy (random tokens)' if d.dummy else d.train_data_path}",
+            ]
+    else:
+        lines.append("config         (none recorded: a seed-format checkpoint)")
+    tokens = meta.get("tokens_seen")
+    if tokens is not None:
+        lines.append(f"tokens seen    {int(tokens):,}")
+    data = meta.get("data") or {}
+    if data.get("tokenizer"):
+        lines.append(f"tokenizer      {data['tokenizer']} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")
+    row = meta.get("metrics")
+    if isinstance(row, dict):
+        parts = [f"step {row.get('step')}"]
+        for key, fmt in (("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f")):
+            if isinstance(row.get(key), (int, float)):
+                parts.append(f"{key} {format(row[key], fmt)}")
+        lines.append("last metrics   " + ", ".join(parts))
+    ev = meta.get("last_eval")
+    if isinstance(ev, dict) and isinstance(ev.get("val_loss"), (int, float)):
+        bpb = f", bits/byte {ev['val_bpb']:.4f}" if isinstance(ev.get("val_bpb"), (int, float)) else ""
+        lines.append(f"last eval      step {ev.get('step')}: val loss {ev['val_loss']:.4f}{bpb}")
+    return lines
+
+
+def last_metrics_rows(path: Path) -> list[str]:
+    """The last train and eval rows of DIR/metrics.jsonl, one line each ([] if there is none)."""
+    from mamba3lite.report.metrics import METRICS_NAME, read_metrics
+
+    if not (path / METRICS_NAME).is_file():
+        return []
+    m = read_metrics(path)
+    out = []
+    if m.train:
+        r = m.train[-1]
+        out.append(
+            f"metrics.jsonl  last train row: step {r['step']}, loss {r.get('loss', float('nan')):.4f}, "
+            f"{r.get('tokens', 0):,} tokens, {r.get('tokens_per_s', 0):,.0f} tokens/s"
+        )
+    if m.eval:
+        r = m.eval[-1]
+        loss = r.get("val_loss", float("nan"))
+        out.append(f"               last eval row: step {r['step']}, val loss {loss:.4f}")
+    if m.events:
+        r = m.events[-1]
+        out.append(f"               last event: {r.get('event')} at step {r['step']}: {r.get('message', '')}")
+    return out
+
+
+def inspect_checkpoint_dir(path: Path, verify: bool) -> int:
+    """Print the description; with `verify`, CheckpointError if any step is not loadable."""
+    text, problems = describe_checkpoint_dir(path)
+    print(text)
+    for line in last_metrics_rows(path):
+        print(line)
+    if problems and verify:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"verification failed: {problems[0]}{more}")
+    if verify:
+        print("\nverified: every checkpoint's files match the sizes and sha256 recorded in its meta")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Single shard files
+# ---------------------------------------------------------------------------------------------------
+
+
+def _owning_manifest(path: Path):
+    """(dataset_dir, Manifest, ShardInfo) when `path` is a shard listed by a manifest above it."""
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+
+    resolved = path.resolve()
+    for root in list(resolved.parents)[:3]:
+        if (root / MANIFEST_NAME).is_file():
+            try:
+                m = Manifest.load(root)
+            except DataError:
+                return None
+            rel = resolved.relative_to(root).as_posix()
+            info = next((s for s in m.shards if s.path == rel), None)
+            return (root, m, info) if info is not None else None
+    return None
+
+
+def describe_shard_file(path: Path) -> tuple[str, list[str]]:
+    """(the description, problems found against the manifest's record)."""
+    from mamba3lite.data.dataset import _load_torch_tokens, is_torch_file
+    from mamba3lite.data.shards import open_tokens, sha256_file
+
+    size = path.stat().st_size
+    owner = _owning_manifest(path)
+    problems: list[str] = []
+    record = None
+    eos_id, vocab, tokenizer_name = 50256, 50257, "gpt2"
+    if owner is not None:
+        root, m, record = owner
+        dtype_note = f"{m.dtype} (from {root / 'manifest.json'})"
+        tokens = open_tokens(path, m.np_dtype)
+        eos_id, vocab, tokenizer_name = m.eos_id, m.vocab_size, m.tokenizer.get("name", "gpt2")
+        kind = f"shard {record.path} ({record.split} split) of dataset {root}"
+    elif size and is_torch_file(path):
+        t = _load_torch_tokens(path)
+        tokens = t.numpy()
+        dtype_note = f"{str(t.dtype).replace('torch.', '')} (torch.save'd tensor, the seed's format)"
+        kind = "seed-format token tensor (no manifest)"
+    else:
+        # A raw file without a manifest: the seed's pipeline wrote uint32; a uint16 file read as uint32
+        # shows ids far beyond the GPT-2 vocabulary, so the guess is checked.
+        guess = np.dtype("<u4") if size % 4 == 0 else np.dtype("<u2")
+        tokens = open_tokens(path, guess)
+        if guess.itemsize == 4 and tokens.size and int(tokens.max()) >= vocab:
+            guess = np.dtype("<u2")
+            tokens = open_tokens(path, guess)
+        dtype_note = f"{guess.name} (guessed: no manifest lists this file)"
+        kind = "raw token file (no manifest)"
+    n = int(tokens.shape[0])
+    max_id = int(tokens.max()) if n else -1
+    n_eos = int(np.count_nonzero(np.asarray(tokens) == eos_id)) if n else 0
+    lines = [
+        f"file         {path}",
+        f"kind         {kind}",
+        f"dtype        {dtype_note}",
+        f"size         {size:,} bytes",
+        f"tokens       {n:,}",
+        f"documents    {n_eos:,} EOS tokens (id {eos_id})",
+        f"max id       {max_id:,}" + (f"  (>= vocab {vocab:,}!)" if max_id >= vocab else ""),
+    ]
+    if record is not None:
+        sha = sha256_file(path)
+        ok = sha == record.sha256 and n == record.n_tokens and max_id == record.max_token_id
+        lines.append(
+            f"manifest     n_tokens {record.n_tokens:,}, n_docs {record.n_docs:,}, max id "
+            f"{record.max_token_id:,}: " + ("matches (sha256 too)" if ok else "DOES NOT MATCH")
+        )
+        if sha != record.sha256:
+            problems.append(f"{path}: sha256 {sha[:12]}… != manifest {record.sha256[:12]}…")
+        if n != record.n_tokens:
+            problems.append(f"{path}: {n} tokens != manifest n_tokens {record.n_tokens}")
+        if max_id != record.max_token_id:
+            problems.append(f"{path}: max id {max_id} != manifest max_token_id {record.max_token_id}")
+    if max_id >= vocab:
+        problems.append(f"{path}: token id {max_id} >= vocab_size {vocab}")
+    lines += ["", f"first {min(n, PREVIEW_TOKENS)} tokens, decoded:"]
+    lines.append(_preview(np.asarray(tokens[:PREVIEW_TOKENS]), tokenizer_name, vocab))
+    return "\n".join(lines), problems
+
+
+def _preview(ids: np.ndarray, tokenizer_name: str, vocab: int) -> str:
+    from mamba3lite.errors import ConfigError
+    from mamba3lite.tokenizer import load_tokenizer
+
+    ids_list = [int(i) for i in ids]
+    if not ids_list:
+        return "  (empty)"
+    try:
+        tok = load_tokenizer(tokenizer_name)
+    except ConfigError as e:
+        return f"  (cannot decode: {e}) ids: {ids_list}"
+    if max(ids_list) >= tok.vocab_size:
+        return f"  (ids beyond the {tokenizer_name} vocabulary: not decoded) ids: {ids_list[:16]}…"
+    text = tok.decode(ids_list)
+    return "\n".join("  │ " + line for line in text.splitlines() or [""])
+
+
+def inspect_shard_file(path: Path, verify: bool) -> int:
+    """Print the description; with `verify`, DataError when the file disagrees with its manifest."""
+    text, problems = describe_shard_file(path)
+    print(text)
+    if problems and verify:
+        raise DataError(f"verification failed: {problems[0]}; re-run `mamba3lite prepare`")
+    if problems:
+        print("\nwarning: " + "; ".join(problems))
+    return 0
