@@ -78,8 +78,8 @@ def build_config(args: argparse.Namespace):
     from mamba3lite.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    if args.data_path is not None:
-        cfg = cfg.replace("data", train_data_path=args.data_path)
+    if args.data_path is not None:  # an explicit data path means real data, even if the file said dummy
+        cfg = cfg.replace("data", train_data_path=args.data_path, dummy=False)
     if args.val_data_path is not None:
         cfg = cfg.replace("data", val_data_path=args.val_data_path)
     if args.dummy:

@@ -1,0 +1,199 @@
+"""`mamba3lite train` as a user runs it: dry run on the tiny preset, SIGTERM then resume, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from mamba3lite.config import load_config
+from mamba3lite.data.shards import Manifest, dtype_for_vocab, write_shard
+from mamba3lite.train.checkpoint import CheckpointManager
+from mamba3lite.train.trainer import Pretrainer
+
+GPT2_VOCAB = 50257
+
+
+def make_gpt2_dataset(root, n_train: int = 6000, n_val: int = 1500) -> str:
+    """A small prepared dataset (manifest + uint16 shards) as `prepare` would write it."""
+    rng = np.random.default_rng(0)
+    shards = []
+    for split, n in (("train", n_train), ("val", n_val)):
+        tokens = rng.integers(0, 1000, n)
+        tokens[::100] = 50256
+        shards.append(
+            write_shard(
+                root,
+                f"{split}/shard_00000.bin",
+                tokens,
+                split=split,
+                n_docs=n // 100,
+                n_bytes=4 * n,
+                dtype=dtype_for_vocab(GPT2_VOCAB),
+            )
+        )
+    Manifest(
+        vocab_size=GPT2_VOCAB,
+        eos_id=50256,
+        dtype="uint16",
+        tokenizer={"name": "gpt2", "vocab_hash": "cd" * 32},
+        shards=shards,
+    ).save(root)
+    return str(root)
+
+
+def tiny_yaml(tmp_path, **training) -> str:
+    """A config file with a very small model (vocab 256) for the subprocess tests."""
+    cfg = {
+        "model": {
+            "vocab_size": 256,
+            "d_model": 16,
+            "n_layers": 1,
+            "d_intermediate": 32,
+            "d_state": 8,
+            "headdim": 8,
+            "chunk_size": 8,
+            "eos_id": 0,
+        },
+        "training": {
+            "max_seq_len": 16,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "dtype": "fp32",
+            "device": "cpu",
+            "log_every": 1,
+            "warmup_steps": 1,
+            "lr": 1e-3,
+            "eval_every": 0,
+            **training,
+        },
+        "data": {"dummy": True},
+    }
+    p = tmp_path / "tiny_test.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return str(p)
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dry_run_on_the_tiny_preset(cli, tmp_path):
+    data = make_gpt2_dataset(tmp_path / "data")
+    run = tmp_path / "run"
+    r = cli(
+        "train",
+        "--config",
+        "tiny",
+        "--data-path",
+        data,
+        "--checkpoint-dir",
+        str(run),
+        "--dry-run",
+        "--set",
+        "training.max_seq_len=64",
+        "--set",
+        "training.micro_batch_size=2",
+        "--set",
+        "training.gradient_accumulation_steps=1",
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "step=      1" in r.stdout and "step=      2" in r.stdout and "loss=" in r.stdout
+    mgr = CheckpointManager(run)
+    assert mgr.latest_step() == 2 and mgr.status(2).verified
+    meta = mgr.read_meta(2)
+    assert meta["data"]["tokenizer"] == "gpt2" and meta["data"]["vocab_size"] == GPT2_VOCAB
+    kinds = [(r["kind"], r["step"]) for r in rows(run)]
+    assert ("train", 1) in kinds and ("train", 2) in kinds and ("eval", 2) in kinds
+    ev = next(r for r in rows(run) if r["kind"] == "eval")
+    assert np.isfinite(ev["val_loss"]) and "val_bpb" in ev
+    assert (run / "config.yaml").exists() and json.loads((run / "run.json").read_text())[
+        "data_manifest_sha256"
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data-path", "/nonexistent/data"], "does not exist"),
+        (["--resume", "soon", "--dummy"], "--resume must be latest, none or a step number"),
+        (["--set", "training.lrr=1", "--dummy"], "did you mean `lr`"),
+        (["--config", "tiny_typo_preset", "--dummy"], "config not found"),
+    ],
+)
+def test_bad_input_is_one_line_error(cli, tmp_path, args, message):
+    r = cli("train", "--config", tiny_yaml(tmp_path), "--checkpoint-dir", str(tmp_path / "run"), *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_resume_step_is_an_error(cli, tmp_path):
+    cfg = tiny_yaml(tmp_path)
+    run = str(tmp_path / "run")
+    Pretrainer(load_config(cfg, ["training.max_steps=2", f"training.checkpoint_dir={run}"])).train()
+    r = cli("train", "--config", cfg, "--checkpoint-dir", run, "--resume", "7", "--max-steps", "9")
+    assert r.returncode == 2 and "step 7" in r.stderr and "Loadable steps: [2]" in r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_zero_and_resume_continues(tmp_path):
+    cfg = tiny_yaml(tmp_path, max_steps=100_000, save_every=100_000)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mamba3lite", "train", "--config", cfg, "--checkpoint-dir", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.time() + 300
+    metrics = run / "metrics.jsonl"
+    while time.time() < deadline:
+        if (
+            metrics.exists()
+            and sum('"kind": "train"' in line for line in metrics.read_text().splitlines()) >= 3
+        ):
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    stop = [r for r in rows(run) if r.get("event") == "stop"]
+    assert len(stop) == 1
+    stopped_at = stop[0]["step"]
+    assert stopped_at >= 3 and CheckpointManager(run).latest_step() == stopped_at
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mamba3lite",
+            "train",
+            "--config",
+            cfg,
+            "--checkpoint-dir",
+            str(run),
+            "--max-steps",
+            str(stopped_at + 2),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    resumed = [r for r in rows(run) if r.get("event") == "resume"]
+    assert len(resumed) == 1 and f"from step {stopped_at}" in resumed[0]["message"]
+    train_steps = [r["step"] for r in rows(run) if r["kind"] == "train"]
+    assert train_steps == list(range(1, stopped_at + 3))
+    assert CheckpointManager(run).latest_step() == stopped_at + 2
