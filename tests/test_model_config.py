@@ -1,0 +1,196 @@
+"""ModelConfig validation and derived sizes, presets, parameter count (formula == real model on the meta
+device; MAMBA3.md §5 table), FLOPs per token, and token sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mamba3lite.errors import ConfigError
+from mamba3lite.model import (
+    Mamba3Transformer,
+    ModelConfig,
+    count_parameters,
+    model_flops_per_token,
+    sample_next,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "mamba3lite" / "configs"
+PRESETS = sorted(CONFIGS.glob("*.yaml"))
+
+
+def preset(path: Path) -> ModelConfig:
+    return ModelConfig(**yaml.safe_load(path.read_text())["model"])
+
+
+def meta_count(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        model = Mamba3Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+# ---- config ----
+def test_every_field_is_documented():
+    for f in dataclasses.fields(ModelConfig):
+        assert f.metadata.get("help"), f.name
+    assert ModelConfig.field_help()["d_state"].startswith("SSM state size")
+
+
+def test_derived_sizes_of_defaults():
+    cfg = ModelConfig()
+    assert (cfg.d_inner, cfg.nheads, cfg.n_angles, cfg.rank, cfg.d_mlp) == (1536, 24, 32, 1, 1536)
+    assert cfg.d_in_proj == 2 * 1536 + 2 * 128 + 3 * 24 + 32
+    mimo = ModelConfig(is_mimo=True, rope_fraction=1.0)
+    assert (mimo.rank, mimo.n_angles) == (4, 64)
+    assert ModelConfig(mimo_rank=4).rank == 1  # forced to 1 without MIMO, as official
+    assert ModelConfig(d_state=10, rope_fraction=0.5).n_angles == 2  # int(5) made even -> 4 -> S = 2
+    assert ModelConfig(trapezoid=False, rope=False).d_in_proj == 2 * 1536 + 2 * 128 + 2 * 24
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"headdim": 100}, "headdim"),
+        ({"d_model": 0}, "d_model"),
+        ({"ngroups": 5}, "ngroups"),
+        ({"rope_fraction": 0.25}, "rope_fraction"),
+        ({"a_activation": "relu"}, "a_activation"),
+        ({"dt_min": 0.5, "dt_max": 0.1}, "dt_min"),
+        ({"eos_id": 50257}, "eos_id"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"n_layers": "12"}, "n_layers"),
+        ({"is_mimo": 1}, "is_mimo"),
+        ({"norm_eps": "abc"}, "norm_eps"),
+        ({"d_state": 2, "rope_fraction": 0.5}, "d_state"),
+    ],
+)
+def test_invalid_values_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=rf"model\.{field}\b"):
+        ModelConfig(**kw)
+
+
+def test_yaml_style_numbers_are_accepted():
+    cfg = ModelConfig(A_floor="1e-3", dt_max=1)  # PyYAML reads "1e-3" as a string
+    assert cfg.A_floor == 1e-3 and isinstance(cfg.dt_max, float)
+
+
+# ---- presets and parameter counts ----
+def test_presets_exist():
+    names = {p.stem for p in PRESETS}
+    sizes = ["180m", "440m", "880m", "1_5b"]
+    assert {"tiny", "pretrain_a100_400m"} | {f"mamba3_{s}" for s in sizes} | {
+        f"mamba3_{s}_mimo" for s in sizes
+    } <= names
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_count_parameters_equals_real_model(path):
+    cfg = preset(path)
+    assert count_parameters(cfg) == meta_count(cfg)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"is_outproj_norm": True, "ngroups": 2},
+        {"trapezoid": False, "rope": False},
+        {"tie_embeddings": False, "d_intermediate": 0},
+        {"is_mimo": True, "mimo_rank": 3, "rope_fraction": 1.0},
+    ],
+)
+def test_count_parameters_equals_real_model_for_switches(kw):
+    cfg = ModelConfig(
+        **{"vocab_size": 1000, "eos_id": 0, "d_model": 128, "n_layers": 3, "d_intermediate": 200, **kw}
+    )
+    assert count_parameters(cfg) == meta_count(cfg)
+
+
+# MAMBA3.md §5 with the Llama-3.1 vocabulary: (layers, d_model, SISO F, SISO params, MIMO F, MIMO params).
+PAPER = {
+    "180M": (12, 768, 1500, 186.85e6, 1264, 187.29e6),
+    "440M": (24, 1024, 2048, 443.02e6, 1792, 444.20e6),
+    "880M": (24, 1536, 3072, 892.78e6, 2800, 894.55e6),
+    "1.5B": (24, 2048, 4096, 1494.72e6, 3824, 1497.08e6),
+}
+
+
+@pytest.mark.parametrize("size", PAPER)
+def test_paper_parameter_counts(size):
+    layers, d_model, f_siso, n_siso, f_mimo, n_mimo = PAPER[size]
+    common = {"vocab_size": 128256, "eos_id": 0, "n_layers": layers, "d_model": d_model}
+    siso = count_parameters(ModelConfig(d_intermediate=f_siso, **common))
+    mimo = count_parameters(ModelConfig(d_intermediate=f_mimo, is_mimo=True, mimo_rank=4, **common))
+    assert round(siso / 1e4) == round(n_siso / 1e4)
+    assert round(mimo / 1e4) == round(n_mimo / 1e4)
+    if size == "180M":  # the released checkpoint mimo-187m, to the parameter
+        assert mimo == 187_291_968
+
+
+def test_seed_model_preset_is_434m():
+    n = count_parameters(preset(CONFIGS / "pretrain_a100_400m.yaml"))
+    assert abs(n / 434e6 - 1) < 0.02
+    cfg = preset(CONFIGS / "pretrain_a100_400m.yaml")
+    assert cfg.d_model == 1024 and cfg.vocab_size == 50257 and cfg.tie_embeddings
+
+
+# ---- FLOPs ----
+def test_flops_per_token_by_hand():
+    cfg = ModelConfig(
+        vocab_size=1000, eos_id=0, d_model=64, n_layers=2, d_intermediate=128, d_state=16, headdim=16
+    )
+    f = model_flops_per_token(cfg, seq_len=256)
+    E, H, N, P, L, S = 128, 8, 16, 16, 64, 4
+    assert f["projections"] == 2 * 2 * 64 * ((2 * E + 2 * N + 3 * H + S) + E)
+    assert f["mlp"] == 2 * 2 * 3 * 64 * 128
+    assert f["lm_head"] == 2 * 64 * 1000
+    assert f["scan_intra"] == 2 * H * 2 * L * (N + P)
+    assert f["scan_state"] == 2 * H * (4 * P * N + 2 * P * N / L)
+    parts = ("projections", "scan_intra", "scan_state", "mlp", "lm_head")
+    assert f["forward"] == sum(f[k] for k in parts)
+    assert f["train"] == 3 * f["forward"]
+    # MIMO: the intra-chunk term grows with R², the state terms with R; short sequences use a short chunk.
+    m = model_flops_per_token(dataclasses.replace(cfg, is_mimo=True, mimo_rank=4, chunk_size=16), seq_len=8)
+    assert m["scan_intra"] == 2 * H * 2 * 8 * 16 * (N + P)
+
+
+def test_flops_dominated_by_matmuls_at_paper_shape():
+    f = model_flops_per_token(preset(CONFIGS / "mamba3_440m.yaml"), seq_len=2048)
+    n = count_parameters(preset(CONFIGS / "mamba3_440m.yaml"))
+    # The usual 6N rule of thumb (train FLOPs ≈ 6 × params) holds to within the scan's share.
+    assert 0.9 < f["train"] / (6 * n) < 1.3
+
+
+# ---- sampling ----
+def test_sample_greedy_and_masks():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    assert sample_next(logits, temperature=0).tolist() == [1, 0]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # top-k = 2 never draws outside the two largest logits
+        assert sample_next(logits, 1.0, top_k=2, generator=g)[0].item() in (1, 3)
+    # top-p: probabilities of row 0 ≈ [.03, .64, .09, .24]; p = 0.7 keeps {1, 3} (0.64 < 0.7 ≤ 0.88).
+    for _ in range(50):
+        assert sample_next(logits, 1.0, top_p=0.7, generator=g)[0].item() in (1, 3)
+    for _ in range(20):  # p below the largest probability keeps exactly one token
+        assert sample_next(logits, 1.0, top_p=0.1, generator=g).tolist() == [1, 0]
+
+
+def test_sample_distribution_and_determinism():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.7]])).expand(4000, 3)
+    a = sample_next(logits, 1.0, generator=torch.Generator().manual_seed(5))
+    b = sample_next(logits, 1.0, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    freq = torch.bincount(a, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.7]), atol=0.03)
+    hot = sample_next(logits, 0.05, generator=torch.Generator().manual_seed(5))  # low temperature -> argmax
+    assert (hot == 2).float().mean() > 0.99
+
+
+def test_sample_rejects_bad_settings():
+    logits = torch.zeros(1, 3)
+    for kw in ({"temperature": -1.0}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError):
+            sample_next(logits, **{"temperature": 1.0, **kw})
