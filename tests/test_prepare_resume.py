@@ -28,6 +28,12 @@ def _corpus(tmp_path) -> list:
 KW = {"workers": 0, "shard_tokens": 60, "val_fraction": 0.25, "min_chars": 1}
 
 
+@pytest.fixture(autouse=True)
+def _snapshot_after_every_shard(monkeypatch):
+    """In-process tests interrupt after the n-th snapshot; take one after every shard (no time throttle)."""
+    monkeypatch.setattr(P, "SNAPSHOT_MIN_INTERVAL_S", 0.0)
+
+
 class _Interrupt(BaseException):
     pass
 
@@ -108,7 +114,8 @@ def _prepare_cmd(out, *extra):
 
 @pytest.mark.slow
 def test_resume_after_kill(tmp_path):
-    """Kill a real run (SIGKILL, no clean-up) after a few shards; the re-run equals an uninterrupted run."""
+    """Kill a real run (SIGKILL, no clean-up) after a few shards; the re-run equals an uninterrupted run.
+    (A subprocess: the default snapshot throttle applies, so shards after the last snapshot are redone.)"""
     out = tmp_path / "ds"
     env = {**os.environ, P.SLEEP_ENV: "0.3"}
     proc = subprocess.Popen(_prepare_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -75,6 +75,9 @@ STATE_NAME = "state.json"
 SEEN_NAME = "seen.bin"
 # Test hook: seconds to sleep after each shard, so a test can kill a run reliably in the middle.
 SLEEP_ENV = "MAMBA3LITE_PREPARE_TEST_SLEEP_S"
+# Snapshots for resume are taken after a shard, at most this often: each costs a few fsyncs, which
+# dominate with tiny shards; at most this much work is redone after an interruption.
+SNAPSHOT_MIN_INTERVAL_S = 1.0
 # Bumped whenever a change makes the same arguments produce different output (invalidates resume state).
 PIPELINE_VERSION = 1
 
@@ -508,6 +511,7 @@ class _Run:
         self.packers = {split: _Packer(split) for split in SPLITS}
         self.resumed_shards = 0
         self._sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
+        self._last_snapshot = time.monotonic()
 
     # --- snapshot / resume -----------------------------------------------------------------------------
 
@@ -545,11 +549,10 @@ class _Run:
             "shards": [s.__dict__ for s in self.shards],
         }
         shards.atomic_write_json(self.stage / STATE_NAME, state)
+        self._last_snapshot = time.monotonic()
         for p in self.stage.glob("pending_*.bin"):
             if not p.name.endswith(f".{snap}.bin"):
                 p.unlink()
-        if self._sleep:
-            time.sleep(self._sleep)
 
     def try_resume(self) -> str | None:
         """Restore the snapshot in the staging dir if it matches these arguments and verifies.
@@ -655,8 +658,11 @@ class _Run:
                 if status == KEPT and not (self.dedup and digest in self.seen):
                     packer = self.packers["val" if is_val else "train"]
                     if packer.n_tokens and packer.n_tokens + tokens.size > self.shard_tokens:
-                        self._flush(packer)  # the snapshot describes the state *before* this unit
-                        self._snapshot()
+                        self._flush(packer)  # a snapshot describes the state *before* this unit
+                        if time.monotonic() - self._last_snapshot >= SNAPSHOT_MIN_INTERVAL_S:
+                            self._snapshot()
+                        if self._sleep:
+                            time.sleep(self._sleep)
                 self.cursors[i] += 1
                 stats["documents_in"] += 1
                 per_source[i]["documents_in"] += 1

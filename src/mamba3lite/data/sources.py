@@ -126,12 +126,15 @@ def stdlib_files() -> list[Path]:
         raise DataNotFoundError(
             f"the standard library directory {root} does not exist; use file sources instead of `stdlib`"
         )
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if p.is_file() and not STDLIB_EXCLUDED_PARTS.intersection(p.relative_to(root).parts[:-1])
-    ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    found = []  # (relative posix path, path)
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune while walking: site-packages alone can hold far more files than the stdlib itself.
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_PARTS]
+        rel = Path(dirpath).relative_to(root).as_posix()
+        for f in filenames:
+            if f.endswith(".py"):
+                found.append((f if rel == "." else f"{rel}/{f}", Path(dirpath) / f))
+    return [p for _, p in sorted(found) if p.is_file()]
 
 
 def _walk_dir(root: Path) -> list[Path]:
