@@ -290,3 +290,32 @@ def test_eos_inside_text_never_becomes_eos(tmp_path):
     (docs,) = shard_docs(tmp_path / "ds")["train"]
     assert len(docs) == 1 and np.all(docs[0] != TOK.eos_id)
     assert TOK.decode(docs[0].tolist()) == "a literal <|endoftext|> marker inside the text"
+
+
+def test_hf_tokenizer_json_and_eos_inside_text_is_removed(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=200, special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator(["hello world, a tiny corpus for a tiny tokenizer"] * 5, trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a.txt").write_text("hello world <|endoftext|> tiny corpus")
+    (d / "b.txt").write_text("a tiny tokenizer for the world")
+    s = prepare([str(d)], tmp_path / "ds", tokenizer=str(path), workers=0, val_fraction=0.0, min_chars=1)
+    m = Manifest.load(tmp_path / "ds")
+    assert m.tokenizer["name"] == str(path.resolve()) and m.dtype == "uint16" and m.eos_id == 0
+    assert m.vocab_size == tok.get_vocab_size() and verify_dataset(tmp_path / "ds") == []
+    assert s.stats["special_tokens_removed"] == 1
+    (shard,) = shard_docs(tmp_path / "ds")["train"]
+    assert len(shard) == 2 and all(np.all(doc != 0) for doc in shard)
+
+
+def test_progress_bars_do_not_change_the_output(tmp_path, capsys):
+    a, b = _two_sources(tmp_path, n=40)
+    prepare([a, b], tmp_path / "quiet", workers=0, shard_tokens=100, min_chars=1)
+    prepare([a, b], tmp_path / "bars", workers=0, shard_tokens=100, min_chars=1, progress=True)
+    assert "tokenize" in capsys.readouterr().err
+    assert tree_hashes(tmp_path / "bars") == tree_hashes(tmp_path / "quiet")

@@ -411,6 +411,12 @@ class PrepareSummary:
             f"{len(m.shards)} shards, {shard_bytes / 1e6:.2f} MB on disk, {self.seconds:.1f} s, "
             f"{rate:,.0f} tokens/s{resumed}",
         ]
+        val_fraction = m.extra.get("prepare", {}).get("val_fraction", 0)
+        if val_fraction and not m.split_shards("val"):
+            lines.append(
+                f"note: no document fell into the val split (--val-fraction {val_fraction}); "
+                "raise it if you need validation data"
+            )
         return "\n".join(lines)
 
 
@@ -634,11 +640,15 @@ class _Run:
         bar_read = tqdm(desc="read", unit=" doc", disable=not self.progress, position=0, leave=False)
         bar_tok = tqdm(desc="tokenize", unit=" doc", disable=not self.progress, position=1, leave=False)
         read_bytes = [0]
+        t_read = time.perf_counter()
 
         def on_read(n: int, n_bytes: int) -> None:
             read_bytes[0] += n_bytes
             bar_read.update(n)
-            bar_read.set_postfix_str(f"{read_bytes[0] / 1e6:.1f} MB", refresh=False)
+            dt = max(time.perf_counter() - t_read, 1e-9)
+            bar_read.set_postfix_str(
+                f"{read_bytes[0] / 1e6:.1f} MB, {read_bytes[0] / dt / 1e6:.1f} MB/s", refresh=False
+            )
 
         submit = (lambda items: pool.apply_async(_process_batch, (items,))) if pool else _Ready
         streams = [
