@@ -286,6 +286,7 @@ class PretrainDataset(Dataset):
                 per_source.append(open_tokens(p, np_dtype))
         # Plain ndarray views of the maps: np.memmap's subclass machinery costs ~1 µs per slice.
         self._arrays = [np.asarray(a) for a in per_source if a.shape[0]]
+        self._array_paths = [p for (p, _), a in zip(self._sources, per_source) if a.shape[0]]
         sizes = [a.shape[0] for a in self._arrays]
         self._starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64).tolist() if sizes else []
         self._ends = [start + size for start, size in zip(self._starts, sizes)]
@@ -309,7 +310,7 @@ class PretrainDataset(Dataset):
         n = len(self)
         if not 0 <= i < n:
             raise IndexError(f"window {i} out of range for {n} windows")
-        chunk = self._dummy_window(i) if self.layout == "dummy" else self._window(i)
+        chunk = self._dummy_window(i) if self.layout == "dummy" else self._checked_ids(self._window(i), [i])
         t = torch.from_numpy(chunk)
         return t[:-1], t[1:]
 
@@ -340,30 +341,52 @@ class PretrainDataset(Dataset):
                     raise IndexError(f"window {i} out of range for {n} windows")
                 out_BT[b] = self._dummy_window(operator.index(i))
             return out_BT
+        if indices and not (min(indices) >= 0 and max(indices) < n):
+            raise IndexError(f"window indices {min(indices)}..{max(indices)} out of range for {n} windows")
         starts, ends, arrays = self._starts, self._ends, self._arrays
         pieces: list[np.ndarray] = []
         append = pieces.append  # this loop is the data path's hot spot: keep it lean
         for i in indices:
-            if not 0 <= i < n:
-                raise IndexError(f"window {i} out of range for {n} windows")
             start = i * L
             stop = start + T
             k = bisect.bisect_right(starts, start) - 1
-            while ends[k] < stop:  # the window runs past shard k: take the rest of it (never empty)
+            if ends[k] < stop:  # the window runs past shard k: the rest of it, whole shards, ...
                 append(arrays[k][start - starts[k] :])
-                start = ends[k]
                 k += 1
-            append(arrays[k][start - starts[k] : stop - starts[k]])
+                while ends[k] < stop:
+                    append(arrays[k])
+                    k += 1
+                start = starts[k]
+            append(arrays[k][start - starts[k] : stop - starts[k]])  # ... and the part in shard k
         if not pieces:
             return np.empty((0, T), dtype=np.int64)
         if self._one_dtype:
             # Same-dtype pieces concatenate as plain memcpys; then one vectorised widening to int64.
-            return np.concatenate(pieces).astype(np.int64, copy=False).reshape(len(indices), T)
+            out_BT = np.concatenate(pieces).astype(np.int64, copy=False).reshape(len(indices), T)
+            return self._checked_ids(out_BT, indices)
         out_BT = np.empty((len(indices), T), dtype=np.int64)
         # Mixed sources (e.g. torch uint64 next to int64) would promote to float: cast into int64 instead.
         # ids were range-checked at construction (< vocab_size), so the cast is exact.
         np.concatenate(pieces, out=out_BT.reshape(-1), casting="unsafe")
-        return out_BT
+        return self._checked_ids(out_BT, indices)
+
+    def _checked_ids(self, chunks: np.ndarray, indices: list[int]) -> np.ndarray:
+        """`chunks` ((B, L + 1) or (L + 1,) int64, windows `indices`) after one max() over it: manifest
+        shards are not scanned at construction (their recorded max_token_id is trusted), so a shard whose
+        bytes changed since `prepare` is caught here, naming it, before an id >= vocab_size reaches the
+        embedding (an IndexError mid-run on CPU, a device-side assert on GPU)."""
+        if chunks.size == 0 or int(chunks.max()) < self.vocab_size:
+            return chunks
+        flat = chunks.reshape(-1)
+        pos = int(np.argmax(flat >= self.vocab_size))
+        row, col = divmod(pos, self.max_seq_len + 1)
+        g = int(indices[row]) * self.max_seq_len + col  # global token index
+        k = bisect.bisect_right(self._starts, g) - 1
+        raise DataError(
+            f"{self._array_paths[k]}: token id {int(flat[pos])} at token {g - self._starts[k]} is outside "
+            f"the vocabulary [0, {self.vocab_size}); the shard's bytes changed after it was written: run "
+            f"`mamba3lite inspect {self.data_path} --verify`, then re-run `mamba3lite prepare`"
+        )
 
     def _window(self, i: int) -> np.ndarray:
         """Tokens [i·L, i·L + L + 1) as a fresh int64 array, one slice copy per shard touched."""
