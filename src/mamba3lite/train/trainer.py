@@ -642,13 +642,14 @@ class Pretrainer:
             target_step = self._pick_resume_target()
             if self.dist.is_main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._write_run_records()
                 if target_step >= 0:  # a resumed run continues the same W&B run
                     with contextlib.suppress(CheckpointError):
                         self.wandb_run_id = self.ckpt.read_meta(target_step).get("wandb_run_id")
                 self.logger = self._build_logger()
                 self.wandb_run_id = self.logger.wandb_run_id or self.wandb_run_id
             self._apply_resume(target_step)
+            if self.dist.is_main:  # after the resume's checks: a refused resume leaves them as they were
+                self._write_run_records()
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     old_handlers[sig] = signal.signal(sig, self._on_signal)
