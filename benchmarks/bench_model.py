@@ -1,0 +1,414 @@
+"""Model benchmark: Mamba-3 (chunked scan, sequential reference) against a causal Transformer, one run.
+
+Everything is measured side by side in the same process on this CPU (issue 4, "Benchmarks"):
+
+1. This machine's matmul rate, fp32 and bf16 (best of a few 2048³ products): the MFU denominators.
+2. Training throughput, forward + backward of the LM loss, batch 1 (tokens per step = T), for
+   T = 512, 2048, 8192 and each dtype (bf16 = CPU autocast with fp32 weights, as the trainer; fp32):
+   - Mamba-3 with the chunked scan (the training path),
+   - Mamba-3 with the sequential reference scan (a Python loop over time; its autograd graph holds
+     every step's P×N state, so it is measured up to --seq-max-len and, above that, ESTIMATED from its
+     per-token time at the longest measured T, marked "est." — its cost per token does not depend on T),
+   - a same-width, same-depth Llama-style Transformer written here as the baseline: RMSNorm -> causal
+     multi-head attention through F.scaled_dot_product_attention with RoPE -> residual, RMSNorm -> the
+     same SwiGLU MLP -> residual; tied head; the same fused chunked loss as the Mamba-3 LM.
+   Model FLOPs per token come from `model_flops_per_token` (Mamba-3) and from the same convention for the
+   Transformer (2 per multiply-add; causal attention counted over the T/2 keys it actually attends to);
+   training FLOPs = 3 × forward. Achieved FLOP/s = train FLOPs per token × tokens/s; MFU = that over the
+   measured matmul rate of the same dtype.
+3. The scan alone: `chunked_scan` forward + backward at the preset's shapes, T = 2048 (--scan-len), with
+   its FLOPs (scan_intra + scan_state of one layer, × 3), as MFU against the bf16 and fp32 matmul rate.
+4. Decode latency per token (batch 1, fp32) after a prefill of 128 and of 8192 tokens: Mamba-3's O(1)
+   recurrent step against the Transformer's KV-cache step (whose work grows with the context).
+
+Targets (issue 4): the scan >= 20% MFU in bf16 at T = 2048; Mamba-3 forward+backward at least on par
+with the Transformer at T = 2048 and >= 3x faster at T = 8192; Mamba-3 decode latency flat in context.
+
+The machine is shared and noisy: every time is the best of --reps repeats after a warm-up, and only
+ratios are worth quoting. --quick shrinks everything (tiny model, short T) for a smoke run.
+
+    python benchmarks/bench_model.py [--quick] [--reps 2] [--dtypes bf16,fp32] [--preset tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mamba3lite.model import Mamba3Transformer, ModelConfig, model_flops_per_token
+from mamba3lite.model.mamba3 import RMSNorm
+from mamba3lite.model.scan import chunked_scan
+from mamba3lite.model.transformer import GatedMLP, linear_cross_entropy
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# The benchmark's "small preset": the paper's layer shape (N = 128, P = 64, expand 2, MLP 2·D) at a width
+# that trains on a CPU, with the project's GPT-2 vocabulary. --preset replaces it with a config preset.
+SMALL = {"d_model": 256, "n_layers": 4, "d_intermediate": 512, "d_state": 128, "headdim": 64}
+QUICK = {"vocab_size": 512, "eos_id": 511, "d_model": 64, "n_layers": 2, "d_intermediate": 128,
+         "d_state": 32, "headdim": 32, "chunk_size": 32}  # fmt: skip
+
+
+# ---------------------------------------------------------------- the Transformer baseline
+def rope_tables(positions_T: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """cos, sin (T, dim/2) of the standard RoPE (base 10,000) at the given positions."""
+    inv = 1.0 / (10_000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    ang_TK = positions_T.float()[:, None] * inv[None]
+    return ang_TK.cos(), ang_TK.sin()
+
+
+def apply_rope(x_BhTd: Tensor, cos_TK: Tensor, sin_TK: Tensor) -> Tensor:
+    """Rotate split halves of the head dim (Llama/NeoX convention)."""
+    a, b = x_BhTd.chunk(2, dim=-1)
+    cos, sin = cos_TK.to(x_BhTd.dtype), sin_TK.to(x_BhTd.dtype)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V buffers (B, heads, max_len, head_dim), filled up to `length`."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    length: int = 0
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention (head dim = the Mamba head dim), RoPE, SDPA; no biases."""
+
+    def __init__(self, d_model: int, headdim: int) -> None:
+        super().__init__()
+        self.nh, self.hd = d_model // headdim, headdim
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x_BTD: Tensor, pos0: int = 0, cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4)
+        cos, sin = rope_tables(torch.arange(pos0, pos0 + T), self.hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # write this step's keys/values, attend over everything so far
+            kc, vc = cache
+            kc[:, :, pos0 : pos0 + T] = k
+            vc[:, :, pos0 : pos0 + T] = v
+            end = pos0 + T
+            y = F.scaled_dot_product_attention(
+                q, kc[:, :, :end], vc[:, :, :end], is_causal=pos0 == 0 and T > 1
+            )
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.headdim)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.d_model, cfg.d_mlp)
+
+    def forward(self, x_BTD: Tensor, pos0: int = 0, cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        x_BTD = x_BTD + self.attn(self.norm(x_BTD), pos0, cache)
+        return x_BTD + self.mlp(self.norm2(x_BTD))
+
+
+class BaselineTransformer(nn.Module):
+    """Llama-style causal LM with the Mamba-3 LM's width, depth, MLP, norms, tied head and loss."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+
+    def _body(self, ids_BT: Tensor, cache: KVCache | None = None) -> Tensor:
+        x = self.embed(ids_BT)
+        pos0 = 0 if cache is None else cache.length
+        for i, block in enumerate(self.layers):
+            x = block(x, pos0, None if cache is None else (cache.k[i], cache.v[i]))
+        if cache is not None:
+            cache.length += ids_BT.shape[1]
+        return self.norm_f(x)
+
+    def forward(self, ids_BT: Tensor, targets_BT: Tensor) -> Tensor:
+        h = self._body(ids_BT)
+        return linear_cross_entropy(h.flatten(0, 1), self.embed.weight, targets_BT.flatten())
+
+    def allocate_cache(self, batch: int, max_len: int) -> KVCache:
+        shape = (batch, self.cfg.d_model // self.cfg.headdim, max_len, self.cfg.headdim)
+        n = self.cfg.n_layers
+        return KVCache([torch.zeros(shape) for _ in range(n)], [torch.zeros(shape) for _ in range(n)])
+
+    @torch.no_grad()
+    def prefill(self, ids_BT: Tensor, cache: KVCache) -> Tensor:
+        return self._body(ids_BT, cache)[:, -1] @ self.embed.weight.T
+
+    @torch.no_grad()
+    def step(self, token_B: Tensor, cache: KVCache) -> Tensor:
+        return self._body(token_B[:, None], cache)[:, 0] @ self.embed.weight.T
+
+
+def transformer_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token (2 per multiply-add): qkv + out projections, causal attention (scores and
+    values over T/2 keys on average), SwiGLU, head. Same convention as `model_flops_per_token`."""
+    D, nl = cfg.d_model, cfg.n_layers
+    proj = nl * 2 * D * 4 * D
+    attn = nl * 2 * 2 * D * (seq_len / 2)
+    mlp = nl * 2 * 3 * D * cfg.d_mlp
+    return float(proj + attn + mlp + 2 * D * cfg.vocab_size)
+
+
+# ---------------------------------------------------------------- timing helpers
+def best_time(fn: Callable[[], object], reps: int) -> float:
+    """Best wall time of `reps` calls after one warm-up call (the machine is shared: min is the signal)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def matmul_flops(dtype: torch.dtype, n: int, reps: int) -> float:
+    """FLOP/s of an (n × n) @ (n × n) matmul in `dtype` on this CPU."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / best_time(lambda: a @ b, max(3, reps))
+
+
+def autocast_for(dtype: str) -> contextlib.AbstractContextManager:
+    if dtype == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step_time(model: nn.Module, T: int, vocab: int, dtype: str, reps: int) -> float:
+    """Best seconds of one forward + backward of the LM loss on one random sequence of T tokens."""
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, vocab, (1, T + 1), generator=gen)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with autocast_for(dtype):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+
+    return best_time(step, reps)
+
+
+def scan_time(cfg: ModelConfig, T: int, dtype: str, reps: int) -> float:
+    """Best seconds of chunked_scan forward + backward for one layer at the preset's shapes, batch 1."""
+    H, P, N, R = cfg.nheads, cfg.headdim, cfg.d_state, cfg.rank
+    g = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(1, H, T, R, N, generator=g), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(1, H, T, R, P, generator=g).requires_grad_()
+    dt = (0.01 + 0.1 * torch.rand(1, H, T, generator=g)).requires_grad_()
+    adt = (-dt.detach() * torch.rand(1, H, T, generator=g)).requires_grad_()
+    lam = torch.rand(1, H, T, generator=g).requires_grad_()
+
+    def step() -> None:
+        with autocast_for(dtype):
+            y, h = chunked_scan(q, k, v, adt, dt, lam, chunk_size=cfg.chunk_size)
+        (y.float().square().mean() + h.square().mean()).backward()
+
+    return best_time(step, reps)
+
+
+def decode_latency(model: nn.Module, ctx: int, vocab: int, n_tokens: int, mamba: bool) -> float:
+    """Median seconds per decoded token (batch 1, fp32) after a prefill of `ctx` tokens."""
+    gen = torch.Generator().manual_seed(ctx)
+    ids = torch.randint(0, vocab, (1, ctx), generator=gen)
+    tok = torch.randint(0, vocab, (1,), generator=gen)
+    with torch.no_grad():
+        if mamba:
+            cache = model.allocate_cache(1)
+        else:
+            cache = model.allocate_cache(1, ctx + n_tokens + 1)
+        model.prefill(ids, cache)
+        model.step(tok, cache)  # warm-up
+        times = []
+        for _ in range(n_tokens):
+            t0 = time.perf_counter()
+            model.step(tok, cache)
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+# ---------------------------------------------------------------- main
+def build_config(args: argparse.Namespace) -> tuple[ModelConfig, str]:
+    if args.preset:
+        from mamba3lite.config import load_config
+
+        return load_config(args.preset).model, f"preset {args.preset}"
+    if args.quick:
+        return ModelConfig(**QUICK), "quick (smoke-run shape)"
+    return ModelConfig(**SMALL), "small (built-in)"
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x / 1e9:.1f} G" if x >= 1e9 else f"{x / 1e6:.0f} M"
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model, short sequences, 1 repeat (smoke run)")
+    ap.add_argument("--preset", default=None, help="benchmark a config preset's model instead of SMALL")
+    ap.add_argument("--seq-lens", default=None, help="comma list of T (default 512,2048,8192)")
+    ap.add_argument("--seq-max-len", type=int, default=None, help="longest T run with the sequential scan")
+    ap.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32")
+    ap.add_argument("--contexts", default=None, help="decode contexts (default 128,8192)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="decode steps timed per context")
+    ap.add_argument("--scan-len", type=int, default=None, help="T of the scan-only measurement (2048)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repeats per measurement (best is kept)")
+    args = ap.parse_args()
+    q = args.quick
+    seq_lens = [int(x) for x in (args.seq_lens or ("64,256" if q else "512,2048,8192")).split(",")]
+    seq_max = args.seq_max_len or (256 if q else 2048)
+    contexts = [int(x) for x in (args.contexts or ("16,256" if q else "128,8192")).split(",")]
+    n_dec = args.decode_tokens or (4 if q else 32)
+    scan_len = args.scan_len or (256 if q else 2048)
+    reps = args.reps or (1 if q else 2)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if any(d not in DTYPES for d in dtypes):
+        ap.error(f"--dtypes must be a comma list of {', '.join(DTYPES)}")
+
+    torch.manual_seed(0)
+    cfg, cfg_name = build_config(args)
+    mamba = Mamba3Transformer(cfg)
+    base = BaselineTransformer(cfg)
+    n_mamba = sum(p.numel() for p in mamba.parameters())
+    n_base = sum(p.numel() for p in base.parameters())
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads; load average {load:.1f} at start (shared machine)"
+    )
+    print(
+        f"model: {cfg_name}: d_model {cfg.d_model}, {cfg.n_layers} layers, N {cfg.d_state}, P {cfg.headdim}, "
+        f"H {cfg.nheads}, MLP {cfg.d_mlp}, vocab {cfg.vocab_size}, chunk {cfg.chunk_size}; Mamba-3 "
+        f"{n_mamba / 1e6:.2f}M params, Transformer baseline {n_base / 1e6:.2f}M params; batch 1, "
+        f"best of {reps} after a warm-up"
+    )
+
+    peak = {d: matmul_flops(DTYPES[d], 512 if q else 2048, reps) for d in ("fp32", "bf16")}
+    print(f"matmul peak (measured, 2048^3 best of {max(3, reps)}): "
+          f"fp32 {fmt_rate(peak['fp32'])}FLOP/s, bf16 {fmt_rate(peak['bf16'])}FLOP/s")  # fmt: skip
+    parts = model_flops_per_token(cfg, 2048)
+    share = ", ".join(f"{k} {100 * parts[k] / parts['forward']:.0f}%" for k in
+                      ("projections", "scan_intra", "scan_state", "mlp", "lm_head"))  # fmt: skip
+    print(f"Mamba-3 forward FLOPs/token at T=2048: {parts['forward'] / 1e6:.1f} M ({share})")
+
+    # -- training throughput --
+    rows = []
+    for dtype in dtypes:
+        seq_tok_s: float | None = None  # sequential tokens/s at the longest measured T (for estimates)
+        for T in seq_lens:
+            mamba.set_scan_impl("chunked")
+            t_chunk = train_step_time(mamba, T, cfg.vocab_size, dtype, reps)
+            if seq_max >= T:
+                mamba.set_scan_impl("sequential")
+                seq_tok_s = T / train_step_time(mamba, T, cfg.vocab_size, dtype, max(1, reps - 1))
+                seq_est = False
+                mamba.set_scan_impl("chunked")
+            else:
+                seq_est = True
+            t_base = train_step_time(base, T, cfg.vocab_size, dtype, reps)
+            m_flops = 3 * model_flops_per_token(cfg, T)["forward"]
+            b_flops = 3 * transformer_flops_per_token(cfg, T)
+            rows.append((T, dtype, T / t_chunk, seq_tok_s, seq_est, T / t_base, m_flops, b_flops))
+            print(f"  measured T={T} {dtype}", flush=True)
+
+    # -- the scan alone --
+    scan_rows = []
+    sp = model_flops_per_token(cfg, scan_len)
+    scan_flops = 3 * (sp["scan_intra"] + sp["scan_state"]) / cfg.n_layers  # per token, one layer
+    for dtype in dtypes:
+        t = scan_time(cfg, scan_len, dtype, reps)
+        scan_rows.append((dtype, scan_len / t, scan_flops * scan_len / t))
+
+    # -- decode --
+    dec = []
+    mamba.set_scan_impl("chunked")
+    for ctx in contexts:
+        t_m = decode_latency(mamba, ctx, cfg.vocab_size, n_dec, mamba=True)
+        t_b = decode_latency(base, ctx, cfg.vocab_size, n_dec, mamba=False)
+        dec.append((ctx, t_m, t_b))
+        print(f"  measured decode ctx={ctx}", flush=True)
+
+    # -- tables --
+    print()
+    print("Training, forward + backward, tokens/s (batch 1; MFU against the measured matmul rate of the "
+          "row's dtype)")  # fmt: skip
+    print(
+        "| T | dtype | Mamba-3 chunked | Mamba-3 sequential | chunked / sequential | Transformer (SDPA) "
+        "| Mamba-3 / Transformer | Mamba-3 train FLOP/tok | Mamba-3 FLOP/s | Mamba-3 MFU | Transformer MFU |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for T, dtype, m_tok, s_tok, s_est, b_tok, m_flops, b_flops in rows:
+        seq = f"{s_tok:.0f}" + (" est." if s_est else "") if s_tok else "n/a"
+        ratio_seq = f"{m_tok / s_tok:.1f}x" + (" est." if s_est else "") if s_tok else "n/a"
+        print(
+            f"| {T} | {dtype} | {m_tok:.0f} | {seq} | {ratio_seq} | {b_tok:.0f} | {m_tok / b_tok:.2f}x "
+            f"| {m_flops / 1e6:.0f} M | {fmt_rate(m_flops * m_tok)} "
+            f"| {100 * m_flops * m_tok / peak[dtype]:.1f}% | {100 * b_flops * b_tok / peak[dtype]:.1f}% |"
+        )
+    print()
+    print(f"The chunked scan alone (one layer: H {cfg.nheads}, P {cfg.headdim}, N {cfg.d_state}, "
+          f"chunk {cfg.chunk_size}), forward + backward, T = {scan_len}")  # fmt: skip
+    print("| dtype | tokens/s | scan FLOP/s | MFU vs bf16 matmul | MFU vs fp32 matmul |")
+    print("|---|---|---|---|---|")
+    for dtype, tok, fl in scan_rows:
+        print(f"| {dtype} | {tok:.0f} | {fmt_rate(fl)} | {100 * fl / peak['bf16']:.1f}% "
+              f"| {100 * fl / peak['fp32']:.1f}% |")  # fmt: skip
+    print()
+    print("Decode, ms per token (batch 1, fp32, median of the timed steps after a prefill of the context)")
+    print("| context | Mamba-3 (recurrent step) | Transformer (KV cache) | Transformer / Mamba-3 |")
+    print("|---|---|---|---|")
+    for ctx, t_m, t_b in dec:
+        print(f"| {ctx} | {1e3 * t_m:.2f} | {1e3 * t_b:.2f} | {t_b / t_m:.2f}x |")
+    (c0, m0, b0), (c1, m1, b1) = dec[0], dec[-1]
+    print(f"latency growth {c0} -> {c1}: Mamba-3 {m1 / m0:.2f}x (flat = 1), Transformer {b1 / b0:.2f}x")
+
+    # -- targets --
+    print()
+    by = {(r[0], r[1]): r for r in rows}
+    for dtype, _, fl in scan_rows:
+        if dtype == "bf16":
+            mfu = fl / peak["bf16"]
+            print(f"target scan >= 20% MFU in bf16 at T={scan_len}: {100 * mfu:.1f}% -> "
+                  f"{'met' if mfu >= 0.2 else 'NOT met'}")  # fmt: skip
+    for T, need in ((2048, 1.0), (8192, 3.0)):
+        for d in dtypes:
+            if (T, d) in by:
+                ratio = by[(T, d)][2] / by[(T, d)][5]
+                print(f"target Mamba-3 / Transformer >= {need:g}x at T={T} ({d}): {ratio:.2f}x -> "
+                      f"{'met' if ratio >= need else 'NOT met'}")  # fmt: skip
+    print(
+        f"target flat decode: Mamba-3 latency x{m1 / m0:.2f} from context {c0} to {c1} -> "
+        f"{'met' if m1 / m0 < 1.5 else 'NOT met'} (flat = within 1.5x on this noisy machine)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""Smoke runs of the model benchmarks (benchmarks/bench_model.py, benchmarks/parity.py), so they never rot.
+
+Each runs as a subprocess with the smallest budget its flags allow and must exit 0 and print its tables
+(the header rows and one data row per measured case). Timing values are not checked: they are the
+machine's business, never a test's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def run_script(name: str, *args: str, timeout: float = 300) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_model_quick_prints_its_tables():
+    out = run_script(
+        "bench_model.py", "--quick", "--seq-lens", "32,64", "--dtypes", "fp32", "--contexts", "8,64",
+        "--decode-tokens", "3", "--scan-len", "64",
+    )  # fmt: skip
+    assert "| T | dtype | Mamba-3 chunked | Mamba-3 sequential |" in out
+    for T in (32, 64):  # one training row per T, with numbers in every column
+        assert re.search(rf"^\| {T} \| fp32 \| \d+ \| \d+ \| [\d.]+x \| \d+ \| [\d.]+x \|", out, re.M), out
+    assert re.search(r"^\| fp32 \| \d+ \| [\d.]+ [MG] \| [\d.]+% \| [\d.]+% \|$", out, re.M), out
+    for ctx in (8, 64):
+        assert re.search(rf"^\| {ctx} \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M), out
+    assert "target flat decode" in out
+
+
+@pytest.mark.slow
+def test_bench_model_estimates_the_sequential_scan_above_its_limit():
+    out = run_script(
+        "bench_model.py", "--quick", "--seq-lens", "32,64", "--seq-max-len", "32", "--dtypes", "fp32",
+        "--contexts", "8,16", "--decode-tokens", "2", "--scan-len", "32",
+    )  # fmt: skip
+    assert re.search(r"^\| 32 \| fp32 \| \d+ \| \d+ \| [\d.]+x \|", out, re.M), out
+    assert re.search(r"^\| 64 \| fp32 \| \d+ \| \d+ est\. \| [\d.]+x est\. \|", out, re.M), out
+
+
+@pytest.mark.slow
+def test_parity_tiny_budget_prints_its_table():
+    out = run_script(
+        "parity.py", "--steps", "4", "--batch", "8", "--d-model", "16", "--d-state", "16", "--headdim", "8",
+        "--train-len", "6", "--eval-len", "12", "--eval-batch", "8",
+    )  # fmt: skip
+    assert "| model | acc all 12 | acc t>6 | acc last |" in out
+    for label in ("Mamba-3 (trapezoid + RoPE)", "Mamba-3, no RoPE", "Mamba-2-style (Euler, no RoPE)"):
+        row = re.search(rf"^\| {re.escape(label)} \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \|", out, re.M)
+        assert row, out
+        assert all(0 <= float(a) <= 100 for a in row.groups())
+
+
+@pytest.mark.slow
+def test_parity_rejects_an_unknown_variant():
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "parity.py"), "--variants", "mamba4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "unknown variant" in proc.stderr and "mamba3" in proc.stderr
