@@ -25,7 +25,7 @@ def _corpus(tmp_path) -> list:
     return [P.SourceSpec(str(tmp_path / "a.jsonl"), 2.0), P.SourceSpec(str(tmp_path / "b.jsonl"), 1.0)]
 
 
-KW = {"workers": 0, "shard_tokens": 60, "val_fraction": 0.25, "min_chars": 1}
+KW = {"workers": 0, "shard_tokens": 120, "val_fraction": 0.25, "min_chars": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +88,17 @@ def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
     s = P.prepare(sources, tmp_path / "ds2", **KW)
     assert s.resumed_shards == 0 and "arguments differ" in capsys.readouterr().err
     assert tree_hashes(tmp_path / "ds2") == tree_hashes(tmp_path / "ref")
+
+    # Nor one whose source files changed since (here: touched).
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 4)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, tmp_path / "ds3", **KW)
+    src = tmp_path / "a.jsonl"
+    os.utime(src, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns + 1_000_000_000))
+    s = P.prepare(sources, tmp_path / "ds3", **KW)
+    assert s.resumed_shards == 0 and "source files changed" in capsys.readouterr().err
+    assert tree_hashes(tmp_path / "ds3") == tree_hashes(tmp_path / "ref")
 
 
 def _prepare_cmd(out, *extra):

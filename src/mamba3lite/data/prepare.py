@@ -516,28 +516,33 @@ class _Run:
         self.shards: list[ShardInfo] = []
         self.packers = {split: _Packer(split) for split in SPLITS}
         self.resumed_shards = 0
+        self.fingerprints = [src.fingerprint() for src in sources]
         self._sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
         self._last_snapshot = time.monotonic()
 
     # --- snapshot / resume -----------------------------------------------------------------------------
 
-    def _pending_path(self, split: str, snap: int) -> Path:
-        return self.stage / f"pending_{split}.{snap}.bin"
+    def _pending_path(self, snap: int) -> Path:
+        return self.stage / f"pending.{snap}.bin"
 
     def _snapshot(self) -> None:
-        """Persist the pipeline state; called right after a shard is written (before the next unit)."""
+        """Persist the pipeline state; called right after a shard is written (before the next unit).
+        The partly filled shards of both splits go into one file (train's tokens, then val's)."""
         snap = len(self.shards)
-        pending = {}
-        for split, p in self.packers.items():
+        pending, parts = {}, []
+        for split in SPLITS:
+            p = self.packers[split]
             tokens = p.tokens().astype(self.dtype, copy=False)
-            shards.atomic_write_bytes(self._pending_path(split, snap), tokens)
+            parts.append(tokens)
             pending[split] = {
                 "n_tokens": int(tokens.size),
                 "n_docs": p.n_docs,
                 "n_bytes": p.n_bytes,
                 "next_index": p.next_index,
-                "sha256": hashlib.sha256(memoryview(tokens).cast("B")).hexdigest(),
             }
+        both = np.concatenate(parts)
+        shards.atomic_write_bytes(self._pending_path(snap), both)
+        pending["sha256"] = hashlib.sha256(memoryview(both).cast("B")).hexdigest()
         with open(self.stage / SEEN_NAME, "ab") as f:
             f.write(b"".join(self.seen_new))
             f.flush()
@@ -546,6 +551,7 @@ class _Run:
         self.seen_new = []
         state = {
             "args": self.args_record,
+            "fingerprints": self.fingerprints,
             "snapshot": snap,
             "cursors": self.cursors,
             "taken": self.taken,
@@ -556,8 +562,8 @@ class _Run:
         }
         shards.atomic_write_json(self.stage / STATE_NAME, state)
         self._last_snapshot = time.monotonic()
-        for p in self.stage.glob("pending_*.bin"):
-            if not p.name.endswith(f".{snap}.bin"):
+        for p in self.stage.glob("pending.*.bin"):
+            if p.name != self._pending_path(snap).name:
                 p.unlink()
 
     def try_resume(self) -> str | None:
@@ -571,18 +577,22 @@ class _Run:
             return "no readable state"
         if state.get("args") != self.args_record:
             return "the arguments differ"
+        if state.get("fingerprints") != self.fingerprints:
+            return "the source files changed"
         try:
             infos = [ShardInfo(**d) for d in state["shards"]]
             for info in infos:
                 path = self.stage / info.path
                 if not path.is_file() or shards.sha256_file(path) != info.sha256:
                     return f"shard {info.path} does not verify"
-            packers = {}
+            both = np.fromfile(self._pending_path(state["snapshot"]), dtype=self.dtype)
+            if hashlib.sha256(memoryview(both).cast("B")).hexdigest() != state["pending"]["sha256"]:
+                return "the partly filled shards do not verify"
+            packers, offset = {}, 0
             for split in SPLITS:
                 meta = state["pending"][split]
-                tokens = np.fromfile(self._pending_path(split, state["snapshot"]), dtype=self.dtype)
-                if hashlib.sha256(memoryview(tokens).cast("B")).hexdigest() != meta["sha256"]:
-                    return f"the pending {split} tokens do not verify"
+                tokens = both[offset : offset + meta["n_tokens"]]
+                offset += meta["n_tokens"]
                 packers[split] = _Packer(
                     split,
                     [tokens] if tokens.size else [],
@@ -591,6 +601,8 @@ class _Run:
                     meta["n_bytes"],
                     meta["next_index"],
                 )
+            if offset != both.size:
+                return "the partly filled shards have the wrong size"
             n_seen = state["n_seen"]
             with open(self.stage / SEEN_NAME, "rb") as f:
                 blob = f.read(n_seen * _DIGEST_BYTES)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob as globlib
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -193,6 +194,17 @@ class Source:
 
     def __repr__(self) -> str:
         return f"Source({self.spec!r})"
+
+    def fingerprint(self) -> str | None:
+        """A hash of the file list with sizes and modification times (None for hf: sources): a resumed run
+        must read exactly the files the interrupted one read."""
+        if self.hf is not None:
+            return None
+        h = hashlib.sha256()
+        for p in self.files:
+            st = p.stat()
+            h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        return h.hexdigest()
 
     def units(self, start: int = 0) -> Iterator[Unit]:
         """The units from index `start` (0-based), at most `max_docs` in all; see the module docstring."""
