@@ -127,7 +127,6 @@ def _build(tmp_path, name, workers, sources=None, **kw):
     return tree_hashes(out)
 
 
-@pytest.mark.slow
 def test_same_input_gives_byte_identical_output_for_any_worker_count(tmp_path):
     (tmp_path / "extra.jsonl").write_text(
         "".join(json.dumps({"text": f"extra document {i} " * 20}) + "\n" for i in range(50))
