@@ -1,0 +1,105 @@
+"""torchrun on CPU (gloo): 2 processes == 1 process with the same global batch; resume across world sizes.
+
+Slow: each case starts real `torchrun` jobs of the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(tmp_path) -> str:
+    cfg = {
+        "model": {
+            "vocab_size": 128,
+            "d_model": 16,
+            "n_layers": 1,
+            "d_intermediate": 32,
+            "d_state": 8,
+            "headdim": 8,
+            "chunk_size": 8,
+            "eos_id": 0,
+        },
+        "training": {
+            "max_seq_len": 16,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "max_steps": 4,
+            "dtype": "fp32",
+            "device": "cpu",
+            "log_every": 1,
+            "warmup_steps": 1,
+            "lr": 1e-2,
+            "eval_every": 2,
+            "eval_batches": 2,
+            "save_every": 2,
+            "keep_last_n": 0,
+            "progress": False,
+        },
+        "data": {"dummy": True},
+    }
+    p = tmp_path / "dist.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return str(p)
+
+
+def train(config: str, run_dir, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "mamba3lite"]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "-m",
+            "mamba3lite",
+        ]
+    cmd += ["train", "--config", config, "--checkpoint-dir", str(run_dir), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def losses(run_dir, kind: str = "train", key: str = "loss") -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if r["kind"] == kind and not r.get("superseded")}
+
+
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
+    config = write_config(tmp_path)
+    train(config, tmp_path / "one", 1)  # micro 2 x accumulation 2 x 1 process
+    train(config, tmp_path / "two", 2, "--set", "training.gradient_accumulation_steps=1")  # 2 x 1 x 2
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    ev1, ev2 = losses(tmp_path / "one", "eval", "val_loss"), losses(tmp_path / "two", "eval", "val_loss")
+    assert sorted(ev1) == [2, 4] and all(abs(ev1[s] - ev2[s]) < 1e-5 for s in ev1)
+    # only rank 0 writes: one set of rows, one checkpoint per save
+    assert (
+        len([r for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if '"train"' in r]) == 4
+    )
+
+
+def test_resume_on_another_world_size_continues_the_same_data_order(tmp_path):
+    config = write_config(tmp_path)
+    train(config, tmp_path / "ref", 1)
+    run = tmp_path / "run"
+    train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", "--max-steps", "2")
+    train(config, run, 1)  # resumes step 2 on one process, global batch still 4 windows
+    ref, got = losses(tmp_path / "ref"), losses(run)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in ref:
+        assert abs(ref[step] - got[step]) < 1e-5, (step, ref[step], got[step])
