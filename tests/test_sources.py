@@ -35,6 +35,14 @@ def test_glob_and_single_file(tmp_path):
     assert [p for _, _, p in _texts(S.Source(str(tmp_path / "y.txt")))] == [b"y.txt"]
 
 
+def test_recursive_glob_takes_each_file_once(tmp_path):
+    for rel in ["d/a.txt", "d/sub/b.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    got = [p.decode() for _, _, p in _texts(S.Source(str(tmp_path / "d" / "**")))]
+    assert got == ["d/a.txt", "d/sub/b.txt"]
+
+
 def test_missing_path_and_empty_glob(tmp_path):
     with pytest.raises(DataNotFoundError, match="source not found"):
         S.Source(str(tmp_path / "nope"))

@@ -179,6 +179,7 @@ class Source:
             for m in matches:
                 p = Path(m)
                 self.files.extend(_walk_dir(p) if p.is_dir() else [p] if p.is_file() else [])
+            self.files = list(dict.fromkeys(self.files))  # `dir/**` matches dir and its files: once each
         else:
             p = Path(spec)
             if p.is_dir():
