@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 import unicodedata
@@ -149,6 +150,12 @@ _WORKER: dict = {}  # per-process: the tokenizer and settings, built once by _in
 def _init_worker(cfg: _WorkerConfig) -> None:
     tok = load_tokenizer(cfg.tokenizer)
     _WORKER.update(cfg=cfg, tok=tok, dtype=shards.dtype_for_vocab(tok.vocab_size))
+
+
+def _init_pool_worker(cfg: _WorkerConfig) -> None:
+    # Ctrl-C is the main process's to handle (it terminates the pool); workers would only add tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(cfg)
 
 
 # A unit's outcome: (status, n_replaced, digest, is_val, tokens incl. EOS, n_bytes, n_special, problem)
@@ -822,7 +829,7 @@ def prepare(
     try:
         cfg = _WorkerConfig(tok.name, min_chars, text_field, seed, val_fraction)
         if workers:
-            pool = _start_method().Pool(workers, initializer=_init_worker, initargs=(cfg,))
+            pool = _start_method().Pool(workers, initializer=_init_pool_worker, initargs=(cfg,))
         else:
             _init_worker(cfg)
         run.run(pool, depth=2 * workers + 1 if workers else 1)
