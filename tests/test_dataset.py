@@ -441,3 +441,19 @@ def test_dtype_argument_must_match_manifest(tmp_path):
     with pytest.raises(DataError, match="uint32"):
         PretrainDataset(tmp_path, 16, 100, dtype="uint32")
     assert len(PretrainDataset(tmp_path / MANIFEST_NAME, 16, 100, dtype="uint16")) == 6
+
+
+def test_ids_beyond_vocab_written_after_prepare_are_refused_per_batch(tmp_path):
+    # Manifest shards are trusted at construction (no full scan); bytes changed afterwards are caught
+    # when their window is read, naming the shard, before they reach the embedding.
+    tokens = np.arange(300) % 100
+    write_manifest_dataset(tmp_path, [tokens[:150], tokens[150:]], vocab=100)
+    shard = tmp_path / "train" / "shard_00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[20:22] = (250).to_bytes(2, "little")  # token 10 of shard 1 = global token 160, in window 10
+    shard.write_bytes(bytes(raw))
+    ds = PretrainDataset(tmp_path, 16, 100)
+    assert ds[0][0].shape == (16,)  # other windows still read
+    for read in (lambda: ds[9], lambda: ds.get_batch([0, 9]), lambda: ds.__getitems__([9])):
+        with pytest.raises(DataError, match=r"shard_00001\.bin: token id 250 at token 10 is outside"):
+            read()

@@ -142,7 +142,6 @@ class PretrainDataset(Dataset):
         self._arrays: list[np.ndarray] = []  # the non-empty token arrays, in reading order
         self._starts: list[int] = []  # global index of each array's first token (for bisect)
         self._ends: list[int] = []  # global index one past each array's last token
-        self._one_dtype = True  # all arrays share a dtype (then _gather concatenates without casting)
         self._tensors: list[torch.Tensor] = []  # torch.load'ed sources, kept alive under their numpy views
 
         if dummy:
@@ -290,7 +289,6 @@ class PretrainDataset(Dataset):
         sizes = [a.shape[0] for a in self._arrays]
         self._starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64).tolist() if sizes else []
         self._ends = [start + size for start, size in zip(self._starts, sizes)]
-        self._one_dtype = len({a.dtype for a in self._arrays}) <= 1
         return per_source
 
     def _check_ranges(self, per_source: list[np.ndarray]) -> None:
@@ -330,8 +328,8 @@ class PretrainDataset(Dataset):
     def _gather(self, indices: list[int]) -> np.ndarray:
         """Windows `indices` as one int64 (B, L + 1) array. Rows are contiguous, so the pieces of all
         windows (one slice per window and shard touched), in order, tile the flat buffer exactly: one
-        np.concatenate copies them all and one astype widens them. Locating pieces costs a few integer
-        ops per piece; nothing is done per token. `_window` is the per-window reference it must equal."""
+        np.concatenate copies and widens them all. Locating pieces costs a few integer ops per piece;
+        nothing is done per token. `_window` is the per-window reference it must equal."""
         n, L = len(self), self.max_seq_len
         T = L + 1
         if self.layout == "dummy":
@@ -360,14 +358,9 @@ class PretrainDataset(Dataset):
             append(arrays[k][start - starts[k] : stop - starts[k]])  # ... and the part in shard k
         if not pieces:
             return np.empty((0, T), dtype=np.int64)
-        if self._one_dtype:
-            # Same-dtype pieces concatenate as plain memcpys; then one vectorised widening to int64.
-            out_BT = np.concatenate(pieces).astype(np.int64, copy=False).reshape(len(indices), T)
-            return self._checked_ids(out_BT, indices)
-        out_BT = np.empty((len(indices), T), dtype=np.int64)
-        # Mixed sources (e.g. torch uint64 next to int64) would promote to float: cast into int64 instead.
-        # ids were range-checked at construction (< vocab_size), so the cast is exact.
-        np.concatenate(pieces, out=out_BT.reshape(-1), casting="unsafe")
+        # One call copies and widens every piece. "unsafe" only matters for a torch uint64 source (a "safe"
+        # uint64 + int64 mix would promote to float); ids >= vocab_size are refused just below.
+        out_BT = np.concatenate(pieces, dtype=np.int64, casting="unsafe").reshape(len(indices), T)
         return self._checked_ids(out_BT, indices)
 
     def _checked_ids(self, chunks: np.ndarray, indices: list[int]) -> np.ndarray:
