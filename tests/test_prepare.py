@@ -318,3 +318,23 @@ def test_progress_bars_do_not_change_the_output(tmp_path, capsys):
     prepare([a, b], tmp_path / "bars", workers=0, shard_tokens=100, min_chars=1, progress=True)
     assert "tokenize" in capsys.readouterr().err
     assert tree_hashes(tmp_path / "bars") == tree_hashes(tmp_path / "quiet")
+
+
+def test_without_target_sources_are_spread_over_all_shards_by_size(tmp_path):
+    for name, n in (("A", 300), ("B", 30)):
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"text": f"{name}{i} " + "text " * (5 + i % 11)}) + "\n" for i in range(n))
+        )
+    out = tmp_path / "ds"
+    prepare(
+        [str(tmp_path / "A.jsonl"), str(tmp_path / "B.jsonl")],
+        out,
+        workers=0,
+        shard_tokens=200,
+        val_fraction=0.0,
+        min_chars=1,
+    )
+    shards = shard_docs(out)["train"]
+    with_b = [any(TOK.decode(d.tolist()).startswith("B") for d in shard) for shard in shards]
+    assert len(shards) > 10
+    assert with_b[0] and with_b[-1] and sum(with_b) >= 0.8 * len(shards)

@@ -8,10 +8,12 @@
    drop empty and `< min_chars` documents, hash the cleaned text (sha256), pick its split from that hash,
    and encode it; every document is followed by EOS. Batches go to a process pool and come back in
    submission order, so the result never depends on the number of workers or on timing.
-3. **Mix** (main process): sources are interleaved by weight — the next document comes from the source
-   with the fewest tokens taken per unit of weight (ties: lowest index) — so every shard sees every
-   source while they last. With a target token count, source i stops after weight_i / Σweights × target
-   tokens (no source is ever repeated; one that runs out contributes what it has, recorded).
+3. **Mix** (main process): the next document comes from the source with the fewest tokens taken per
+   unit of rate (ties: lowest index). With a target token count, source i stops after
+   weight_i / Σweights × target tokens and its rate is its weight; without one, every document of every
+   source is used and the rate is the source's size on disk. Either way the sources run out together,
+   so every shard sees every source. No source is ever repeated: one that runs out early contributes
+   what it has (the manifest records what each source contributed).
 4. **Dedup** (main process): exact duplicates of an earlier kept document (same cleaned-text hash, in
    mixing order) are dropped.
 5. **Pack**: per split, whole documents are appended until the next one would overflow `shard_tokens`;
@@ -511,8 +513,16 @@ class _Run:
         self.skip_bad_lines = skip_bad_lines
         self.progress = progress
         total_w = sum(s.weight for s in specs)
-        self.weights = [s.weight for s in specs]
         self.budgets = [None if target_tokens is None else target_tokens * s.weight / total_w for s in specs]
+        # The interleaving rate of each source. With a target, its weight: every source reaches its budget
+        # at about the same time. Without one every document is used, so the rate is the source's size
+        # (bytes on disk, when every source's is known) and all sources run out at about the same time:
+        # either way every shard sees every source.
+        sizes = [src.size_bytes() for src in sources]
+        if target_tokens is None and all(sizes):
+            self.rates = [float(n) for n in sizes]
+        else:
+            self.rates = [s.weight for s in specs]
         # Pipeline state (all of it goes into the snapshot).
         self.cursors = [0] * len(sources)
         self.taken = [0] * len(sources)
@@ -649,7 +659,7 @@ class _Run:
             b = self.budgets[i]
             if b is not None and self.taken[i] >= b:
                 continue
-            if best is None or self.taken[i] * self.weights[best] < self.taken[best] * self.weights[i]:
+            if best is None or self.taken[i] * self.rates[best] < self.taken[best] * self.rates[i]:
                 best = i
         return best
 
@@ -783,6 +793,12 @@ def prepare(
     if workers is None:
         workers = min(4, os.cpu_count() or 1)
     _check_args(specs, shard_tokens, val_fraction, min_chars, workers, target_tokens, max_docs)
+    if target_tokens is None and len({s.weight for s in specs}) > 1:
+        print(
+            "note: without a target token count every document of every source is used; the weights "
+            "apply only with --target-tokens",
+            file=sys.stderr,
+        )
     tok = load_tokenizer(tokenizer)
     dtype = shards.dtype_for_vocab(tok.vocab_size)
     resolved = [Source(s.spec, text_field=text_field, max_docs=max_docs) for s in specs]

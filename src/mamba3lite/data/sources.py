@@ -207,6 +207,16 @@ class Source:
             h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
         return h.hexdigest()
 
+    def size_bytes(self) -> int | None:
+        """Bytes on disk of the source's files (an estimate of its size; compressed for .gz and .parquet),
+        capped pro rata by max_docs for single-unit files; None for hf: sources (unknown)."""
+        if self.hf is not None:
+            return None
+        files = self.files
+        if self.max_docs is not None and not any(p.name.endswith(STRUCTURED_SUFFIXES) for p in files):
+            files = files[: self.max_docs]
+        return sum(p.stat().st_size for p in files)
+
     def units(self, start: int = 0) -> Iterator[Unit]:
         """The units from index `start` (0-based), at most `max_docs` in all; see the module docstring."""
         limit = self.max_docs
