@@ -73,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=_WeightAction,
         type=float,
         metavar="W",
-        help="mixing weight of the preceding --source (default 1); with --target-tokens, "
-        "source i gets W_i/sum(W) of the tokens",
+        help="mixing weight of the preceding --source (default 1): with --target-tokens, source i gets "
+        "W_i/sum(W) of the tokens; without a target every document is used and sources are spread over "
+        "the shards by size",
     )
     parser.add_argument(
         "--mixture",
