@@ -434,6 +434,8 @@ def test_bad_arguments():
         PretrainDataset(None, 8, 100)
     with pytest.raises(ConfigError, match="dummy_tokens"):
         PretrainDataset(None, 8, 100, dummy=True, dummy_tokens=8)
+    with pytest.raises(ConfigError, match="seed"):
+        PretrainDataset(None, 8, 100, dummy=True, seed=-1)
 
 
 def test_dtype_argument_must_match_manifest(tmp_path):

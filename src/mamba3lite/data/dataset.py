@@ -101,7 +101,8 @@ class PretrainDataset(Dataset):
         data_path: dataset directory (with manifest.json, or the seed's shard_*.bin files), a single
             token file, or None with dummy=True.
         max_seq_len: window length L (tokens per x and per y).
-        vocab_size: the model's vocabulary; ids ≥ vocab_size are an error at construction.
+        vocab_size: the model's vocabulary; ids ≥ vocab_size are an error (DataError naming the file):
+            at construction from the manifest (or a scan of manifest-less data), and per batch read.
         split: which manifest split to read ("train" / "val"); ignored without a manifest.
         dummy: random tokens instead of data. Must be asked for; a missing path is always an error.
         dummy_tokens: length of the dummy stream in tokens (default: enough for 1000 windows).
@@ -130,6 +131,8 @@ class PretrainDataset(Dataset):
             raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.split = split
@@ -142,6 +145,7 @@ class PretrainDataset(Dataset):
         self._arrays: list[np.ndarray] = []  # the non-empty token arrays, in reading order
         self._starts: list[int] = []  # global index of each array's first token (for bisect)
         self._ends: list[int] = []  # global index one past each array's last token
+        self._array_paths: list[Path] = []  # the file of each array (for errors)
         self._tensors: list[torch.Tensor] = []  # torch.load'ed sources, kept alive under their numpy views
 
         if dummy:
