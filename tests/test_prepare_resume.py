@@ -28,17 +28,13 @@ def _corpus(tmp_path) -> list:
 KW = {"workers": 0, "shard_tokens": 120, "val_fraction": 0.25, "min_chars": 1}
 
 
-@pytest.fixture(autouse=True)
-def _snapshot_after_every_shard(monkeypatch):
-    """In-process tests interrupt after the n-th snapshot; take one after every shard (no time throttle)."""
-    monkeypatch.setattr(P, "SNAPSHOT_MIN_INTERVAL_S", 0.0)
-
-
 class _Interrupt(BaseException):
     pass
 
 
 def _interrupt_after(monkeypatch, n_snapshots: int) -> None:
+    """Interrupt the run right after its n-th snapshot; snapshots after every shard (no time throttle)."""
+    monkeypatch.setattr(P, "SNAPSHOT_MIN_INTERVAL_S", 0.0)
     original = P._Run._snapshot
     count = [0]
 
