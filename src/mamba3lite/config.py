@@ -46,6 +46,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 def _positive(section: str, obj: Any, names: tuple[str, ...], *, allow_zero: bool = False) -> None:
     for name in names:
         value = getattr(obj, name)
+        if value != value or value in (float("inf"), float("-inf")):  # NaN/inf pass every comparison below
+            raise ConfigError(f"{section}.{name} must be a finite number, got {value}")
         if value < 0 or (value == 0 and not allow_zero):
             bound = ">= 0" if allow_zero else "> 0"
             raise ConfigError(f"{section}.{name} must be {bound}, got {value}")
@@ -380,6 +382,10 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        raise ConfigError(
+            f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); expected a YAML config"
+        ) from None
     return Config.from_dict(raw, source=str(path)).with_overrides(list(overrides))
 
 

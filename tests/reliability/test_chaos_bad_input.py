@@ -1,0 +1,455 @@
+"""Scenario 6: bad input. Malformed paths, configs (typos, impossible values, wrong types, non-UTF-8,
+binary), data (mismatched vocabulary, windows longer than the corpus, empty corpus, binary files),
+unwritable directories, a busy run directory, and a disk that fills up part-way. Each: one clear
+`error:` line, a non-zero exit, no traceback, and nothing on disk changed (tree hashes before/after).
+
+The CLI cases call `mamba3lite.cli.main` in-process (the dispatcher is what turns errors into one line;
+an exception escaping it would fail the test like a traceback would); a few run as real subprocesses."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import chaos_harness as H
+import pytest
+
+from mamba3lite.cli import main
+from mamba3lite.errors import Mamba3LiteError
+from mamba3lite.train.checkpoint import CheckpointManager, RunLock, checkpoint_files
+
+# ------------------------------------------------------------------------------------------ world
+
+
+@pytest.fixture(scope="module")
+def trained_world(tmp_path_factory, chaos_data) -> Path:
+    """data/ (the dataset), run/ (a 2-step run: checkpoint 2), good.yaml, text/ (a small text corpus)."""
+    w = tmp_path_factory.mktemp("world")
+    shutil.copytree(chaos_data, w / "data")
+    H.write_config(w / "good.yaml", "data", "run", max_steps=2, eval_every=0)
+    rc = _in(w, main, ["train", "--config", "good.yaml"])
+    assert rc == 0 and CheckpointManager(w / "run").status(2).verified
+    (w / "text").mkdir()
+    for i in range(3):
+        line = f"document {i}: the quick brown fox jumps over the lazy dog, again and again. "
+        (w / "text" / f"doc{i}.txt").write_text(line * 20, encoding="utf-8")
+    return w
+
+
+@pytest.fixture
+def world(tmp_path, trained_world) -> Path:
+    return Path(shutil.copytree(trained_world, tmp_path / "w"))
+
+
+def _in(cwd: Path, fn, *args):
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return fn(*args)
+    finally:
+        os.chdir(old)
+
+
+def _hash(w: Path) -> dict[str, str]:
+    """Tree hashes, except that .lock holds the pid of its last holder (acquiring it is not damage) and
+    metrics.jsonl is an append-only log (a refused run may record an error event): for those the text
+    itself is kept, and `_same` checks that the old log is a prefix of the new one."""
+    out = {}
+    for k, v in H.tree_hash(w).items():
+        if k.endswith(".lock"):
+            continue
+        out[k] = ("log", (w / k).read_text(encoding="utf-8")) if k.endswith("metrics.jsonl") else v
+    return out
+
+
+def _same(before: dict, after: dict) -> bool:
+    if before.keys() != after.keys():
+        return False
+    for k, v in before.items():
+        w = after[k]
+        if isinstance(v, tuple):
+            if not w[1].startswith(v[1]):
+                return False
+        elif v != w:
+            return False
+    return True
+
+
+def _write(path: Path, content: str | bytes) -> str:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path.name
+
+
+def _yaml(w: Path, name: str, **training) -> str:
+    return H.write_config(w / name, "data", "run2", max_steps=2, eval_every=0, **training).name
+
+
+def _train(*extra: str) -> list[str]:
+    return ["train", "--config", "good.yaml", *extra]
+
+
+def _empty_corpus(w: Path) -> list[str]:
+    """A valid dataset whose train split holds a single token (no window)."""
+    from mamba3lite.data.shards import Manifest, write_shard
+
+    d = w / "tiny_data"
+    s = write_shard(d, "train/shard_00000.bin", [H.EOS], split="train", n_docs=1, dtype="<u2")
+    Manifest(
+        vocab_size=H.VOCAB,
+        eos_id=H.EOS,
+        dtype="uint16",
+        tokenizer={"name": "t", "vocab_hash": "a" * 64},
+        shards=[s],
+    ).save(d)
+    return _train("--data-path", "tiny_data", "--checkpoint-dir", "run2")
+
+
+def _unwritable(w: Path) -> str:
+    """A directory nobody may create: under /sys (read-only even for root) or a 0o500 directory."""
+    if os.geteuid() == 0:
+        assert Path("/sys").is_dir(), "no /sys: cannot make an unwritable path as root"
+        return "/sys/mamba3lite-chaos/run"
+    ro = w / "readonly"
+    ro.mkdir()
+    ro.chmod(0o500)
+    return str(ro / "run")
+
+
+# name: (argv builder(world) -> list[str], substring the one error line must hold)
+CASES = {
+    # paths and presets
+    "config-missing": (lambda w: ["train", "--config", "nope.yaml"], "config not found"),
+    "preset-typo": (lambda w: ["train", "--config", "tiyn"], "did you mean `tiny`"),
+    "data-path-missing": (
+        lambda w: _train("--data-path", "nope", "--checkpoint-dir", "run2"),
+        "does not exist",
+    ),
+    "data-path-empty-dir": (
+        lambda w: (w / "emptydir").mkdir() or _train("--data-path", "emptydir", "--checkpoint-dir", "run2"),
+        "no manifest.json",
+    ),
+    "data-path-binary-file": (
+        lambda w: _train(
+            "--data-path", _write(w / "blob.bin", bytes(range(256)) * 8), "--checkpoint-dir", "run2"
+        ),
+        "dtype is unknown",
+    ),
+    "checkpoint-dir-is-a-file": (
+        lambda w: _train("--checkpoint-dir", _write(w / "afile", "x")),
+        "afile",
+    ),
+    "checkpoint-dir-unwritable": (lambda w: _train("--checkpoint-dir", _unwritable(w)), "mamba3lite-chaos"),
+    # config files
+    "yaml-syntax-error": (
+        lambda w: ["train", "--config", _write(w / "b.yaml", "model: [1, 2\n")],
+        "not valid YAML",
+    ),
+    "yaml-not-utf8": (
+        lambda w: ["train", "--config", _write(w / "b.yaml", b"model:\n  d_model: 32 \xff\xfe\n")],
+        "not a UTF-8 text file",
+    ),
+    "yaml-binary-file": (lambda w: ["train", "--config", _write(w / "b.yaml", bytes(range(256)))], "UTF-8"),
+    "yaml-top-level-list": (lambda w: ["train", "--config", _write(w / "b.yaml", "- a\n- b\n")], "mapping"),
+    "yaml-unknown-key": (
+        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  max_step: 5\n")],
+        "max_steps",
+    ),
+    "yaml-wrong-type": (
+        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  max_steps: ten\n")],
+        "training.max_steps",
+    ),
+    "yaml-impossible-value": (lambda w: ["train", "--config", _yaml(w, "b.yaml", lr=-1.0)], "training.lr"),
+    "yaml-nan": (
+        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  lr: .nan\n")],
+        "training.lr must be a finite number",
+    ),
+    "yaml-betas-wrong-length": (
+        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  betas: [0.9]\n")],
+        "training.betas",
+    ),
+    # --set overrides
+    "set-typo": (lambda w: _train("--set", "training.lrr=1e-3"), "did you mean `lr`"),
+    "set-unknown-section": (lambda w: _train("--set", "optimizer.lr=1e-3"), "optimizer"),
+    "set-without-value": (lambda w: _train("--set", "training.lr"), "training.lr"),
+    "set-wrong-type": (lambda w: _train("--set", "model.d_model=abc"), "model.d_model"),
+    "set-zero-batch": (lambda w: _train("--set", "training.micro_batch_size=0"), "training.micro_batch_size"),
+    "set-infinite-clip": (lambda w: _train("--set", "training.grad_clip=inf"), "finite"),
+    "set-eos-outside-vocab": (lambda w: _train("--set", "model.eos_id=999"), "model.eos_id"),
+    "set-heads-do-not-divide": (lambda w: _train("--set", "model.headdim=24"), "headdim"),
+    # resume
+    "resume-garbage": (lambda w: _train("--resume", "latest2"), "--resume"),
+    "resume-negative": (lambda w: _train("--resume=-3"), "--resume"),
+    "resume-missing-step": (lambda w: _train("--resume", "7"), "step 7"),
+    "resume-none-over-checkpoints": (lambda w: _train("--resume", "none"), "already holds checkpoints"),
+    "resume-other-model": (lambda w: _train("--set", "model.d_model=64"), "do not fit this model"),
+    # data against model
+    "vocab-mismatch": (
+        lambda w: _train("--set", "model.vocab_size=512", "--checkpoint-dir", "run2"),
+        "vocab_size",
+    ),
+    "seq-longer-than-corpus": (
+        lambda w: _train("--set", "training.max_seq_len=8192", "--checkpoint-dir", "run2"),
+        "max_seq_len",
+    ),
+    "batch-larger-than-corpus": (
+        lambda w: _train("--set", "training.micro_batch_size=200", "--checkpoint-dir", "run2"),
+        "fewer than one global batch",
+    ),
+    "empty-corpus": (_empty_corpus, "no window"),
+    "manifest-not-utf8": (
+        lambda w: _write(w / "data" / "manifest.json", b"\xff\xfe{}") and _train("--checkpoint-dir", "run2"),
+        "manifest.json",
+    ),
+    # prepare and inspect
+    "prepare-binary-only": (
+        lambda w: (
+            (w / "bins").mkdir()
+            or (
+                _write(w / "bins" / "x.txt", bytes(range(256)) * 20)
+                and ["prepare", "--source", "bins", "--out", "out", "--workers", "0"]
+            )
+        ),
+        "empty corpus",
+    ),
+    "prepare-empty-dir": (
+        lambda w: (
+            (w / "nothing").mkdir() or ["prepare", "--source", "nothing", "--out", "out", "--workers", "0"]
+        ),
+        "holds no files",
+    ),
+    "prepare-missing-source": (
+        lambda w: ["prepare", "--source", "nope", "--out", "out", "--workers", "0"],
+        "nope",
+    ),
+    "prepare-unwritable-out": (
+        lambda w: [
+            "prepare",
+            "--source",
+            "text",
+            "--out",
+            _unwritable(w),
+            "--workers",
+            "0",
+            "--min-chars",
+            "1",
+        ],
+        "mamba3lite-chaos",
+    ),
+    "prepare-over-existing-dataset": (
+        lambda w: ["prepare", "--source", "text", "--out", "data", "--workers", "0", "--min-chars", "1"],
+        "data",
+    ),
+    "inspect-missing": (lambda w: ["inspect", "nope"], "does not exist"),
+    "inspect-random-dir": (lambda w: (w / "emptydir").mkdir() or ["inspect", "emptydir"], "emptydir"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_clear_line_and_changes_nothing(world, capsys, name):
+    build, expected = CASES[name]
+    argv = build(world)  # creates the bad input itself, so it is part of "before"
+    before = _hash(world)
+    rc = _in(world, main, argv)
+    captured = capsys.readouterr()
+    err_lines = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
+    assert rc != 0, (argv, captured.out[-500:], captured.err[-1500:])
+    assert "Traceback" not in captured.err + captured.out
+    assert len(err_lines) == 1, captured.err
+    assert expected in err_lines[0], err_lines[0]
+    assert _same(before, _hash(world)), f"{name} changed files on disk"
+
+
+def test_enough_distinct_bad_inputs():
+    assert len(CASES) >= 25
+
+
+# ------------------------------------------------------------------------------------ subprocess
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["yaml-not-utf8", "vocab-mismatch", "checkpoint-dir-unwritable", "resume-other-model"]
+)
+def test_bad_input_through_a_real_process(world, name):
+    """The same contract end to end: the process exits non-zero with one error line, no traceback."""
+    import subprocess
+    import sys
+
+    build, expected = CASES[name]
+    argv = build(world)
+    before = _hash(world)
+    r = subprocess.run(
+        [sys.executable, "-m", "mamba3lite", *argv],
+        cwd=world,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **H.BASE_ENV},
+        timeout=H.PATIENCE_S,
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert expected in r.stderr
+    assert _same(before, _hash(world))
+
+
+# -------------------------------------------------------------------------------------- library
+
+
+LIBRARY = {
+    "dataset-without-path": lambda w: __import__("mamba3lite.data", fromlist=["x"]).PretrainDataset(
+        None, 32, H.VOCAB
+    ),
+    "dataset-zero-window": lambda w: __import__("mamba3lite.data", fromlist=["x"]).PretrainDataset(
+        w / "data", 0, H.VOCAB
+    ),
+    "dataset-wrong-vocab": lambda w: __import__("mamba3lite.data", fromlist=["x"]).PretrainDataset(
+        w / "data", 32, 100
+    ),
+    "manifest-of-a-binary-file": lambda w: __import__("mamba3lite.data.shards", fromlist=["x"]).Manifest.load(
+        Path(_write(w / "manifest.json", bytes(range(256)))).resolve()
+    ),
+    "checkpoint-missing-step": lambda w: CheckpointManager(w / "run").load(99),
+    "config-bad-overrides": lambda w: __import__("mamba3lite.config", fromlist=["x"]).load_config(
+        w / "good.yaml", ["training.lr=fast"]
+    ),
+    "trainer-bad-resume": lambda w: __import__("mamba3lite.train.trainer", fromlist=["x"]).Pretrainer(
+        __import__("mamba3lite.config", fromlist=["x"]).load_config(w / "good.yaml"), resume="sometimes"
+    ),
+    "shard-ids-too-big-for-dtype": lambda w: __import__("mamba3lite.data.shards", fromlist=["x"]).write_shard(
+        w / "data2", "train/x.bin", [70000], split="train", n_docs=1, dtype="<u2"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY))
+def test_library_bad_input_raises_a_named_error(world, name):
+    before = _hash(world)
+    with pytest.raises(Mamba3LiteError) as info:
+        _in(world, LIBRARY[name], world)
+    assert str(info.value).strip()
+    after = _hash(world)
+    if name == "manifest-of-a-binary-file":  # the bad input itself is the only new file
+        after.pop("manifest.json", None)
+    assert _same(before, after)
+
+
+# ------------------------------------------------------------------------------------- full disk
+
+
+class FullDisk:
+    """`os.fdopen` whose write-mode files accept `budget` bytes in total, then raise ENOSPC part-way
+    through a write (after writing what fits), as a filling disk does. Every atomic write in the
+    package (checkpoints, shards, manifests, run records) goes through os.fdopen."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self.failed = 0
+        self._fdopen = os.fdopen
+
+    def fdopen(self, fd, mode="r", *args, **kwargs):
+        f = self._fdopen(fd, mode, *args, **kwargs)
+        return _Limited(f, self) if "w" in mode or "a" in mode else f
+
+
+class _Limited:
+    def __init__(self, f, disk: FullDisk) -> None:
+        self._f, self._disk = f, disk
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = min(len(view), self._disk.left)
+        self._f.write(view[:n])
+        self._disk.left -= n
+        if n < len(view):
+            self._disk.failed += 1
+            self._f.flush()  # the partial bytes really are in the file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
+def _no_temp_files(root: Path) -> list[str]:
+    return [p.name for p in root.rglob("*.tmp")]
+
+
+@pytest.mark.parametrize("budget", [0, 3000, 40_000, 150_000, 300_000])
+def test_disk_full_during_training_keeps_the_last_checkpoint(world, capsys, monkeypatch, budget):
+    """The disk fills at a different point for each budget (run records, model file, optimizer file,
+    meta). The run stops with one error line; checkpoint 2 is byte-identical and verified; nothing
+    partial is visible under a final name; with space again, the run resumes and ends at the reference
+    of an uninterrupted run."""
+    run = world / "run"
+    step2 = {k: H.tree_hash(run)[p.name] for k, p in checkpoint_files(run, 2).items()}
+    disk = FullDisk(budget)
+    monkeypatch.setattr(os, "fdopen", disk.fdopen)
+    rc = _in(world, main, _train("--max-steps", "4"))
+    monkeypatch.undo()
+    captured = capsys.readouterr()
+    assert disk.failed, "the disk never filled: the budget is too large for this scenario"
+    assert rc != 0 and "Traceback" not in captured.err
+    err = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "No space left on device" in err[0], captured.err
+    assert {k: H.tree_hash(run)[p.name] for k, p in checkpoint_files(run, 2).items()} == step2
+    mgr = CheckpointManager(run)
+    assert mgr.latest_step() == 2
+    assert not _no_temp_files(world)
+    assert not checkpoint_files(run, 4)["meta"].exists()
+    json.loads((run / "run.json").read_text())  # records are whole (old or new), never torn
+    # Space again: resume from 2, finish, equal to a run that never saw a full disk.
+    assert _in(world, main, _train("--max-steps", "4")) == 0
+    ref = world / "ref"
+    shutil.copytree(run, ref, ignore=shutil.ignore_patterns("*_step_4.*", "superseded"))
+    assert _in(world, main, _train("--max-steps", "4", "--checkpoint-dir", "ref", "--resume", "2")) == 0
+    assert H.weights_identical(H.final_weights(run, 4), H.final_weights(ref, 4))
+
+
+@pytest.mark.parametrize("budget", [0, 20, 2000])
+def test_disk_full_during_prepare_keeps_the_existing_dataset(world, capsys, monkeypatch, budget):
+    """`prepare --overwrite` onto an existing dataset with a disk that fills while staging: an error
+    line, the old dataset still verifies byte for byte, and no new file appears under a final name."""
+    before = {k: v for k, v in H.tree_hash(world / "data").items() if not k.startswith(".")}
+    disk = FullDisk(budget)
+    monkeypatch.setattr(os, "fdopen", disk.fdopen)
+    argv = [
+        "prepare",
+        "--source",
+        "text",
+        "--out",
+        "data",
+        "--overwrite",
+        "--workers",
+        "0",
+        "--min-chars",
+        "1",
+    ]
+    argv += ["--shard-tokens", "200"]
+    rc = _in(world, main, argv)
+    monkeypatch.undo()
+    captured = capsys.readouterr()
+    assert disk.failed and rc != 0 and "Traceback" not in captured.err, captured.err
+    assert "No space left on device" in captured.err
+    after = {k: v for k, v in H.tree_hash(world / "data").items() if not k.startswith(".")}
+    assert after == before
+    assert _in(world, main, ["inspect", "data", "--verify"]) == 0
+
+
+def test_run_directory_in_use_is_refused_and_untouched(world, capsys):
+    before = _hash(world)
+    with RunLock(world / "run"):
+        rc = _in(world, main, _train("--max-steps", "4"))
+    captured = capsys.readouterr()
+    assert rc != 0 and "in use by another trainer" in captured.err and "Traceback" not in captured.err
+    assert _same(before, _hash(world))
