@@ -8,8 +8,9 @@
                                    of the other two files
 
 Fixes of the seed's defects (its "Checkpointing" section):
-- Every file is written atomically (temp file, fsync, rename, directory fsync) through
-  `mamba3lite.data.shards.atomic_write_bytes`; the seed only claimed it ("Honesty check").
+- Every file is written atomically (temp file, fsync, rename, directory fsync): the meta through
+  `shards.atomic_write_json`, the two big files streamed through `HashingAtomicFile` (sha256 computed
+  beside the writes, no in-memory copy of the state); the seed only claimed it ("Honesty check").
 - A step counts only when its meta parses and both other files match the recorded sizes and hashes,
   so a torn-but-complete triple (Pitfall 1) is detected, and the meta carries the sha256 of its own
   content (`meta_sha256`), so an edit that still parses is detected too; `latest_step()` skips it
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import re
@@ -121,14 +121,101 @@ def split_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return unique, aliases
 
 
-def model_bytes(model: torch.nn.Module) -> tuple[bytes, dict[str, str]]:
-    """Serialise a model's state_dict to safetensors bytes (tied tensors once). Returns (bytes, aliases)."""
-    from safetensors.torch import save
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_CHUNK = 64 << 20  # bytes per write (and per hash update): big enough for full bandwidth
 
-    unique, aliases = split_tied(model.state_dict())
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in unique.items()}
-    data = save(tensors, metadata={"format": "pt", "mamba3lite_tied": json.dumps(aliases, sort_keys=True)})
-    return data, aliases
+
+class HashingAtomicFile:
+    """A write-only file object for big checkpoint files: bytes go to a temp file beside `path` and,
+    in parallel on a worker thread, into a sha256 (hashlib and file writes both release the GIL, so
+    hashing overlaps the writes instead of adding a pass over the data). `commit()` = flush, fsync,
+    rename over `path`, fsync of the directory (the same protocol as shards.atomic_write_bytes, which
+    needs the whole file in memory: a 440M model's AdamW state would be one 3 GB bytes object).
+    `abort()` removes the temp file; `path` is never touched until commit."""
+
+    def __init__(self, path: Path) -> None:
+        import tempfile
+
+        self.path = Path(path)
+        fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o644)
+        self._f = os.fdopen(fd, "wb", buffering=0)
+        self._h = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        for start in range(0, len(mv), _CHUNK):
+            piece = mv[start : start + _CHUNK]
+            hashed = self._pool.submit(self._h.update, piece)  # the caller's buffer is alive until we return
+            done = 0
+            while done < len(piece):
+                done += self._f.write(piece[done:])
+            hashed.result()
+        self.size += len(mv)
+        return len(mv)
+
+    def flush(self) -> None:
+        pass  # unbuffered; durability is commit()'s fsync
+
+    def commit(self) -> str:
+        """Make the file durable under its final name; returns its sha256."""
+        from mamba3lite.data.shards import fsync_dir
+
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._pool.shutdown()
+        os.replace(self._tmp, self.path)
+        fsync_dir(self.path.parent)
+        return self._h.hexdigest()
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+        self._pool.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+
+
+def write_safetensors(
+    f: HashingAtomicFile, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
+    """Stream tensors in the safetensors format (8-byte header length, JSON header, raw little-endian
+    data in header order) straight from their memory: no serialised copy of the model is built."""
+    import struct
+    import sys
+
+    assert sys.byteorder == "little", "safetensors data is little-endian"
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for t in tensors.values():
+        if t.numel():
+            f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def load_model_file(path: Path, model: torch.nn.Module, aliases: dict[str, str] | None = None) -> None:
@@ -308,7 +395,7 @@ class CheckpointManager:
         """Write the triple for `step` (model, optimizer, then meta last), each atomically; then apply
         retention. `meta` must be JSON-serialisable (no tensors): it is merged into the meta file.
         Returns the meta path."""
-        from mamba3lite.data.shards import atomic_write_bytes, atomic_write_json, fsync_dir
+        from mamba3lite.data.shards import atomic_write_json, fsync_dir
 
         assert step >= 0
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -317,20 +404,26 @@ class CheckpointManager:
         # of the new one is written.
         with contextlib.suppress(FileNotFoundError):
             paths["meta"].unlink()
-        weights, aliases = model_bytes(model)
-        buf = io.BytesIO()
+        unique, aliases = split_tied(model.state_dict())
         if optimizer is not None:
-            torch.save(optimizer_state_by_name(optimizer, model), buf)
+            optim_state = optimizer_state_by_name(optimizer, model)
         else:
-            torch.save({"format": OPTIM_FORMAT, "state": {}, "param_groups": []}, buf)
-        optim = buf.getbuffer()
-        with ThreadPoolExecutor(max_workers=2) as pool:  # hash while the other thread writes
-            hashes = {"model": pool.submit(_sha256, weights), "optim": pool.submit(_sha256, optim)}
-            atomic_write_bytes(paths["model"], weights)
+            optim_state = {"format": OPTIM_FORMAT, "state": {}, "param_groups": []}
+        sizes, digests = {}, {}
+        for kind in ("model", "optim"):
+            out = HashingAtomicFile(paths[kind])
+            try:
+                if kind == "model":
+                    tied = json.dumps(aliases, sort_keys=True)
+                    write_safetensors(out, unique, {"format": "pt", "mamba3lite_tied": tied})
+                else:
+                    torch.save(optim_state, out)
+                digests[kind] = out.commit()
+            except BaseException:
+                out.abort()
+                raise
+            sizes[kind] = out.size
             _test_pause()
-            atomic_write_bytes(paths["optim"], optim)
-            _test_pause()
-            digests = {k: f.result() for k, f in hashes.items()}
         record = {
             **(meta or {}),
             "format": META_FORMAT,
@@ -339,8 +432,7 @@ class CheckpointManager:
             "tied": aliases,
             "has_optimizer": optimizer is not None,
             "files": {
-                "model": {"name": paths["model"].name, "size": len(weights), "sha256": digests["model"]},
-                "optim": {"name": paths["optim"].name, "size": len(optim), "sha256": digests["optim"]},
+                k: {"name": paths[k].name, "size": sizes[k], "sha256": digests[k]} for k in ("model", "optim")
             },
         }
         try:

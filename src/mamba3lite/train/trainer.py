@@ -666,18 +666,20 @@ class Pretrainer:
             stopped = False
             self.history = []
             while self.step < target:
-                if not self.train_step():
-                    continue
-                t0 = time.time()
-                if self.step % tc.save_every == 0:
-                    self.save_checkpoint()
-                if tc.eval_every and self.step % tc.eval_every == 0:
-                    self.evaluate()
-                self.logger.exclude_time(time.time() - t0)
+                if self.train_step():
+                    t0 = time.time()
+                    if self.step % tc.save_every == 0:
+                        self.save_checkpoint()
+                    if tc.eval_every and self.step % tc.eval_every == 0:
+                        self.evaluate()
+                    self.logger.exclude_time(time.time() - t0)
                 if D.any_rank(self._stop.is_set(), self.dist):
                     stopped = True
                     break
             self.logger.flush()
+            evaluated_now = self.last_eval is not None and self.last_eval.get("step") == self.step
+            if not stopped and tc.eval_every and self.step > 0 and not evaluated_now:
+                self.evaluate()  # the run's final numbers, even when max_steps is off the eval cadence
             if self.step > 0 and self._last_saved != self.step:
                 self.save_checkpoint()
             if self.dist.is_main:
@@ -702,6 +704,13 @@ class Pretrainer:
                 steady_tokens_per_s=self.logger.steady_tokens_per_s(),
                 rollbacks=self.rollbacks,
             )
+        except Exception as e:
+            if self.dist.is_main:
+                with contextlib.suppress(Exception):
+                    self.logger.event(
+                        self.step, "error", f"{type(e).__name__}: {e}", tokens_total=self.tokens_seen
+                    )
+            raise
         finally:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
