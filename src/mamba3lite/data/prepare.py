@@ -48,6 +48,8 @@ import time
 import unicodedata
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +157,7 @@ def _init_worker(cfg: _WorkerConfig) -> None:
 
 
 def _init_pool_worker(cfg: _WorkerConfig) -> None:
-    # Ctrl-C is the main process's to handle (it terminates the pool); workers would only add tracebacks.
+    # Ctrl-C is the main process's to handle (it stops the pool); workers would only add tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _init_worker(cfg)
 
@@ -283,12 +285,12 @@ def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]
 
 
 class _Ready:
-    """A batch processed lazily in this process (workers=0): the same interface as an AsyncResult."""
+    """A batch processed lazily in this process (workers=0): the same interface as a Future."""
 
     def __init__(self, items: list) -> None:
         self._items = items
 
-    def get(self) -> list[Result]:
+    def result(self) -> list[Result]:
         return _process_batch(self._items)
 
 
@@ -330,7 +332,7 @@ class _Stream:
             if not self._pending:
                 return None
             locs, handle = self._pending.popleft()
-            results = handle.get()
+            results = handle.result()
             self._fill()  # keep the workers busy while this batch is consumed
             self._current = zip(locs, results)
 
@@ -679,7 +681,7 @@ class _Run:
                 f"{read_bytes[0] / 1e6:.1f} MB, {read_bytes[0] / dt / 1e6:.1f} MB/s", refresh=False
             )
 
-        submit = (lambda items: pool.apply_async(_process_batch, (items,))) if pool else _Ready
+        submit = (lambda items: pool.submit(_process_batch, items)) if pool else _Ready
         streams = [
             _Stream(src.units(self.cursors[i]), submit, depth, on_read) for i, src in enumerate(self.sources)
         ]
@@ -749,8 +751,8 @@ class _Run:
 
 def _start_method():
     """fork where available: workers inherit the tokenizer already built here (building it takes ~0.5 s,
-    a large part of a small corpus's time) and start in milliseconds. The pool is created before any
-    thread of ours (tqdm's) starts. Elsewhere (macOS, Windows) spawn."""
+    a large part of a small corpus's time) and start in milliseconds. The workers are started before
+    any thread of ours (tqdm's, the executor's) exists. Elsewhere (macOS, Windows) spawn."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
@@ -845,10 +847,20 @@ def prepare(
     try:
         cfg = _WorkerConfig(tok.name, min_chars, text_field, seed, val_fraction)
         if workers:
-            pool = _start_method().Pool(workers, initializer=_init_pool_worker, initargs=(cfg,))
+            # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies (killed for memory)
+            # a Pool loses its task and waits forever; the executor raises BrokenProcessPool.
+            pool = ProcessPoolExecutor(
+                workers, mp_context=_start_method(), initializer=_init_pool_worker, initargs=(cfg,)
+            )
+            pool.submit(int).result()  # start the workers now, before any thread of ours exists
         else:
             _init_worker(cfg)
         run.run(pool, depth=2 * workers + 1 if workers else 1)
+    except BrokenProcessPool as e:
+        raise Mamba3LiteError(
+            f"a tokenizer worker process died (killed for memory?); the shards done so far are kept in "
+            f"{stage}: re-run the same command to resume, perhaps with fewer --workers"
+        ) from e
     except Mamba3LiteError:
         # Bad input: the same arguments would fail the same way, so there is nothing to resume.
         shutil.rmtree(stage, ignore_errors=True)
@@ -857,8 +869,7 @@ def prepare(
         raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)  # batches still queued (a target was reached)
     stats = run.stats
     if stats["kept"] == 0 or not run.packers["train"].next_index:
         shutil.rmtree(stage, ignore_errors=True)
