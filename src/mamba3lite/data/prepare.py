@@ -24,12 +24,13 @@ The split is a pure function of a document's cleaned content and `seed` (sha256 
 below `val_fraction` → val), so it is stable when a source grows.
 
 **Staging and resume.** All work happens in `OUT/.prepare/`; a previous dataset in OUT stays intact
-until the new one is complete, and the manifest is written last. After every shard, a snapshot of the
-pipeline (per-source cursors, counters, the other split's partly filled shard, the dedup set) goes to
-`OUT/.prepare/state.json` (atomically). A re-run with the same arguments re-verifies the shards already
-written, restores the snapshot and continues from there; the result is byte-identical to an
-uninterrupted run. A failure caused by bad input removes the staging directory (a re-run would fail the
-same way); an interruption (kill, Ctrl-C, disk full) leaves it for the resume.
+until the new one is complete, and the manifest is written last. After a shard (at most once a second,
+SNAPSHOT_MIN_INTERVAL_S), a snapshot of the pipeline (per-source cursors, counters, both splits' partly
+filled shards, the dedup set) goes to `OUT/.prepare/state.json` (atomically). A re-run with the same
+arguments and unchanged source files re-verifies the shards of the snapshot, restores it and continues
+from there; the result is byte-identical to an uninterrupted run. A failure caused by bad input removes
+the staging directory (a re-run would fail the same way); an interruption (kill, Ctrl-C, disk full, a
+worker killed for memory) leaves it for the resume.
 """
 
 from __future__ import annotations
