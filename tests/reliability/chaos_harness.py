@@ -121,11 +121,36 @@ def write_config(path: Path, data_path: Path | str, run_dir: Path | str, **train
 # ------------------------------------------------------------------------------------- processes
 
 
-def train_argv(config: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "mamba3lite", "train", "--config", str(config), *extra]
+# `mamba3lite` with one observation point added: while Pretrainer.evaluate runs, the file EVAL_MARKER
+# exists in the run directory (and evaluation pauses CHAOS_EVAL_PAUSE seconds first), so a test can send a
+# signal from outside exactly during an evaluation. Nothing else changes.
+EVAL_MARKER = "chaos_in_eval"
+EVAL_DRIVER = f"""
+import os, sys, time
+from mamba3lite.train.trainer import Pretrainer
+_evaluate = Pretrainer.evaluate
+def evaluate(self):
+    marker = self.run_dir / {EVAL_MARKER!r}
+    marker.write_text(str(self.step))
+    try:
+        time.sleep(float(os.environ.get("CHAOS_EVAL_PAUSE", "0.5")))
+        return _evaluate(self)
+    finally:
+        marker.unlink()
+Pretrainer.evaluate = evaluate
+from mamba3lite.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
-def start_train(config: Path, *extra: str, env: dict | None = None, log_dir: Path) -> subprocess.Popen:
+def train_argv(config: Path, *extra: str, eval_marker: bool = False) -> list[str]:
+    entry = ["-c", EVAL_DRIVER] if eval_marker else ["-m", "mamba3lite"]
+    return [sys.executable, *entry, "train", "--config", str(config), *extra]
+
+
+def start_train(
+    config: Path, *extra: str, env: dict | None = None, log_dir: Path, eval_marker: bool = False
+) -> subprocess.Popen:
     """Start `mamba3lite train` in the background; stdout/stderr go to numbered files in `log_dir`
     (pipes could fill up and block the child while we wait for an event)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +158,10 @@ def start_train(config: Path, *extra: str, env: dict | None = None, log_dir: Pat
     out = open(log_dir / f"{n:03d}.out", "w+", encoding="utf-8")  # noqa: SIM115 (closed in finish())
     err = open(log_dir / f"{n:03d}.err", "w+", encoding="utf-8")  # noqa: SIM115
     p = subprocess.Popen(
-        train_argv(config, *extra), stdout=out, stderr=err, env={**os.environ, **BASE_ENV, **(env or {})}
+        train_argv(config, *extra, eval_marker=eval_marker),
+        stdout=out,
+        stderr=err,
+        env={**os.environ, **BASE_ENV, **(env or {})},
     )
     p.log_files = (out, err)  # type: ignore[attr-defined]
     p.started_at = time.time()  # type: ignore[attr-defined]
@@ -349,27 +377,28 @@ def interrupt_campaign(
             sound_steps.add(before)
         env = {SLOW_SAVE_ENV: str(slow_save_s)} if mode == "mid-save" else {}
         since, since_ns = time.time(), time.time_ns()
-        p = start_train(config, env=env, log_dir=logs)
+        p = start_train(config, env=env, log_dir=logs, eval_marker=mode == "eval")
         hit = ""
         if mode == "mid-save":
             step = wait_until(lambda t0=since_ns: mid_save_step(run_dir, t0), p)
             hit = f"inside the save of step {step}" if step is not None else ""
         elif mode == "after-step":
-            k = rng.randint((before or 0) + 1, MAX_STEPS)
+            # A few steps past the last checkpoint, short of the end, so later trials still have a run.
+            first = (before or 0) + 1
+            k = rng.randint(first, max(first, min(first + 2, MAX_STEPS - 1)))
             got = wait_until(lambda t0=since, k=k: trained_step_since(run_dir, t0) >= k, p)
             if got:
                 time.sleep(rng.uniform(0.0, 0.05))
                 hit = f"after step {trained_step_since(run_dir, since)} was logged (aimed at {k})"
         elif mode == "eval":
-            got = wait_until(lambda t0=since: started_since(run_dir, t0), p)
-            if got:  # somewhere in the steps, evaluations and saves that follow
-                time.sleep(rng.uniform(0.0, 1.5))
-                last = trained_step_since(run_dir, since)
-                hit = f"{time.time() - since:.2f} s after start (last step {last})"
+            marker = run_dir / EVAL_MARKER
+            if wait_until(marker.exists, p):
+                time.sleep(rng.uniform(0.0, 0.2))  # the evaluation pauses 0.5 s first: still inside it
+                hit = f"during the evaluation at step {trained_step_since(run_dir, since)}"
         else:  # "random": anywhere from interpreter start-up on (SIGKILL) or after the start event (SIGTERM)
             if sig == signal.SIGTERM:
                 wait_until(lambda t0=since: started_since(run_dir, t0), p)
-            time.sleep(rng.uniform(0.0, 4.0))
+            time.sleep(rng.uniform(0.0, 4.0 if sig == signal.SIGKILL else 1.0))
             hit = f"{time.time() - since:.2f} s after launch"
         if p.poll() is None and hit:
             p.send_signal(sig)
