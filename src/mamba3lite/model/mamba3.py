@@ -47,19 +47,28 @@ def heavy_tail(a: Tensor) -> Tensor:
     return torch.where(a >= 0, 1 + a, 1 / (1 - a.clamp(max=0)))
 
 
-def rotate_interleaved(x: Tensor, rot: Tensor) -> Tensor:
-    """R(θ) on channel pairs (2i, 2i+1), i < S, as one complex multiply by rot = e^{iθ} (.., S);
-    channels ≥ 2S pass through. x must be fp32/fp64 (the normed, biased B or C)."""
-    S = rot.shape[-1]
-    pairs = torch.view_as_complex(x[..., : 2 * S].unflatten(-1, (S, 2)))
-    return torch.cat([torch.view_as_real(pairs * rot).flatten(-2), x[..., 2 * S :]], dim=-1)
+def rotation_tables(theta: Tensor, n_state: int, halves: bool) -> tuple[Tensor, Tensor]:
+    """Per-channel cos and signed sin (.., N) for R(θ), θ (.., S): a rotating pair (a, b) maps to
+    (a·cosθ − b·sinθ, a·sinθ + b·cosθ); the N/2 − S pass-through pairs get θ = 0.
+    SISO pairs are interleaved (2i, 2i+1); MIMO pairs are split halves (i, i + N/2)."""
+    theta = F.pad(theta, (0, n_state // 2 - theta.shape[-1]))
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    if halves:
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    return torch.stack([cos, cos], dim=-1).flatten(-2), torch.stack([-sin, sin], dim=-1).flatten(-2)
 
 
-def rotate_halves(x: Tensor, rot: Tensor) -> Tensor:
-    """R(θ) on channel pairs (i, i + N/2), i < S, via rot = e^{iθ} (.., S); other channels pass through."""
-    S, half = rot.shape[-1], x.shape[-1] // 2
-    r = torch.complex(x[..., :S], x[..., half : half + S]) * rot
-    return torch.cat([r.real, x[..., S:half], r.imag, x[..., half + S :]], dim=-1)
+def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x·cos + swap(x)·sin with swap exchanging channels 2i and 2i+1 (tables from `rotation_tables`).
+
+    Full-width elementwise products, no slicing: slice and complex-multiply backward passes allocate,
+    zero-fill and convert full-size gradients, which costs more than the rotation itself on CPU."""
+    return torch.addcmul(x * cos, x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2), sin)
+
+
+def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x·cos + swap(x)·sin with swap exchanging the two halves of the N channels."""
+    return torch.addcmul(x * cos, x.unflatten(-1, (2, -1)).flip(-2).flatten(-2), sin)
 
 
 def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
@@ -233,8 +242,9 @@ class Mamba3(nn.Module):
         k = k + self.B_bias[:, None].to(k.dtype)
         q = q + self.C_bias[:, None].to(q.dtype)
         if theta_BHTS is not None:
-            rot = torch.polar(torch.ones_like(theta_BHTS), theta_BHTS)[:, :, :, None]  # e^{iθ}, (B,H,T,1,S)
-            k, q = self._rotate(k, rot), self._rotate(q, rot)
+            cos, sin = rotation_tables(theta_BHTS, self.d_state, halves=self.is_mimo)
+            cos, sin = cos[:, :, :, None], sin[:, :, :, None]  # broadcast over R
+            k, q = self._rotate(k, cos, sin), self._rotate(q, cos, sin)
         return q, k
 
     def _values(self, x_BTHP: Tensor) -> Tensor:

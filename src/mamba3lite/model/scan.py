@@ -70,6 +70,35 @@ def scan_step(
     return y_BHRP, h
 
 
+class _DecayWeights(torch.autograd.Function):
+    """The intra-chunk weights W[t, s] = e^{cs_t − cs_s}·mask[t, s]·scale_s − [s = t]·bn_t, cast to
+    `out_dtype` (the autocast dtype under autocast: they then scale bf16 scores, as in flash-style
+    kernels). The exponent is masked before exp, so no e^{positive} is ever formed.
+
+    Written as a Function because its backward is one product and three reductions,
+    d cs_t = Σ_s G[t, s] − Σ_s' G[s', t] with G = gW ⊙ e^{…} ⊙ scale, where autograd's chain through
+    sub / masked_fill / exp / mul / diagonal / cast makes ~8 passes over the (L, L) blocks.
+    """
+
+    @staticmethod
+    def forward(ctx, cs, scale, bn, mask, out_dtype):
+        decay = (cs[..., :, None] - cs[..., None, :]).masked_fill_(~mask, float("-inf")).exp_()
+        W = decay * scale[..., None, :]
+        W.diagonal(dim1=-2, dim2=-1).sub_(bn)  # diagonal weight γ_t = scale_t − bn_t (decay 1 there)
+        ctx.save_for_backward(decay, scale)
+        return W.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, gW):
+        decay, scale = ctx.saved_tensors
+        M = gW * decay  # in the state dtype (type promotion)
+        d_scale = M.sum(-2)
+        G = M.mul_(scale[..., None, :])
+        d_cs = G.sum(-1) - G.sum(-2)
+        d_bn = -gW.diagonal(dim1=-2, dim2=-1).to(scale.dtype)
+        return d_cs, d_scale, d_bn, None, None
+
+
 def sequential_scan(
     q_BHTRN: Tensor,
     k_BHTRN: Tensor,
@@ -194,13 +223,8 @@ def chunked_scan(
         to_end_B1cL = seg_B1cL == seg_B1cL[..., -1:]  # no reset in (s, chunk end]
     else:
         mask = causal_LL
-    # e^{cs_t − cs_s} only where s ≤ t: mask the exponent first so no exp of a positive number happens.
-    W_BHcLL = (cs_BHcL[..., :, None] - cs_BHcL[..., None, :]).masked_fill_(~mask, float("-inf")).exp_()
-    # Off-diagonal weight scale_s; diagonal weight γ_t = scale_t − (1 − λ_{t+1}) Δ_{t+1} (decay 1 there).
-    W_BHcLL = W_BHcLL * scale_BHcL[..., None, :]
-    W_BHcLL.diagonal(dim1=-2, dim2=-1).sub_(boa_next_BHcL)
-    if autocast:
-        W_BHcLL = W_BHcLL.to(torch.get_autocast_dtype(dev.type))
+    out_dtype = torch.get_autocast_dtype(dev.type) if autocast else sd
+    W_BHcLL = _DecayWeights.apply(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, out_dtype)
 
     scores = _mm(q_c, k_c.reshape(Bsz, H, nc, L * R, N).transpose(-1, -2))  # (B, H, nc, L·R, L·R)
     if R == 1:

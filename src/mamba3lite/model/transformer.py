@@ -28,6 +28,9 @@ from mamba3lite.model.sampling import sample_next
 # Rows of logits materialised at once by the loss: 128 × 50,257 × 4 B ≈ 26 MB, below glibc's 32 MB mmap
 # threshold, so the buffer is reused instead of page-faulted in afresh for every chunk (2x on CPU).
 LOSS_CHUNK_ROWS = 128
+# Chunks whose gradients are gathered (in the compute dtype) before the two gradient matmuls, so that the
+# (D, V) gradient is accumulated (and converted to fp32) once per 2,048 rows rather than once per chunk.
+LOSS_GROUP_CHUNKS = 16
 
 
 class GatedMLP(nn.Module):
@@ -89,45 +92,56 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_ND, w_VD, targets_N, ignore_index: int, chunk_rows: int, needs_grad: bool):
-        N = h_ND.shape[0]
+        N, V = h_ND.shape[0], w_VD.shape[0]
         dev = h_ND.device
         cd = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h_ND.dtype
         h, w = h_ND.to(cd), w_VD.to(cd)
         acc = torch.promote_types(cd, torch.float32)
         valid_N = targets_N != ignore_index
         n_valid = valid_N.sum()
+        row_scale_N = valid_N.to(acc) / n_valid.clamp(min=1).to(acc)  # d mean / d row
         loss = torch.zeros((), dtype=acc, device=dev)
-        grad_h = torch.empty_like(h_ND) if needs_grad else None
-        grad_w = torch.zeros(w_VD.shape, dtype=acc, device=dev) if needs_grad else None
-        for i in range(0, N, chunk_rows):
-            j = min(i + chunk_rows, N)
-            tgt = targets_N[i:j].clamp(min=0)[:, None]
-            valid = valid_N[i:j].to(acc)
-            # One fused softmax pass gives both the loss (−log p_target) and the gradient (p − onehot);
-            # fewer passes over the (rows, V) block is what makes this fast on CPU.
-            probs = torch.softmax((h[i:j] @ w.T).to(acc), dim=-1)
-            p_t = probs.gather(1, tgt)[:, 0]
-            nll = -torch.log(p_t)
-            tiny = p_t < 1e-30  # p_target underflowed: take those rows' loss from an exact logsumexp
-            if bool(tiny.any()):
-                logits = (h[i:j][tiny] @ w.T).to(acc)
-                nll[tiny] = torch.logsumexp(logits, dim=-1) - logits.gather(1, tgt[tiny])[:, 0]
-            loss = loss + (nll * valid).sum()
-            if needs_grad:
-                # d loss / d logits = (softmax − onehot) / n_valid on the valid rows; the row scale is
-                # applied to the small (rows, D) operands, not to the (rows, V) block.
-                probs.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=probs.dtype))
-                g = probs.to(cd)
-                scale = (valid / n_valid.clamp(min=1).to(acc))[:, None]
-                grad_h[i:j] = ((g @ w).to(acc) * scale).to(h_ND.dtype)
-                grad_w += (g.T @ (h[i:j] * scale.to(cd))).to(acc)
+        group = chunk_rows * LOSS_GROUP_CHUNKS
         if needs_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype))
+            grad_h = torch.empty_like(h_ND)
+            # Wᵀ's gradient is accumulated as (D, V) = hᵀ g: a plain row-major matmul (g.T @ h would be
+            # a transposed operand, which CPU bf16 kernels copy first).
+            grad_wT = torch.zeros(w_VD.shape[1], V, dtype=acc, device=dev)
+            g_buf = torch.empty(min(group, N), V, dtype=cd, device=dev)
+        for gi in range(0, N, group):
+            gj = min(gi + group, N)
+            for i in range(gi, gj, chunk_rows):
+                j = min(i + chunk_rows, gj)
+                tgt = targets_N[i:j].clamp(min=0)[:, None]
+                # One fused softmax pass gives both the loss (−log p_target) and the gradient
+                # (p − onehot); fewer passes over the (rows, V) block is what makes this fast on CPU.
+                probs = torch.softmax((h[i:j] @ w.T).to(acc), dim=-1)
+                p_t = probs.gather(1, tgt)[:, 0]
+                nll = -torch.log(p_t)
+                tiny = p_t < 1e-30  # p_target underflowed: take those rows' loss from an exact logsumexp
+                if bool(tiny.any()):
+                    logits = (h[i:j][tiny] @ w.T).to(acc)
+                    nll[tiny] = torch.logsumexp(logits, dim=-1) - logits.gather(1, tgt[tiny])[:, 0]
+                loss = loss + (nll * valid_N[i:j]).sum()
+                if needs_grad:
+                    probs.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=probs.dtype))
+                    g_buf[i - gi : j - gi].copy_(probs)
+            if needs_grad:
+                # The row scale (valid / n_valid) goes on the small (rows, D) operands, not on g.
+                g = g_buf[: gj - gi]
+                scale = row_scale_N[gi:gj, None]
+                grad_h[gi:gj] = ((g @ w).to(acc) * scale).to(h_ND.dtype)
+                grad_wT += ((h[gi:gj] * scale.to(cd)).T @ g).to(acc)
+        if needs_grad:
+            ctx.save_for_backward(grad_h, grad_wT.T.contiguous().to(w_VD.dtype))
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
+        # loss.backward() (grad 1): skip two full passes. Not while compiling (no data-dependent branch).
+        if not torch.compiler.is_compiling() and float(grad_out) == 1.0:
+            return grad_h, grad_w, None, None, None, None
         return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None
 
 
