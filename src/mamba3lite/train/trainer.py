@@ -577,6 +577,11 @@ class Pretrainer:
         return out
 
     # ------------------------------------------------------------------------------------- run
+    def request_stop(self) -> None:
+        """Ask `train()` to stop after the current step, as SIGTERM does (checkpoint, "stop" event).
+        Thread-safe: e.g. a timer thread enforcing a wall-clock budget (the quickstart's)."""
+        self._stop.set()
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
