@@ -1,0 +1,156 @@
+"""Evaluating a model on a token dataset: loss, perplexity, bits per byte, tokens evaluated.
+
+`evaluate_model` is what `mamba3lite eval` and the quickstart call. It measures exactly what the
+trainer's periodic evaluation measures (`Pretrainer.evaluate`): the mean next-token cross-entropy over
+windows of `max_seq_len` tokens (the dataset's window math), spread evenly over the split, in the
+run's compute dtype; the same windows give the same number.
+
+    loss          mean cross-entropy, nats per token (natural log)
+    perplexity    exp(loss)
+    bits_per_byte loss / ln 2 / (UTF-8 bytes of source text per token of the split); None when the
+                  dataset does not record text bytes (seed-format token files). Comparable across
+                  tokenizers, unlike the loss.
+    tokens        target tokens scored (windows × max_seq_len)
+
+`check_compatible` refuses a dataset the model cannot read correctly: another tokenizer (vocabulary
+hash), another vocab size or EOS id. Token ids are only meaningful under the tokenizer that made them,
+so a silent evaluation across tokenizers would report a number that means nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mamba3lite.errors import ConfigError, DataError
+
+
+@dataclass
+class EvalResult:
+    """The numbers of one evaluation (see the module docstring for units)."""
+
+    loss: float
+    perplexity: float
+    bits_per_byte: float | None
+    tokens: int
+    windows: int
+    max_seq_len: int
+    split: str
+    data_path: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_compatible(
+    manifest, model_vocab_size: int, model_eos_id: int, vocab_hash: str | None, tokenizer_name: str
+) -> None:
+    """DataError unless a dataset `manifest` was tokenized like the model's training data."""
+    where = "the dataset"
+    m_tok = manifest.tokenizer or {}
+    if vocab_hash and m_tok.get("vocab_hash") and m_tok["vocab_hash"] != vocab_hash:
+        raise DataError(
+            f"{where} was tokenized with {m_tok.get('name')} (vocab hash {m_tok['vocab_hash'][:12]}), the "
+            f"model with {tokenizer_name} ({vocab_hash[:12]}); prepare the data with the model's "
+            f"tokenizer (`mamba3lite prepare --tokenizer {tokenizer_name}`)"
+        )
+    if manifest.vocab_size != model_vocab_size:
+        raise DataError(
+            f"{where} has vocab_size {manifest.vocab_size}, the model {model_vocab_size}: they do not "
+            "share a tokenizer; prepare the data with the model's tokenizer"
+        )
+    if manifest.eos_id != model_eos_id:
+        raise DataError(f"{where} uses EOS id {manifest.eos_id}, the model {model_eos_id}")
+
+
+def pick_split(data_path: str | Path, split: str | None) -> str:
+    """The split to evaluate: `split` if given (checked), else "val" when the dataset has one, else
+    "train"."""
+    from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest
+
+    p = Path(data_path)
+    root = p.parent if p.name == MANIFEST_NAME else p
+    if not (root / MANIFEST_NAME).is_file():
+        return split or "train"  # seed-format token files have no splits
+    m = Manifest.load(root)
+    if split is not None:
+        if split not in SPLITS:
+            raise ConfigError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
+        if not m.split_shards(split):
+            raise DataError(f"{root} has no {split} split (its splits: {', '.join(_splits(m))})")
+        return split
+    return "val" if m.n_tokens("val") > 0 else "train"
+
+
+def _splits(m) -> list[str]:
+    return sorted({s.split for s in m.shards})
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: torch.nn.Module,
+    data_path: str | Path,
+    *,
+    max_seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    split: str | None = None,
+    dtype: str = "fp32",
+    vocab_hash: str | None = None,
+    tokenizer_name: str = "gpt2",
+) -> EvalResult:
+    """Mean loss of `model` over windows of `data_path` (see the module docstring).
+
+    max_batches: at most this many batches of `batch_size` windows, spread evenly over the split
+    (None: every window). dtype "bf16" evaluates under bf16 autocast (as training with dtype bf16 does).
+    Raises DataError for a missing/incompatible dataset or one too short for a single window.
+    """
+    from mamba3lite.data import PretrainDataset
+
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    if max_batches is not None and max_batches < 1:
+        raise ConfigError(f"--max-batches must be >= 1, got {max_batches}")
+    cfg = model.cfg
+    split = pick_split(data_path, split)
+    ds = PretrainDataset(data_path, max_seq_len, cfg.vocab_size, split=split)
+    if ds.manifest is not None:
+        check_compatible(ds.manifest, cfg.vocab_size, cfg.eos_id, vocab_hash, tokenizer_name)
+    n = len(ds)
+    total = n if max_batches is None else min(n, max_batches * batch_size)
+    picks = [k * n // total for k in range(total)]  # evenly spread, as Pretrainer.evaluate
+    device = next(model.parameters()).device
+    autocast = (
+        torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        if dtype == "bf16"
+        else contextlib.nullcontext()
+    )
+    was_training = model.training
+    model.eval()
+    loss_sum = 0.0
+    try:
+        for i in range(0, total, batch_size):
+            pairs = [ds[j] for j in picks[i : i + batch_size]]
+            x = torch.stack([p[0] for p in pairs]).to(device)
+            y = torch.stack([p[1] for p in pairs]).to(device)
+            with autocast:
+                loss = model(x, y)
+            loss_sum += float(loss) * len(pairs)
+    finally:
+        model.train(was_training)
+    loss = loss_sum / total
+    bpb = loss / math.log(2) / ds.bytes_per_token if ds.bytes_per_token else None
+    return EvalResult(
+        loss=loss,
+        perplexity=math.exp(min(loss, 700.0)),
+        bits_per_byte=bpb,
+        tokens=total * max_seq_len,
+        windows=total,
+        max_seq_len=max_seq_len,
+        split=split,
+        data_path=str(data_path),
+    )

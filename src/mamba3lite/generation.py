@@ -1,0 +1,124 @@
+"""Text generation from a loaded model: encode, prefill + recurrent decode, stream decoded text.
+
+`generate_text` is what `mamba3lite generate` and the quickstart call. The model does the work
+(`Mamba3Transformer.generate`: one chunked-scan prefill over the prompt, then one O(1) recurrent step
+per new token); this module turns tokens into text as they come.
+
+Context: training windows are cut from documents joined by EOS, so a document's first token follows an
+EOS. The prompt is therefore fed as [EOS] + encode(prompt): the model sees "a new document starts
+with <prompt>", and an empty prompt is allowed (the model writes a document from scratch).
+
+Streaming: GPT-2 tokens are byte sequences, so a UTF-8 character can be split across two tokens; text
+is emitted only up to the last complete character (a trailing U+FFFD from a partial byte sequence is
+held back until the next token completes it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mamba3lite.errors import ConfigError
+
+
+@dataclass
+class GenerationResult:
+    """What one `generate_text` call produced.
+
+    text: the generated continuation (prompt not included, EOS not included).
+    new_tokens: tokens sampled (the EOS that ended generation included); stopped_at_eos: whether EOS
+    ended it before max_new_tokens. seconds: wall time of prefill + decode; prompt_tokens: tokens fed.
+    """
+
+    text: str
+    token_ids: list[int]
+    new_tokens: int
+    prompt_tokens: int
+    stopped_at_eos: bool
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time (prefill included)."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def check_sampling_args(
+    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
+    """ConfigError naming the flag for values `sample_next` would reject."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {top_p}")
+
+
+def generate_text(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int = 0,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Continue `prompt` with at most `max_new_tokens` tokens; stop early at the tokenizer's EOS.
+
+    Sampling: softmax(logits / temperature) restricted by top-k / top-p (`model.sampling.sample_next`),
+    drawn from a CPU `torch.Generator` seeded with `seed`: the same model, prompt, settings and seed give
+    the same text. `on_text(piece)` is called with each newly completed piece of text (streaming).
+    """
+    check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    device = next(model.parameters()).device
+    prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+    vocab = model.cfg.vocab_size
+    if max(prompt_ids) >= vocab:
+        raise ConfigError(f"the prompt encodes to token ids >= the model's vocab_size {vocab}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    input_ids_BT = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    new_ids: list[int] = []
+    emitted = ""
+    stopped_at_eos = False
+    t0 = time.perf_counter()
+    model.eval()
+    for token_B in model.generate(
+        input_ids_BT,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=gen,
+        eos_id=tokenizer.eos_id,
+    ):
+        token = int(token_B[0])
+        if token == tokenizer.eos_id:
+            stopped_at_eos = True
+            break
+        new_ids.append(token)
+        text = tokenizer.decode(new_ids)
+        if not text.endswith("\ufffd") and len(text) > len(emitted):
+            piece, emitted = text[len(emitted) :], text
+            if on_text is not None:
+                on_text(piece)
+    seconds = time.perf_counter() - t0
+    text = tokenizer.decode(new_ids)
+    if on_text is not None and len(text) > len(emitted) and text.startswith(emitted):
+        on_text(text[len(emitted) :])  # a final partial character, shown as U+FFFD
+    return GenerationResult(
+        text=text,
+        token_ids=new_ids,
+        new_tokens=len(new_ids) + int(stopped_at_eos),
+        prompt_tokens=len(prompt_ids),
+        stopped_at_eos=stopped_at_eos,
+        seconds=seconds,
+    )

@@ -1,0 +1,155 @@
+"""Loading a trained model back from its run directory: the one road for generate, eval and quickstart.
+
+    loaded = load_pretrained("runs/tiny")            # newest verified checkpoint
+    loaded = load_pretrained("runs/tiny", step=400)  # exactly step 400, or a CheckpointError
+
+A run directory (`training.checkpoint_dir`) holds `model_step_N.safetensors`, `optim_step_N.pt` and
+`meta_step_N.json` per step; the meta carries the whole resolved config and the identity of the data the
+model was trained on (tokenizer name, vocabulary hash, vocab size, EOS id). From those this module
+rebuilds `Mamba3Transformer(config.model)`, loads the verified weights (sha256 checked against the meta
+by `CheckpointManager`) and the tokenizer the model was trained with. The optimizer file is not read.
+
+Every problem a user can fix is a `CheckpointError` naming the directory or file and the fix: a
+directory that does not exist, one without checkpoints, a step that is not there (the message lists the
+loadable steps), a corrupt or truncated file, a meta whose config no longer validates.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mamba3lite.errors import CheckpointError, ConfigError
+
+
+@dataclass
+class Pretrained:
+    """A model loaded from a checkpoint, with everything needed to use it.
+
+    model: `Mamba3Transformer` in eval mode on `device` (fp32 weights).
+    config: the run's resolved `Config` (as saved in the meta).
+    step: the optimizer step of the checkpoint; meta: the parsed meta file.
+    tokenizer_name: what `load_tokenizer` takes ("gpt2" or a tokenizer.json path); vocab_hash: the
+    sha256 of the vocabulary the training data was tokenized with (None for dummy-data runs).
+    notes: human-readable remarks (e.g. a newer damaged checkpoint that was skipped).
+    """
+
+    model: torch.nn.Module
+    config: Any
+    step: int
+    meta: dict
+    run_dir: Path
+    tokenizer_name: str
+    vocab_hash: str | None
+    notes: list[str]
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self.meta.get("tokens_seen", 0))
+
+    def load_tokenizer(self):
+        """The tokenizer the model was trained with; CheckpointError if it cannot be the model's."""
+        from mamba3lite.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.tokenizer_name)
+        vocab = self.config.model.vocab_size
+        if tok.vocab_size != vocab:
+            raise CheckpointError(
+                f"the model in {self.run_dir} has vocab_size {vocab}, its tokenizer "
+                f"{self.tokenizer_name} has {tok.vocab_size} tokens: text cannot be encoded for it"
+            )
+        if self.vocab_hash and tok.vocab_hash != self.vocab_hash:
+            raise CheckpointError(
+                f"the model in {self.run_dir} was trained on tokenizer {self.tokenizer_name} with vocab "
+                f"hash {self.vocab_hash[:12]}, the installed one has {tok.vocab_hash[:12]}"
+            )
+        return tok
+
+
+def list_loadable_steps(run_dir: str | Path) -> list[int]:
+    """Steps of `run_dir` whose checkpoint verifies (ascending); [] when there are none."""
+    from mamba3lite.train.checkpoint import CheckpointManager
+
+    return CheckpointManager(run_dir).verified_steps()
+
+
+def check_run_dir(run_dir: str | Path) -> Path:
+    """`run_dir` as a Path if it is a directory holding checkpoint files; else a CheckpointError."""
+    from mamba3lite.train.checkpoint import CheckpointManager
+
+    p = Path(run_dir)
+    if not p.exists():
+        raise CheckpointError(
+            f"checkpoint directory {p} does not exist; pass the --checkpoint-dir of a `mamba3lite train` "
+            "run (e.g. mamba3lite-quickstart/run)"
+        )
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is a file, not a checkpoint directory; pass the run directory")
+    if not CheckpointManager(p).list_steps():
+        raise CheckpointError(
+            f"{p} holds no checkpoints (no model_step_N.safetensors / meta_step_N.json); train first, "
+            "or pass the --checkpoint-dir of a run"
+        )
+    return p
+
+
+def load_pretrained(
+    run_dir: str | Path, step: int | None = None, device: str | torch.device = "cpu"
+) -> Pretrained:
+    """Load the model of checkpoint `step` (default: the newest one that verifies) from `run_dir`.
+
+    The newest-step search skips damaged newer checkpoints (each noted in `Pretrained.notes`); an
+    explicit `step` loads exactly that step or raises. Weights are verified against the meta's sha256.
+    """
+    from mamba3lite.config import Config
+    from mamba3lite.model import Mamba3Transformer
+    from mamba3lite.train.checkpoint import CheckpointManager
+
+    p = check_run_dir(run_dir)
+    ckpt = CheckpointManager(p)
+    notes: list[str] = []
+    if step is None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = ckpt.latest_step()
+        notes += [str(w.message) for w in caught]
+        if step is None:
+            problems = "; ".join(p for s in ckpt.list_steps() for p in ckpt.status(s).problems)
+            raise CheckpointError(f"no checkpoint in {p} verifies: {problems}")
+    else:
+        if step < 0:
+            raise CheckpointError(f"--step must be >= 0, got {step}")
+        if step not in ckpt.list_steps():
+            raise CheckpointError(
+                f"there is no checkpoint of step {step} in {p}; loadable steps: "
+                f"{ckpt.verified_steps() or 'none'}"
+            )
+    meta = ckpt.read_meta(step)
+    raw_cfg = meta.get("config")
+    if not isinstance(raw_cfg, dict) or "model" not in raw_cfg:
+        raise CheckpointError(
+            f"{p}/meta_step_{step}.json records no model config (a seed-format checkpoint?); "
+            "mamba3lite cannot rebuild its model"
+        )
+    try:
+        config = Config.from_dict(raw_cfg, source=f"{p}/meta_step_{step}.json")
+    except ConfigError as e:
+        raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
+    model = Mamba3Transformer(config.model)
+    ckpt.load(step, model, None, map_location="cpu")  # verifies sizes and sha256 first
+    model.to(device).eval()
+    data = meta.get("data") or {}
+    return Pretrained(
+        model=model,
+        config=config,
+        step=step,
+        meta=meta,
+        run_dir=p,
+        tokenizer_name=str(data.get("tokenizer") or "gpt2"),
+        vocab_hash=data.get("vocab_hash"),
+        notes=notes,
+    )
