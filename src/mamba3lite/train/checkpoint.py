@@ -51,6 +51,8 @@ LOCK_NAME = ".lock"
 SLOW_SAVE_ENV = "MAMBA3LITE_TEST_SLOW_SAVE"
 _NAME_RE = re.compile(r"^(model|optim|meta)_step_(\d+)\.(safetensors|pt|json)$")
 _EXT = {"model": "safetensors", "optim": "pt", "meta": "json"}
+# Temp files of the atomic writers (mkstemp prefix ".NAME.", suffix ".tmp") for checkpoint files.
+_TEMP_RE = re.compile(r"^\.(model|optim|meta)_step_\d+\.(safetensors|pt|json)\..+\.tmp$")
 
 
 def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
@@ -399,6 +401,7 @@ class CheckpointManager:
 
         assert step >= 0
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.remove_stale_temp_files()
         paths = checkpoint_files(self.dir, step)
         # An older triple of the same step (re-saved after a rollback) stops counting before anything
         # of the new one is written.
@@ -449,6 +452,20 @@ class CheckpointManager:
             self._hash_cache[(str(paths[kind]), st.st_size, st.st_mtime_ns)] = digests[kind]
         self.prune()
         return paths["meta"]
+
+    def remove_stale_temp_files(self) -> list[str]:
+        """Delete the temp files of saves that never finished: a process killed mid-write leaves
+        `.model_step_N.safetensors.XXXX.tmp`, as big as the file it was becoming, and repeated
+        preemptions would fill the disk. Call only when no save can be running (the trainer holds the
+        run lock; `save` calls it first). Returns the removed names."""
+        removed = []
+        if self.dir.is_dir():
+            for p in self.dir.iterdir():
+                if _TEMP_RE.match(p.name):
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+                        removed.append(p.name)
+        return removed
 
     # ---------------------------------------------------------------------------------- discovery
     def list_steps(self) -> list[int]:
