@@ -383,8 +383,9 @@ def interrupt_campaign(
             step = wait_until(lambda t0=since_ns: mid_save_step(run_dir, t0), p)
             hit = f"inside the save of step {step}" if step is not None else ""
         elif mode == "after-step":
-            # A few steps past the last checkpoint, short of the end, so later trials still have a run.
-            first = (before or 0) + 1
+            # Past the next checkpoint (so the campaign progresses) and short of the end (so later
+            # trials still have a run to interrupt).
+            first = min((before or 0) + SAVE_EVERY + 1, MAX_STEPS - 1)
             k = rng.randint(first, max(first, min(first + 2, MAX_STEPS - 1)))
             got = wait_until(lambda t0=since, k=k: trained_step_since(run_dir, t0) >= k, p)
             if got:
@@ -398,7 +399,7 @@ def interrupt_campaign(
         else:  # "random": anywhere from interpreter start-up on (SIGKILL) or after the start event (SIGTERM)
             if sig == signal.SIGTERM:
                 wait_until(lambda t0=since: started_since(run_dir, t0), p)
-            time.sleep(rng.uniform(0.0, 4.0 if sig == signal.SIGKILL else 1.0))
+            time.sleep(rng.uniform(0.0, 8.0 if sig == signal.SIGKILL else 1.0))
             hit = f"{time.time() - since:.2f} s after launch"
         if p.poll() is None and hit:
             p.send_signal(sig)
@@ -433,12 +434,15 @@ def interrupt_campaign(
             f"survived={survived}"
         )
         out.append(trial)
+    last, _ = latest_verified(run_dir)
+    if last is not None and checkpoint_is_sound(run_dir, last):
+        sound_steps.add(last)
     since = time.time()
     final = run_train(config)
     for s in _resume_steps_since(run_dir, since):
         resumes_checked += 1
-        if s not in sound_steps and not checkpoint_is_sound(run_dir, s):
-            bad_resumes.append(f"final run: resumed from step {s}")
+        if s not in sound_steps:
+            bad_resumes.append(f"final run: resumed from step {s}, not seen verified before the run")
     stderr_warnings += [ln for ln in final.stderr.splitlines() if "not usable" in ln]
     identical = final.returncode == 0 and weights_identical(final_weights(run_dir), reference)
     if final.returncode != 0:

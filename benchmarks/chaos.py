@@ -1,0 +1,197 @@
+"""Chaos campaign: kill -9 / resume (and SIGTERM, damaged checkpoints, a busy run directory) against real
+`mamba3lite train` processes, then the summary table: scenario, trials, survived, data lost.
+
+    python benchmarks/chaos.py                       # 20 kill -9 trials, 8 SIGTERM trials, the rest
+    python benchmarks/chaos.py --kill-trials 100 --sigterm-trials 0 --no-corruption --no-lock
+
+A kill -9 trial "survives" when the run directory still resumes from a verified checkpoint (never a
+damaged one); "data lost" counts trials after which the newest verified checkpoint went backwards, plus
+one if the campaign's final weights differ from an uninterrupted run (torch.equal on every tensor).
+A SIGTERM trial survives when the process exits 0 with a verified checkpoint of the last step it trained.
+A damaged-checkpoint trial survives when the damage is detected and the newest good step is chosen with
+a warning naming the file. Everything uses the harness of tests/reliability (the same code the tests run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
+
+import chaos_harness as H
+
+
+def _campaign(work: Path, data: Path, reference: dict, trials: int, sig: int, modes, seed: int):
+    trial_rows, finals = [], []
+    # A campaign ends when its run reaches max_steps; long campaigns chain several runs.
+    left, k = trials, 0
+    while left > 0:
+        n = min(left, 10 if sig == signal.SIGKILL else 5)
+        sub = work / f"campaign{k}"
+        sub.mkdir()
+        run = sub / "run"
+        config = H.write_config(sub / "config.yaml", data, run)
+        res = H.interrupt_campaign(
+            sub, config, run, reference, trials=n, rng=random.Random(seed + k), sig=sig, modes=modes
+        )
+        trial_rows += res.trials
+        finals.append(res)
+        left -= n
+        k += 1
+    survived = sum(t.survived for t in trial_rows) - sum(len(r.bad_resumes) for r in finals)
+    lost = sum(t.data_lost for t in trial_rows) + sum(not r.final_identical for r in finals)
+    hits: dict[str, int] = {}
+    for t in trial_rows:
+        key = t.mode if not t.hit.startswith("finished") else f"{t.mode} (run had ended)"
+        hits[key] = hits.get(key, 0) + 1
+    return len(trial_rows), survived, lost, hits, finals
+
+
+def _corruption(work: Path, data: Path, flips: int, seed: int) -> tuple[int, int, int]:
+    """Damage the newest of two checkpoints in every way; count detections (fallback to step 2 with a
+    warning naming the file)."""
+    base = work / "base"
+    config = H.write_config(work / "base.yaml", data, base, max_steps=4, eval_every=0, keep_last_n=0)
+    r = H.run_train(config)
+    assert r.returncode == 0, r.stderr
+    from mamba3lite.train.checkpoint import checkpoint_files
+
+    rng = random.Random(seed)
+    damages = []
+    for kind in ("model", "optim", "meta"):
+        damages += [(kind, "truncate"), (kind, "delete")] + [(kind, f"flip{i}") for i in range(flips)]
+    n = ok = lost = 0
+    for i, (kind, how) in enumerate(damages):
+        run = work / f"d{i}"
+        shutil.copytree(base, run)
+        path = checkpoint_files(run, 4)[kind]
+        if how == "truncate":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        elif how == "delete":
+            path.unlink()
+        else:
+            b = bytearray(path.read_bytes())
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            path.write_bytes(bytes(b))
+        step, warns = H.latest_verified(run)
+        n += 1
+        ok += step == 2 and any(path.name in w for w in warns)
+        lost += step == 4  # the damaged step would have been resumed
+        shutil.rmtree(run)
+    return n, ok, lost
+
+
+def _lock(work: Path, data: Path, reference: dict) -> tuple[int, int, int]:
+    import os
+
+    from mamba3lite.train.checkpoint import SLOW_SAVE_ENV
+
+    run = work / "run"
+    config = H.write_config(work / "config.yaml", data, run)
+    since_ns = time.time_ns()
+    first = H.start_train(config, env={SLOW_SAVE_ENV: "0.2"}, log_dir=work / "logs")
+    step = H.wait_until(lambda: H.mid_save_step(run, since_ns), first)
+    os.kill(first.pid, signal.SIGSTOP)
+    before = H.tree_hash(run)
+    second = H.run_train(config)
+    untouched = H.tree_hash(run) == before
+    os.kill(first.pid, signal.SIGCONT)
+    rc, _, _ = H.finish(first)
+    refused = second.returncode != 0 and "in use by another trainer" in second.stderr
+    unharmed = rc == 0 and H.weights_identical(H.final_weights(run), reference)
+    return 1, int(step is not None and refused and untouched and unharmed), int(not unharmed)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kill-trials", type=int, default=20, help="kill -9 / resume trials (default 20)")
+    ap.add_argument("--sigterm-trials", type=int, default=8, help="SIGTERM / resume trials (default 8)")
+    ap.add_argument(
+        "--flips", type=int, default=10, help="random byte flips per checkpoint file (default 10)"
+    )
+    ap.add_argument("--no-corruption", action="store_true", help="skip the damaged-checkpoint scenario")
+    ap.add_argument("--no-lock", action="store_true", help="skip the two-trainers scenario")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", help="keep everything here (default: a temporary directory, removed)")
+    args = ap.parse_args()
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="mamba3lite-chaos-")
+    work = Path(args.workdir or tmp.name)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    data = H.write_dataset(work / "data")
+    config = H.write_config(work / "reference.yaml", data, work / "reference")
+    r = H.run_train(config)
+    if r.returncode != 0:
+        print(r.stderr, file=sys.stderr)
+        return 1
+    reference = H.final_weights(work / "reference")
+    print(f"reference: {H.MAX_STEPS} uninterrupted steps of the chaos config ({time.time() - t0:.0f} s)")
+
+    rows, notes = [], []
+    if args.kill_trials:
+        print(f"kill -9 campaign: {args.kill_trials} trials")
+        (work / "kill").mkdir()
+        n, ok, lost, hits, finals = _campaign(
+            work / "kill",
+            data,
+            reference,
+            args.kill_trials,
+            signal.SIGKILL,
+            ("mid-save", "after-step", "random"),
+            args.seed,
+        )
+        rows.append(("kill -9 at random moments, then resume", n, ok, lost))
+        same = all(f.final_identical for f in finals)
+        notes.append(f"kill -9: kill points {hits}; final weights bit-for-bit equal to the reference: {same}")
+    if args.sigterm_trials:
+        print(f"SIGTERM campaign: {args.sigterm_trials} trials")
+        (work / "term").mkdir()
+        n, ok, lost, hits, finals = _campaign(
+            work / "term",
+            data,
+            reference,
+            args.sigterm_trials,
+            signal.SIGTERM,
+            ("mid-save", "eval", "after-step", "random"),
+            args.seed + 1000,
+        )
+        rows.append(("SIGTERM (save, eval, step, random), resume", n, ok, lost))
+        same = all(f.final_identical for f in finals)
+        notes.append(
+            f"SIGTERM: signal points {hits}; final weights bit-for-bit equal to the reference: {same}"
+        )
+    if not args.no_corruption:
+        print("damaged checkpoints")
+        (work / "corrupt").mkdir()
+        rows.append(
+            (
+                "damaged newest checkpoint (3 files)",
+                *_corruption(work / "corrupt", data, args.flips, args.seed),
+            )
+        )
+    if not args.no_lock:
+        print("two trainers on one directory")
+        (work / "lock").mkdir()
+        rows.append(("second trainer on a busy run directory", *_lock(work / "lock", data, reference)))
+
+    print()
+    print(H.summary_table(rows))
+    print()
+    for line in notes:
+        print(line)
+    print(f"total {time.time() - t0:.0f} s")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0 if all(ok == n and lost == 0 for _, n, ok, lost in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
