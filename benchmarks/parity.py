@@ -70,11 +70,11 @@ def make_batch(batch: int, length: int, gen: torch.Generator) -> tuple[Tensor, T
     return ids, targets
 
 
-def model_config(d_model: int, d_state: int, headdim: int, switches: dict) -> ModelConfig:
+def model_config(d_model: int, d_state: int, headdim: int, d_mlp: int, switches: dict) -> ModelConfig:
     # Δ is initialised in [dt_min, dt_max]; a π rotation needs tanh(a^θ)·Δ ≈ 1, so Δ starts near 1 rather
     # than at the LM's [1e-3, 0.1] (a choice of init range, not of architecture; same for every variant).
     return ModelConfig(
-        vocab_size=VOCAB, d_model=d_model, n_layers=1, d_intermediate=2 * d_model, mlp_multiple_of=16,
+        vocab_size=VOCAB, d_model=d_model, n_layers=1, d_intermediate=d_mlp, mlp_multiple_of=16,
         d_state=d_state, headdim=headdim, chunk_size=64, dt_min=0.1, dt_max=1.0, eos_id=BOS, **switches,
     )  # fmt: skip
 
@@ -84,9 +84,9 @@ def train_variant(
 ) -> tuple[dict[str, float], float, float]:
     """Train one variant; returns (eval accuracies, final train loss, seconds)."""
     torch.manual_seed(seed)
-    cfg = model_config(args.d_model, args.d_state, args.headdim, switches)
+    cfg = model_config(args.d_model, args.d_state, args.headdim, args.d_mlp, switches)
     model = ParityModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     gen = torch.Generator().manual_seed(seed)
     warmup = max(1, args.steps // 20)
     t0 = time.perf_counter()
@@ -134,12 +134,18 @@ def main() -> int:
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--d-state", type=int, default=64)
     ap.add_argument("--headdim", type=int, default=32)
+    ap.add_argument("--d-mlp", type=int, default=0, help="SwiGLU width of the block (0 = mixer only)")
     ap.add_argument("--train-len", type=int, default=40, help="longest training length (curriculum end)")
     ap.add_argument("--eval-len", type=int, default=256)
     ap.add_argument("--eval-batch", type=int, default=512, help="sequences in the evaluation set")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: the model is tiny, more only adds overhead)"
+    )
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:

@@ -32,8 +32,8 @@ def run_script(name: str, *args: str, timeout: float = 300) -> str:
 @pytest.mark.slow
 def test_bench_model_quick_prints_its_tables():
     out = run_script(
-        "bench_model.py", "--quick", "--seq-lens", "32,64", "--dtypes", "fp32", "--contexts", "8,64",
-        "--decode-tokens", "3", "--scan-len", "64",
+        "bench_model.py", "--quick", "--threads", "1", "--seq-lens", "32,64", "--dtypes", "fp32",
+        "--contexts", "8,64", "--decode-tokens", "3", "--scan-len", "64",
     )  # fmt: skip
     assert "| T | dtype | Mamba-3 chunked | Mamba-3 sequential |" in out
     for T in (32, 64):  # one training row per T, with numbers in every column
@@ -47,8 +47,8 @@ def test_bench_model_quick_prints_its_tables():
 @pytest.mark.slow
 def test_bench_model_estimates_the_sequential_scan_above_its_limit():
     out = run_script(
-        "bench_model.py", "--quick", "--seq-lens", "32,64", "--seq-max-len", "32", "--dtypes", "fp32",
-        "--contexts", "8,16", "--decode-tokens", "2", "--scan-len", "32",
+        "bench_model.py", "--quick", "--threads", "1", "--seq-lens", "32,64", "--seq-max-len", "32",
+        "--dtypes", "fp32", "--contexts", "8,16", "--decode-tokens", "2", "--scan-len", "32",
     )  # fmt: skip
     assert re.search(r"^\| 32 \| fp32 \| \d+ \| \d+ \| [\d.]+x \|", out, re.M), out
     assert re.search(r"^\| 64 \| fp32 \| \d+ \| \d+ est\. \| [\d.]+x est\. \|", out, re.M), out
@@ -57,8 +57,8 @@ def test_bench_model_estimates_the_sequential_scan_above_its_limit():
 @pytest.mark.slow
 def test_parity_tiny_budget_prints_its_table():
     out = run_script(
-        "parity.py", "--steps", "4", "--batch", "8", "--d-model", "16", "--d-state", "16", "--headdim", "8",
-        "--train-len", "6", "--eval-len", "12", "--eval-batch", "8",
+        "parity.py", "--steps", "4", "--threads", "1", "--batch", "8", "--d-model", "16", "--d-state", "16",
+        "--headdim", "8", "--train-len", "6", "--eval-len", "12", "--eval-batch", "8",
     )  # fmt: skip
     assert "| model | acc all 12 | acc t>6 | acc last |" in out
     for label in ("Mamba-3 (trapezoid + RoPE)", "Mamba-3, no RoPE", "Mamba-2-style (Euler, no RoPE)"):
