@@ -365,7 +365,9 @@ def main() -> int:
             m_flops = 3 * model_flops_per_token(cfg, T)["forward"]
             b_flops = 3 * transformer_flops_per_token(cfg, T)
             rows.append((T, dtype, T / t_chunk, seq_tok_s, seq_est, T / t_base, m_flops, b_flops))
-            print(f"  measured T={T} {dtype}", flush=True)
+            seq = f"{seq_tok_s:.0f}{' est.' if seq_est else ''}" if seq_tok_s else "n/a"
+            print(f"  measured T={T} {dtype}: tokens/s chunked {T / t_chunk:.0f}, sequential {seq}, "
+                  f"Transformer {T / t_base:.0f}", flush=True)  # fmt: skip
 
     # -- the scan alone --
     scan_rows = []
@@ -382,7 +384,7 @@ def main() -> int:
         t_m = decode_latency(mamba, ctx, cfg.vocab_size, n_dec, mamba=True)
         t_b = decode_latency(base, ctx, cfg.vocab_size, n_dec, mamba=False)
         dec.append((ctx, t_m, t_b))
-        print(f"  measured decode ctx={ctx}", flush=True)
+        print(f"  measured decode ctx={ctx}: {1e3 * t_m:.2f} / {1e3 * t_b:.2f} ms", flush=True)
 
     # -- tables --
     print()
