@@ -34,3 +34,44 @@ def test_sigterm_campaign_saves_exits_zero_and_resumes_exactly(tmp_path, chaos_d
     assert not result.bad_resumes, result.bad_resumes
     assert result.final_rc == 0
     assert result.final_identical, "final weights differ from the uninterrupted run"
+
+
+# `mamba3lite` that sends itself SIGTERM as the trainer starts restoring its checkpoint (the start-up
+# window: verifying and loading a big checkpoint takes seconds to minutes).
+TERM_DURING_RESTORE = """
+import os, signal, sys
+from mamba3lite.train.trainer import Pretrainer
+_restore = Pretrainer._restore
+def _restore_signalled(self, step):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return _restore(self, step)
+Pretrainer._restore = _restore_signalled
+from mamba3lite.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_restoring_exits_zero_and_resumes_exactly(tmp_path, chaos_data, reference):
+    """Regression: the handlers were installed only after the resume, so a SIGTERM while the checkpoint
+    was being verified and loaded killed the process (exit -15) instead of a clean stop."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    config = H.write_config(tmp_path / "config.yaml", chaos_data, run)
+    assert H.run_train(config, "--max-steps", "4").returncode == 0  # a checkpoint to resume from
+    r = subprocess.run(
+        [sys.executable, "-c", TERM_DURING_RESTORE, "train", "--config", str(config)],
+        env={**os.environ, **H.BASE_ENV},
+        capture_output=True,
+        text=True,
+        timeout=H.PATIENCE_S,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "received SIGTERM" in r.stdout and "stopped" in r.stdout
+    latest, _ = H.latest_verified(run)
+    assert latest is not None and latest <= H.SAVE_EVERY * 3 and H.checkpoint_is_sound(run, latest)
+    assert H.run_train(config).returncode == 0
+    assert H.weights_identical(H.final_weights(run), reference)

@@ -644,6 +644,10 @@ class Pretrainer:
             raise lock_error or CheckpointError(f"{self.run_dir} is in use by another trainer")
         old_handlers: dict[int, Any] = {}
         try:
+            # Handlers first: a SIGTERM while a big checkpoint is verified and restored must stop cleanly.
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    old_handlers[sig] = signal.signal(sig, self._on_signal)
             target_step = self._pick_resume_target()
             if self.dist.is_main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -655,9 +659,6 @@ class Pretrainer:
             self._apply_resume(target_step)
             if self.dist.is_main:  # after the resume's checks: a refused resume leaves them as they were
                 self._write_run_records()
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    old_handlers[sig] = signal.signal(sig, self._on_signal)
             if self.dist.is_main:
                 what = "resumed" if self.step else "start"
                 self.logger.event(
