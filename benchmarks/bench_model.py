@@ -394,8 +394,8 @@ def main() -> int:
           "row's dtype)")  # fmt: skip
     print(
         "| T | dtype | Mamba-3 chunked | Mamba-3 sequential | chunked / sequential | Transformer (SDPA) "
-        "| Mamba-3 / Transformer | FLOP ratio Transformer / Mamba-3 | Mamba-3 train FLOP/tok | Mamba-3 FLOP/s "
-        "| Mamba-3 MFU | Transformer MFU |"
+        "| Mamba-3 / Transformer | FLOP ratio Transformer / Mamba-3 | Mamba-3 train FLOP/tok "
+        "| Mamba-3 FLOP/s | Mamba-3 MFU | Transformer MFU |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T, dtype, m_tok, s_tok, s_est, b_tok, m_flops, b_flops in rows:
