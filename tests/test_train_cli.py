@@ -85,6 +85,7 @@ def rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_dry_run_on_the_tiny_preset(cli, tmp_path):
     data = make_gpt2_dataset(tmp_path / "data")
     run = tmp_path / "run"
@@ -136,6 +137,7 @@ def test_bad_input_is_one_line_error(cli, tmp_path, args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_missing_resume_step_is_an_error(cli, tmp_path):
     cfg = tiny_yaml(tmp_path)
     run = str(tmp_path / "run")
