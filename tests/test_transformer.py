@@ -76,7 +76,7 @@ def test_loss_equals_cross_entropy_of_logits_values_and_gradients():
 
 def test_loss_chunking_and_underflow_fallback(monkeypatch):
     """Row chunks that do not divide N, and rows whose target probability underflows, are exact."""
-    monkeypatch.setattr(transformer_module, "LOSS_GROUP_CHUNKS", 2)  # groups of 14 rows: 3 groups
+    monkeypatch.setitem(transformer_module.LOSS_GROUP_CHUNKS, "cpu", 2)  # groups of 14 rows: 3 groups
     g = torch.Generator().manual_seed(0)
     h = torch.randn(30, 16, generator=g, dtype=torch.float32, requires_grad=True)
     w = torch.randn(50, 16, generator=g, dtype=torch.float32, requires_grad=True)

@@ -25,12 +25,15 @@ from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache, RMSNorm
 from mamba3lite.model.sampling import sample_next
 
-# Rows of logits materialised at once by the loss: 128 × 50,257 × 4 B ≈ 26 MB, below glibc's 32 MB mmap
-# threshold, so the buffer is reused instead of page-faulted in afresh for every chunk (2x on CPU).
-LOSS_CHUNK_ROWS = 128
+# Rows of logits materialised at once by the loss. CPU: 128 × 50,257 × 4 B ≈ 26 MB, below glibc's 32 MB
+# mmap threshold, so the buffer is reused instead of page-faulted in afresh for every chunk (2x on CPU).
+# Accelerators: larger chunks, fewer kernel launches.
+LOSS_CHUNK_ROWS = {"cpu": 128}
+LOSS_CHUNK_ROWS_DEFAULT = 1024
 # Chunks whose gradients are gathered (in the compute dtype) before the two gradient matmuls, so that the
-# (D, V) gradient is accumulated (and converted to fp32) once per 2,048 rows rather than once per chunk.
-LOSS_GROUP_CHUNKS = 16
+# (D, V) gradient is accumulated (and converted to fp32) once per group rather than once per chunk.
+LOSS_GROUP_CHUNKS = {"cpu": 16}
+LOSS_GROUP_CHUNKS_DEFAULT = 4
 
 
 class GatedMLP(nn.Module):
@@ -101,7 +104,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n_valid = valid_N.sum()
         row_scale_N = valid_N.to(acc) / n_valid.clamp(min=1).to(acc)  # d mean / d row
         loss = torch.zeros((), dtype=acc, device=dev)
-        group = chunk_rows * LOSS_GROUP_CHUNKS
+        group = chunk_rows * LOSS_GROUP_CHUNKS.get(dev.type, LOSS_GROUP_CHUNKS_DEFAULT)
         if needs_grad:
             grad_h = torch.empty_like(h_ND)
             # Wᵀ's gradient is accumulated as (D, V) = hᵀ g: a plain row-major matmul (g.T @ h would be
@@ -115,13 +118,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 tgt = targets_N[i:j].clamp(min=0)[:, None]
                 # One fused softmax pass gives both the loss (−log p_target) and the gradient
                 # (p − onehot); fewer passes over the (rows, V) block is what makes this fast on CPU.
-                probs = torch.softmax((h[i:j] @ w.T).to(acc), dim=-1)
-                p_t = probs.gather(1, tgt)[:, 0]
-                nll = -torch.log(p_t)
-                tiny = p_t < 1e-30  # p_target underflowed: take those rows' loss from an exact logsumexp
-                if bool(tiny.any()):
-                    logits = (h[i:j][tiny] @ w.T).to(acc)
-                    nll[tiny] = torch.logsumexp(logits, dim=-1) - logits.gather(1, tgt[tiny])[:, 0]
+                logits = (h[i:j] @ w.T).to(acc)
+                probs = torch.softmax(logits, dim=-1)
+                if dev.type == "cpu":
+                    # −log p_target from the softmax itself (no extra pass over the block); rows whose
+                    # p_target underflowed take their loss from an exact logsumexp (rare; data-dependent).
+                    p_t = probs.gather(1, tgt)[:, 0]
+                    nll = -torch.log(p_t)
+                    tiny = p_t < 1e-30
+                    if bool(tiny.any()):
+                        lg = logits[tiny]
+                        nll[tiny] = torch.logsumexp(lg, dim=-1) - lg.gather(1, tgt[tiny])[:, 0]
+                else:  # accelerators: passes are cheap, a host sync is not
+                    nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, tgt)[:, 0]
                 loss = loss + (nll * valid_N[i:j]).sum()
                 if needs_grad:
                     probs.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=probs.dtype))
@@ -146,9 +155,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    h_ND: Tensor, w_VD: Tensor, targets_N: Tensor, ignore_index: int = -100, chunk_rows: int = LOSS_CHUNK_ROWS
+    h_ND: Tensor, w_VD: Tensor, targets_N: Tensor, ignore_index: int = -100, chunk_rows: int | None = None
 ) -> Tensor:
     """Mean next-token cross-entropy of logits h @ Wᵀ (fp32 scalar), computed in row chunks."""
+    if chunk_rows is None:
+        chunk_rows = LOSS_CHUNK_ROWS.get(h_ND.device.type, LOSS_CHUNK_ROWS_DEFAULT)
     needs_grad = torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad)
     return _LinearCrossEntropy.apply(h_ND, w_VD, targets_N, ignore_index, chunk_rows, needs_grad)
 
