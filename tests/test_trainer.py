@@ -261,3 +261,20 @@ def test_logged_tokens_per_second_counts_accumulation(tmp_path):
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(2 * 64 / r["window_seconds"])
     assert rows[0]["warmup_window"] is True and "warmup_window" not in rows[1]
+
+
+def test_request_stop_saves_after_the_current_step(tmp_path):
+    t = Pretrainer(tiny_config(tmp_path, max_steps=50))
+    original = t.train_step
+
+    def step_then_ask() -> bool:
+        ok = original()
+        if t.step == 2:
+            t.request_stop()  # what the SIGTERM/SIGINT handler does
+        return ok
+
+    t.train_step = step_then_ask
+    result = t.train()
+    assert result.stopped and result.step == 2
+    assert CheckpointManager(tmp_path).latest_step() == 2
+    assert [r["event"] for r in metrics(tmp_path) if r["kind"] == "event"][-1] == "stop"
