@@ -582,11 +582,6 @@ class Pretrainer:
         Thread-safe: e.g. a timer thread enforcing a wall-clock budget (the quickstart's)."""
         self._stop.set()
 
-    def request_stop(self) -> None:
-        """Ask the run to stop after the current optimizer step, with a checkpoint (signal- and
-        thread-safe). Before `train()`, the run stops after its first step."""
-        self._stop.set()
-
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
