@@ -36,42 +36,68 @@ def test_sigterm_campaign_saves_exits_zero_and_resumes_exactly(tmp_path, chaos_d
     assert result.final_identical, "final weights differ from the uninterrupted run"
 
 
-# `mamba3lite` that sends itself SIGTERM as the trainer starts restoring its checkpoint (the start-up
-# window: verifying and loading a big checkpoint takes seconds to minutes).
-TERM_DURING_RESTORE = """
+# `mamba3lite` that sends itself SIGTERM at one moment outside the training loop, chosen by CHAOS_TERM_AT:
+# "build" (while the training data is opened, before the trainer exists), "restore" (as the checkpoint
+# is verified and loaded: seconds to minutes for a big one), "after" (train() has returned).
+TERM_AT = """
 import os, signal, sys
 from mamba3lite.train.trainer import Pretrainer
-_restore = Pretrainer._restore
-def _restore_signalled(self, step):
-    os.kill(os.getpid(), signal.SIGTERM)
-    return _restore(self, step)
-Pretrainer._restore = _restore_signalled
+where = os.environ["CHAOS_TERM_AT"]
+def term_then(fn):
+    def wrapped(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return fn(self, *args, **kwargs)
+    return wrapped
+def then_term(fn):
+    def wrapped(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    return wrapped
+if where == "build":
+    Pretrainer._build_train_data = term_then(Pretrainer._build_train_data)
+elif where == "restore":
+    Pretrainer._restore = term_then(Pretrainer._restore)
+else:
+    Pretrainer.train = then_term(Pretrainer.train)
 from mamba3lite.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow
-def test_sigterm_while_restoring_exits_zero_and_resumes_exactly(tmp_path, chaos_data, reference):
-    """Regression: the handlers were installed only after the resume, so a SIGTERM while the checkpoint
-    was being verified and loaded killed the process (exit -15) instead of a clean stop."""
+@pytest.mark.parametrize("where", ["build", "restore", "after"])
+def test_sigterm_outside_the_loop_exits_zero_and_resumes_exactly(tmp_path, chaos_data, reference, where):
+    """Regression: the handlers existed only inside the loop, so a SIGTERM while the trainer was built,
+    while it verified and restored its checkpoint, or after the run (shutdown) killed the process (exit
+    -15) instead of a clean stop with exit 0."""
     import os
     import subprocess
     import sys
 
     run = tmp_path / "run"
     config = H.write_config(tmp_path / "config.yaml", chaos_data, run)
-    assert H.run_train(config, "--max-steps", "4").returncode == 0  # a checkpoint to resume from
+    # A checkpoint to resume from, made by a SIGTERM after step 3 (same config: same LR schedule).
+    first = H.start_train(config, log_dir=tmp_path / "logs")
+    assert H.wait_until(lambda: H.trained_step_since(run, 0) >= 3, first)
+    first.send_signal(signal.SIGTERM)
+    assert H.finish(first)[0] == 0
+    base, _ = H.latest_verified(run)
+    assert base is not None and base < H.MAX_STEPS
     r = subprocess.run(
-        [sys.executable, "-c", TERM_DURING_RESTORE, "train", "--config", str(config)],
-        env={**os.environ, **H.BASE_ENV},
+        [sys.executable, "-c", TERM_AT, "train", "--config", str(config)],
+        env={**os.environ, **H.BASE_ENV, "CHAOS_TERM_AT": where},
         capture_output=True,
         text=True,
         timeout=H.PATIENCE_S,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "received SIGTERM" in r.stdout and "stopped" in r.stdout
+    assert "Traceback" not in r.stderr
     latest, _ = H.latest_verified(run)
-    assert latest is not None and latest <= H.SAVE_EVERY * 3 and H.checkpoint_is_sound(run, latest)
+    if where == "after":  # the run had finished: nothing was left to stop
+        assert "done: step 12" in r.stdout and latest == H.MAX_STEPS
+    else:  # one step after the resume, then a clean stop with its checkpoint
+        assert f"stopped: step {base + 1}" in r.stdout and latest == base + 1, r.stdout[-1500:]
+    assert H.checkpoint_is_sound(run, latest)
     assert H.run_train(config).returncode == 0
     assert H.weights_identical(H.final_weights(run), reference)

@@ -14,6 +14,8 @@ smoke test). SIGTERM / Ctrl-C: the current step finishes, a checkpoint is writte
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 
 from mamba3lite.errors import ConfigError
 
@@ -112,8 +114,26 @@ def run(args: argparse.Namespace) -> int:
     from mamba3lite.train.trainer import Pretrainer
 
     info = D.init_distributed(cfg.training.device)
+    # SIGTERM outside Pretrainer.train() must not kill the process either: while the data and model are
+    # built it is handed to the trainer (which then stops after one step, with a checkpoint); after the
+    # run there is nothing left to save. train() installs its own handlers and restores this one.
+    trainer = None
+    pending: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if trainer is not None:
+            trainer.request_stop()
+        else:
+            pending.append(signum)
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         trainer = Pretrainer(cfg, resume=resume, dist=info)
+        if pending:
+            print("received SIGTERM while starting: stopping after the first step", flush=True)
+            trainer.request_stop()
         result = trainer.train()
         if info.is_main:
             what = "stopped" if result.stopped else "done"
@@ -125,4 +145,6 @@ def run(args: argparse.Namespace) -> int:
             )
     finally:
         D.teardown()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
