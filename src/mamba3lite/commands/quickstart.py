@@ -1,0 +1,84 @@
+"""`mamba3lite quickstart [--minutes M] [--workdir DIR]`: the whole pipeline on this machine, in M minutes.
+
+Prepares the stdlib corpus, trains the tiny preset for what is left of the budget, evaluates before and
+after, prints a sample and writes the loss plot; re-running continues in the same --workdir. See
+`mamba3lite.quickstart` for how the time budget is planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "prepare the stdlib corpus, train the tiny preset on CPU, evaluate, sample, plot"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mamba3lite.quickstart import DEFAULT_PROMPT, DEFAULT_WORKDIR
+
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=5.0,
+        metavar="M",
+        help="wall-clock budget for everything, data preparation included (default 5)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=DEFAULT_WORKDIR,
+        metavar="DIR",
+        help=f"where the dataset and the run go; re-running continues there (default ./{DEFAULT_WORKDIR})",
+    )
+    parser.add_argument(
+        "--config",
+        default="tiny",
+        metavar="FILE|PRESET",
+        help="the model/training config (default: the tiny preset)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config field, e.g. --set training.lr=3e-3 (repeatable)",
+    )
+    parser.add_argument(
+        "--max-docs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use only the first N stdlib files (a small slice, for a fast smoke test)",
+    )
+    parser.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, metavar="TEXT", help=f"sample prompt (default {DEFAULT_PROMPT!r})"
+    )
+    parser.add_argument(
+        "--sample-tokens", type=int, default=100, metavar="N", help="sample length (default 100)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from mamba3lite.quickstart import QuickstartOptions, run_quickstart, summary_text
+
+    if args.sample_tokens < 1:
+        from mamba3lite.errors import ConfigError
+
+        raise ConfigError(f"--sample-tokens must be >= 1, got {args.sample_tokens}")
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+
+    result = run_quickstart(
+        QuickstartOptions(
+            minutes=args.minutes,
+            workdir=args.workdir,
+            config=args.config,
+            overrides=list(args.overrides),
+            max_docs=args.max_docs,
+            prompt=args.prompt,
+            sample_tokens=args.sample_tokens,
+        ),
+        log=log,
+    )
+    print(summary_text(result), flush=True)
+    return 0

@@ -1,0 +1,326 @@
+"""The quickstart: the whole pipeline on one machine in a bounded time, with real learning to show.
+
+    prepare   the `stdlib` corpus (this interpreter's standard-library sources) -> WORKDIR/data/stdlib
+    train     the `tiny` preset for what is left of the time budget      -> WORKDIR/run (run directory)
+    evaluate  validation loss and bits per byte, before and after training
+    sample    a continuation of "def " from the newest checkpoint
+    plot      WORKDIR/run/metrics.png (when matplotlib is installed)
+
+Time budget (`minutes`). The trainer runs to `training.max_steps`; its cosine schedule ends there, and a
+schedule that ends is worth more than one cut short. So the quickstart measures what a training step
+costs on this machine (a few steps of a throw-away trainer of the same config, which also provides the
+"before" evaluation of the untrained model) and sets max_steps so that training, its periodic
+evaluations and checkpoints, the final evaluation, the sample and the plot fit in what is left after
+preparing the data, planning for 90% of it. The measurement is made under whatever else the machine
+is doing; if the machine gets slower during the run, a timer stops the trainer cleanly
+(`Pretrainer.request_stop`: the step finishes, a checkpoint is written) when only the time for the
+final evaluation, the sample and the plot is left, and the summary says so.
+
+Re-running reuses WORKDIR: the dataset when its manifest and every shard verify, the run by resuming
+from its newest verified checkpoint and training for another `minutes` (max_steps is extended, so the
+learning rate rises again part of the way: a warm restart of the cosine schedule).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mamba3lite.errors import CheckpointError, ConfigError, DataError
+
+DEFAULT_WORKDIR = "mamba3lite-quickstart"
+DEFAULT_PROMPT = "def "
+QUICKSTART_VAL_FRACTION = 0.02  # ~100k validation tokens from the full stdlib: a steady number
+CALIBRATION_STEPS = 2  # timed steps (after one untimed warm-up step)
+EVAL_WINDOWS = 32  # windows (of max_seq_len) per before/after evaluation
+PLAN_FRACTION = 0.9  # of the measured time left that steps are planned for
+PERIODIC_EVALS = 3  # validation rows the trainer writes during the run (for the plot), each half
+# the windows of the before/after evaluation
+
+
+@dataclass
+class QuickstartOptions:
+    """What `mamba3lite quickstart` takes (see its --help)."""
+
+    minutes: float = 5.0
+    workdir: str = DEFAULT_WORKDIR
+    config: str = "tiny"
+    overrides: list[str] = field(default_factory=list)
+    max_docs: int | None = None  # a slice of the corpus: at most this many files
+    prompt: str = DEFAULT_PROMPT
+    sample_tokens: int = 100
+    seed: int = 0
+
+
+@dataclass
+class QuickstartResult:
+    """What the quickstart did (the summary's numbers)."""
+
+    data_path: Path
+    run_dir: Path
+    data_reused: bool
+    start_step: int
+    end_step: int
+    tokens_seen: int
+    start_eval: dict
+    end_eval: dict
+    sample: str
+    plot: Path | None
+    seconds: float
+    steps_planned: int
+
+
+def ensure_dataset(out: Path, max_docs: int | None, log: Callable[[str], None]) -> tuple[Path, bool]:
+    """The stdlib dataset in `out`: reused when its manifest and every shard verify (whatever slice it
+    was made from), else prepared (replacing a damaged one). Returns (path, reused)."""
+    from mamba3lite.data.prepare import prepare
+    from mamba3lite.data.shards import MANIFEST_NAME, verify_dataset
+
+    if (out / MANIFEST_NAME).is_file():
+        problems = verify_dataset(out)
+        if not problems:
+            log(f"data      reusing {out} (manifest and shards verify)")
+            return out, True
+        log(f"data      {out} does not verify ({problems[0]}); preparing it again")
+    what = f"the first {max_docs} files of " if max_docs else ""
+    log(f"data      preparing {what}the stdlib corpus -> {out}")
+    summary = prepare(
+        ["stdlib"],
+        out,
+        val_fraction=QUICKSTART_VAL_FRACTION,
+        max_docs=max_docs,
+        overwrite=True,
+        progress=False,
+    )
+    log(summary.table())
+    return out, False
+
+
+def _time_steps(trainer, cpu: bool) -> tuple[float, str]:
+    """Seconds per optimizer step of `trainer` (CALIBRATION_STEPS timed steps). On CPU both torch's
+    default thread count and one thread are timed and the faster is kept (`torch.set_num_threads`): a
+    model this small runs many small ops, and on a busy machine every op of a multi-threaded run waits
+    for its slowest thread. Returns (seconds per step, a note on the choice or "")."""
+    import torch
+
+    def timed() -> float:
+        t0 = time.monotonic()
+        for _ in range(CALIBRATION_STEPS):
+            trainer.train_step()
+        return (time.monotonic() - t0) / CALIBRATION_STEPS
+
+    default = torch.get_num_threads()
+    if not cpu or default == 1:
+        return timed(), ""
+    results = {default: timed()}
+    torch.set_num_threads(1)
+    results[1] = timed()
+    best = min(results, key=results.get)
+    torch.set_num_threads(best)
+    note = ", ".join(f"{n} thread{'s' * (n > 1)}: {sec:.2f} s/step" for n, sec in results.items())
+    return results[best], f"{best} ({note})"
+
+
+def _fmt_eval(ev: dict) -> str:
+    bpb = f", {ev['bits_per_byte']:.3f} bits/byte" if ev.get("bits_per_byte") is not None else ""
+    return f"val loss {ev['loss']:.3f}{bpb}"
+
+
+def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
+    """Prepare, train for the budget, evaluate, sample, plot (see the module docstring)."""
+    from mamba3lite.config import load_config
+    from mamba3lite.evaluate import evaluate_model
+    from mamba3lite.generation import generate_text
+    from mamba3lite.pretrained import load_pretrained
+    from mamba3lite.tokenizer import load_tokenizer
+    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.train.trainer import Pretrainer
+
+    if not opts.minutes > 0:
+        raise ConfigError(f"--minutes must be > 0, got {opts.minutes}")
+    if opts.max_docs is not None and opts.max_docs < 1:
+        raise ConfigError(f"--max-docs must be >= 1, got {opts.max_docs}")
+    t_start = time.monotonic()
+    deadline = t_start + 60.0 * opts.minutes
+    workdir = Path(opts.workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"--workdir {workdir} exists and is not a directory; choose another --workdir")
+    cfg = load_config(opts.config, opts.overrides)  # a bad config fails before anything is written
+    workdir.mkdir(parents=True, exist_ok=True)
+    data_path, reused = ensure_dataset(workdir / "data" / "stdlib", opts.max_docs, log)
+    run_dir = workdir / "run"
+
+    cfg = cfg.replace("data", train_data_path=str(data_path), val_data_path=None, dummy=False)
+    cfg = cfg.replace("training", checkpoint_dir=str(run_dir))
+    tc = cfg.training
+
+    from mamba3lite.data.shards import Manifest
+
+    manifest = Manifest.load(data_path)
+    split = "val" if manifest.n_tokens("val") > tc.max_seq_len else "train"
+    if split == "train":
+        log("note      the validation split is too small for one window; evaluating on the train split")
+    eval_batches = max(1, EVAL_WINDOWS // tc.micro_batch_size)
+
+    def evaluate(model) -> dict:
+        r = evaluate_model(
+            model,
+            data_path,
+            max_seq_len=tc.max_seq_len,
+            batch_size=tc.micro_batch_size,
+            max_batches=eval_batches,
+            split=split,
+            dtype=tc.dtype,
+            vocab_hash=manifest.tokenizer.get("vocab_hash"),
+            tokenizer_name=manifest.tokenizer.get("name", "gpt2"),
+        )
+        return r.to_dict()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a damaged newest checkpoint: the trainer reports its own choice
+        start_step = CheckpointManager(run_dir).latest_step() or 0
+
+    # Calibration: a throw-away trainer of the same config (nothing written to the run directory). Its
+    # untrained model is also what "before" means on a fresh start.
+    with tempfile.TemporaryDirectory(prefix="mamba3lite-calibrate-") as scratch:
+        calib = Pretrainer(cfg.replace("training", checkpoint_dir=scratch, progress=False), resume="none")
+        t0 = time.monotonic()
+        if start_step:
+            loaded = load_pretrained(run_dir, start_step, device=calib.device)
+            start_eval = evaluate(loaded.model)
+            del loaded
+        else:
+            start_eval = evaluate(calib.raw_model)
+        eval_s = time.monotonic() - t0
+        calib.train_step()  # warm-up: allocations, first-call costs
+        step_s, threads = _time_steps(calib, cpu=calib.device.type == "cpu")
+        tok = load_tokenizer(manifest.tokenizer.get("name", "gpt2"))
+        t0 = time.monotonic()
+        generate_text(calib.raw_model, tok, opts.prompt, max_new_tokens=4, seed=opts.seed)
+        sample_s = (time.monotonic() - t0) / 4 * opts.sample_tokens
+        n_params = sum(p.numel() for p in calib.raw_model.parameters())
+        del calib
+    if threads:
+        log(f"threads   {threads}")
+    log(
+        f"before    step {start_step}: {_fmt_eval(start_eval)}  (ln {cfg.model.vocab_size:,} = "
+        f"{math.log(cfg.model.vocab_size):.2f})"
+    )
+
+    # Plan: what remains, minus the final evaluation, the sample and the plot (`reserve`), pays for
+    # steps, the periodic evaluations and the checkpoints (~12 bytes/parameter: weights + AdamW
+    # moments). Steps are planned for PLAN_FRACTION of it (the load of a shared machine varies); a
+    # timer stops training cleanly (checkpoint written) if it still runs when only `reserve` is left.
+    save_s = 1.0 + 12 * n_params / 150e6
+    reserve = eval_s + sample_s + 5.0
+    budget = deadline - time.monotonic() - reserve - PERIODIC_EVALS * eval_s / 2 - 3 * save_s
+    n_steps = max(1, int(PLAN_FRACTION * budget / step_s))
+    log(
+        f"plan      {step_s:.2f} s/step measured -> {n_steps} steps "
+        f"({n_steps * tc.tokens_per_step():,} tokens) in the {max(budget, 0):.0f} s left for training"
+    )
+    cfg = cfg.replace(
+        "training",
+        max_steps=start_step + n_steps,
+        warmup_steps=min(tc.warmup_steps, max(1, n_steps // 5)) if start_step == 0 else tc.warmup_steps,
+        eval_every=max(1, math.ceil(n_steps / PERIODIC_EVALS)),  # at most PERIODIC_EVALS of them
+        eval_batches=max(1, eval_batches // 2),
+        save_every=max(1, n_steps // 2),
+        log_every=max(1, min(tc.log_every, n_steps // 20 or 1)),
+    )
+    trainer = Pretrainer(cfg, resume="latest")
+    timed_out = threading.Event()
+
+    def out_of_time() -> None:
+        timed_out.set()
+        trainer.request_stop()
+
+    timer = threading.Timer(max(0.0, deadline - reserve - time.monotonic()), out_of_time)
+    timer.daemon = True
+    timer.start()
+    try:
+        result = trainer.train()
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
+    finally:
+        timer.cancel()
+    if timed_out.is_set() and result.stopped:
+        log(
+            f"note      the time budget ran out at step {result.step} of {start_step + n_steps} planned "
+            "(the machine got slower than measured): stopped cleanly, checkpoint written"
+        )
+
+    loaded = load_pretrained(run_dir)
+    end_eval = evaluate(loaded.model)
+    log(f"after     step {loaded.step}: {_fmt_eval(end_eval)}")
+    tok = loaded.load_tokenizer()
+    log(f"sample    (prompt {opts.prompt!r}, temperature 0.8, top-k 50, seed {opts.seed}):\n")
+    sample = generate_text(
+        loaded.model,
+        tok,
+        opts.prompt,
+        max_new_tokens=opts.sample_tokens,
+        temperature=0.8,
+        top_k=50,
+        seed=opts.seed,
+    )
+    log(opts.prompt + sample.text)
+    log("")
+
+    plot = None
+    try:
+        from mamba3lite.report.plot import plot_run
+
+        plot = plot_run(run_dir)
+    except (ConfigError, DataError) as e:
+        log(f"note      no plot: {e}")
+    return QuickstartResult(
+        data_path=data_path,
+        run_dir=run_dir,
+        data_reused=reused,
+        start_step=start_step,
+        end_step=result.step,
+        tokens_seen=result.tokens_seen,
+        start_eval=start_eval,
+        end_eval=end_eval,
+        sample=sample.text,
+        plot=plot,
+        seconds=time.monotonic() - t_start,
+        steps_planned=n_steps,
+    )
+
+
+def summary_text(r: QuickstartResult) -> str:
+    """The closing summary: numbers, where things are, what to try next."""
+    s, e = r.start_eval, r.end_eval
+
+    def bpb(ev: dict) -> str:
+        return f"{ev['bits_per_byte']:.3f}" if ev.get("bits_per_byte") is not None else "n/a"
+
+    run = r.run_dir
+    lines = [
+        "",
+        "── quickstart summary ─────────────────────────────────────────────────────────",
+        f"time          {r.seconds / 60:.1f} min",
+        f"steps         {r.start_step} -> {r.end_step}   tokens seen {r.tokens_seen:,}",
+        f"val loss      {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
+        f"(bits/byte {bpb(s)} -> {bpb(e)}; on {e['tokens']:,} {e['split']} tokens)",
+        f"dataset       {r.data_path}" + ("  (reused)" if r.data_reused else ""),
+        f"run directory {run}   (checkpoints, config.yaml, metrics.jsonl)",
+        f"plot          {r.plot}" if r.plot else "plot          (none: pip install 'mamba3lite[plot]')",
+        "",
+        "next:",
+        f"  mamba3lite generate --checkpoint-dir {run} --prompt 'import ' --max-new-tokens 200",
+        f"  mamba3lite eval --checkpoint-dir {run} --data-path {r.data_path}",
+        f"  mamba3lite inspect {run}",
+        f"  mamba3lite train --config tiny --data-path {r.data_path} --checkpoint-dir {run} --max-steps "
+        f"{r.end_step + 500}",
+        "  mamba3lite quickstart --minutes 5   (again: continues this run)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""`mamba3lite eval` and `evaluate.evaluate_model`: the trainer's validation number, --json, limits,
+and refusing data the model cannot read."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mamba3lite.cli import main
+from mamba3lite.data.shards import Manifest, write_shard
+from mamba3lite.errors import DataError
+from mamba3lite.evaluate import evaluate_model
+from mamba3lite.pretrained import load_pretrained
+from mamba3lite.train.trainer import Pretrainer
+from userside_helpers import make_dataset, save_tiny_checkpoint, tiny_config
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("evaldata") / "ds")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data):
+    """A real 2-step run with an evaluation at step 2 (metrics.jsonl holds the trainer's val_loss)."""
+    run = tmp_path_factory.mktemp("evalrun") / "run"
+    cfg = tiny_config(run, data, max_steps=2, eval_every=2, eval_batches=3, save_every=2)
+    Pretrainer(cfg).train()
+    return run
+
+
+def test_equals_the_trainers_validation_loss(trained, data):
+    rows = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
+    val = next(r for r in rows if r["kind"] == "eval")
+    loaded = load_pretrained(trained)
+    r = evaluate_model(loaded.model, data, max_seq_len=16, batch_size=2, max_batches=3, dtype="fp32")
+    assert r.split == "val" and r.windows == 6 and r.tokens == 6 * 16
+    assert r.loss == pytest.approx(val["val_loss"], rel=1e-5)
+    assert r.bits_per_byte == pytest.approx(val["val_bpb"], rel=1e-5)
+    assert r.perplexity == pytest.approx(math.exp(r.loss))
+
+
+def test_cli_json_is_parsable_and_limits_batches(trained, data, capsys):
+    assert main(["eval", "--checkpoint-dir", str(trained), "--data-path", str(data), "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["step"] == 2 and full["split"] == "val" and math.isfinite(full["loss"])
+    assert {"loss", "perplexity", "bits_per_byte", "tokens", "windows"} <= full.keys()
+    args = [
+        "eval",
+        "--checkpoint-dir",
+        str(trained),
+        "--data-path",
+        str(data),
+        "--json",
+        "--max-batches",
+        "1",
+    ]
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["windows"] == 2 and one["tokens"] == 32 < full["tokens"]
+    assert main([*args[:-1], "2", "--split", "train"]) == 0
+    assert json.loads(capsys.readouterr().out)["split"] == "train"
+
+
+def test_refuses_another_tokenizer_and_vocab(tmp_path, trained, capsys):
+    other_hash = make_dataset(tmp_path / "other", repeats=2, vocab_hash="ab" * 32)
+    assert main(["eval", "--checkpoint-dir", str(trained), "--data-path", str(other_hash)]) == 2
+    err = capsys.readouterr().err
+    assert "vocab hash abababababab" in err and "prepare" in err and "Traceback" not in err
+
+    small = tmp_path / "small_vocab"
+    shards = [
+        write_shard(
+            small, f"{split}/shard_00000.bin", np.arange(200) % 999, split=split, n_docs=0, dtype="uint16"
+        )
+        for split in ("train", "val")
+    ]
+    Manifest(
+        vocab_size=1000,
+        eos_id=999,
+        dtype="uint16",
+        tokenizer={"name": "custom", "vocab_hash": "cd" * 32},
+        shards=shards,
+    ).save(small)
+    loaded = load_pretrained(trained)
+    with pytest.raises(DataError, match="vocab_size is 1000 but the model's vocab_size is 50257"):
+        evaluate_model(loaded.model, small, max_seq_len=16, batch_size=2, vocab_hash=loaded.vocab_hash)
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, trained, data, capsys):
+    run = save_tiny_checkpoint(tmp_path / "run", step=1)
+    cases = [
+        (["--checkpoint-dir", str(tmp_path / "none"), "--data-path", str(data)], "does not exist"),
+        (["--checkpoint-dir", str(run), "--step", "9", "--data-path", str(data)], "no checkpoint of step 9"),
+        (["--checkpoint-dir", str(run), "--data-path", str(tmp_path / "nodata")], "does not exist"),
+        (["--checkpoint-dir", str(run), "--data-path", str(data), "--max-batches", "0"], "--max-batches"),
+    ]
+    for args, message in cases:
+        assert main(["eval", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and "Traceback" not in err, (args, err)
