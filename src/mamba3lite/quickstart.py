@@ -24,6 +24,7 @@ learning rate rises again part of the way: a warm restart of the cosine schedule
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import threading
 import time
@@ -102,6 +103,17 @@ def ensure_dataset(out: Path, max_docs: int | None, log: Callable[[str], None]) 
     return out, False
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; 0 where unavailable)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5), in clock ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - started)
+
+
 def _time_steps(trainer, cpu: bool) -> tuple[float, str]:
     """Seconds per optimizer step of `trainer` (CALIBRATION_STEPS timed steps). On CPU both torch's
     default thread count and one thread are timed and the faster is kept (`torch.set_num_threads`): a
@@ -146,7 +158,7 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
         raise ConfigError(f"--minutes must be > 0, got {opts.minutes}")
     if opts.max_docs is not None and opts.max_docs < 1:
         raise ConfigError(f"--max-docs must be >= 1, got {opts.max_docs}")
-    t_start = time.monotonic()
+    t_start = time.monotonic() - _process_age_s()  # the budget includes Python's and torch's start-up
     deadline = t_start + 60.0 * opts.minutes
     workdir = Path(opts.workdir)
     if workdir.exists() and not workdir.is_dir():
@@ -218,7 +230,7 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     # moments). Steps are planned for PLAN_FRACTION of it (the load of a shared machine varies); a
     # timer stops training cleanly (checkpoint written) if it still runs when only `reserve` is left.
     save_s = 1.0 + 12 * n_params / 150e6
-    reserve = eval_s + sample_s + 5.0
+    reserve = eval_s + sample_s + 5.0 + 0.03 * 60.0 * opts.minutes
     budget = deadline - time.monotonic() - reserve - PERIODIC_EVALS * eval_s / 2 - 3 * save_s
     n_steps = max(1, int(PLAN_FRACTION * budget / step_s))
     log(
