@@ -103,3 +103,17 @@ def test_resume_on_another_world_size_continues_the_same_data_order(tmp_path):
     assert sorted(got) == [1, 2, 3, 4]
     for step in ref:
         assert abs(ref[step] - got[step]) < 1e-5, (step, ref[step], got[step])
+
+
+def test_ranks_agree_on_a_nan_seen_by_one_rank(tmp_path, monkeypatch):
+    # micro-step 1 is non-finite on rank 1 only: both ranks must skip it (else DDP would deadlock or the
+    # replicas would diverge); the run finishes, with one nan_skip event and skipped=1 in the metrics.
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    monkeypatch.setenv("MAMBA3LITE_INJECT_NONFINITE", "r1@1")  # inherited by the torchrun workers
+    train(config, run, 2, "--set", "training.gradient_accumulation_steps=1")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("event") == "nan_skip" for r in rows) == 1
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    assert sum(r.get("skipped", 0) for r in train_rows) == 1
