@@ -186,7 +186,11 @@ def main() -> int:
         label, switches = VARIANTS[name]
         acc, rot, loss, seconds = train_variant(switches, args, args.seed)
         rows.append((label, acc, rot, loss, seconds))
-        print(f"  trained {label}: final train loss {loss:.4f} in {seconds:.0f} s", flush=True)
+        print(
+            f"  trained {label}: final train loss {loss:.4f} in {seconds:.0f} s; accuracy "
+            f"t<={args.train_len} {100 * acc['within']:.1f}%, t>{args.train_len} {100 * acc['beyond']:.1f}%",
+            flush=True,
+        )
 
     n, L = args.train_len, args.eval_len
     print()
