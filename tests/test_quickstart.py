@@ -92,3 +92,17 @@ def test_plot_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     assert main(["plot", str(run), "-o", str(afile / "x.png")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "a_file" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_dataset_is_reused_only_when_it_verifies_and_is_the_same_slice(tmp_path):
+    from mamba3lite.quickstart import ensure_dataset
+
+    out, notes = tmp_path / "ds", []
+    assert ensure_dataset(out, 3, notes.append) == (out, False)
+    assert ensure_dataset(out, 3, notes.append) == (out, True)
+    assert ensure_dataset(out, 4, notes.append) == (out, False) and "another slice" in notes[-3]
+    assert Manifest.load(out).extra["stats"]["documents_in"] == 4
+    shard = out / Manifest.load(out).shards[0].path
+    shard.write_bytes(shard.read_bytes()[:-2])
+    assert ensure_dataset(out, 4, notes.append) == (out, False) and "does not verify" in notes[-3]

@@ -78,17 +78,20 @@ class QuickstartResult:
 
 
 def ensure_dataset(out: Path, max_docs: int | None, log: Callable[[str], None]) -> tuple[Path, bool]:
-    """The stdlib dataset in `out`: reused when its manifest and every shard verify (whatever slice it
-    was made from), else prepared (replacing a damaged one). Returns (path, reused)."""
+    """The stdlib dataset in `out`: reused when it was made from the same slice (`max_docs`) and its
+    manifest and every shard verify, else prepared (replacing the old one). Returns (path, reused)."""
     from mamba3lite.data.prepare import prepare
-    from mamba3lite.data.shards import MANIFEST_NAME, verify_dataset
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest, verify_dataset
 
     if (out / MANIFEST_NAME).is_file():
         problems = verify_dataset(out)
-        if not problems:
+        if problems:
+            log(f"data      {out} does not verify ({problems[0]}); preparing it again")
+        elif Manifest.load(out).extra.get("prepare", {}).get("max_docs") != max_docs:
+            log(f"data      {out} was made from another slice of the corpus; preparing it again")
+        else:
             log(f"data      reusing {out} (manifest and shards verify)")
             return out, True
-        log(f"data      {out} does not verify ({problems[0]}); preparing it again")
     what = f"the first {max_docs} files of " if max_docs else ""
     log(f"data      preparing {what}the stdlib corpus -> {out}")
     summary = prepare(
