@@ -325,6 +325,7 @@ class Trial:
     survived: bool  # the directory still resumes from a sound checkpoint, nothing damaged loaded
     data_lost: bool  # a verified checkpoint went backwards, or (SIGTERM) progress was not saved
     notes: list[str] = field(default_factory=list)
+    exit_s: float | None = None  # seconds from the signal to the process's exit
 
 
 @dataclass
@@ -408,6 +409,7 @@ def interrupt_campaign(
             hit = hit or "finished before the signal"
             sent_at = None
         rc, _stdout, stderr = finish(p)
+        exit_s = None if sent_at is None else time.time() - sent_at
         stderr_warnings += [ln for ln in stderr.splitlines() if "not usable" in ln]
         for s in _resume_steps_since(run_dir, since):
             resumes_checked += 1
@@ -420,7 +422,7 @@ def interrupt_campaign(
         if sig == signal.SIGTERM and sent_at is not None:
             # Preemption contract: exit 0, in bounded time, with a checkpoint of the last step trained.
             last = trained_step_since(run_dir, since)
-            elapsed = time.time() - sent_at
+            elapsed = exit_s
             ok = rc == 0 and "Traceback" not in stderr and after is not None and after >= last
             notes.append(f"rc={rc} after {elapsed:.1f} s; last step logged {last}, latest checkpoint {after}")
             survived = survived and ok
@@ -428,7 +430,7 @@ def interrupt_campaign(
         elif sent_at is None and rc != 0:
             survived = False
             notes.append(f"rc={rc}: {stderr.strip().splitlines()[-1:] if stderr.strip() else ''}")
-        trial = Trial(mode, signal.Signals(sig).name, hit, before, after, survived, lost, notes)
+        trial = Trial(mode, signal.Signals(sig).name, hit, before, after, survived, lost, notes, exit_s)
         log(
             f"  trial {t:2d} {mode:10s} {trial.signal}: {hit}; latest {before} -> {after}; "
             f"survived={survived}"
