@@ -92,6 +92,21 @@ def test_loss_chunking_and_underflow_fallback(monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+def test_loss_under_bf16_autocast_matches_fp32_cross_entropy_of_bf16_logits():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 32, generator=g, requires_grad=True)
+    w = (0.3 * torch.randn(500, 32, generator=g)).requires_grad_()
+    t = torch.randint(0, 500, (300,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = transformer_module.linear_cross_entropy(h, w, t)
+    ref = F.cross_entropy((h.bfloat16() @ w.bfloat16().T).float(), t)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - ref.item()) < 2e-3
+    ga, gb = torch.autograd.grad(loss, [h, w]), torch.autograd.grad(ref, [h, w])
+    for a, b in zip(ga, gb):
+        assert (a - b).abs().max() < 0.02 * b.abs().max()
+
+
 @pytest.mark.parametrize("kw", [{}, {"is_mimo": True, "mimo_rank": 2, "chunk_size": 4}])
 def test_teacher_forced_decode_equals_forward(kw):
     model = make_model(**kw)
