@@ -118,22 +118,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 tgt = targets_N[i:j].clamp(min=0)[:, None]
                 # One fused softmax pass gives both the loss (−log p_target) and the gradient
                 # (p − onehot); fewer passes over the (rows, V) block is what makes this fast on CPU.
-                logits = h[i:j] @ w.T  # compute dtype
+                # (The softmax runs on fp32 logits: on CPU a bf16 softmax converts in and out itself.)
+                logits = (h[i:j] @ w.T).to(acc)
+                probs = torch.softmax(logits, dim=-1)
                 if dev.type == "cpu":
-                    # The softmax runs in the compute dtype (fp32 accumulation inside; under autocast its
-                    # output is bf16, like autocast's logits): no conversion pass over the block, which
-                    # costs as much as the softmax on CPU. −log p_target comes from the softmax itself;
-                    # rows whose p_target underflowed take an exact logsumexp instead (rare).
-                    probs = torch.softmax(logits, dim=-1)
-                    p_t = probs.gather(1, tgt)[:, 0].to(acc)
+                    # −log p_target from the softmax itself (no extra pass); rows whose p_target
+                    # underflowed take an exact logsumexp instead (rare; a data-dependent branch).
+                    p_t = probs.gather(1, tgt)[:, 0]
                     nll = -torch.log(p_t)
                     tiny = p_t < 1e-30
                     if bool(tiny.any()):
-                        lg = logits[tiny].to(acc)
+                        lg = logits[tiny]
                         nll[tiny] = torch.logsumexp(lg, dim=-1) - lg.gather(1, tgt[tiny])[:, 0]
                 else:  # accelerators: passes are cheap, a host sync is not
-                    logits = logits.to(acc)
-                    probs = torch.softmax(logits, dim=-1)
                     nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, tgt)[:, 0]
                 loss = loss + (nll * valid_N[i:j]).sum()
                 if needs_grad:
