@@ -25,7 +25,7 @@ units of π (exact parity needs 0 and ±1: a small error per token accumulates o
 what length generalisation measures). The paper trains 10^4 steps × batch 256 with an LR sweep; here
 one LR and a budget of minutes on a CPU.
 
-    python benchmarks/parity.py [--steps 1500] [--batch 128] [--variants mamba3,norope,mamba2]
+    python benchmarks/parity.py [--steps 2000] [--batch 64] [--variants mamba3,norope,mamba2]
 """
 
 from __future__ import annotations
@@ -148,19 +148,19 @@ def scaled(acc: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1500, help="optimizer steps per variant")
-    ap.add_argument("--batch", type=int, default=128, help="sequences per step")
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps per variant")
+    ap.add_argument("--batch", type=int, default=64, help="sequences per step")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (warmup, cosine)")
-    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=32)
     ap.add_argument("--d-state", type=int, default=64)
-    ap.add_argument("--headdim", type=int, default=32)
+    ap.add_argument("--headdim", type=int, default=64, help="64 with d_model 32: one head")
     ap.add_argument("--d-mlp", type=int, default=0, help="SwiGLU width of the block (0 = mixer only)")
     ap.add_argument("--train-len", type=int, default=40, help="longest training length (curriculum end)")
     ap.add_argument(
         "--curriculum", type=float, default=0.3, help="fraction of the steps over which the length grows"
     )
     ap.add_argument("--eval-len", type=int, default=256)
-    ap.add_argument("--eval-batch", type=int, default=512, help="sequences in the evaluation set")
+    ap.add_argument("--eval-batch", type=int, default=256, help="sequences in the evaluation set")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
