@@ -331,8 +331,9 @@ class Trial:
 @dataclass
 class CampaignResult:
     trials: list[Trial]
-    final_rc: int
-    final_identical: bool  # the final checkpoint equals the uninterrupted reference bit-for-bit
+    final_rc: int  # the worst exit code of the final (uninterrupted) run of each run directory
+    final_identical: bool  # every run directory's final checkpoint equals the reference bit-for-bit
+    segments: int  # run directories used: a new one starts when a run has reached max_steps
     resumes_checked: int  # resume events whose step we had verified beforehand
     bad_resumes: list[str]  # resume events from a step we had NOT seen as sound (must be empty)
     stderr_warnings: list[str]  # warning lines that named a bad checkpoint file on resume
@@ -363,32 +364,62 @@ def interrupt_campaign(
     slow_save_s: float = 0.3,
     log=print,
 ) -> CampaignResult:
-    """Start / interrupt / resume `trials` times on one run directory, then run to the end and compare
-    the final weights with `reference`. Modes cycle in order (so every mode is exercised even with few
-    trials); the concrete step or delay of each is drawn from `rng`."""
+    """Start / interrupt / resume `trials` times, then run to the end and compare the final weights with
+    `reference`. The runs live in run_dir/seg0, seg1, ...: once a run has reached max_steps, it is
+    finished and checked and the next trial starts a new run (so no trial is wasted on a finished run).
+    Modes cycle in order (every mode is exercised even with few trials); the concrete step or delay of
+    each is drawn from `rng`."""
     out: list[Trial] = []
     resumes_checked, bad_resumes, stderr_warnings = 0, [], []
-    sound_steps: set[int] = set()
+    finals: list[tuple[int, bool]] = []
     logs = work / "logs"
+    base_dir, seg = run_dir, 0
+
+    def finish_segment(run_dir: Path, sound_steps: set[int]) -> None:
+        nonlocal resumes_checked, stderr_warnings
+        last, _ = latest_verified(run_dir)
+        if last is not None and checkpoint_is_sound(run_dir, last):
+            sound_steps.add(last)
+        since = time.time()
+        final = run_train(config, "--checkpoint-dir", str(run_dir))
+        for s in _resume_steps_since(run_dir, since):
+            resumes_checked += 1
+            if s not in sound_steps:
+                bad_resumes.append(f"final run: resumed from step {s}, not seen verified before the run")
+        stderr_warnings += [ln for ln in final.stderr.splitlines() if "not usable" in ln]
+        identical = final.returncode == 0 and weights_identical(final_weights(run_dir), reference)
+        if final.returncode != 0:
+            log(final.stderr[-3000:])
+        finals.append((final.returncode, identical))
+
+    run_dir = base_dir / "seg0"
+    sound_steps: set[int] = set()
     for t in range(trials):
         mode = modes[t % len(modes)]
         before, _ = latest_verified(run_dir)
+        if before == MAX_STEPS:  # this run is over: check it, start the next one
+            finish_segment(run_dir, sound_steps)
+            seg += 1
+            run_dir, sound_steps = base_dir / f"seg{seg}", set()
+            before = None
         if before is not None:
             assert checkpoint_is_sound(run_dir, before)
             sound_steps.add(before)
         env = {SLOW_SAVE_ENV: str(slow_save_s)} if mode == "mid-save" else {}
         since, since_ns = time.time(), time.time_ns()
-        p = start_train(config, env=env, log_dir=logs, eval_marker=mode == "eval")
+        p = start_train(
+            config, "--checkpoint-dir", str(run_dir), env=env, log_dir=logs, eval_marker=mode == "eval"
+        )
         hit = ""
         if mode == "mid-save":
-            step = wait_until(lambda t0=since_ns: mid_save_step(run_dir, t0), p)
+            step = wait_until(lambda t0=since_ns, d=run_dir: mid_save_step(d, t0), p)
             hit = f"inside the save of step {step}" if step is not None else ""
         elif mode == "after-step":
             # Past the next checkpoint (so the campaign progresses) and short of the end (so later
             # trials still have a run to interrupt).
             first = min((before or 0) + SAVE_EVERY + 1, MAX_STEPS - 1)
             k = rng.randint(first, max(first, min(first + 2, MAX_STEPS - 1)))
-            got = wait_until(lambda t0=since, k=k: trained_step_since(run_dir, t0) >= k, p)
+            got = wait_until(lambda t0=since, k=k, d=run_dir: trained_step_since(d, t0) >= k, p)
             if got:
                 time.sleep(rng.uniform(0.0, 0.05))
                 hit = f"after step {trained_step_since(run_dir, since)} was logged (aimed at {k})"
@@ -399,7 +430,7 @@ def interrupt_campaign(
                 hit = f"during the evaluation at step {trained_step_since(run_dir, since)}"
         else:  # "random": anywhere from interpreter start-up on (SIGKILL) or after the start event (SIGTERM)
             if sig == signal.SIGTERM:
-                wait_until(lambda t0=since: started_since(run_dir, t0), p)
+                wait_until(lambda t0=since, d=run_dir: started_since(d, t0), p)
             time.sleep(rng.uniform(0.0, 8.0 if sig == signal.SIGKILL else 1.0))
             hit = f"{time.time() - since:.2f} s after launch"
         if p.poll() is None and hit:
@@ -432,24 +463,20 @@ def interrupt_campaign(
             notes.append(f"rc={rc}: {stderr.strip().splitlines()[-1:] if stderr.strip() else ''}")
         trial = Trial(mode, signal.Signals(sig).name, hit, before, after, survived, lost, notes, exit_s)
         log(
-            f"  trial {t:2d} {mode:10s} {trial.signal}: {hit}; latest {before} -> {after}; "
-            f"survived={survived}"
+            f"  trial {t:2d} seg{seg} {mode:10s} {trial.signal}: {hit}; latest {before} -> {after}; "
+            f"survived={survived}" + ("" if survived and not lost else f"; {notes}")
         )
         out.append(trial)
-    last, _ = latest_verified(run_dir)
-    if last is not None and checkpoint_is_sound(run_dir, last):
-        sound_steps.add(last)
-    since = time.time()
-    final = run_train(config)
-    for s in _resume_steps_since(run_dir, since):
-        resumes_checked += 1
-        if s not in sound_steps:
-            bad_resumes.append(f"final run: resumed from step {s}, not seen verified before the run")
-    stderr_warnings += [ln for ln in final.stderr.splitlines() if "not usable" in ln]
-    identical = final.returncode == 0 and weights_identical(final_weights(run_dir), reference)
-    if final.returncode != 0:
-        log(final.stderr[-3000:])
-    return CampaignResult(out, final.returncode, identical, resumes_checked, bad_resumes, stderr_warnings)
+    finish_segment(run_dir, sound_steps)
+    return CampaignResult(
+        out,
+        max(rc for rc, _ in finals),
+        all(same for _, same in finals),
+        len(finals),
+        resumes_checked,
+        bad_resumes,
+        stderr_warnings,
+    )
 
 
 def summary_table(rows: list[tuple[str, int, int, int]]) -> str:

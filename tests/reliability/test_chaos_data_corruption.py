@@ -126,12 +126,16 @@ def test_resume_on_data_from_another_tokenizer_is_refused(capsys, tmp_path, data
     m.tokenizer = {"name": "other-bpe", "vocab_hash": "cd" * 32}
     m.save(data_copy)
     before = H.tree_hash(tmp_path / "run")
+    metrics_before = (tmp_path / "run" / "metrics.jsonl").read_text()
     rc, text = _train(capsys, tmp_path, data_copy)
     assert rc != 0 and "Traceback" not in text
     assert "other-bpe" in text and "chaos-bytes" in text, text
     # Regression: config.yaml and run.json were rewritten before the resume's checks refused it, so the
-    # run directory described a run that never happened. (.lock holds the pid of its last holder.)
+    # run directory described a run that never happened. (.lock holds the pid of its last holder; the
+    # metrics log may only grow: the refusal is recorded as an error event.)
     after = H.tree_hash(tmp_path / "run")
-    assert {k: v for k, v in after.items() if k != ".lock"} == {
-        k: v for k, v in before.items() if k != ".lock"
+    keep = {".lock", "metrics.jsonl"}
+    assert {k: v for k, v in after.items() if k not in keep} == {
+        k: v for k, v in before.items() if k not in keep
     }
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().startswith(metrics_before)

@@ -154,9 +154,14 @@ class HashingAtomicFile:
         os.fchmod(fd, 0o644)
         self._f = os.fdopen(fd, "wb", buffering=8 << 20)
         self.size = 0
+        self.error: OSError | None = None  # the first write error (disk full...), kept for save()
 
     def write(self, data: Any) -> int:
-        n = self._f.write(data)
+        try:
+            n = self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self.size += n
         return n
 
@@ -436,8 +441,12 @@ class CheckpointManager:
                 try:
                     torch.save(optim_state, optim_out)
                     digests["optim"] = optim_out.commit()
-                except BaseException:
+                except BaseException as e:
                     optim_out.abort()
+                    if optim_out.error is not None and not isinstance(e, OSError):
+                        # torch.save's zip writer turns a failed write (disk full) into RuntimeError
+                        # "unexpected pos": re-raise the OSError, which names the cause.
+                        raise optim_out.error from None
                     raise
                 _test_pause()
             finally:
