@@ -37,7 +37,7 @@ def test_end_to_end_then_rerun_continues(cli, tmp_path):
     expected = [
         "before    step 0: val loss",
         "after     step",
-        "sample    (prompt 'def '",
+        "sample    (prompt 'def'",
         "quickstart summary",
     ]
     expected += ["tokens seen", "val loss ", "run directory", "mamba3lite generate --checkpoint-dir"]

@@ -3,7 +3,7 @@
     prepare   the `stdlib` corpus (this interpreter's standard-library sources) -> WORKDIR/data/stdlib
     train     the `tiny` preset for what is left of the time budget      -> WORKDIR/run (run directory)
     evaluate  validation loss and bits per byte, before and after training
-    sample    a continuation of "def " from the newest checkpoint
+    sample    a continuation of "def" from the newest checkpoint
     plot      WORKDIR/run/metrics.png (when matplotlib is installed)
 
 Time budget (`minutes`). The trainer runs to `training.max_steps`; its cosine schedule ends there, and a
@@ -11,7 +11,7 @@ schedule that ends is worth more than one cut short. So the quickstart measures 
 costs on this machine (a few steps of a throw-away trainer of the same config, which also provides the
 "before" evaluation of the untrained model) and sets max_steps so that training, its periodic
 evaluations and checkpoints, the final evaluation, the sample and the plot fit in what is left after
-preparing the data, planning for 90% of it. The measurement is made under whatever else the machine
+preparing the data (see PLAN_FRACTION). The measurement is made under whatever else the machine
 is doing; if the machine gets slower during the run, a timer stops the trainer cleanly
 (`Pretrainer.request_stop`: the step finishes, a checkpoint is written) when only the time for the
 final evaluation, the sample and the plot is left, and the summary says so.
@@ -36,11 +36,18 @@ from pathlib import Path
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 
 DEFAULT_WORKDIR = "mamba3lite-quickstart"
-DEFAULT_PROMPT = "def "
+# No trailing space: GPT-2 puts a word's leading space inside the word's token (" main"), so a lone
+# trailing " " token is the indentation token, and a model of Python source continues "def " with
+# more indentation; "def" is continued with " name(...".
+DEFAULT_PROMPT = "def"
 QUICKSTART_VAL_FRACTION = 0.02  # ~100k validation tokens from the full stdlib: a steady number
-CALIBRATION_STEPS = 2  # timed steps (after one untimed warm-up step)
+CALIBRATION_STEPS = 3  # timed steps per setting (after one untimed warm-up step)
 EVAL_WINDOWS = 32  # windows (of max_seq_len) per before/after evaluation
-PLAN_FRACTION = 0.9  # of the measured time left that steps are planned for
+# Steps are planned for 1.25x the time measured to be left: a step's cost measured in a few steps
+# overestimated the run's by up to 2x on a busy machine, and ending early wastes the budget, while the
+# timer's clean stop when time is up costs little: the last fifth of a cosine schedule is already near
+# min_lr.
+PLAN_FRACTION = 1.25
 PERIODIC_EVALS = 3  # validation rows the trainer writes during the run (for the plot), each half
 # the windows of the before/after evaluation
 
@@ -118,17 +125,23 @@ def _process_age_s() -> float:
 
 
 def _time_steps(trainer, cpu: bool) -> tuple[float, str]:
-    """Seconds per optimizer step of `trainer` (CALIBRATION_STEPS timed steps). On CPU both torch's
-    default thread count and one thread are timed and the faster is kept (`torch.set_num_threads`): a
-    model this small runs many small ops, and on a busy machine every op of a multi-threaded run waits
-    for its slowest thread. Returns (seconds per step, a note on the choice or "")."""
+    """Seconds per optimizer step of `trainer`: the median of CALIBRATION_STEPS timed steps (a busy
+    machine gives a few slow outliers; the timer guards against the plan running long). On CPU both
+    torch's default thread count and one thread are timed, each after one untimed step, and the faster
+    is kept (`torch.set_num_threads`): a model this small runs many small ops, and on a busy machine
+    every op of a multi-threaded run waits for its slowest thread. Returns (s/step, a note or "")."""
+    import statistics
+
     import torch
 
     def timed() -> float:
-        t0 = time.monotonic()
+        trainer.train_step()  # untimed: first step after a change of thread count
+        times = []
         for _ in range(CALIBRATION_STEPS):
+            t0 = time.monotonic()
             trainer.train_step()
-        return (time.monotonic() - t0) / CALIBRATION_STEPS
+            times.append(time.monotonic() - t0)
+        return statistics.median(times)
 
     default = torch.get_num_threads()
     if not cpu or default == 1:
@@ -140,6 +153,20 @@ def _time_steps(trainer, cpu: bool) -> tuple[float, str]:
     torch.set_num_threads(best)
     note = ", ".join(f"{n} thread{'s' * (n > 1)}: {sec:.2f} s/step" for n, sec in results.items())
     return results[best], f"{best} ({note})"
+
+
+def _logged_step_s(run_dir: Path, after_step: int, upto_step: int) -> float | None:
+    """Mean seconds per step of the logged steps (after_step, upto_step] of `run_dir`'s metrics, the
+    start-up window left out (it includes building and loading); None without such rows."""
+    from mamba3lite.report.metrics import read_metrics
+
+    rows = [
+        r
+        for r in read_metrics(run_dir).train
+        if after_step < r["step"] <= upto_step and not r.get("warmup_window") and r.get("window_steps")
+    ]
+    steps = sum(r["window_steps"] for r in rows)
+    return sum(r["window_seconds"] for r in rows) / steps if steps else None
 
 
 def _fmt_eval(ev: dict) -> str:
@@ -213,7 +240,6 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
         else:
             start_eval = evaluate(calib.raw_model)
         eval_s = time.monotonic() - t0
-        calib.train_step()  # warm-up: allocations, first-call costs
         step_s, threads = _time_steps(calib, cpu=calib.device.type == "cpu")
         tok = load_tokenizer(manifest.tokenizer.get("name", "gpt2"))
         t0 = time.monotonic()
@@ -230,37 +256,65 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
 
     # Plan: what remains, minus the final evaluation, the sample and the plot (`reserve`), pays for
     # steps, the periodic evaluations and the checkpoints (~12 bytes/parameter: weights + AdamW
-    # moments). Steps are planned for PLAN_FRACTION of it (the load of a shared machine varies); a
-    # timer stops training cleanly (checkpoint written) if it still runs when only `reserve` is left.
+    # moments). Steps are planned for PLAN_FRACTION of it; a timer stops training cleanly (checkpoint
+    # written) if it still runs when only `reserve` is left.
     save_s = 1.0 + 12 * n_params / 150e6
     reserve = eval_s + sample_s + 5.0 + 0.03 * 60.0 * opts.minutes
-    budget = deadline - time.monotonic() - reserve - PERIODIC_EVALS * eval_s / 2 - 3 * save_s
-    n_steps = max(1, int(PLAN_FRACTION * budget / step_s))
+
+    def steps_for(seconds_per_step: float) -> int:
+        budget = deadline - time.monotonic() - reserve - PERIODIC_EVALS * eval_s / 2 - 3 * save_s
+        return max(1, int(PLAN_FRACTION * budget / seconds_per_step))
+
+    n_steps = steps_for(step_s)
     log(
         f"plan      {step_s:.2f} s/step measured -> {n_steps} steps "
-        f"({n_steps * tc.tokens_per_step():,} tokens) in the {max(budget, 0):.0f} s left for training"
+        f"({n_steps * tc.tokens_per_step():,} tokens)"
     )
-    cfg = cfg.replace(
-        "training",
-        max_steps=start_step + n_steps,
-        warmup_steps=min(tc.warmup_steps, max(1, n_steps // 5)) if start_step == 0 else tc.warmup_steps,
-        eval_every=max(1, math.ceil(n_steps / PERIODIC_EVALS)),  # at most PERIODIC_EVALS of them
-        eval_batches=max(1, eval_batches // 2),
-        save_every=max(1, n_steps // 2),
-        log_every=max(1, min(tc.log_every, n_steps // 20 or 1)),
-    )
-    trainer = Pretrainer(cfg, resume="latest")
+    warmup = min(tc.warmup_steps, max(1, n_steps // 5)) if start_step == 0 else tc.warmup_steps
+
+    def run_cfg(n: int, probe: bool):
+        return cfg.replace(
+            "training",
+            max_steps=start_step + n,
+            warmup_steps=warmup,
+            eval_every=0 if probe else max(1, math.ceil(n / PERIODIC_EVALS)),  # <= PERIODIC_EVALS
+            eval_batches=max(1, eval_batches // 2),
+            save_every=max(1, n // 2),
+            log_every=1 if probe else max(1, min(tc.log_every, n // 20 or 1)),
+        )
+
     timed_out = threading.Event()
+    current: list = []
 
     def out_of_time() -> None:
         timed_out.set()
-        trainer.request_stop()
+        if current:
+            current[-1].request_stop()
+
+    def start_trainer(run_config) -> None:
+        current.append(Pretrainer(run_config, resume="latest"))
+        if timed_out.is_set():  # the timer fired before this trainer existed
+            current[-1].request_stop()
 
     timer = threading.Timer(max(0.0, deadline - reserve - time.monotonic()), out_of_time)
     timer.daemon = True
     timer.start()
     try:
-        result = trainer.train()
+        # The throw-away trainer's steps can run slower (or faster) than the real run's, so the first
+        # `warmup` steps (a fresh run's learning rate there does not depend on max_steps) are a probe:
+        # their logged step times re-plan the rest. The cost is one checkpoint written and read back.
+        result = None
+        probe = warmup if start_step == 0 and n_steps >= 4 * warmup else 0
+        if probe:
+            start_trainer(run_cfg(n_steps, probe=True))
+            result = current[-1].train(until_step=start_step + probe)
+            measured = _logged_step_s(run_dir, start_step, start_step + probe)
+            if measured and not timed_out.is_set():
+                n_steps = probe + steps_for(measured)
+                log(f"re-plan   {measured:.2f} s/step in the first {probe} steps -> {n_steps} steps in all")
+        if result is None or not timed_out.is_set():  # at least one step, even with no time left
+            start_trainer(run_cfg(n_steps, probe=False))
+            result = current[-1].train()
     except CheckpointError as e:
         raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
     finally:
@@ -268,7 +322,7 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     if timed_out.is_set() and result.stopped:
         log(
             f"note      the time budget ran out at step {result.step} of {start_step + n_steps} planned "
-            "(the machine got slower than measured): stopped cleanly, checkpoint written"
+            "(planned for 1.25x the time left): stopped cleanly, checkpoint written"
         )
 
     loaded = load_pretrained(run_dir)
@@ -331,7 +385,7 @@ def summary_text(r: QuickstartResult) -> str:
         f"plot          {r.plot}" if r.plot else "plot          (none: pip install 'mamba3lite[plot]')",
         "",
         "next:",
-        f"  mamba3lite generate --checkpoint-dir {run} --prompt 'import ' --max-new-tokens 200",
+        f"  mamba3lite generate --checkpoint-dir {run} --prompt 'import' --max-new-tokens 200",
         f"  mamba3lite eval --checkpoint-dir {run} --data-path {r.data_path}",
         f"  mamba3lite inspect {run}",
         f"  mamba3lite train --config tiny --data-path {r.data_path} --checkpoint-dir {run} --max-steps "
