@@ -112,7 +112,7 @@ def evaluate_model(
     from mamba3lite.data import PretrainDataset
 
     if batch_size < 1:
-        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if max_batches is not None and max_batches < 1:
         raise ConfigError(f"--max-batches must be >= 1, got {max_batches}")
     cfg = model.cfg
