@@ -385,6 +385,7 @@ def _no_temp_files(root: Path) -> list[str]:
     return [p.name for p in root.rglob("*.tmp")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0, 3000, 40_000, 150_000, 300_000])
 def test_disk_full_during_training_keeps_the_last_checkpoint(world, capsys, monkeypatch, budget):
     """The disk fills at a different point for each budget (run records, model file, optimizer file,

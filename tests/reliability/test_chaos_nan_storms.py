@@ -53,6 +53,7 @@ STORMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(STORMS))
 def test_nan_storm_is_skipped_or_rolled_back_and_the_run_finishes(tmp_path, chaos_data, monkeypatch, name):
     spec, rollbacks = STORMS[name]
@@ -69,6 +70,7 @@ def test_nan_storm_is_skipped_or_rolled_back_and_the_run_finishes(tmp_path, chao
     assert sorted(set(applied)) == list(range(1, H.MAX_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_storm_that_never_ends_stops_after_bounded_rollbacks(tmp_path, chaos_data, monkeypatch):
     tr, applied = _trainer(tmp_path, chaos_data, monkeypatch, "10:1000")  # from step 6 on, every loss NaN
     with pytest.raises(TrainingError, match="max_rollbacks"):
