@@ -7,8 +7,9 @@ Everything is measured side by side in the same process on this CPU (issue 4, "B
    T = 512, 2048, 8192 and each dtype (bf16 = CPU autocast with fp32 weights, as the trainer; fp32):
    - Mamba-3 with the chunked scan (the training path),
    - Mamba-3 with the sequential reference scan (a Python loop over time; its autograd graph holds
-     every step's P×N state, so it is measured up to --seq-max-len and, above that, ESTIMATED from its
-     per-token time at the longest measured T, marked "est." — its cost per token does not depend on T),
+     every step's P×N state, so it is measured up to --seq-max-len and, above that, ESTIMATED as its
+     tokens/s at the longest measured T, marked "est."; optimistic, since its per-token cost was
+     measured to grow with T),
    - a same-width, same-depth Llama-style Transformer written here as the baseline: RMSNorm -> causal
      multi-head attention through F.scaled_dot_product_attention with RoPE -> residual, RMSNorm -> the
      same SwiGLU MLP -> residual; tied head; the same fused chunked loss as the Mamba-3 LM.
