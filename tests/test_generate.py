@@ -129,7 +129,10 @@ def test_bad_checkpoint_inputs_are_clear_errors(tmp_path, capsys):
         (["--checkpoint-dir", str(tmp_path)], "holds no checkpoints"),
         (["--checkpoint-dir", str(run), "--step", "4"], "no checkpoint of step 4"),
         (["--checkpoint-dir", str(run), "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--checkpoint-dir", str(run), "--device", "tpu"], "--device must be"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--checkpoint-dir", str(run), "--device", "cuda"], "CUDA is not available"))
     for args, message in cases:
         assert main(["generate", *args, "--prompt", "x"]) == 2, args
         err = capsys.readouterr().err

@@ -70,6 +70,18 @@ class Pretrained:
         return tok
 
 
+def resolve_device(text: str) -> torch.device:
+    """`auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`; ConfigError otherwise or when
+    CUDA is asked for and absent."""
+    if not (text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit())):
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {text!r}")
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {text}: CUDA is not available here; use --device cpu")
+    return torch.device(text)
+
+
 def list_loadable_steps(run_dir: str | Path) -> list[int]:
     """Steps of `run_dir` whose checkpoint verifies (ascending); [] when there are none."""
     from mamba3lite.train.checkpoint import CheckpointManager

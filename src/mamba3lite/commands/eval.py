@@ -48,14 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B",
         help="windows per batch (default: the run's micro_batch_size)",
     )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEV",
+        help="auto (cuda if available, else cpu), cpu, cuda or cuda:N",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     from mamba3lite.evaluate import evaluate_model
-    from mamba3lite.pretrained import load_pretrained
+    from mamba3lite.pretrained import load_pretrained, resolve_device
 
-    loaded = load_pretrained(args.checkpoint_dir, args.step)
+    loaded = load_pretrained(args.checkpoint_dir, args.step, device=resolve_device(args.device))
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
     tc = loaded.config.training

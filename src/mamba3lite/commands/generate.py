@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="nucleus sampling: smallest set with probability >= P",
     )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEV",
+        help="auto (cuda if available, else cpu), cpu, cuda or cuda:N",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
     stream = parser.add_mutually_exclusive_group()
     stream.add_argument(
@@ -63,11 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mamba3lite.generation import check_sampling_args, generate_text
-    from mamba3lite.pretrained import load_pretrained
+    from mamba3lite.pretrained import load_pretrained, resolve_device
 
     top_k = None if args.top_k == 0 else args.top_k
     check_sampling_args(args.max_new_tokens, args.temperature, top_k, args.top_p)
-    loaded = load_pretrained(args.checkpoint_dir, args.step)
+    loaded = load_pretrained(args.checkpoint_dir, args.step, device=resolve_device(args.device))
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
     tok = loaded.load_tokenizer()
