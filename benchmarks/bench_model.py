@@ -211,15 +211,22 @@ def autocast_for(dtype: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def train_step_time(model: nn.Module, T: int, vocab: int, dtype: str, reps: int) -> float:
-    """Best seconds of one forward + backward of the LM loss on one random sequence of T tokens."""
+def train_step_time(
+    model: nn.Module, T: int, vocab: int, dtype: str, reps: int, layers_only: bool = False
+) -> float:
+    """Best seconds of one forward + backward of the LM loss on one random sequence of T tokens.
+    layers_only: the loss is the mean square of the final hidden state (no LM head, no cross-entropy);
+    both models' `_body(ids, None)` is their embedding -> layers -> final norm."""
     gen = torch.Generator().manual_seed(T)
     ids = torch.randint(0, vocab, (1, T + 1), generator=gen)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         with autocast_for(dtype):
-            loss = model(ids[:, :-1], ids[:, 1:])
+            if layers_only:
+                loss = model._body(ids[:, :-1], None).float().square().mean()
+            else:
+                loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()
 
     return best_time(step, reps)
@@ -298,6 +305,11 @@ def main() -> int:
     ap.add_argument("--contexts", default=None, help="decode contexts (default 128,8192)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="decode steps timed per context")
     ap.add_argument("--scan-len", type=int, default=None, help="T of the scan-only measurement (2048)")
+    ap.add_argument(
+        "--layers-only",
+        action="store_true",
+        help="training rows without the LM head and loss (the shared head bounds the full-LM ratio)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument(
         "--clock",
@@ -356,17 +368,20 @@ def main() -> int:
         seq_tok_s: float | None = None  # sequential tokens/s at the longest measured T (for estimates)
         for T in seq_lens:
             mamba.set_scan_impl("chunked")
-            t_chunk = train_step_time(mamba, T, cfg.vocab_size, dtype, reps)
+            t_chunk = train_step_time(mamba, T, cfg.vocab_size, dtype, reps, args.layers_only)
             if seq_max >= T:
                 mamba.set_scan_impl("sequential")
-                seq_tok_s = T / train_step_time(mamba, T, cfg.vocab_size, dtype, max(1, reps - 1))
+                seq_tok_s = T / train_step_time(
+                    mamba, T, cfg.vocab_size, dtype, max(1, reps - 1), args.layers_only
+                )
                 seq_est = False
                 mamba.set_scan_impl("chunked")
             else:
                 seq_est = True
-            t_base = train_step_time(base, T, cfg.vocab_size, dtype, reps)
-            m_flops = 3 * model_flops_per_token(cfg, T)["forward"]
-            b_flops = 3 * transformer_flops_per_token(cfg, T)
+            t_base = train_step_time(base, T, cfg.vocab_size, dtype, reps, args.layers_only)
+            head = 2 * cfg.d_model * cfg.vocab_size if args.layers_only else 0
+            m_flops = 3 * (model_flops_per_token(cfg, T)["forward"] - head)
+            b_flops = 3 * (transformer_flops_per_token(cfg, T) - head)
             rows.append((T, dtype, T / t_chunk, seq_tok_s, seq_est, T / t_base, m_flops, b_flops))
             seq = f"{seq_tok_s:.0f}{' est.' if seq_est else ''}" if seq_tok_s else "n/a"
             print(f"  measured T={T} {dtype}: tokens/s chunked {T / t_chunk:.0f}, sequential {seq}, "
@@ -391,8 +406,13 @@ def main() -> int:
 
     # -- tables --
     print()
-    print("Training, forward + backward, tokens/s (batch 1; MFU against the measured matmul rate of the "
-          "row's dtype)")  # fmt: skip
+    what = (
+        "the layers only (embedding -> layers -> norm; no LM head, no loss)"
+        if args.layers_only
+        else "the LM loss"
+    )
+    print(f"Training, forward + backward of {what}, tokens/s (batch 1; MFU against the measured matmul "
+          "rate of the row's dtype)")  # fmt: skip
     print(
         "| T | dtype | Mamba-3 chunked | Mamba-3 sequential | chunked / sequential | Transformer (SDPA) "
         "| Mamba-3 / Transformer | FLOP ratio Transformer / Mamba-3 | Mamba-3 train FLOP/tok "
