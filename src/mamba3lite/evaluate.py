@@ -90,6 +90,29 @@ def _splits(m) -> list[str]:
     return sorted({s.split for s in m.shards})
 
 
+def spread_picks(n_windows: int, total: int) -> list[int]:
+    """`total` window indices spread evenly over `n_windows` (deterministic): the windows an evaluation
+    scores, the same in `mamba3lite eval` and in the trainer's periodic evaluation."""
+    return [k * n_windows // total for k in range(total)]
+
+
+@torch.no_grad()
+def window_loss_sum(
+    model: torch.nn.Module, ds, indices: list[int], batch_size: int, device: torch.device, bf16: bool
+) -> float:
+    """Sum over windows `indices` of each window's mean next-token loss (nats), in batches of
+    `batch_size` (under bf16 autocast when `bf16`). The caller sets eval mode and divides."""
+    total = 0.0
+    for i in range(0, len(indices), batch_size):
+        idx = indices[i : i + batch_size]
+        x_BT, y_BT = ds.get_batch(idx)
+        ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with ctx:
+            loss = model(x_BT.to(device), y_BT.to(device))
+        total += float(loss) * len(idx)
+    return total
+
+
 @torch.no_grad()
 def evaluate_model(
     model: torch.nn.Module,
@@ -122,24 +145,12 @@ def evaluate_model(
         check_compatible(ds.manifest, cfg.vocab_size, cfg.eos_id, vocab_hash, tokenizer_name)
     n = len(ds)
     total = n if max_batches is None else min(n, max_batches * batch_size)
-    picks = [k * n // total for k in range(total)]  # evenly spread, as Pretrainer.evaluate
+    picks = spread_picks(n, total)
     device = next(model.parameters()).device
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        if dtype == "bf16"
-        else contextlib.nullcontext()
-    )
     was_training = model.training
     model.eval()
-    loss_sum = 0.0
     try:
-        for i in range(0, total, batch_size):
-            pairs = [ds[j] for j in picks[i : i + batch_size]]
-            x = torch.stack([p[0] for p in pairs]).to(device)
-            y = torch.stack([p[1] for p in pairs]).to(device)
-            with autocast:
-                loss = model(x, y)
-            loss_sum += float(loss) * len(pairs)
+        loss_sum = window_loss_sum(model, ds, picks, batch_size, device, dtype == "bf16")
     finally:
         model.train(was_training)
     loss = loss_sum / total

@@ -52,6 +52,7 @@ import torch
 
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
+from mamba3lite.evaluate import spread_picks, window_loss_sum
 from mamba3lite.train import distributed as D
 from mamba3lite.train.checkpoint import CheckpointManager, RunLock, capture_rng_state, restore_rng_state
 from mamba3lite.train.logging import TrainingLogger, build_logger, peak_flops
@@ -403,10 +404,8 @@ class Pretrainer:
                 ) from None
 
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [self.train_data[i] for i in indices]
-        x = torch.stack([p[0] for p in pairs]).to(self.device, non_blocking=True)
-        y = torch.stack([p[1] for p in pairs]).to(self.device, non_blocking=True)
-        return x, y
+        x_BT, y_BT = self.train_data.get_batch(indices)  # one gather, no per-window tensors
+        return x_BT.to(self.device, non_blocking=True), y_BT.to(self.device, non_blocking=True)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -549,22 +548,20 @@ class Pretrainer:
         tc = self.tc
         n = len(self.val_data)
         total = min(tc.eval_batches * tc.micro_batch_size, n)
-        picks = [k * n // total for k in range(total)]
-        mine = picks[self.dist.rank :: self.dist.world_size]
+        mine = spread_picks(n, total)[self.dist.rank :: self.dist.world_size]
         self.raw_model.eval()
-        loss_sum, count = 0.0, 0
         try:
-            for i in range(0, len(mine), tc.micro_batch_size):
-                idx = mine[i : i + tc.micro_batch_size]
-                pairs = [self.val_data[j] for j in idx]
-                x = torch.stack([p[0] for p in pairs]).to(self.device)
-                y = torch.stack([p[1] for p in pairs]).to(self.device)
-                with self._autocast():
-                    loss = self.raw_model(x, y)
-                loss_sum += float(loss) * len(idx)
-                count += len(idx)
+            loss_sum = window_loss_sum(
+                self.raw_model,
+                self.val_data,
+                mine,
+                tc.micro_batch_size,
+                self.device,
+                self.autocast_dtype is not None,
+            )
         finally:
             self.raw_model.train()
+        count = len(mine)
         loss_sum, count = D.sum_across([loss_sum, float(count)], self.dist)
         val_loss = loss_sum / max(count, 1)
         out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_windows": int(count)}
