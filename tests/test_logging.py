@@ -207,3 +207,16 @@ def test_wandb_resumes_the_same_run_and_survives_log_errors(monkeypatch):
         sink.write({"kind": "train", "step": 6, "time": 0.0, "loss": 1.0})
     sink.write({"kind": "train", "step": 7, "time": 0.0, "loss": 1.0})  # disabled now: no error
     assert WandbSink("proj").run_id == "new123"
+
+
+def test_jsonl_drops_a_torn_last_line_instead_of_gluing_the_next_row_to_it(tmp_path):
+    # A kill -9 mid-write leaves a last line without its newline; a fresh run appending to the same
+    # file must not merge its first row into it (both rows would be unreadable).
+    path = tmp_path / "metrics.jsonl"
+    good = json.dumps({"kind": "train", "step": 1, "loss": 2.0})
+    path.write_text(good + "\n" + '{"kind": "train", "st')
+    sink = JsonlSink(path)
+    sink.write({"kind": "event", "step": 0, "event": "start"})
+    sink.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [json.loads(good), {"kind": "event", "step": 0, "event": "start"}]

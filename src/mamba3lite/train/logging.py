@@ -117,6 +117,7 @@ class JsonlSink:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run)
 
     def write(self, row: dict) -> None:
@@ -146,6 +147,19 @@ class JsonlSink:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line that a crash left without its newline, so the next row is not glued onto it
+    (which would make both unreadable). Complete rows are never touched."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _json_default(x: Any) -> Any:
