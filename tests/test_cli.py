@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mamba3lite.cli import COMMANDS, main
+from mamba3lite.cli import COMMANDS, command_module, main
 
 
 def test_top_level_help(cli):
@@ -26,7 +26,17 @@ def test_every_command_has_help(name, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert f"mamba3lite {name}" in out
-    assert "not implemented" not in out
+    assert command_module(name).HELP in " ".join(out.split())
+
+
+def test_help_does_not_import_torch(cli):
+    # `mamba3lite --help` must answer instantly: no command module may import torch at module level.
+    import subprocess
+    import sys
+
+    code = "import sys; from mamba3lite.cli import build_parser as b; b(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_unknown_command_is_a_usage_error(cli):

@@ -6,7 +6,7 @@ Each subcommand lives in `mamba3lite/commands/<name>.py` and exposes
     add_arguments(parser: ArgumentParser)       its flags
     run(args: Namespace) -> int                 a thin call into the library; returns the exit code
 
-Modules are imported only when their command runs, so `mamba3lite --help` stays fast (no torch import).
+Command modules import nothing heavy at module level, so `mamba3lite --help` stays fast (no torch).
 Errors the user can fix (`Mamba3LiteError`) print one line and exit non-zero without a traceback.
 """
 
@@ -19,55 +19,36 @@ import sys
 from mamba3lite import __version__
 from mamba3lite.errors import Mamba3LiteError
 
-# name -> one-line help. The order is the order of the pipeline.
-COMMANDS: dict[str, str] = {
-    "quickstart": "prepare the stdlib corpus, train the tiny preset on CPU, evaluate, sample, plot",
-    "prepare": "turn raw text into verified GPT-2 token shards (manifest.json + shard files)",
-    "train": "pretrain a Mamba-3 language model from a YAML config",
-    "eval": "loss, perplexity and bits per byte of a checkpoint on a dataset",
-    "generate": "sample text from a checkpoint (prefill + recurrent decode)",
-    "inspect": "describe (and --verify) a dataset directory, a checkpoint directory or a shard file",
-    "plot": "plot metrics.jsonl of a run directory to a PNG",
-}
+# The subcommands, in the order of the pipeline. Each module's HELP is its line in `--help`.
+COMMANDS: tuple[str, ...] = ("quickstart", "prepare", "train", "eval", "generate", "inspect", "plot")
 
 
-def _command_module(name: str):
+def command_module(name: str):
+    """`mamba3lite.commands.<name>`: cheap to import (heavy imports live inside its `run`)."""
     return importlib.import_module(f"mamba3lite.commands.{name}")
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser. With `only`, just that subcommand's arguments are attached (fast path)."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mamba3lite",
         description="Pretrain small Mamba-3 language models: prepare -> train -> eval / generate.",
     )
     parser.add_argument("--version", action="version", version=f"mamba3lite {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, help_text in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        if only is None or only == name:
-            try:
-                module = _command_module(name)
-            except ModuleNotFoundError as e:  # a command whose module has not landed yet
-                if e.name != f"mamba3lite.commands.{name}":
-                    raise
-                p.set_defaults(_unavailable=True)
-                continue
-            module.add_arguments(p)
-            p.set_defaults(_run=module.run)
+    for name in COMMANDS:
+        module = command_module(name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    first = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(only=first if first in COMMANDS else None)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
-    if getattr(args, "_unavailable", False):
-        print(f"error: `mamba3lite {args.command}` is not implemented yet", file=sys.stderr)
         return 2
     try:
         return int(args._run(args) or 0)
