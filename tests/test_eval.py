@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mamba3lite.cli import main
-from mamba3lite.data.shards import Manifest, write_shard
+from mamba3lite.data.shards import write_dataset
 from mamba3lite.errors import DataError
 from mamba3lite.evaluate import evaluate_model
 from mamba3lite.pretrained import load_pretrained
@@ -72,19 +72,10 @@ def test_refuses_another_tokenizer_and_vocab(tmp_path, trained, capsys):
     assert "vocab hash abababababab" in err and "prepare" in err and "Traceback" not in err
 
     small = tmp_path / "small_vocab"
-    shards = [
-        write_shard(
-            small, f"{split}/shard_00000.bin", np.arange(200) % 999, split=split, n_docs=0, dtype="uint16"
-        )
-        for split in ("train", "val")
-    ]
-    Manifest(
-        vocab_size=1000,
-        eos_id=999,
-        dtype="uint16",
-        tokenizer={"name": "custom", "vocab_hash": "cd" * 32},
-        shards=shards,
-    ).save(small)
+    parts = [(split, np.arange(200) % 999, 0, 0) for split in ("train", "val")]
+    write_dataset(
+        small, parts, vocab_size=1000, eos_id=999, tokenizer={"name": "custom", "vocab_hash": "cd" * 32}
+    )
     loaded = load_pretrained(trained)
     with pytest.raises(DataError, match="vocab_size is 1000 but the model's vocab_size is 50257"):
         evaluate_model(loaded.model, small, max_seq_len=16, batch_size=2, vocab_hash=loaded.vocab_hash)

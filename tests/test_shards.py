@@ -26,6 +26,7 @@ from mamba3lite.data.shards import (
     sha256_file,
     verify_dataset,
     verify_shard,
+    write_dataset,
     write_shard,
 )
 from mamba3lite.errors import DataError, DataNotFoundError
@@ -353,3 +354,25 @@ def test_save_refuses_an_invalid_manifest(tmp_path):
     with pytest.raises(DataError, match="eos_id"):
         m.save(tmp_path)
     assert not (tmp_path / MANIFEST_NAME).exists()
+
+
+def test_write_dataset_numbers_shards_per_split_and_writes_a_verified_manifest(tmp_path):
+    a, b, v = np.array([1, 2, 999, 3, 999]), np.array([4, 5, 999]), np.array([7, 999])
+    m = write_dataset(
+        tmp_path,
+        [("train", a, 2, 30), ("val", v, 1, 6), ("train", b, 1, 15)],
+        vocab_size=VOCAB,
+        eos_id=999,
+        tokenizer={"name": "t", "vocab_hash": "ab" * 32},
+    )
+    assert [s.path for s in m.shards] == [
+        "train/shard_00000.bin",
+        "val/shard_00000.bin",
+        "train/shard_00001.bin",
+    ]
+    assert Manifest.load(tmp_path).to_dict() == m.to_dict()
+    assert verify_dataset(tmp_path) == []
+    assert m.n_tokens("train") == 8 and m.n_bytes("val") == 6
+    np.testing.assert_array_equal(open_tokens(tmp_path / "train/shard_00001.bin", m.dtype), b)
+    with pytest.raises(DataError, match="split 'test'"):
+        write_dataset(tmp_path / "x", [("test", a, 1, 0)], vocab_size=VOCAB, eos_id=0, tokenizer={})

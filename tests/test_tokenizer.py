@@ -26,7 +26,7 @@ def test_gpt2_round_trip_and_no_special_tokens():
 
 
 def test_unknown_tokenizer_names_the_choices():
-    with pytest.raises(ConfigError, match="unknown tokenizer 'gpt5'.*gpt2"):
+    with pytest.raises(ConfigError, match=r"unknown tokenizer 'gpt5'.*gpt2"):
         load_tokenizer("gpt5")
 
 

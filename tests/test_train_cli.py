@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from mamba3lite.config import load_config
-from mamba3lite.data.shards import Manifest, dtype_for_vocab, write_shard
+from mamba3lite.data.shards import write_dataset
 from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import Pretrainer
 
@@ -24,28 +24,14 @@ GPT2_VOCAB = 50257
 def make_gpt2_dataset(root, n_train: int = 6000, n_val: int = 1500) -> str:
     """A small prepared dataset (manifest + uint16 shards) as `prepare` would write it."""
     rng = np.random.default_rng(0)
-    shards = []
+    parts = []
     for split, n in (("train", n_train), ("val", n_val)):
         tokens = rng.integers(0, 1000, n)
         tokens[::100] = 50256
-        shards.append(
-            write_shard(
-                root,
-                f"{split}/shard_00000.bin",
-                tokens,
-                split=split,
-                n_docs=n // 100,
-                n_bytes=4 * n,
-                dtype=dtype_for_vocab(GPT2_VOCAB),
-            )
-        )
-    Manifest(
-        vocab_size=GPT2_VOCAB,
-        eos_id=50256,
-        dtype="uint16",
-        tokenizer={"name": "gpt2", "vocab_hash": "cd" * 32},
-        shards=shards,
-    ).save(root)
+        parts.append((split, tokens, n // 100, 4 * n))
+    write_dataset(
+        root, parts, vocab_size=GPT2_VOCAB, eos_id=50256, tokenizer={"name": "gpt2", "vocab_hash": "cd" * 32}
+    )
     return str(root)
 
 

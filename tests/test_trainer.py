@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mamba3lite.config import Config
-from mamba3lite.data.shards import Manifest, dtype_for_vocab, write_shard
+from mamba3lite.data.shards import write_dataset
 from mamba3lite.errors import CheckpointError, TrainingError
 from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
 from mamba3lite.train.trainer import INJECT_ENV, Pretrainer, parse_injection
@@ -59,29 +59,14 @@ def tiny_config(run_dir, **training) -> Config:
 def make_dataset(root, n_train: int = 4000, n_val: int = 600, seed: int = 0) -> str:
     """A prepared-dataset directory (manifest + train/val shards) with a learnable pattern."""
     rng = np.random.default_rng(seed)
-    dtype = dtype_for_vocab(VOCAB)
-    shards = []
+    parts = []
     for split, n in (("train", n_train), ("val", n_val)):
         tokens = (np.arange(n) * 7 + rng.integers(0, 3, n)) % (VOCAB - 1) + 1
         tokens[::50] = 0  # "EOS"
-        shards.append(
-            write_shard(
-                root,
-                f"{split}/shard_00000.bin",
-                tokens,
-                split=split,
-                n_docs=n // 50,
-                n_bytes=3 * n,
-                dtype=dtype,
-            )
-        )
-    Manifest(
-        vocab_size=VOCAB,
-        eos_id=0,
-        dtype="uint16",
-        tokenizer={"name": "test", "vocab_hash": "ab" * 32},
-        shards=shards,
-    ).save(root)
+        parts.append((split, tokens, n // 50, 3 * n))
+    write_dataset(
+        root, parts, vocab_size=VOCAB, eos_id=0, tokenizer={"name": "test", "vocab_hash": "ab" * 32}
+    )
     return str(root)
 
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from mamba3lite.config import Config
-from mamba3lite.data.shards import Manifest, dtype_for_vocab, write_shard
+from mamba3lite.data.shards import write_dataset
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.tokenizer import load_tokenizer
 from mamba3lite.train.checkpoint import CheckpointManager
@@ -60,30 +60,20 @@ def make_dataset(root: Path, repeats: int = 30, vocab_hash: str | None = None, s
     """A dataset of real GPT-2 tokens of small Python documents, train and val splits, with byte counts."""
     tok = load_tokenizer("gpt2")
     rng = np.random.default_rng(seed)
-    shards = []
+    parts = []
     for split, n_docs in (("train", repeats * len(PYTHON_DOCS)), ("val", 2 * len(PYTHON_DOCS))):
         docs = [PYTHON_DOCS[i] for i in rng.integers(0, len(PYTHON_DOCS), n_docs)]
         ids: list[int] = []
         for d in docs:
             ids += [*tok.encode(d), tok.eos_id]
-        shards.append(
-            write_shard(
-                root,
-                f"{split}/shard_00000.bin",
-                np.asarray(ids),
-                split=split,
-                n_docs=n_docs,
-                n_bytes=sum(len(d.encode()) for d in docs),
-                dtype=dtype_for_vocab(tok.vocab_size),
-            )
-        )
-    Manifest(
+        parts.append((split, np.asarray(ids), n_docs, sum(len(d.encode()) for d in docs)))
+    write_dataset(
+        root,
+        parts,
         vocab_size=tok.vocab_size,
         eos_id=tok.eos_id,
-        dtype="uint16",
         tokenizer={"name": "gpt2", "vocab_hash": vocab_hash or tok.vocab_hash},
-        shards=shards,
-    ).save(root)
+    )
     return root
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from mamba3lite.data.shards import Manifest, dtype_for_vocab, write_shard
+from mamba3lite.data import shards
 from mamba3lite.train.checkpoint import META_FORMAT, SLOW_SAVE_ENV, CheckpointManager, checkpoint_files
 
 VOCAB = 256  # a small vocabulary (the config allows any): a 50,257-row head would dominate the run time
@@ -51,24 +51,14 @@ def write_dataset(root: Path, *, n_train: int = 4000, n_val: int = 600, seed: in
     pattern, written exactly as `prepare` writes it. Returns `root`."""
     root = Path(root)
     rng = np.random.default_rng(seed)
-    dtype = dtype_for_vocab(VOCAB)
-    parts = [
-        ("train", "train/shard_00000.bin", n_train // 2),
-        ("train", "train/shard_00001.bin", n_train // 2),
-    ]
-    parts.append(("val", "val/shard_00000.bin", n_val))
-    shards = []
-    for split, rel, n in parts:
+    parts = []
+    for split, n in (("train", n_train // 2), ("train", n_train // 2), ("val", n_val)):
         tokens = (np.arange(n) * 7 + rng.integers(0, 3, n)) % (VOCAB - 1) + 1
         tokens[49::50] = EOS  # documents of 50 tokens, each ending with EOS
-        shards.append(write_shard(root, rel, tokens, split=split, n_docs=n // 50, n_bytes=3 * n, dtype=dtype))
-    Manifest(
-        vocab_size=VOCAB,
-        eos_id=EOS,
-        dtype="uint16",
-        tokenizer={"name": "chaos-bytes", "vocab_hash": "ab" * 32},
-        shards=shards,
-    ).save(root)
+        parts.append((split, tokens, n // 50, 3 * n))
+    shards.write_dataset(
+        root, parts, vocab_size=VOCAB, eos_id=EOS, tokenizer={"name": "chaos-bytes", "vocab_hash": "ab" * 32}
+    )
     return root
 
 

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -335,6 +336,42 @@ def write_shard(
         sha256=expected_sha,
         n_bytes=int(n_bytes),
     )
+
+
+def write_dataset(
+    dataset_dir: Path,
+    parts: Iterable[tuple[str, np.ndarray, int, int]],
+    *,
+    vocab_size: int,
+    eos_id: int,
+    tokenizer: dict,
+    extra: dict | None = None,
+) -> Manifest:
+    """Write already-tokenized arrays as a dataset directory that `PretrainDataset` reads: each part
+    `(split, tokens, n_docs, n_bytes)` becomes `split/shard_NNNNN.bin` (numbered per split, in order),
+    then the manifest is written last. `tokenizer` is {"name", "vocab_hash"}. For pre-tokenized data
+    and tests; `prepare` does the same from text."""
+    dtype = dtype_for_vocab(vocab_size)
+    counters = dict.fromkeys(SPLITS, 0)
+    shards = []
+    for split, tokens, n_docs, n_bytes in parts:
+        if split not in counters:
+            raise DataError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+        rel = f"{split}/shard_{counters[split]:05d}.bin"
+        counters[split] += 1
+        shards.append(
+            write_shard(dataset_dir, rel, tokens, split=split, n_docs=n_docs, n_bytes=n_bytes, dtype=dtype)
+        )
+    manifest = Manifest(
+        vocab_size=vocab_size,
+        eos_id=eos_id,
+        dtype=_dtype_name(dtype),
+        tokenizer=dict(tokenizer),
+        shards=shards,
+        extra=dict(extra or {}),
+    )
+    manifest.save(Path(dataset_dir))
+    return manifest
 
 
 def open_tokens(path: Path, dtype: Any) -> np.ndarray:
