@@ -63,8 +63,13 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
 
 
 def teardown() -> None:
+    """Leave the process group. Every rank first waits for the others: a gloo group destroyed while a
+    peer still talks to it aborts the process ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
