@@ -15,16 +15,13 @@ import argparse
 import json
 import sys
 
+from mamba3lite.commands.options import add_checkpoint_options
+
 HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint-dir", required=True, metavar="D", help="the run directory of a training run"
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, metavar="N", help="checkpoint step (default: newest verified)"
-    )
+    add_checkpoint_options(parser)
     parser.add_argument(
         "--data-path",
         required=True,

@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mamba3lite.commands.options import add_checkpoint_options
+
 HELP = "sample text from a checkpoint (prefill + recurrent decode)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint-dir", required=True, metavar="D", help="the run directory of a training run"
-    )
-    parser.add_argument(
-        "--step", type=int, default=None, metavar="N", help="checkpoint step (default: newest verified)"
-    )
+    add_checkpoint_options(parser)
     parser.add_argument(
         "--prompt", default="", metavar="TEXT", help="text to continue (default: empty, a new document)"
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from mamba3lite.commands.options import add_override_option
+
 HELP = "prepare the stdlib corpus, train the tiny preset on CPU, evaluate, sample, plot"
 
 
@@ -34,14 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE|PRESET",
         help="the model/training config (default: the tiny preset)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config field, e.g. --set training.lr=3e-3 (repeatable)",
-    )
+    add_override_option(parser)
     parser.add_argument(
         "--max-docs",
         type=int,

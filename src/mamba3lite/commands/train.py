@@ -17,6 +17,7 @@ import argparse
 import signal
 import threading
 
+from mamba3lite.commands.options import add_override_option
 from mamba3lite.errors import ConfigError
 
 HELP = "pretrain a Mamba-3 language model from a YAML config"
@@ -51,14 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="random tokens instead of data (plumbing tests only; never a fallback)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override any config field, e.g. --set training.lr=3e-4 (repeatable)",
-    )
+    add_override_option(parser)
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
