@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from mamba3lite.data.shards import atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.errors import CheckpointError
 
 META_FORMAT = "mamba3lite-checkpoint-v1"
@@ -75,12 +76,6 @@ def _test_pause() -> None:
     delay = os.environ.get(SLOW_SAVE_ENV)
     if delay:
         time.sleep(float(delay))
-
-
-def _sha256_file(path: Path) -> str:
-    from mamba3lite.data.shards import sha256_file
-
-    return sha256_file(path)
 
 
 @dataclass
@@ -172,8 +167,6 @@ class HashingAtomicFile:
         """Make the file durable under its final name; returns its sha256."""
         import threading
 
-        from mamba3lite.data.shards import fsync_dir
-
         self._f.flush()
         errors: list[BaseException] = []
 
@@ -186,7 +179,7 @@ class HashingAtomicFile:
         syncer = threading.Thread(target=sync)
         syncer.start()
         try:
-            digest = _sha256_file(Path(self._tmp))
+            digest = sha256_file(Path(self._tmp))
         finally:
             syncer.join()
         if errors:
@@ -409,7 +402,6 @@ class CheckpointManager:
         """Write the triple for `step` (model, optimizer, then meta last), each atomically; then apply
         retention. `meta` must be JSON-serialisable (no tensors): it is merged into the meta file.
         Returns the meta path."""
-        from mamba3lite.data.shards import atomic_write_json, fsync_dir
 
         assert step >= 0
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -527,7 +519,7 @@ class CheckpointManager:
         st = path.stat()
         key = (str(path), st.st_size, st.st_mtime_ns)
         if key not in self._hash_cache:
-            self._hash_cache[key] = _sha256_file(path)
+            self._hash_cache[key] = sha256_file(path)
         return self._hash_cache[key]
 
     def status(self, step: int) -> CheckpointStatus:
@@ -686,7 +678,6 @@ class CheckpointManager:
             for p in checkpoint_files(self.dir, s).values():
                 if p.exists():
                     os.replace(p, target / p.name)
-        from mamba3lite.data.shards import fsync_dir
 
         fsync_dir(self.dir)
         return target
