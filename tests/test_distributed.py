@@ -13,6 +13,8 @@ import sys
 import pytest
 import yaml
 
+from tiny_shapes import TINY_MODEL_SHAPE
+
 pytestmark = pytest.mark.slow
 
 
@@ -20,12 +22,7 @@ def write_config(tmp_path) -> str:
     cfg = {
         "model": {
             "vocab_size": 128,
-            "d_model": 16,
-            "n_layers": 1,
-            "d_intermediate": 32,
-            "d_state": 8,
-            "headdim": 8,
-            "chunk_size": 8,
+            **TINY_MODEL_SHAPE,
             "eos_id": 0,
         },
         "training": {

@@ -17,6 +17,7 @@ from mamba3lite.config import load_config
 from mamba3lite.data.shards import write_dataset
 from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import Pretrainer
+from tiny_shapes import TINY_MODEL_SHAPE
 
 GPT2_VOCAB = 50257
 
@@ -40,12 +41,7 @@ def tiny_yaml(tmp_path, **training) -> str:
     cfg = {
         "model": {
             "vocab_size": 256,
-            "d_model": 16,
-            "n_layers": 1,
-            "d_intermediate": 32,
-            "d_state": 8,
-            "headdim": 8,
-            "chunk_size": 8,
+            **TINY_MODEL_SHAPE,
             "eos_id": 0,
         },
         "training": {

@@ -18,6 +18,7 @@ from mamba3lite.data.shards import write_dataset
 from mamba3lite.errors import CheckpointError, TrainingError
 from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
 from mamba3lite.train.trainer import INJECT_ENV, Pretrainer, parse_injection
+from tiny_shapes import TINY_MODEL_SHAPE
 
 VOCAB = 64
 
@@ -26,13 +27,8 @@ def tiny_config(run_dir, **training) -> Config:
     cfg = Config().replace(
         "model",
         vocab_size=VOCAB,
-        d_model=16,
-        n_layers=1,
-        d_intermediate=32,
-        d_state=8,
-        headdim=8,
-        chunk_size=8,
         eos_id=0,
+        **TINY_MODEL_SHAPE,
     )
     base = dict(
         max_seq_len=16,

@@ -14,10 +14,9 @@ from mamba3lite.data.shards import write_dataset
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.tokenizer import load_tokenizer
 from mamba3lite.train.checkpoint import CheckpointManager
+from tiny_shapes import TINY_MODEL_SHAPE
 
-TINY_MODEL = dict(
-    vocab_size=50257, d_model=16, n_layers=1, d_intermediate=32, d_state=8, headdim=8, chunk_size=8
-)
+TINY_MODEL = dict(vocab_size=50257, **TINY_MODEL_SHAPE)
 TINY_TRAINING = dict(
     max_seq_len=16,
     micro_batch_size=2,
