@@ -78,7 +78,8 @@ def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
 
 def describe_dataset(path: Path) -> str:
     """The human-readable description of a dataset directory (its manifest)."""
-    from mamba3lite.data.shards import SPLITS, Manifest
+    from mamba3lite.data.shards import Manifest
+    from mamba3lite.report.dataset import split_table
 
     if path.is_file():
         path = path.parent
@@ -88,14 +89,8 @@ def describe_dataset(path: Path) -> str:
         f"tokenizer   {m.tokenizer['name']} (vocab hash {m.tokenizer['vocab_hash'][:12]}…)",
         f"vocab       {m.vocab_size:,}   eos id {m.eos_id}   dtype {m.dtype}   format v{m.format_version}",
         "",
-        f"{'split':<8}{'shards':>8}{'documents':>12}{'tokens':>15}{'text bytes':>15}",
+        *split_table(m),
     ]
-    for split in SPLITS:
-        sh = m.split_shards(split)
-        lines.append(
-            f"{split:<8}{len(sh):>8,}{sum(s.n_docs for s in sh):>12,}{m.n_tokens(split):>15,}"
-            f"{sum(s.n_bytes for s in sh):>15,}"
-        )
     stats = m.extra.get("stats")
     if isinstance(stats, dict):
         sources = stats.get("sources") or []

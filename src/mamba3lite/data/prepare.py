@@ -392,6 +392,8 @@ class PrepareSummary:
 
     def table(self) -> str:
         """A human-readable summary table."""
+        from mamba3lite.report.dataset import split_table
+
         s, m = self.stats, self.manifest
         dropped = ", ".join(f"{k} {v:,}" for k, v in s["dropped"].items())
         lines = [
@@ -399,14 +401,8 @@ class PrepareSummary:
             f"documents read {s['documents_in']:,}  kept {s['kept']:,}  dropped: {dropped}",
             f"replaced undecodable bytes/chars {s['replaced_bytes']:,}",
             "",
-            f"{'split':<8}{'shards':>8}{'documents':>12}{'tokens':>14}{'text MB':>10}",
+            *split_table(m),
         ]
-        for split in SPLITS:
-            sh = m.split_shards(split)
-            lines.append(
-                f"{split:<8}{len(sh):>8,}{sum(x.n_docs for x in sh):>12,}"
-                f"{m.n_tokens(split):>14,}{sum(x.n_bytes for x in sh) / 1e6:>10.2f}"
-            )
         lines += ["", f"{'source':<40}{'weight':>8}{'documents':>12}{'train tok':>14}{'val tok':>12}"]
         for src in s["sources"]:
             spec = src["spec"] if len(src["spec"]) <= 38 else "…" + src["spec"][-37:]
