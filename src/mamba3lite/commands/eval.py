@@ -45,12 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B",
         help="windows per batch (default: the run's micro_batch_size)",
     )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        metavar="DEV",
-        help="auto (cuda if available, else cpu), cpu, cuda or cuda:N",
-    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 

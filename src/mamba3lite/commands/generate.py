@@ -46,12 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="nucleus sampling: smallest set with probability >= P",
     )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        metavar="DEV",
-        help="auto (cuda if available, else cpu), cpu, cuda or cuda:N",
-    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
     stream = parser.add_mutually_exclusive_group()
     stream.add_argument(

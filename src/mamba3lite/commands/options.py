@@ -6,12 +6,19 @@ import argparse
 
 
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
-    """--checkpoint-dir D (required) and --step N: which checkpoint of which run to load."""
+    """--checkpoint-dir D (required), --step N and --device DEV: which checkpoint of which run to load,
+    onto which device."""
     parser.add_argument(
         "--checkpoint-dir", required=True, metavar="D", help="the run directory of a training run"
     )
     parser.add_argument(
         "--step", type=int, default=None, metavar="N", help="checkpoint step (default: newest verified)"
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEV",
+        help="auto (cuda if available, else cpu), cpu, cuda or cuda:N",
     )
 
 
