@@ -69,7 +69,7 @@ QUICK = {"vocab_size": 512, "eos_id": 511, "d_model": 64, "n_layers": 2, "d_inte
 # ---------------------------------------------------------------- the Transformer baseline
 def rope_tables(positions_T: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """cos, sin (T, dim/2) of the standard RoPE (base 10,000) at the given positions."""
-    inv = 1.0 / (10_000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv = 1.0 / (10_000 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions_T.device) / dim))
     ang_TK = positions_T.float()[:, None] * inv[None]
     return ang_TK.cos(), ang_TK.sin()
 
@@ -102,7 +102,7 @@ class Attention(nn.Module):
     def forward(self, x_BTD: Tensor, pos0: int = 0, cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(x_BTD).view(B, T, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4)
-        cos, sin = rope_tables(torch.arange(pos0, pos0 + T), self.hd)
+        cos, sin = rope_tables(torch.arange(pos0, pos0 + T, device=x_BTD.device), self.hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
