@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.mamba3 import (
     Mamba3,
+    _BiasRotate,
     cumulative_angles,
     heavy_tail,
-    rotate_halves,
-    rotate_interleaved,
-    rotation_tables,
+    rotate_,
+    rotation_factors,
 )
 
 F64 = torch.float64
@@ -175,14 +175,14 @@ def test_rotation_pairings():
 
     x = torch.arange(1.0, N + 1, dtype=F64)
     c, s = torch.cos(theta), torch.sin(theta)
-    out = rotate_interleaved(x, *rotation_tables(theta, N, halves=False))
+    out = rotate_(x.clone(), rotation_factors(theta, halves=False), halves=False)
     for i in range(S):
         a, b = x[2 * i], x[2 * i + 1]
         torch.testing.assert_close(
             out[2 * i : 2 * i + 2], torch.stack([a * c[i] - b * s[i], a * s[i] + b * c[i]])
         )
     torch.testing.assert_close(out[2 * S :], x[2 * S :])
-    out = rotate_halves(x, *rotation_tables(theta, N, halves=True))
+    out = rotate_(x.clone(), rotation_factors(theta, halves=True), halves=True)
     for i in range(S):
         a, b = x[i], x[N // 2 + i]
         torch.testing.assert_close(
@@ -242,3 +242,61 @@ def test_bad_shape_names_the_field():
         Mamba3(32, headdim=48)
     with pytest.raises(ValueError, match="scan_impl"):
         Mamba3(32, d_state=16, headdim=8, scan_impl="fast")
+
+
+@pytest.mark.parametrize("halves", [False, True])
+@pytest.mark.parametrize("G", [1, 2])
+def test_bias_rotate_function_matches_autograd_composition(halves, G):
+    """The memory-saving Function = the plain composition (expand to heads, + bias, rotate), values and
+    all five gradients; and gradcheck passes on it."""
+    g = torch.Generator().manual_seed(3)
+    Bsz, H, T, R, N, S = 2, 4, 5, 2, 8, 3
+    k = torch.randn(Bsz, G, T, R, N, dtype=F64, generator=g, requires_grad=True)
+    q = torch.randn(Bsz, G, T, R, N, dtype=F64, generator=g, requires_grad=True)
+    kb = torch.randn(H, R, N, dtype=F64, generator=g, requires_grad=True)
+    qb = torch.randn(H, R, N, dtype=F64, generator=g, requires_grad=True)
+    theta = (6 * torch.rand(Bsz, H, T, S, dtype=F64, generator=g)).requires_grad_()
+    args = (k, q, kb, qb, theta)
+
+    def reference(k, q, kb, qb, theta):
+        # An independent formulation: pairs as complex numbers times e^{iθ} (pass-through pairs θ = 0).
+        e = torch.polar(torch.ones_like(theta), theta)
+        e = torch.nn.functional.pad(torch.view_as_real(e), (0, 0, 0, N // 2 - S), value=0.0)
+        e = torch.view_as_complex(e.contiguous())
+        e[..., S:] = 1
+        outs = []
+        for x, b in ((k, kb), (q, qb)):
+            xb = x.repeat_interleave(H // G, dim=1) + b[:, None]
+            pairs = xb.unflatten(-1, (2, -1)).transpose(-1, -2) if halves else xb.unflatten(-1, (-1, 2))
+            rot = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * e[:, :, :, None])
+            outs.append(rot.transpose(-1, -2).flatten(-2) if halves else rot.flatten(-2))
+        return tuple(outs)
+
+    got = _BiasRotate.apply(*args, halves, F64)
+    want = reference(*args)
+    w = [torch.randn_like(o, generator=g) for o in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    g_got = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(got, w)), args)
+    g_want = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(want, w)), args)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(lambda *a: _BiasRotate.apply(*a, halves, F64), args)
+
+
+def test_bias_rotate_keeps_less_for_backward():
+    """Under bf16 autocast the layer keeps no fp32 tensor of the full per-head q/k size for backward."""
+    layer = Mamba3(64, d_state=32, headdim=16, chunk_size=8)
+    u = torch.randn(1, 32, 64, requires_grad=True)
+    H, T, N = layer.nheads, 32, layer.d_state
+    big_fp32 = []
+
+    def pack(t):
+        if t.dtype == torch.float32 and t.numel() >= H * T * N:
+            big_fp32.append(tuple(t.shape))
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(u)
+    assert not [s for s in big_fp32 if s[-1] == N], big_fp32

@@ -47,28 +47,100 @@ def heavy_tail(a: Tensor) -> Tensor:
     return torch.where(a >= 0, 1 + a, 1 / (1 - a.clamp(max=0)))
 
 
-def rotation_tables(theta: Tensor, n_state: int, halves: bool) -> tuple[Tensor, Tensor]:
-    """Per-channel cos and signed sin (.., N) for R(θ), θ (.., S): a rotating pair (a, b) maps to
-    (a·cosθ − b·sinθ, a·sinθ + b·cosθ); the N/2 − S pass-through pairs get θ = 0.
-    SISO pairs are interleaved (2i, 2i+1); MIMO pairs are split halves (i, i + N/2)."""
-    theta = F.pad(theta, (0, n_state // 2 - theta.shape[-1]))
-    cos, sin = torch.cos(theta), torch.sin(theta)
+def pair_views(x: Tensor, n_angles: int, halves: bool) -> tuple[Tensor, Tensor]:
+    """Views (a, b) of x (.., N): the two channels of each of the first `n_angles` rotating pairs,
+    (.., S) each. SISO pairs are interleaved (2i, 2i+1); MIMO pairs are split halves (i, i + N/2)."""
+    N = x.shape[-1]
     if halves:
-        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-    return torch.stack([cos, cos], dim=-1).flatten(-2), torch.stack([-sin, sin], dim=-1).flatten(-2)
+        v = x.unflatten(-1, (2, N // 2))
+        return v[..., 0, :n_angles], v[..., 1, :n_angles]
+    v = x.unflatten(-1, (N // 2, 2))
+    return v[..., :n_angles, 0], v[..., :n_angles, 1]
 
 
-def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x·cos + swap(x)·sin with swap exchanging channels 2i and 2i+1 (tables from `rotation_tables`).
-
-    Full-width elementwise products, no slicing: slice and complex-multiply backward passes allocate,
-    zero-fill and convert full-size gradients, which costs more than the rotation itself on CPU."""
-    return torch.addcmul(x * cos, x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2), sin)
+def rotation_factors(theta: Tensor, halves: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """What `rotate_` multiplies by, from θ (.., S): e^{iθ} (SISO) or (cos θ, sin θ) (MIMO)."""
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    return (cos, sin) if halves else torch.complex(cos, sin)
 
 
-def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x·cos + swap(x)·sin with swap exchanging the two halves of the N channels."""
-    return torch.addcmul(x * cos, x.unflatten(-1, (2, -1)).flip(-2).flatten(-2), sin)
+def rotate_(
+    x: Tensor, factors: Tensor | tuple[Tensor, Tensor], halves: bool, inverse: bool = False
+) -> Tensor:
+    """R(θ)x in place (R(−θ)x if `inverse`): each of the first S pairs (a, b) ->
+    (a·cosθ − b·sinθ, a·sinθ + b·cosθ), the other channels unchanged. `factors` from `rotation_factors`
+    broadcast against x (.., N); x is fp32 or float64.
+
+    Interleaved pairs are complex numbers in memory, so SISO is one in-place complex product
+    (a + ib)·e^{iθ} over the first 2S channels; MIMO's halves are two contiguous runs per row."""
+    if not halves:
+        e = factors.conj() if inverse else factors
+        torch.view_as_complex(x.unflatten(-1, (-1, 2))[..., : e.shape[-1], :]).mul_(e)
+        return x
+    cos, sin = factors
+    sin = -sin if inverse else sin
+    a, b = pair_views(x, cos.shape[-1], halves)
+    new_a = torch.addcmul(a * cos, b, sin, value=-1)
+    b.mul_(cos).addcmul_(a, sin)
+    a.copy_(new_a)
+    return x
+
+
+def _angle_grad(g: Tensor, out: Tensor, S: int, halves: bool) -> Tensor:
+    """dL/dθ (.., S) per pair from the output gradient g (fp32/float64) and the rotated output: a rotated
+    pair (a', b') has d(a', b')/dθ = (−b', a'), so dL/dθ = g_b·a' − g_a·b' (= Im(g·conj(out)) as complex)."""
+    if not halves:
+        o = torch.view_as_complex(out[..., : 2 * S].to(g.dtype).unflatten(-1, (-1, 2)))
+        gc = torch.view_as_complex(g.unflatten(-1, (-1, 2))[..., :S, :])
+        return (gc * o.conj()).imag
+    ga, gb = pair_views(g, S, halves)
+    oa, ob = pair_views(out, S, halves)
+    return gb * oa - ga * ob
+
+
+class _BiasRotate(torch.autograd.Function):
+    """k, q = R(θ)(k̂ + B_bias), R(θ)(q̂ + C_bias) per head, from the per-group normed k̂, q̂ (B, G, T, R, N).
+
+    A Function for memory and speed: autograd would keep ~6 full (B, H, T, R, N) fp32 tensors per layer
+    (the biased inputs, swapped copies, full-width cos/sin tables), the largest activations of the layer.
+    This keeps the angles (B, H, T, S) and the outputs, which the scan keeps anyway (in the autocast
+    dtype under autocast). Backward: the inverse rotation R(−θ) of the output gradient, its sums over
+    heads (to k̂, q̂) and over batch and time (to the biases), and the angles' gradient (`_angle_grad`).
+    """
+
+    @staticmethod
+    def forward(ctx, k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype):
+        Bsz, G, T, R, N = k_BGTRN.shape
+        H = k_bias_HRN.shape[0]
+        rot = rotation_factors(theta_BHTS.to(k_BGTRN.dtype)[:, :, :, None], halves)  # broadcast over R
+        outs = []
+        for x, bias in ((k_BGTRN, k_bias_HRN), (q_BGTRN, q_bias_HRN)):
+            # head h reads group h // (H / G): one broadcast add makes the per-head copy.
+            xb = (x[:, :, None] + bias.view(G, H // G, 1, R, N).to(x.dtype)).view(Bsz, H, T, R, N)
+            outs.append(rotate_(xb, rot, halves).to(out_dtype))
+        ctx.save_for_backward(theta_BHTS, *outs)
+        ctx.halves, ctx.G, ctx.in_dtype = halves, G, k_BGTRN.dtype
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, g_k, g_q):
+        theta, k, q = ctx.saved_tensors
+        halves, G, dt = ctx.halves, ctx.G, ctx.in_dtype
+        Bsz, H, T, R, N = k.shape
+        S = theta.shape[-1]
+        rot = rotation_factors(theta.to(dt)[:, :, :, None], halves)
+        d_theta = torch.zeros(Bsz, H, T, S, dtype=dt, device=theta.device)
+        grads = []
+        for g, out in ((g_k, k), (g_q, q)):
+            if g is None:
+                grads.append((None, None))
+                continue
+            gx = g.to(dt, copy=True).contiguous()
+            d_theta += _angle_grad(gx, out, S, halves).sum(3)
+            rotate_(gx, rot, halves, inverse=True)  # R(θ)ᵀ = R(−θ)
+            grads.append((gx.view(Bsz, G, H // G, T, R, N).sum(2), gx.sum((0, 2))))
+        (dk, dkb), (dq, dqb) = grads
+        return dk, dq, dkb, dqb, d_theta.to(theta.dtype), None, None
 
 
 def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
@@ -185,7 +257,6 @@ class Mamba3(nn.Module):
         self._init_dt_bias(dt_min, dt_max, dt_init_floor)
 
         self._f_A = heavy_tail if a_activation == "heavy_tail" else F.softplus
-        self._rotate = rotate_halves if is_mimo else rotate_interleaved
         self.set_scan_impl(scan_impl)
 
     @classmethod
@@ -233,19 +304,21 @@ class Mamba3(nn.Module):
         return z, x, Bp.unflatten(-1, (R, G, N)), Cp.unflatten(-1, (R, G, N)), dt, A, lam, dtheta
 
     def _qk(self, Bp: Tensor, Cp: Tensor, theta_BHTS: Tensor | None) -> tuple[Tensor, Tensor]:
-        """BCNorm, per-head bias, rotation: (B, T, R, G, N) -> q, k (B, H, T, R, N)."""
+        """BCNorm, per-head bias, rotation: (B, T, R, G, N) -> q, k (B, H, T, R, N), in the autocast
+        dtype under autocast (the scan's matmuls would cast them anyway), else the normed dtype."""
         k = self.B_norm(Bp).permute(0, 3, 1, 2, 4)  # (B, G, T, R, N)
         q = self.C_norm(Cp).permute(0, 3, 1, 2, 4)
+        dev = k.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else k.dtype
+        if theta_BHTS is not None:
+            k, q = _BiasRotate.apply(k, q, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, out_dtype)
+            return q, k
         if self.ngroups > 1:  # head h reads group h // (H / G)
             k = k.repeat_interleave(self.nheads // self.ngroups, dim=1)
             q = q.repeat_interleave(self.nheads // self.ngroups, dim=1)
         k = k + self.B_bias[:, None].to(k.dtype)
         q = q + self.C_bias[:, None].to(q.dtype)
-        if theta_BHTS is not None:
-            cos, sin = rotation_tables(theta_BHTS, self.d_state, halves=self.is_mimo)
-            cos, sin = cos[:, :, :, None], sin[:, :, :, None]  # broadcast over R
-            k, q = self._rotate(k, cos, sin), self._rotate(q, cos, sin)
-        return q, k
+        return q.to(out_dtype), k.to(out_dtype)
 
     def _values(self, x_BTHP: Tensor) -> Tensor:
         """x -> v (B, H, T, R, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""
@@ -266,6 +339,8 @@ class Mamba3(nn.Module):
         y = torch.addcmul(y_BHTRP, self.D[:, None, None, None].to(y_BHTRP.dtype), v_BHTRP)
         if self.is_outproj_norm:
             y = F.rms_norm(y, (P,), eps=self.norm.eps) * self.norm.weight.view(H, 1, 1, P).to(y.dtype)
+        if torch.is_autocast_enabled(y.device.type):  # out_proj would cast it; the gate keeps the cast
+            y = y.to(torch.get_autocast_dtype(y.device.type))
         zr = z_BTE.unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
         if self.is_mimo:
             zr = zr * self.mimo_z[:, None].to(zr.dtype)
