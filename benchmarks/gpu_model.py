@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -127,13 +128,42 @@ def run_case(
     return row
 
 
+def guarded_case(
+    kind: str, preset: str, mode: str, args: argparse.Namespace, dev: torch.device, peak: float, base: dict
+) -> dict:
+    """run_case, halving the batch after an out-of-memory error (down to 1); any other error is
+    recorded in the row: one bad case must not lose the others."""
+    batch = args.batch
+    while True:
+        try:
+            case_args = argparse.Namespace(**{**vars(args), "batch": batch})
+            row = run_case(kind, preset, mode, case_args, dev, peak)
+            if batch != args.batch:
+                row["note"] = f"batch {args.batch} ran out of memory"
+            return row
+        except torch.OutOfMemoryError:
+            if batch == 1:
+                return {**base, "error": "out of memory at batch 1"}
+            print(f"  {kind} {preset} {mode}: out of memory at batch {batch}, retrying at {batch // 2}")
+            batch //= 2
+        except Exception as e:
+            traceback.print_exc()
+            return {**base, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+        finally:
+            gc.collect()
+            with contextlib.suppress(Exception):
+                torch.compiler.reset()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 def fmt_row(r: dict) -> str:
     if "error" in r or "skipped" in r:
         why = r.get("error") or r.get("skipped")
-        return f"| {r['model']} | {r['preset']} | {r['mode']} | {why} | | | | | | |"
+        return f"| {r['model']} | {r['preset']} | {r['mode']} | {why} | | | | | | | |"
     mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
     return (
-        f"| {r['model']} | {r['preset']} | {r['mode']} | {r['params'] / 1e6:.1f} M | "
+        f"| {r['model']} | {r['preset']} | {r['mode']} | {r['params'] / 1e6:.1f} M | {r['batch']} | "
         f"{r['tokens_per_s']:,.0f} | "
         f"{r['step_ms']:.1f} | {mem} | {r['train_flops_per_token'] / 1e9:.2f} G | "
         f"{r['flops_per_s'] / 1e12:.1f} T | {100 * r['mfu']:.1f}% | {r['first_step_s']:.1f} |"
@@ -162,15 +192,16 @@ def main() -> int:
     head = [
         f"device: {name}; torch {torch.__version__}; python {sys.version.split()[0]}",
         f"bf16 matmul rate (mean of 10 square products after 3 warm-ups): {peak / 1e12:.1f} TFLOP/s",
-        f"forward + backward of the LM loss, bf16 autocast, batch {args.batch} x T {args.seq_len}; "
+        f"forward + backward of the LM loss, bf16 autocast, batch {args.batch} (halved on OOM) "
+        f"x T {args.seq_len}; "
         f"mean of {args.steps} steps after {args.warmup + 1} warm-up steps",
     ]
     print("\n".join(head), flush=True)
     kinds = ["mamba3"] + (["transformer"] if args.baseline else [])
     rows = []
-    cols = "| model | preset | mode | params | tokens/s | ms/step | peak GiB | train FLOP/tok | FLOP/s | "
-    cols += "MFU | first step s |"
-    print(cols + "\n" + "|---" * 11 + "|", flush=True)
+    cols = "| model | preset | mode | params | batch | tokens/s | ms/step | peak GiB | train FLOP/tok "
+    cols += "| FLOP/s | MFU | first step s |"
+    print(cols + "\n" + "|---" * 12 + "|", flush=True)
     for kind in kinds:
         for preset in args.presets:
             for mode in args.modes:
@@ -178,17 +209,9 @@ def main() -> int:
                 if time.perf_counter() - START > args.budget_s:
                     row = {**base, "skipped": "skipped: over --budget-s"}
                 else:
-                    try:
-                        row = run_case(kind, preset, mode, args, dev, peak)
-                    except Exception as e:  # record it and go on: one bad case must not lose the others
-                        traceback.print_exc()
-                        row = {**base, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
-                    with contextlib.suppress(Exception):
-                        torch.compiler.reset()
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
+                    row = guarded_case(kind, preset, mode, args, dev, peak, base)
                 rows.append(row)
-                print(fmt_row(row), flush=True)
+                print(fmt_row(row) + (f" ({row['note']})" if "note" in row else ""), flush=True)
     print("(first step s: the first step's time; for compiled rows it is mostly the compile time)")
     print(f"total {time.perf_counter() - START:.0f} s")
     if args.json:
