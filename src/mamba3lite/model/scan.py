@@ -241,8 +241,10 @@ def chunked_scan(
     if reset_BT is not None:
         to_end_BHcL = to_end_BHcL * to_end_B1cL
         chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
-    kw = (k_c * (scale_BHcL * to_end_BHcL)[..., None, None].to(k_c.dtype)).reshape(Bsz, H, nc, L * R, N)
-    dS_BHcPN = _mm(v_c.transpose(-1, -2), kw).to(sd)
+    # The per-token weight goes on v (P wide), not on k (N wide): half the elementwise work and memory.
+    w_BHcL = scale_BHcL * to_end_BHcL
+    vw = (v_c.view(Bsz, H, nc, L, R, P) * w_BHcL[..., None, None].to(v_c.dtype)).view(Bsz, H, nc, L * R, P)
+    dS_BHcPN = _mm(vw.transpose(-1, -2), k_c.reshape(Bsz, H, nc, L * R, N)).to(sd)
 
     S = torch.zeros(Bsz, H, P, N, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd)
     if k_prev_BRHN is not None:
