@@ -266,5 +266,5 @@ def chunked_scan(
         from_start = from_start * from_start_B1cL
     qS = _mm(q_c, S_BHcPN.transpose(-1, -2)).view(Bsz, H, nc, L, R, P)
     # (qS in its own dtype times the fp32 factor: autograd keeps the bf16 qS, not an fp32 copy.)
-    y = y_intra.view(Bsz, H, nc, L, R, P).to(sd) + qS * from_start[..., None, None]
+    y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, from_start[..., None, None])
     return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T
