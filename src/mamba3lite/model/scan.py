@@ -99,6 +99,51 @@ class _DecayWeights(torch.autograd.Function):
         return d_cs, d_scale, d_bn, None, None
 
 
+class _StatePassing(torch.autograd.Function):
+    """The carry between chunks: starts[c] = S before chunk c, S ← decay_c·S + dS_c from S = S0 (fp32
+    or wider). Returns (starts (B, H, nc, P, N) in `out_dtype`, the final S in the state dtype).
+
+    A Function because the loop is nc tiny steps: autograd would record ~3 nodes per chunk and stack
+    the starts (and, backward, the per-chunk gradients) with a full copy each way, then cast the fp32
+    stack for the bf16 matmul that reads it. Here each step writes into a preallocated output, in the
+    dtype its reader wants, and the backward is the same loop reversed: with g_c the gradient of S after
+    chunk c, ∂dS_c = g_c, g_(c−1) = decay_c·g_c + ∂starts[c], and ∂decay_c = ⟨g_c, starts[c]⟩ (all c at once).
+    """
+
+    @staticmethod
+    def forward(ctx, decay_BHc, dS_BHcPN, S0_BHPN, out_dtype):
+        nc = dS_BHcPN.shape[2]
+        starts = torch.empty(dS_BHcPN.shape, dtype=out_dtype, device=dS_BHcPN.device)
+        S = S0_BHPN
+        for c in range(nc):
+            starts[:, :, c] = S
+            S = torch.addcmul(dS_BHcPN[:, :, c], decay_BHc[:, :, c, None, None], S)
+        ctx.save_for_backward(decay_BHc, starts)
+        return starts, S
+
+    @staticmethod
+    def backward(ctx, g_starts, g_hT):
+        decay, starts = ctx.saved_tensors
+        nc = starts.shape[2]
+        sd = decay.dtype
+        d_dS = torch.empty(starts.shape, dtype=sd, device=starts.device)  # d_dS[c] = ∂S after chunk c
+        if g_hT is None:
+            d_dS[:, :, -1] = 0
+        else:
+            d_dS[:, :, -1] = g_hT
+        for c in range(nc - 1, 0, -1):
+            d_c = decay[:, :, c, None, None]
+            if g_starts is None:
+                torch.mul(d_dS[:, :, c], d_c, out=d_dS[:, :, c - 1])
+            else:
+                torch.addcmul(g_starts[:, :, c].to(sd), d_c, d_dS[:, :, c], out=d_dS[:, :, c - 1])
+        g = d_dS[:, :, 0] * decay[:, :, 0, None, None]
+        if g_starts is not None:
+            g = g + g_starts[:, :, 0]
+        d_decay = (d_dS * starts).sum((-2, -1))
+        return d_decay, d_dS, g, None
+
+
 def sequential_scan(
     q_BHTRN: Tensor,
     k_BHTRN: Tensor,
@@ -252,14 +297,7 @@ def chunked_scan(
         # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
         prev_BHPN = torch.einsum("brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
         S = S + boa[:, :, 0, None, None] * prev_BHPN
-    starts = []
-    # unbind, not dS[:, :, c]: each indexing op's backward materialises a zero tensor of the full dS
-    # and adds it up, O(nc²) memory traffic (measured 2-8x the whole scan's fwd+bwd at T = 8192).
-    for decay_BH, dS_BHPN in zip(chunk_decay_BHc.unbind(2), dS_BHcPN.unbind(2)):
-        starts.append(S)
-        S = decay_BH[:, :, None, None] * S + dS_BHPN
-    h_T = S
-    S_BHcPN = torch.stack(starts, dim=2)
+    S_BHcPN, h_T = _StatePassing.apply(chunk_decay_BHc, dS_BHcPN, S, out_dtype)
 
     from_start = torch.exp(cs_BHcL)
     if reset_BT is not None:
