@@ -159,6 +159,7 @@ def test_chunked_bf16_autocast_close_to_fp32():
     y32, h32 = chunked_scan(*args32, chunk_size=16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y16, h16 = chunked_scan(*args32, chunk_size=16)
-    assert y16.dtype == torch.float32 and h16.dtype == torch.float32  # outputs and state stay fp32
-    assert (y16 - y32).abs().max() / y32.abs().max() < 0.03
+    # y leaves in the autocast dtype (the mixer's gate and out_proj run there); the state stays fp32
+    assert y16.dtype == torch.bfloat16 and h16.dtype == torch.float32
+    assert (y16.float() - y32).abs().max() / y32.abs().max() < 0.03
     assert (h16 - h32).abs().max() / h32.abs().max() < 0.03

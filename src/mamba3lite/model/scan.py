@@ -208,7 +208,8 @@ def chunked_scan(
     v_prev_BRHP: Tensor | None = None,
     reset_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Chunked parallel form of the recurrence (MAMBA3.md §2.4, §3); same contract as `sequential_scan`.
+    """Chunked parallel form of the recurrence (MAMBA3.md §2.4, §3); same contract as `sequential_scan`,
+    except that under autocast y is returned in the autocast dtype (the state h_T stays ≥ fp32).
 
     Any T (the last chunk is zero-padded: padded tokens have ΔA = 0 and zero weights, so they change
     neither the outputs nor the final state). Cost per token: O(L·R²·(N+P)) for the intra-chunk
@@ -304,5 +305,8 @@ def chunked_scan(
         from_start = from_start * from_start_B1cL
     qS = _mm(q_c, S_BHcPN.transpose(-1, -2)).view(Bsz, H, nc, L, R, P)
     # (qS in its own dtype times the fp32 factor: autograd keeps the bf16 qS, not an fp32 copy.)
-    y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, from_start[..., None, None])
+    if autocast:  # y stays in the autocast dtype (the mixer's gate and out_proj would cast it there)
+        y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, from_start[..., None, None].to(qS.dtype))
+    else:
+        y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, from_start[..., None, None])
     return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T
