@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.model import Mamba3Transformer, ModelConfig, model_flops_per_token
 from mamba3lite.model.mamba3 import RMSNorm
 from mamba3lite.model.scan import chunked_scan
@@ -236,8 +237,13 @@ def scan_time(cfg: ModelConfig, T: int, dtype: str, reps: int) -> float:
     """Best seconds of chunked_scan forward + backward for one layer at the preset's shapes, batch 1."""
     H, P, N, R = cfg.nheads, cfg.headdim, cfg.d_state, cfg.rank
     g = torch.Generator().manual_seed(0)
-    q, k = (F.normalize(torch.randn(1, H, T, R, N, generator=g), dim=-1).requires_grad_() for _ in range(2))
-    v = torch.randn(1, H, T, R, P, generator=g).requires_grad_()
+    # q, k, v in the dtype the mixer hands them over in: the autocast dtype under bf16 (mamba3._qk).
+    qkv_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    q, k = (
+        F.normalize(torch.randn(1, H, T, R, N, generator=g), dim=-1).to(qkv_dtype).requires_grad_()
+        for _ in range(2)
+    )
+    v = torch.randn(1, H, T, R, P, generator=g).to(qkv_dtype).requires_grad_()
     dt = (0.01 + 0.1 * torch.rand(1, H, T, generator=g)).requires_grad_()
     adt = (-dt.detach() * torch.rand(1, H, T, generator=g)).requires_grad_()
     lam = torch.rand(1, H, T, generator=g).requires_grad_()
@@ -322,6 +328,7 @@ def main() -> int:
     args = ap.parse_args()
     q = args.quick
     global CLOCK
+    kept = keep_freed_memory()  # as the trainer and CLI do on CPU (mamba3lite/malloc.py); both models gain
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu":
@@ -345,7 +352,8 @@ def main() -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads, {args.clock} clock; load average {load:.1f} at start"
+        f"{torch.get_num_threads()} threads, {args.clock} clock; load average {load:.1f} at start; "
+        f"glibc keeps freed memory: {kept}"
     )
     print(
         f"model: {cfg_name}: d_model {cfg.d_model}, {cfg.n_layers} layers, N {cfg.d_state}, P {cfg.headdim}, "

@@ -53,6 +53,7 @@ import torch
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
 from mamba3lite.evaluate import spread_picks, window_loss_sum
+from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.train import distributed as D
 from mamba3lite.train.checkpoint import CheckpointManager, RunLock, capture_rng_state, restore_rng_state
 from mamba3lite.train.logging import TrainingLogger, build_logger, peak_flops
@@ -161,6 +162,8 @@ class Pretrainer:
         self.resume = resume
         self.dist = dist or D.DistInfo(device=D.pick_device(tc.device))
         self.device = self.dist.device
+        if self.device.type == "cpu":
+            keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
         self.run_dir = Path(tc.checkpoint_dir)
         self.inject = parse_injection(os.environ.get(INJECT_ENV, ""), self.dist.rank)
 
