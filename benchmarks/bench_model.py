@@ -19,6 +19,8 @@ Everything is measured side by side in the same process on this CPU (issue 4, "B
    measured matmul rate of the same dtype.
 3. The scan alone: `chunked_scan` forward + backward at the preset's shapes, T = 2048 (--scan-len), with
    its FLOPs (scan_intra + scan_state of one layer, × 3), as MFU against the bf16 and fp32 matmul rate.
+   Inputs as the mixer hands them over (q, k, v in bf16 under bf16 autocast); the backward pass is
+   driven by fixed random output gradients, so no loss ops are timed with it; best of >= 10 repeats.
 4. Decode latency per token (batch 1, fp32) after a prefill of 128 and of 8192 tokens: Mamba-3's O(1)
    recurrent step against the Transformer's KV-cache step (whose work grows with the context).
 
@@ -248,12 +250,18 @@ def scan_time(cfg: ModelConfig, T: int, dtype: str, reps: int) -> float:
     adt = (-dt.detach() * torch.rand(1, H, T, generator=g)).requires_grad_()
     lam = torch.rand(1, H, T, generator=g).requires_grad_()
 
+    with autocast_for(dtype):
+        y, h = chunked_scan(q, k, v, adt, dt, lam, chunk_size=cfg.chunk_size)
+    # Fixed random output gradients: the backward pass is the scan's alone, with no loss ops around it.
+    gy, gh = torch.randn(y.shape, generator=g).to(y.dtype), torch.randn(h.shape, generator=g).to(h.dtype)
+
     def step() -> None:
         with autocast_for(dtype):
             y, h = chunked_scan(q, k, v, adt, dt, lam, chunk_size=cfg.chunk_size)
-        (y.float().square().mean() + h.square().mean()).backward()
+        torch.autograd.backward((y, h), (gy, gh))
 
-    return best_time(step, reps)
+    # A step takes tens of ms: more repeats than the whole-model rows, for a steadier best.
+    return best_time(step, max(reps, 10))
 
 
 def decode_latency(model: nn.Module, ctx: int, vocab: int, n_tokens: int, mamba: bool) -> float:
