@@ -163,3 +163,24 @@ def test_chunked_bf16_autocast_close_to_fp32():
     assert y16.dtype == torch.bfloat16 and h16.dtype == torch.float32
     assert (y16.float() - y32).abs().max() / y32.abs().max() < 0.03
     assert (h16 - h32).abs().max() / h32.abs().max() < 0.03
+
+
+def test_state_passing_function_equals_unrolled_autograd():
+    """The eager Function and the plain-autograd form used under torch.compile agree, values and grads."""
+    from mamba3lite.model.scan import _StatePassing, state_passing_unrolled
+
+    g = torch.Generator().manual_seed(5)
+    decay = torch.rand(2, 3, 5, dtype=torch.float64, generator=g).requires_grad_()
+    dS = torch.randn(2, 3, 5, 4, 6, dtype=torch.float64, generator=g).requires_grad_()
+    S0 = torch.randn(2, 3, 4, 6, dtype=torch.float64, generator=g).requires_grad_()
+    w_starts = torch.randn(2, 3, 5, 4, 6, dtype=torch.float64, generator=g)
+    w_h = torch.randn(2, 3, 4, 6, dtype=torch.float64, generator=g)
+    results = []
+    for fn in (_StatePassing.apply, state_passing_unrolled):
+        starts, h = fn(decay, dS, S0, torch.float64)
+        loss = (starts * w_starts).sum() + (h * w_h).sum()
+        results.append((starts, h, *torch.autograd.grad(loss, (decay, dS, S0))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    fn = lambda d, x, s: _StatePassing.apply(d, x, s, torch.float64)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (decay, dS, S0))

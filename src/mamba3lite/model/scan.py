@@ -144,6 +144,21 @@ class _StatePassing(torch.autograd.Function):
         return d_decay, d_dS, g, None
 
 
+def state_passing_unrolled(
+    decay_BHc: Tensor, dS_BHcPN: Tensor, S0_BHPN: Tensor, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """`_StatePassing` in plain autograd ops (used under torch.compile, where the compiler fuses the
+    loop; eagerly it costs stack/unbind copies and ~3 autograd nodes per chunk)."""
+    starts = []
+    S = S0_BHPN
+    # unbind, not dS[:, :, c]: each indexing op's backward materialises a zero tensor of the full dS
+    # and adds it up, O(nc²) memory traffic.
+    for decay_BH, dS_BHPN in zip(decay_BHc.unbind(2), dS_BHcPN.unbind(2)):
+        starts.append(S)
+        S = decay_BH[:, :, None, None] * S + dS_BHPN
+    return torch.stack(starts, dim=2).to(out_dtype), S
+
+
 def sequential_scan(
     q_BHTRN: Tensor,
     k_BHTRN: Tensor,
@@ -298,7 +313,10 @@ def chunked_scan(
         # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
         prev_BHPN = torch.einsum("brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
         S = S + boa[:, :, 0, None, None] * prev_BHPN
-    S_BHcPN, h_T = _StatePassing.apply(chunk_decay_BHc, dS_BHcPN, S, out_dtype)
+    if torch.compiler.is_compiling():  # traced loops over slices of one buffer compile badly
+        S_BHcPN, h_T = state_passing_unrolled(chunk_decay_BHc, dS_BHcPN, S, out_dtype)
+    else:
+        S_BHcPN, h_T = _StatePassing.apply(chunk_decay_BHc, dS_BHcPN, S, out_dtype)
 
     from_start = torch.exp(cs_BHcL)
     if reset_BT is not None:
