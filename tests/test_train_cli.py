@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from mamba3lite.config import load_config
@@ -181,3 +182,47 @@ def test_sigterm_saves_exits_zero_and_resume_continues(tmp_path):
     train_steps = [r["step"] for r in rows(run) if r["kind"] == "train"]
     assert train_steps == list(range(1, stopped_at + 3))
     assert CheckpointManager(run).latest_step() == stopped_at + 2
+
+
+@pytest.mark.parametrize(
+    "error, where",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB."), "the accelerator"),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 8 bytes"), "host memory"),
+    ],
+)
+def test_out_of_memory_is_one_clear_error_naming_the_knobs(tmp_path, monkeypatch, capsys, error, where):
+    """A step that runs out of memory (simulated) ends `train` with exit 2, one line naming the batch
+    knobs, no traceback; the checkpoints already written stay."""
+    from mamba3lite import cli
+
+    run_dir = tmp_path / "run"
+    config = tiny_yaml(tmp_path, max_steps=2, save_every=2, checkpoint_dir=str(run_dir))
+    assert cli.main(["train", "--config", config]) == 0
+    before = sorted(p.name for p in run_dir.rglob("*"))
+
+    def boom(self, *a, **k):
+        raise error
+
+    monkeypatch.setattr(Pretrainer, "train", boom)
+    capsys.readouterr()
+    rc = cli.main(["train", "--config", config, "--max-steps", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"out of memory on {where}" in err
+    assert "training.micro_batch_size=1 training.gradient_accumulation_steps=2" in err
+    assert "training.grad_checkpointing=true" in err and "Traceback" not in err
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
+    from mamba3lite import cli
+
+    config = tiny_yaml(tmp_path, max_steps=1, checkpoint_dir=str(tmp_path / "run"))
+
+    def boom(self, *a, **k):
+        raise RuntimeError("something else broke")
+
+    monkeypatch.setattr(Pretrainer, "train", boom)
+    with pytest.raises(RuntimeError, match="something else broke"):
+        cli.main(["train", "--config", config])

@@ -18,7 +18,7 @@ import signal
 import threading
 
 from mamba3lite.commands.options import add_override_option
-from mamba3lite.errors import ConfigError
+from mamba3lite.errors import ConfigError, TrainingError
 
 HELP = "pretrain a Mamba-3 language model from a YAML config"
 
@@ -98,6 +98,34 @@ def build_config(args: argparse.Namespace):
     return cfg
 
 
+def out_of_memory_advice(exc: BaseException, cfg) -> str | None:
+    """The message for an allocation failure (CUDA or CPU), naming the knobs; None for other errors.
+    A step that ran out of memory never reaches the optimizer or a checkpoint: the run directory holds
+    what the last save wrote, and `train` resumes from it."""
+    import torch
+
+    text = str(exc)
+    if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text):
+        return None
+    t = cfg.training
+    where = "the accelerator" if isinstance(exc, torch.OutOfMemoryError) else "host memory"
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    fix = (
+        f"--set training.micro_batch_size={t.micro_batch_size // 2} "
+        f"training.gradient_accumulation_steps={2 * t.gradient_accumulation_steps}"
+        if t.micro_batch_size > 1
+        else f"--set training.max_seq_len={max(1, t.max_seq_len // 2)}"
+    )
+    ckpt = ""
+    if not t.grad_checkpointing:
+        ckpt = ", or --set training.grad_checkpointing=true (recomputes each layer)"
+    return (
+        f"out of memory on {where} with micro_batch_size {t.micro_batch_size} x max_seq_len {t.max_seq_len} "
+        f"({first}). Use less per micro-step and keep the batch: {fix}{ckpt}. "
+        f"Checkpoints in {t.checkpoint_dir} are untouched; the run resumes from the newest one."
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     resume = parse_resume(args.resume)
     cfg = build_config(args)
@@ -124,11 +152,17 @@ def run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        trainer = Pretrainer(cfg, resume=resume, dist=info)
-        if pending:
-            print("received SIGTERM while starting: stopping after the first step", flush=True)
-            trainer.request_stop()
-        result = trainer.train()
+        try:
+            trainer = Pretrainer(cfg, resume=resume, dist=info)
+            if pending:
+                print("received SIGTERM while starting: stopping after the first step", flush=True)
+                trainer.request_stop()
+            result = trainer.train()
+        except RuntimeError as e:
+            advice = out_of_memory_advice(e, cfg)
+            if advice is None:
+                raise
+            raise TrainingError(advice) from None
         if info.is_main:
             what = "stopped" if result.stopped else "done"
             tps = f", steady {result.steady_tokens_per_s:,.0f} tokens/s" if result.steady_tokens_per_s else ""
