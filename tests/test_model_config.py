@@ -194,3 +194,30 @@ def test_sample_rejects_bad_settings():
     for kw in ({"temperature": -1.0}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError):
             sample_next(logits, **{"temperature": 1.0, **kw})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "tiny"))
+def test_every_preset_micro_batch_fits_an_80gb_accelerator(name):
+    """Each preset's own micro batch trains on an 80 GB card: estimated from the activations autograd
+    keeps (model/memory.py; the H200 peaks measured 5-10% below it), with room for the CUDA context."""
+    from mamba3lite.config import load_config
+    from mamba3lite.model.memory import training_memory_bytes
+
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    t = cfg.training
+    need = training_memory_bytes(cfg.model, t.micro_batch_size, t.max_seq_len, t.grad_checkpointing)
+    assert need <= 72 * 2**30, f"{name}: {need / 2**30:.0f} GiB at micro batch {t.micro_batch_size}"
+    assert t.micro_batch_size * t.gradient_accumulation_steps * t.max_seq_len == 65_536  # the seed's batch
+
+
+def test_memory_estimate_tracks_the_h200_measurement():
+    """The 180M preset at 16 x 2048 peaked at 33.8 GiB on the H200 (eager, no optimizer state there):
+    the estimate, less the optimizer's 8 bytes per parameter, lands within 15% above it."""
+    from mamba3lite.config import load_config
+    from mamba3lite.model import count_parameters
+    from mamba3lite.model.memory import training_memory_bytes
+
+    cfg = load_config(CONFIGS / "mamba3_180m.yaml").model
+    est = training_memory_bytes(cfg, 16, 2048) - 8 * count_parameters(cfg)
+    assert 33.8 * 2**30 <= est <= 1.15 * 33.8 * 2**30, est / 2**30
