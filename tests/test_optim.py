@@ -70,3 +70,24 @@ def test_schedule_warmup_cosine_floor():
     assert lr_at(5, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10) == pytest.approx(
         0.5 * (1 + math.cos(math.pi / 2))
     )
+
+
+def test_cpu_optimizer_is_fused_and_steps_like_the_reference():
+    """On CPU the fused AdamW kernel is used, and its steps match the default implementation's."""
+    torch.manual_seed(0)
+    a, b = Stand(), Stand()
+    b.load_state_dict(a.state_dict())
+    opt_a = build_optimizer(a, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+    groups = param_groups(b, 0.1)
+    for g in groups:
+        g.pop("names")
+    opt_b = torch.optim.AdamW(groups, lr=0.01, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    assert opt_a.defaults["fused"] is True
+    for step in range(5):
+        for m in (a, b):
+            for i, p in enumerate(m.parameters()):
+                p.grad = torch.sin(torch.arange(p.numel(), dtype=p.dtype) + step + i).view_as(p)
+        opt_a.step()
+        opt_b.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
