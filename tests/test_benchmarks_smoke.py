@@ -1,4 +1,4 @@
-"""Smoke runs of the model benchmarks (benchmarks/bench_model.py, benchmarks/parity.py), so they never rot.
+"""Smoke runs of the model benchmarks (bench_model.py, parity.py, gpu_model.py on the CPU), so they never rot.
 
 Each runs as a subprocess with the smallest budget its flags allow and must exit 0 and print its tables
 (the header rows and one data row per measured case). Timing values are not checked: they are the
@@ -76,3 +76,51 @@ def test_parity_rejects_an_unknown_variant():
     )  # fmt: skip
     assert proc.returncode == 2
     assert "unknown variant" in proc.stderr and "mamba3" in proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_model_runs_on_the_cpu_and_prints_its_table(tmp_path):
+    """The GPU check falls back to the CPU (tiny preset, short T): one row per model and mode, and JSON."""
+    out_json = tmp_path / "rows.json"
+    out = run_script(
+        "gpu_model.py", "--presets", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "1",
+        "--warmup", "0", "--modes", "eager", "--baseline", "--json", str(out_json),
+    )  # fmt: skip
+    assert "CPU (no CUDA" in out
+    for kind in ("mamba3", "transformer"):
+        assert re.search(rf"^\| {kind} \| tiny \| eager \| [\d.]+ M \| 2 \| [\d,]+ \|", out, re.M), out
+    import json
+
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["model"], r["mode"]) for r in rows] == [("mamba3", "eager"), ("transformer", "eager")]
+    assert all(r["tokens_per_s"] > 0 and "error" not in r for r in rows)
+
+
+def test_gpu_model_halves_the_batch_after_out_of_memory(monkeypatch):
+    import argparse
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gpu_model
+
+    calls = []
+
+    def fake_case(kind, preset, mode, args, dev, peak):
+        calls.append(args.batch)
+        if args.batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return {"batch": args.batch}
+
+    monkeypatch.setattr(gpu_model, "run_case", fake_case)
+    args = argparse.Namespace(batch=8)
+    row = gpu_model.guarded_case("mamba3", "p", "eager", args, torch.device("cpu"), 1.0, {})
+    assert calls == [8, 4, 2] and row == {"batch": 2, "note": "batch 8 ran out of memory"}
+
+    def broken(kind, preset, mode, args, dev, peak):
+        raise ValueError("a compile failure")
+
+    monkeypatch.setattr(gpu_model, "run_case", broken)
+    cpu = torch.device("cpu")
+    row = gpu_model.guarded_case("mamba3", "p", "compiled", args, cpu, 1.0, {"mode": "compiled"})
+    assert row == {"mode": "compiled", "error": "ValueError: a compile failure"}
