@@ -1,4 +1,4 @@
-"""Smoke runs of the model benchmarks (bench_model.py, parity.py, gpu_model.py on the CPU), so they never rot.
+"""Smoke runs of every script in benchmarks/ at its smallest budget (gpu_model.py on the CPU), so none rots.
 
 Each runs as a subprocess with the smallest budget its flags allow and must exit 0 and print its tables
 (the header rows and one data row per measured case). Timing values are not checked: they are the
@@ -124,3 +124,33 @@ def test_gpu_model_halves_the_batch_after_out_of_memory(monkeypatch):
     cpu = torch.device("cpu")
     row = gpu_model.guarded_case("mamba3", "p", "compiled", args, cpu, 1.0, {"mode": "compiled"})
     assert row == {"mode": "compiled", "error": "ValueError: a compile failure"}
+
+
+@pytest.mark.slow
+def test_bench_data_prints_its_three_cases():
+    out = run_script("bench_data.py", "--seconds", "0.05", "--repeats", "1")
+    for case in ("(a) 4 shards x 2M tokens", "(b) 400 shards x 1,000 tokens", "(c) 1 file x 8M tokens"):
+        assert re.search(rf"^{re.escape(case)}\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_prepare_prints_its_ratio():
+    out = run_script("bench_prepare.py", "--max-docs", "10", "--repeats", "1", "--workers", "1")
+    assert re.search(r"^prepare end-to-end\s+[\d,]+\s+[\d.]+\s+[\d,]+\s+[\d.]+$", out, re.M), out
+    assert re.search(r"^pipeline / raw tiktoken = [\d.]+", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_prints_its_table(tmp_path):
+    out = run_script("bench_checkpoint.py", "--preset", "tiny", "--repeat", "1", "--dir", str(tmp_path))
+    assert re.search(r"^ours \(3 atomic files \+ sha256\)\s+\d+\s+[\d.]+", out, re.M), out
+    assert re.search(r"^ours save bandwidth / raw = [\d.]+", out, re.M), out
+
+
+@pytest.mark.slow
+def test_chaos_smallest_campaign_survives():
+    out = run_script(
+        "chaos.py", "--kill-trials", "1", "--sigterm-trials", "1", "--no-corruption", "--no-lock"
+    )
+    assert re.search(r"^\| kill -9 at random moments, then resume\s+\|\s+1 \|\s+1 \|\s+0 \|$", out, re.M), out
+    assert re.search(r"^\| SIGTERM .*\|\s+1 \|\s+1 \|\s+0 \|$", out, re.M), out
