@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
-from mamba3lite.model.scan import chunked_scan, scan_step, sequential_scan
+from mamba3lite.model.scan import autocast_dtype, chunked_scan, scan_step, sequential_scan
 
 SCAN_IMPLS = ("chunked", "sequential")
 
@@ -135,7 +135,7 @@ class _BiasRotate(torch.autograd.Function):
             if g is None:
                 grads.append((None, None))
                 continue
-            gx = g.to(dt, copy=True).contiguous()
+            gx = g.to(dt, memory_format=torch.contiguous_format, copy=True)
             d_theta += _angle_grad(gx, out, S, halves).sum(3)
             rotate_(gx, rot, halves, inverse=True)  # R(θ)ᵀ = R(−θ)
             grads.append((gx.view(Bsz, G, H // G, T, R, N).sum(2), gx.sum((0, 2))))
@@ -309,7 +309,7 @@ class Mamba3(nn.Module):
         k = self.B_norm(Bp).permute(0, 3, 1, 2, 4)  # (B, G, T, R, N)
         q = self.C_norm(Cp).permute(0, 3, 1, 2, 4)
         dev = k.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else k.dtype
+        out_dtype = autocast_dtype(dev) or k.dtype
         if theta_BHTS is not None:
             k, q = _BiasRotate.apply(k, q, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, out_dtype)
             return q, k
@@ -339,8 +339,9 @@ class Mamba3(nn.Module):
         y = torch.addcmul(y_BHTRP, self.D[:, None, None, None].to(y_BHTRP.dtype), v_BHTRP)
         if self.is_outproj_norm:
             y = F.rms_norm(y, (P,), eps=self.norm.eps) * self.norm.weight.view(H, 1, 1, P).to(y.dtype)
-        if torch.is_autocast_enabled(y.device.type):  # out_proj would cast it; the gate keeps the cast
-            y = y.to(torch.get_autocast_dtype(y.device.type))
+        amp_dtype = autocast_dtype(y.device.type)
+        if amp_dtype is not None:  # out_proj would cast it; the gate keeps the cast
+            y = y.to(amp_dtype)
         zr = z_BTE.unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
         if self.is_mimo:
             zr = zr * self.mimo_z[:, None].to(zr.dtype)

@@ -31,9 +31,14 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on this device type, or None when autocast is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def _mm(a: Tensor, b: Tensor) -> Tensor:
     """Matmul; under autocast the dtypes are autocast's business, otherwise promote to a common dtype."""
-    if a.dtype != b.dtype and not torch.is_autocast_enabled(a.device.type):
+    if a.dtype != b.dtype and autocast_dtype(a.device.type) is None:
         common = torch.promote_types(a.dtype, b.dtype)
         a, b = a.to(common), b.to(common)
     return a @ b
@@ -251,7 +256,7 @@ def chunked_scan(
     pad = nc * L - T
     sd = _state_dtype(adt_BHT.dtype)
     dev = q_BHTRN.device
-    autocast = torch.is_autocast_enabled(dev.type)
+    amp_dtype = autocast_dtype(dev.type)
 
     lam, dt = lam_BHT.to(sd), dt_BHT.to(sd)
     gamma = lam * dt
@@ -284,7 +289,7 @@ def chunked_scan(
         to_end_B1cL = seg_B1cL == seg_B1cL[..., -1:]  # no reset in (s, chunk end]
     else:
         mask = causal_LL
-    out_dtype = torch.get_autocast_dtype(dev.type) if autocast else sd
+    out_dtype = amp_dtype or sd
     W_BHcLL = _DecayWeights.apply(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, out_dtype)
 
     scores = _mm(q_c, k_c.reshape(Bsz, H, nc, L * R, N).transpose(-1, -2))  # (B, H, nc, L·R, L·R)
@@ -323,8 +328,7 @@ def chunked_scan(
         from_start = from_start * from_start_B1cL
     qS = _mm(q_c, S_BHcPN.transpose(-1, -2)).view(Bsz, H, nc, L, R, P)
     # (qS in its own dtype times the fp32 factor: autograd keeps the bf16 qS, not an fp32 copy.)
-    if autocast:  # y stays in the autocast dtype (the mixer's gate and out_proj would cast it there)
-        y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, from_start[..., None, None].to(qS.dtype))
-    else:
-        y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, from_start[..., None, None])
+    # Under autocast y stays in the autocast dtype (the mixer's gate and out_proj would cast it there).
+    w_start = from_start[..., None, None].to(amp_dtype or from_start.dtype)
+    y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, w_start)
     return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache, RMSNorm
 from mamba3lite.model.sampling import sample_next
+from mamba3lite.model.scan import autocast_dtype
 
 # Rows of logits materialised at once by the loss. CPU: 128 × 50,257 × 4 B ≈ 26 MB, below glibc's 32 MB
 # mmap threshold, so the buffer is reused instead of page-faulted in afresh for every chunk (2x on CPU).
@@ -97,7 +98,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h_ND, w_VD, targets_N, ignore_index: int, chunk_rows: int, needs_grad: bool):
         N, V = h_ND.shape[0], w_VD.shape[0]
         dev = h_ND.device
-        cd = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else h_ND.dtype
+        cd = autocast_dtype(dev.type) or h_ND.dtype
         h, w = h_ND.to(cd), w_VD.to(cd)
         acc = torch.promote_types(cd, torch.float32)
         valid_N = targets_N != ignore_index
