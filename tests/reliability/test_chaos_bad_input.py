@@ -90,6 +90,11 @@ def _yaml(w: Path, name: str, **training) -> str:
     return H.write_config(w / name, "data", "run2", max_steps=2, eval_every=0, **training).name
 
 
+def _config_file(content: str | bytes):
+    """A case: `train --config b.yaml` with b.yaml holding `content`."""
+    return lambda w: ["train", "--config", _write(w / "b.yaml", content)]
+
+
 def _train(*extra: str) -> list[str]:
     return ["train", "--config", "good.yaml", *extra]
 
@@ -147,30 +152,30 @@ CASES = {
     "checkpoint-dir-unwritable": (lambda w: _train("--checkpoint-dir", _unwritable(w)), "mamba3lite-chaos"),
     # config files
     "yaml-syntax-error": (
-        lambda w: ["train", "--config", _write(w / "b.yaml", "model: [1, 2\n")],
+        _config_file("model: [1, 2\n"),
         "not valid YAML",
     ),
     "yaml-not-utf8": (
-        lambda w: ["train", "--config", _write(w / "b.yaml", b"model:\n  d_model: 32 \xff\xfe\n")],
+        _config_file(b"model:\n  d_model: 32 \xff\xfe\n"),
         "not a UTF-8 text file",
     ),
-    "yaml-binary-file": (lambda w: ["train", "--config", _write(w / "b.yaml", bytes(range(256)))], "UTF-8"),
-    "yaml-top-level-list": (lambda w: ["train", "--config", _write(w / "b.yaml", "- a\n- b\n")], "mapping"),
+    "yaml-binary-file": (_config_file(bytes(range(256))), "UTF-8"),
+    "yaml-top-level-list": (_config_file("- a\n- b\n"), "mapping"),
     "yaml-unknown-key": (
-        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  max_step: 5\n")],
+        _config_file("training:\n  max_step: 5\n"),
         "max_steps",
     ),
     "yaml-wrong-type": (
-        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  max_steps: ten\n")],
+        _config_file("training:\n  max_steps: ten\n"),
         "training.max_steps",
     ),
     "yaml-impossible-value": (lambda w: ["train", "--config", _yaml(w, "b.yaml", lr=-1.0)], "training.lr"),
     "yaml-nan": (
-        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  lr: .nan\n")],
+        _config_file("training:\n  lr: .nan\n"),
         "training.lr must be a finite number",
     ),
     "yaml-betas-wrong-length": (
-        lambda w: ["train", "--config", _write(w / "b.yaml", "training:\n  betas: [0.9]\n")],
+        _config_file("training:\n  betas: [0.9]\n"),
         "training.betas",
     ),
     # --set overrides
