@@ -114,3 +114,18 @@ def test_ranks_agree_on_a_nan_seen_by_one_rank(tmp_path, monkeypatch):
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     assert sum(r.get("skipped", 0) for r in train_rows) == 1
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_cli_ends_a_worker_that_left_a_process_group_without_finalization(monkeypatch, tmp_path, left):
+    """Interpreter finalization of a gloo worker can abort after a clean teardown: the CLI ends such a
+    process with os._exit(code) once flushed; any other process returns normally."""
+    from mamba3lite import cli
+    from mamba3lite.train import distributed as D
+
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(D, "left_process_group", left)
+    code = cli.main(["inspect", str(tmp_path / "missing")])
+    assert code != 0
+    assert exits == ([code] if left else [])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from mamba3lite import __version__
@@ -45,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _run_command(argv)
+    dist = sys.modules.get("mamba3lite.train.distributed")  # imported only by commands that train
+    if dist is not None and dist.left_process_group:
+        # A distributed worker whose run is over and written: skip interpreter finalization, which can
+        # abort a gloo process (see train/distributed.py `teardown`).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run_command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
