@@ -60,11 +60,18 @@ def test_parity_tiny_budget_prints_its_table():
         "parity.py", "--steps", "4", "--threads", "1", "--batch", "8", "--d-model", "16", "--d-state", "16",
         "--headdim", "8", "--train-len", "6", "--eval-len", "12", "--eval-batch", "8",
     )  # fmt: skip
-    assert "| model | acc t<=6 | acc t>6 | acc all 12 | acc last |" in out
+    assert "| model | acc t<=6 | acc t>6 | acc all 12 | acc last | scaled t>6 | exact t>6 |" in out
     for label in ("Mamba-3 (trapezoid + RoPE)", "Mamba-3, no RoPE", "Mamba-2-style (Euler, no RoPE)"):
-        row = re.search(rf"^\| {re.escape(label)} \| ([\d.]+)% \| ([\d.]+)% \| ([\d.]+)% \|", out, re.M)
+        pct = r" ([\d.]+)% \|"
+        row = re.search(
+            rf"^\| {re.escape(label)} \|{pct * 4} -?[\d.]+ \|{pct} [\d.]+ \| ([^|]+) \| ([^|]+) \|", out, re.M
+        )
         assert row, out
-        assert all(0 <= float(a) <= 100 for a in row.groups())
+        assert all(0 <= float(a) <= 100 for a in row.groups()[:5])
+        rotation, decay = row.groups()[5:]
+        assert (rotation == "-") == (label != "Mamba-3 (trapezoid + RoPE)")  # per-bit angles only with RoPE
+        alphas = [float(a) for head in decay.split() for a in head.split("/")]  # α = e^{AΔ}, 2 per head
+        assert len(alphas) == 2 * 4 and all(0 < a <= 1 for a in alphas)
 
 
 @pytest.mark.slow
