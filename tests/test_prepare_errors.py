@@ -172,3 +172,45 @@ def test_a_dying_worker_is_an_error_not_a_hang(tmp_path, monkeypatch):
     monkeypatch.undo()
     s = prepare([src], tmp_path / "ds", workers=2, min_chars=1, val_fraction=0.0)
     assert s.stats["kept"] == 20
+
+
+def test_a_second_prepare_into_the_same_out_is_refused_while_the_first_runs(
+    cli, existing, tmp_path, monkeypatch
+):
+    # Two prepares into one --out would share (and resume from) one staging directory. The first holds
+    # a lock for its whole run; the second fails at once, touching nothing, and the first completes.
+    import threading
+
+    from mamba3lite.data import prepare as prep
+
+    out, before = existing
+    src = _jsonl(tmp_path / "more.jsonl", _docs(20, "more"))
+    inside, go_on = threading.Event(), threading.Event()
+    real_run = prep._Run.run
+
+    def run_slowly(self, pool, depth):
+        inside.set()
+        assert go_on.wait(60)
+        return real_run(self, pool, depth)
+
+    monkeypatch.setattr(prep._Run, "run", run_slowly)
+    first: dict = {}
+    worker = threading.Thread(
+        target=lambda: first.update(summary=prepare([src], out, workers=0, min_chars=1, overwrite=True))
+    )
+    worker.start()
+    try:
+        assert inside.wait(60)
+        staged = tree_hashes(out)  # the old dataset, the lock and the first run's staging directory
+        with pytest.raises(DataError, match=rf"{out} is in use by another `mamba3lite prepare` \(pid"):
+            prepare([src], out, workers=0, min_chars=1, overwrite=True)
+        r = cli("prepare", "--source", src, "--out", str(out), "--overwrite", "--workers", "0")
+        assert r.returncode == 2 and "in use by another `mamba3lite prepare`" in r.stderr
+        assert "Traceback" not in r.stderr
+        assert tree_hashes(out) == staged
+    finally:
+        go_on.set()
+        worker.join(60)
+    assert first["summary"].stats["kept"] == 20 and verify_dataset(out) == []
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no lock, no staging left
+    assert tree_hashes(out) != before

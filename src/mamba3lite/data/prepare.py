@@ -30,7 +30,9 @@ filled shards, the dedup set) goes to `OUT/.prepare/state.json` (atomically). A 
 arguments and unchanged source files re-verifies the shards of the snapshot, restores it and continues
 from there; the result is byte-identical to an uninterrupted run. A failure caused by bad input removes
 the staging directory (a re-run would fail the same way); an interruption (kill, Ctrl-C, disk full, a
-worker killed for memory) leaves it for the resume.
+worker killed for memory) leaves it for the resume. A run holds `OUT/.prepare.lock` (mamba3lite.dirlock)
+from before it looks at OUT until the manifest is written, so a second prepare into OUT fails at once
+instead of sharing the staging directory; the file is removed when the run ends.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from mamba3lite.data.sources import (
     parse_jsonl_line,
     replace_surrogates,
 )
+from mamba3lite.dirlock import DirLock
 from mamba3lite.errors import ConfigError, DataError, Mamba3LiteError
 from mamba3lite.tokenizer import load_tokenizer
 
@@ -77,6 +80,7 @@ DEFAULT_VAL_FRACTION = 0.005
 # Shorter documents are mostly noise (an empty `__init__.py`, a stray "ok" line).
 DEFAULT_MIN_CHARS = 16
 STAGE_DIRNAME = ".prepare"
+LOCK_NAME = ".prepare.lock"  # exists while a prepare runs (mamba3lite.dirlock), or after one was killed
 STATE_NAME = "state.json"
 SEEN_NAME = "seen.bin"
 # Test hook: seconds to sleep after each shard, so a test can kill a run reliably in the middle.
@@ -476,7 +480,7 @@ def _check_out(out: Path, args_record: dict, overwrite: bool) -> None:
             f"--out {out} holds {what}; choose another --out, or pass --overwrite to "
             "replace it (it stays intact until the new dataset is complete)"
         )
-    others = [p.name for p in out.iterdir() if p.name != STAGE_DIRNAME]
+    others = [p.name for p in out.iterdir() if p.name not in (STAGE_DIRNAME, LOCK_NAME)]
     if others:
         raise ConfigError(
             f"--out {out} is not empty ({', '.join(sorted(others)[:3])}...) and holds no "
@@ -818,86 +822,98 @@ def prepare(
         "max_docs": max_docs,
     }
     out = Path(out)
-    _check_out(out, args_record, overwrite)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
     out_existed = out.exists()
-    stage = out / STAGE_DIRNAME
-    run = _Run(
-        stage=stage,
-        sources=resolved,
-        specs=specs,
-        args_record=args_record,
-        dtype=dtype,
-        eos_id=tok.eos_id,
-        shard_tokens=shard_tokens,
-        target_tokens=target_tokens,
-        dedup=dedup,
-        skip_bad_lines=skip_bad_lines,
-        progress=progress,
-    )
-    if stage.is_dir() and (why := run.try_resume()) is not None:
-        print(f"note: not resuming the unfinished run in {stage}: {why}; starting afresh", file=sys.stderr)
-        shutil.rmtree(stage)
-    if run.resumed_shards:
-        print(f"resuming: {run.resumed_shards} shards already done and verified", file=sys.stderr)
-    stage.mkdir(parents=True, exist_ok=True)
-    pool = None
-    try:
-        cfg = _WorkerConfig(tok.name, min_chars, text_field, seed, val_fraction)
-        if workers:
-            # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies (killed for memory)
-            # a Pool loses its task and waits forever; the executor raises BrokenProcessPool.
-            pool = ProcessPoolExecutor(
-                workers, mp_context=_start_method(), initializer=_init_pool_worker, initargs=(cfg,)
-            )
-            pool.submit(int).result()  # start the workers now, before any thread of ours exists
-        else:
-            _init_worker(cfg)
-        run.run(pool, depth=2 * workers + 1 if workers else 1)
-    except BrokenProcessPool as e:
-        raise Mamba3LiteError(
-            f"a tokenizer worker process died (killed for memory?); the shards done so far are kept in "
-            f"{stage}: re-run the same command to resume, perhaps with fewer --workers"
-        ) from e
-    except Mamba3LiteError:
-        # Bad input: the same arguments would fail the same way, so there is nothing to resume.
-        shutil.rmtree(stage, ignore_errors=True)
-        if not out_existed:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)  # batches still queued (a target was reached)
-    stats = run.stats
-    if stats["kept"] == 0 or not run.packers["train"].next_index:
-        shutil.rmtree(stage, ignore_errors=True)
-        if not out_existed:
-            shutil.rmtree(out, ignore_errors=True)
-        dropped = ", ".join(f"{k} {v}" for k, v in stats["dropped"].items() if v)
-        if stats["kept"] == 0:
-            raise DataError(
-                f"empty corpus: {stats['documents_in']:,} documents read, none kept "
-                f"(dropped: {dropped or 'none'}); check the sources, or lower --min-chars"
-            )
-        raise DataError(
-            f"all {stats['kept']:,} kept documents fell into the val split; lower --val-fraction or add text"
+    # Held until the manifest is written: a second prepare into `out` fails at once instead of sharing
+    # (and resuming from) this one's staging directory.
+    lock = DirLock(
+        out, LOCK_NAME, "another `mamba3lite prepare`", "wait for it to finish, or choose another --out",
+        DataError, remove=True,
+    )  # fmt: skip
+    with lock:
+        _check_out(out, args_record, overwrite)
+        stage = out / STAGE_DIRNAME
+        run = _Run(
+            stage=stage,
+            sources=resolved,
+            specs=specs,
+            args_record=args_record,
+            dtype=dtype,
+            eos_id=tok.eos_id,
+            shard_tokens=shard_tokens,
+            target_tokens=target_tokens,
+            dedup=dedup,
+            skip_bad_lines=skip_bad_lines,
+            progress=progress,
         )
-    order = {split: k for k, split in enumerate(SPLITS)}
-    manifest = Manifest(
-        vocab_size=tok.vocab_size,
-        eos_id=tok.eos_id,
-        dtype=np.dtype(dtype).newbyteorder("=").name,
-        tokenizer={"name": tok.name, "vocab_hash": tok.vocab_hash},
-        shards=sorted(run.shards, key=lambda s: (order[s.split], s.path)),
-        extra={"prepare": args_record, "stats": _public_stats(stats)},
-    )
-    _finalize(stage, out, manifest)
-    return PrepareSummary(
-        out=out,
-        manifest=manifest,
-        stats=manifest.extra["stats"],
-        seconds=time.perf_counter() - t_start,
-        resumed_shards=run.resumed_shards,
-    )
+        if stage.is_dir() and (why := run.try_resume()) is not None:
+            print(
+                f"note: not resuming the unfinished run in {stage}: {why}; starting afresh", file=sys.stderr
+            )
+            shutil.rmtree(stage)
+        if run.resumed_shards:
+            print(f"resuming: {run.resumed_shards} shards already done and verified", file=sys.stderr)
+        stage.mkdir(parents=True, exist_ok=True)
+        pool = None
+        try:
+            cfg = _WorkerConfig(tok.name, min_chars, text_field, seed, val_fraction)
+            if workers:
+                # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies (killed for memory)
+                # a Pool loses its task and waits forever; the executor raises BrokenProcessPool.
+                pool = ProcessPoolExecutor(
+                    workers, mp_context=_start_method(), initializer=_init_pool_worker, initargs=(cfg,)
+                )
+                pool.submit(int).result()  # start the workers now, before any thread of ours exists
+            else:
+                _init_worker(cfg)
+            run.run(pool, depth=2 * workers + 1 if workers else 1)
+        except BrokenProcessPool as e:
+            raise Mamba3LiteError(
+                f"a tokenizer worker process died (killed for memory?); the shards done so far are kept in "
+                f"{stage}: re-run the same command to resume, perhaps with fewer --workers"
+            ) from e
+        except Mamba3LiteError:
+            # Bad input: the same arguments would fail the same way, so there is nothing to resume.
+            shutil.rmtree(stage, ignore_errors=True)
+            if not out_existed:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)  # batches still queued (a target was reached)
+        stats = run.stats
+        if stats["kept"] == 0 or not run.packers["train"].next_index:
+            shutil.rmtree(stage, ignore_errors=True)
+            if not out_existed:
+                shutil.rmtree(out, ignore_errors=True)
+            dropped = ", ".join(f"{k} {v}" for k, v in stats["dropped"].items() if v)
+            if stats["kept"] == 0:
+                raise DataError(
+                    f"empty corpus: {stats['documents_in']:,} documents read, none kept "
+                    f"(dropped: {dropped or 'none'}); check the sources, or lower --min-chars"
+                )
+            raise DataError(
+                f"all {stats['kept']:,} kept documents fell into the val split; lower --val-fraction or "
+                "add text"
+            )
+        order = {split: k for k, split in enumerate(SPLITS)}
+        manifest = Manifest(
+            vocab_size=tok.vocab_size,
+            eos_id=tok.eos_id,
+            dtype=np.dtype(dtype).newbyteorder("=").name,
+            tokenizer={"name": tok.name, "vocab_hash": tok.vocab_hash},
+            shards=sorted(run.shards, key=lambda s: (order[s.split], s.path)),
+            extra={"prepare": args_record, "stats": _public_stats(stats)},
+        )
+        _finalize(stage, out, manifest)
+        return PrepareSummary(
+            out=out,
+            manifest=manifest,
+            stats=manifest.extra["stats"],
+            seconds=time.perf_counter() - t_start,
+            resumed_shards=run.resumed_shards,
+        )
 
 
 def _public_stats(stats: dict) -> dict:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from mamba3lite.data.shards import atomic_write_json, fsync_dir, sha256_file
+from mamba3lite.dirlock import DirLock
 from mamba3lite.errors import CheckpointError
 
 META_FORMAT = "mamba3lite-checkpoint-v1"
@@ -333,46 +334,15 @@ def load_optimizer_state_by_name(
 # ---------------------------------------------------------------------------------------------------
 
 
-class RunLock:
-    """An exclusive `fcntl.flock` on DIR/.lock, held for a whole run: a second trainer on the same
-    directory fails at once with a clear error instead of interleaving checkpoints with the first."""
+class RunLock(DirLock):
+    """The run directory's lock (DIR/.lock), held by a trainer for a whole run: a second trainer on the
+    same directory fails at once with a clear error instead of interleaving checkpoints with the first."""
 
     def __init__(self, directory: str | Path) -> None:
-        self.path = Path(directory) / LOCK_NAME
-        self._fd: int | None = None
-
-    def acquire(self) -> RunLock:
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "unknown"
-            os.close(fd)
-            raise CheckpointError(
-                f"{self.path.parent} is in use by another trainer ({holder}); wait for it to finish or "
-                "use another --checkpoint-dir"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            import fcntl
-
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
+        super().__init__(
+            directory, LOCK_NAME, "another trainer", "wait for it to finish or use another --checkpoint-dir",
+            CheckpointError,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
