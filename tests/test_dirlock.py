@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +56,30 @@ def test_a_file_removed_by_the_previous_holder_is_not_taken_for_the_lock(tmp_pat
         _lock(tmp_path).acquire()
     held.release()
     _lock(tmp_path).acquire().release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_keep_the_lock_of_a_killed_holder(tmp_path):
+    # A holder forks a long-lived child (as `prepare` forks its tokenizer workers), then is killed. A
+    # flock belongs to the open file, so a child's inherited copy would keep the directory locked.
+    script = f"""
+import os, signal, time
+from mamba3lite.dirlock import DirLock
+from mamba3lite.errors import DataError
+DirLock({str(tmp_path)!r}, ".l", "job", "wait", DataError).acquire()
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+open({str(tmp_path / "child")!r}, "w").write(str(child))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    with open(tmp_path / "stderr", "w") as err:  # not a pipe: the child would hold it open
+        r = subprocess.run([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=err, timeout=60)
+    assert r.returncode == -signal.SIGKILL, (tmp_path / "stderr").read_text()
+    child = int((tmp_path / "child").read_text())
+    try:
+        os.kill(child, 0)  # the child still runs
+        _lock(tmp_path).acquire().release()  # and the lock is free
+    finally:
+        os.kill(child, signal.SIGKILL)

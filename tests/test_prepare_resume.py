@@ -97,6 +97,29 @@ def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
     assert tree_hashes(tmp_path / "ds3") == tree_hashes(tmp_path / "ref")
 
 
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                with open(f"/proc/{stat}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(stat))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
 def _prepare_cmd(out, *extra):
     return [
         sys.executable,
@@ -120,6 +143,7 @@ def _prepare_cmd(out, *extra):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the worker processes in Linux's /proc")
 def test_resume_after_kill(tmp_path):
     """Kill a real run (SIGKILL, no clean-up) after a few shards; the re-run equals an uninterrupted run.
     (A subprocess: the default snapshot throttle applies, so shards after the last snapshot are redone.)"""
@@ -139,10 +163,18 @@ def test_resume_after_kill(tmp_path):
         assert proc.poll() is None, (
             "the run finished before it could be killed: " + proc.stderr.read().decode()
         )
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
     assert not (out / "manifest.json").exists()
+    # The tokenizer workers notice their parent is gone and exit (they would otherwise wait on the task
+    # queue forever), and none of them keeps the dataset's lock: the re-run starts at once.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), f"orphaned workers {workers} still running"
     r = subprocess.run(_prepare_cmd(out), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "resuming:" in r.stderr

@@ -8,6 +8,10 @@ The lock file either stays (a run directory's `.lock`) or is removed on release 
 dataset directory keeps only the dataset). Removal is safe because `acquire` checks, after locking, that
 the file it locked is still the one at the path: a job that opened the file just before the holder
 removed it retries on the new file instead of holding a lock nobody else can see.
+
+A forked child (a `prepare` tokenizer worker, a data-loader worker) closes its copies of the held lock
+files at once: a flock belongs to the open file, so an inherited copy would keep the directory locked
+for as long as the child lives, even after the holder was killed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from mamba3lite.errors import Mamba3LiteError
+
+_HELD: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _close_inherited() -> None:
+    # In a forked child: close (never unlock: that would free the parent's lock) every inherited copy.
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
 
 
 class DirLock:
@@ -59,12 +77,16 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
         self._fd = fd
+        _HELD.add(fd)
         return self
 
     def release(self) -> None:
+        if self._fd is not None and self._fd not in _HELD:  # in a forked child: not ours to release
+            self._fd = None
         if self._fd is not None:
             import fcntl
 
+            _HELD.discard(self._fd)
             if self.remove:  # while still holding it: see the module docstring
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()

@@ -47,6 +47,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 import unicodedata
 from collections import deque
@@ -161,10 +162,19 @@ def _init_worker(cfg: _WorkerConfig) -> None:
     _WORKER.update(cfg=cfg, tok=tok, dtype=shards.dtype_for_vocab(tok.vocab_size))
 
 
-def _init_pool_worker(cfg: _WorkerConfig) -> None:
+def _init_pool_worker(cfg: _WorkerConfig, parent: int) -> None:
     # Ctrl-C is the main process's to handle (it stops the pool); workers would only add tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A worker whose parent was killed (SIGKILL, OOM killer) would otherwise wait on the task queue
+    # forever: the other workers keep its write end open, so no EOF ever arrives.
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     _init_worker(cfg)
+
+
+def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os._exit(1)
 
 
 # A unit's outcome: (status, n_replaced, digest, is_val, tokens incl. EOS, n_bytes, n_special, problem)
@@ -862,7 +872,10 @@ def prepare(
                 # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies (killed for memory)
                 # a Pool loses its task and waits forever; the executor raises BrokenProcessPool.
                 pool = ProcessPoolExecutor(
-                    workers, mp_context=_start_method(), initializer=_init_pool_worker, initargs=(cfg,)
+                    workers,
+                    mp_context=_start_method(),
+                    initializer=_init_pool_worker,
+                    initargs=(cfg, os.getpid()),
                 )
                 pool.submit(int).result()  # start the workers now, before any thread of ours exists
             else:
