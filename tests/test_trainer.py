@@ -15,7 +15,7 @@ import torch
 
 from mamba3lite.config import Config
 from mamba3lite.data.shards import write_dataset
-from mamba3lite.errors import CheckpointError, TrainingError
+from mamba3lite.errors import CheckpointError, DataError, TrainingError
 from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
 from mamba3lite.train.trainer import INJECT_ENV, Pretrainer, parse_injection
 from tiny_shapes import TINY_MODEL_SHAPE
@@ -259,3 +259,42 @@ def test_request_stop_saves_after_the_current_step(tmp_path):
     assert result.stopped and result.step == 2
     assert CheckpointManager(tmp_path).latest_step() == 2
     assert [r["event"] for r in metrics(tmp_path) if r["kind"] == "event"][-1] == "stop"
+
+
+def test_damaged_batch_mid_run_saves_the_good_steps_and_resumes_exactly_after_repair(tmp_path):
+    # A shard byte changed after prepare (an id >= vocab_size) is found when its batch is fetched, at
+    # step 4 here. The run stops with the DataError naming the shard, but steps 1-3 are saved (the run's
+    # save_every is 1000), and once the byte is repaired the same command resumes and ends bit-identical
+    # to a run that never saw the damage.
+    data = make_dataset(tmp_path / "data")
+
+    def cfg(run):
+        return tiny_config(tmp_path / run).replace("data", dummy=False, train_data_path=data)
+
+    clean = Pretrainer(cfg("clean"))
+    drawn = []
+    next_indices = clean._next_indices
+    clean._next_indices = lambda: drawn.append(next_indices()) or drawn[-1]
+    clean.train()
+    shard = next((tmp_path / "data" / "train").glob("*.bin"))
+    tokens = np.fromfile(shard, dtype="<u2")  # dtype_for_vocab(64)
+    pos = drawn[3][1] * 16 + 5  # inside the second window of step 4 only (windows overlap by one token)
+    original = tokens[pos]
+    tokens[pos] = VOCAB + 3
+    tokens.tofile(shard)
+
+    damaged = Pretrainer(cfg("run"))
+    with pytest.raises(DataError, match=rf"{shard.name}: token id {VOCAB + 3} .* outside the vocabulary"):
+        damaged.train()
+    assert CheckpointManager(tmp_path / "run").latest_step() == 3
+    saved = [r for r in metrics(tmp_path / "run") if r["kind"] == "event" and r["event"] == "save"]
+    assert len(saved) == 1 and "before stopping on a damaged batch" in saved[0]["message"]
+
+    tokens[pos] = original
+    tokens.tofile(shard)
+    resumed = Pretrainer(cfg("run"))
+    assert resumed.train().step == 6
+    w_clean, w_resumed = weights(clean), weights(resumed)
+    assert all(torch.equal(w_clean[k], w_resumed[k]) for k in w_clean)
+    assert resumed.sampler.state_dict() == clean.sampler.state_dict()
+    assert resumed.tokens_seen == clean.tokens_seen

@@ -426,11 +426,26 @@ class Pretrainer:
         mb, accum = tc.micro_batch_size, tc.gradient_accumulation_steps
         lr = lr_at(self.step, **self._sched_kw())
         set_lr(self.optimizer, lr)
+        sampler_before = self.sampler.state_dict()
         indices = self._next_indices()
         assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
+        bad: DataError | None = None
+        try:
+            batches = [self._batch(indices[i * mb : (i + 1) * mb]) for i in range(accum)]
+        except DataError as e:  # a shard whose bytes changed since prepare (the message names it)
+            batches, bad = [], e
+        if D.any_rank(bad is not None, self.dist):
+            # All ranks stop here together (one rank raising alone would leave the others waiting in the
+            # gradient all-reduce), with the sampler put back to before this step: nothing of the step
+            # has happened, so the checkpoint `train` writes now resumes exactly here.
+            self.sampler.load_state_dict(sampler_before)
+            self._sampler_iter = iter(self.sampler)
+            raise bad or DataError(
+                f"another rank's batch for step {self.step + 1} is damaged (its log names the shard)"
+            )
         good, loss_sum, skipped = 0, 0.0, 0
         for i in range(accum):
-            x, y = self._batch(indices[i * mb : (i + 1) * mb])
+            x, y = batches[i]
             with self._no_sync():
                 with self._autocast():
                     loss = self.model(x, y)
@@ -672,7 +687,12 @@ class Pretrainer:
             stopped = False
             self.history = []
             while self.step < target:
-                if self.train_step():
+                try:
+                    stepped = self.train_step()
+                except DataError:
+                    self._save_before_data_error()
+                    raise
+                if stepped:
                     t0 = time.time()
                     if self.step % tc.save_every == 0:
                         self.save_checkpoint()
@@ -722,6 +742,21 @@ class Pretrainer:
                 signal.signal(sig, h)
             self.logger.close()
             lock.release()
+
+    def _save_before_data_error(self) -> None:
+        """A damaged batch stops the run (on every rank, see train_step), but the steps done since the
+        last checkpoint are good: save them, so that the run resumes here once the data is repaired."""
+        if self.step == 0 or self._last_saved == self.step:
+            return
+        self.save_checkpoint()
+        if self.dist.is_main:
+            self.logger.event(
+                self.step,
+                "save",
+                f"saved step {self.step} before stopping on a damaged batch; repair the data and run the "
+                "same command to resume from it",
+                tokens_total=self.tokens_seen,
+            )
 
     def _build_logger(self) -> TrainingLogger:
         tc = self.tc
