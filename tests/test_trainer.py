@@ -298,3 +298,15 @@ def test_damaged_batch_mid_run_saves_the_good_steps_and_resumes_exactly_after_re
     assert all(torch.equal(w_clean[k], w_resumed[k]) for k in w_clean)
     assert resumed.sampler.state_dict() == clean.sampler.state_dict()
     assert resumed.tokens_seen == clean.tokens_seen
+
+
+def test_a_checkpoint_at_an_evaluation_step_carries_that_evaluation(tmp_path):
+    # Regression: the loop saved before it evaluated, so checkpoint N's meta (what `inspect` and a
+    # resumed run report as the last evaluation) held the evaluation of an earlier step.
+    data = make_dataset(tmp_path / "data")
+    cfg = tiny_config(tmp_path / "run", max_steps=4, eval_every=2, save_every=2)
+    Pretrainer(cfg.replace("data", dummy=False, train_data_path=data)).train()
+    evals = {r["step"]: r["val_loss"] for r in metrics(tmp_path / "run") if r["kind"] == "eval"}
+    for step in (2, 4):
+        meta = json.loads(checkpoint_files(tmp_path / "run", step)["meta"].read_text())
+        assert meta["last_eval"]["step"] == step and meta["last_eval"]["val_loss"] == evals[step]

@@ -694,10 +694,12 @@ class Pretrainer:
                     raise
                 if stepped:
                     t0 = time.time()
-                    if self.step % tc.save_every == 0:
-                        self.save_checkpoint()
+                    # Evaluate first: a checkpoint written at an evaluation step carries that evaluation
+                    # (its meta's last_eval, what `inspect` and a resumed run report), not the one before.
                     if tc.eval_every and self.step % tc.eval_every == 0:
                         self.evaluate()
+                    if self.step % tc.save_every == 0:
+                        self.save_checkpoint()
                     self.logger.exclude_time(time.time() - t0)
                 if D.any_rank(self._stop.is_set(), self.dist):
                     stopped = True
