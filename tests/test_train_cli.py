@@ -98,6 +98,16 @@ def test_dry_run_on_the_tiny_preset(cli, tmp_path):
     assert meta["data"]["tokenizer"] == "gpt2" and meta["data"]["vocab_size"] == GPT2_VOCAB
     kinds = [(r["kind"], r["step"]) for r in rows(run)]
     assert ("train", 1) in kinds and ("train", 2) in kinds and ("eval", 2) in kinds
+
+    # Again into the same directory: it would resume at step 2 and train nothing; refused, untouched.
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    again = cli("train", "--config", "tiny", "--data-path", data, "--checkpoint-dir", str(run), "--dry-run")
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert (
+        "--dry-run trains a fresh 2-step run" in again.stderr
+        and "already holds checkpoints (steps [2])" in again.stderr
+    )
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
     ev = next(r for r in rows(run) if r["kind"] == "eval")
     assert np.isfinite(ev["val_loss"]) and "val_bpb" in ev
     assert (run / "config.yaml").exists() and json.loads((run / "run.json").read_text())[

@@ -8,7 +8,8 @@ Flags override the config file; `--set section.key=value` overrides anything, ty
 the checkpoints. `--resume latest` (default) continues from the newest verified checkpoint there;
 `--resume N` from exactly step N; `--resume none` starts fresh (and refuses a directory with
 checkpoints). `--dry-run` trains 2 steps end to end, evaluates, and writes a checkpoint (the seed's
-smoke test). SIGTERM / Ctrl-C: the current step finishes, a checkpoint is written, exit code 0.
+smoke test), always as a fresh run in a directory without checkpoints. SIGTERM / Ctrl-C: the current
+step finishes, a checkpoint is written, exit code 0.
 """
 
 from __future__ import annotations
@@ -132,6 +133,19 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    if args.dry_run:
+        from mamba3lite.train.checkpoint import CheckpointManager
+
+        # A dry run is a fresh 2-step run: in a directory with checkpoints it would resume past step 2
+        # and train nothing (or, forced fresh, mix its checkpoint into a real run's).
+        steps = CheckpointManager(cfg.training.checkpoint_dir).list_steps()
+        if steps:
+            raise ConfigError(
+                f"--dry-run trains a fresh 2-step run, but {cfg.training.checkpoint_dir} already holds "
+                f"checkpoints (steps {steps[:5]}{'...' if len(steps) > 5 else ''}); point --checkpoint-dir "
+                "at a new directory"
+            )
+        resume = "none"
     from mamba3lite.train import distributed as D
     from mamba3lite.train.trainer import Pretrainer
 
