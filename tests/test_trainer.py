@@ -310,3 +310,19 @@ def test_a_checkpoint_at_an_evaluation_step_carries_that_evaluation(tmp_path):
     for step in (2, 4):
         meta = json.loads(checkpoint_files(tmp_path / "run", step)["meta"].read_text())
         assert meta["last_eval"]["step"] == step and meta["last_eval"]["val_loss"] == evals[step]
+
+
+def test_damaged_validation_shard_stops_at_the_evaluation_with_the_step_saved(tmp_path):
+    data = make_dataset(tmp_path / "data")
+    shard = next((tmp_path / "data" / "val").glob("*.bin"))
+    good = np.fromfile(shard, dtype="<u2")
+    (good + VOCAB).astype("<u2").tofile(shard)  # every id out of range, same size
+    cfg = tiny_config(tmp_path / "run", max_steps=4, eval_every=2).replace(
+        "data", dummy=False, train_data_path=data
+    )
+    with pytest.raises(DataError, match=rf"{shard.name}: token id \d+ .* outside the vocabulary"):
+        Pretrainer(cfg).train()
+    assert CheckpointManager(tmp_path / "run").latest_step() == 2  # the steps before the evaluation
+    good.tofile(shard)
+    resumed = Pretrainer(cfg)
+    assert resumed.train().step == 4 and resumed.last_eval["step"] == 4

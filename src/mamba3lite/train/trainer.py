@@ -568,6 +568,7 @@ class Pretrainer:
         total = min(tc.eval_batches * tc.micro_batch_size, n)
         mine = spread_picks(n, total)[self.dist.rank :: self.dist.world_size]
         self.raw_model.eval()
+        bad: DataError | None = None
         try:
             loss_sum = window_loss_sum(
                 self.raw_model,
@@ -577,8 +578,12 @@ class Pretrainer:
                 self.device,
                 self.autocast_dtype is not None,
             )
+        except DataError as e:  # a damaged val shard: every rank stops here (see train_step)
+            loss_sum, bad = 0.0, e
         finally:
             self.raw_model.train()
+        if D.any_rank(bad is not None, self.dist):
+            raise bad or DataError("another rank's validation batch is damaged (its log names the shard)")
         count = len(mine)
         loss_sum, count = D.sum_across([loss_sum, float(count)], self.dist)
         val_loss = loss_sum / max(count, 1)
@@ -686,28 +691,27 @@ class Pretrainer:
             self.logger.restart_window()
             stopped = False
             self.history = []
-            while self.step < target:
-                try:
-                    stepped = self.train_step()
-                except DataError:
-                    self._save_before_data_error()
-                    raise
-                if stepped:
-                    t0 = time.time()
-                    # Evaluate first: a checkpoint written at an evaluation step carries that evaluation
-                    # (its meta's last_eval, what `inspect` and a resumed run report), not the one before.
-                    if tc.eval_every and self.step % tc.eval_every == 0:
-                        self.evaluate()
-                    if self.step % tc.save_every == 0:
-                        self.save_checkpoint()
-                    self.logger.exclude_time(time.time() - t0)
-                if D.any_rank(self._stop.is_set(), self.dist):
-                    stopped = True
-                    break
-            self.logger.flush()
-            evaluated_now = self.last_eval is not None and self.last_eval.get("step") == self.step
-            if not stopped and tc.eval_every and self.step > 0 and not evaluated_now:
-                self.evaluate()  # the run's final numbers, even when max_steps is off the eval cadence
+            try:
+                while self.step < target:
+                    if self.train_step():
+                        t0 = time.time()
+                        # Evaluate first: a checkpoint written at an evaluation step carries that
+                        # evaluation (its meta's last_eval, what `inspect` and a resume report).
+                        if tc.eval_every and self.step % tc.eval_every == 0:
+                            self.evaluate()
+                        if self.step % tc.save_every == 0:
+                            self.save_checkpoint()
+                        self.logger.exclude_time(time.time() - t0)
+                    if D.any_rank(self._stop.is_set(), self.dist):
+                        stopped = True
+                        break
+                self.logger.flush()
+                evaluated_now = self.last_eval is not None and self.last_eval.get("step") == self.step
+                if not stopped and tc.eval_every and self.step > 0 and not evaluated_now:
+                    self.evaluate()  # the run's final numbers, even when max_steps is off the eval cadence
+            except DataError:  # a damaged training or validation batch, seen by all ranks together
+                self._save_before_data_error()
+                raise
             if self.step > 0 and self._last_saved != self.step:
                 self.save_checkpoint()
             if self.dist.is_main:
@@ -746,8 +750,9 @@ class Pretrainer:
             lock.release()
 
     def _save_before_data_error(self) -> None:
-        """A damaged batch stops the run (on every rank, see train_step), but the steps done since the
-        last checkpoint are good: save them, so that the run resumes here once the data is repaired."""
+        """A damaged batch stops the run (on every rank: see train_step and evaluate), but the steps done
+        since the last checkpoint are good: save them, so that the run resumes here once the data is
+        repaired."""
         if self.step == 0 or self._last_saved == self.step:
             return
         self.save_checkpoint()
