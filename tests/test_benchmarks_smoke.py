@@ -45,13 +45,27 @@ def test_bench_model_quick_prints_its_tables():
 
 
 @pytest.mark.slow
-def test_bench_model_estimates_the_sequential_scan_above_its_limit():
+def test_bench_model_estimates_the_sequential_scan_above_its_limit_and_prints_the_head_ceiling():
     out = run_script(
-        "bench_model.py", "--quick", "--threads", "1", "--seq-lens", "32,64", "--seq-max-len", "32",
+        "bench_model.py", "--quick", "--threads", "1", "--seq-lens", "32,2048", "--seq-max-len", "32",
         "--dtypes", "fp32", "--contexts", "8,16", "--decode-tokens", "2", "--scan-len", "32",
     )  # fmt: skip
     assert re.search(r"^\| 32 \| fp32 \| \d+ \| \d+ \| [\d.]+x \|", out, re.M), out
-    assert re.search(r"^\| 64 \| fp32 \| \d+ \| \d+ est\. \| [\d.]+x est\. \|", out, re.M), out
+    assert re.search(r"^\| 2048 \| fp32 \| \d+ \| \d+ est\. \| [\d.]+x est\. \|", out, re.M), out
+    # The whole-LM target line carries the ceiling the shared head sets: Transformer FLOPs / head FLOPs.
+    sys.path.insert(0, str(BENCH))
+    try:
+        from bench_model import QUICK, transformer_flops_per_token
+    finally:
+        sys.path.remove(str(BENCH))
+    from mamba3lite.model import ModelConfig
+
+    cfg = ModelConfig(**QUICK)
+    ceiling = 3 * transformer_flops_per_token(cfg, 2048) / (3 * 2 * cfg.d_model * cfg.vocab_size)
+    line = re.search(
+        r"^target Mamba-3 / Transformer >= 1x at T=2048 \(fp32\): .*ceiling.*: ([\d.]+)x\)$", out, re.M
+    )
+    assert line and float(line.group(1)) == pytest.approx(ceiling, abs=0.006), out
 
 
 @pytest.mark.slow
