@@ -74,6 +74,7 @@ def test_parity_tiny_budget_prints_its_table():
         "parity.py", "--steps", "4", "--threads", "1", "--batch", "8", "--d-model", "16", "--d-state", "16",
         "--headdim", "8", "--train-len", "6", "--eval-len", "12", "--eval-batch", "8",
     )  # fmt: skip
+    assert "A = -softplus(a)" in out  # the paper's A activation by default
     assert "| model | acc t<=6 | acc t>6 | acc all 12 | acc last | scaled t>6 | exact t>6 |" in out
     for label in ("Mamba-3 (trapezoid + RoPE)", "Mamba-3, no RoPE", "Mamba-2-style (Euler, no RoPE)"):
         pct = r" ([\d.]+)% \|"
