@@ -69,12 +69,14 @@ def test_bench_model_estimates_the_sequential_scan_above_its_limit_and_prints_th
 
 
 @pytest.mark.slow
-def test_parity_tiny_budget_prints_its_table():
+@pytest.mark.parametrize("activation", [None, "heavy_tail"])
+def test_parity_tiny_budget_prints_its_table(activation):
+    extra = ["--a-activation", activation] if activation else []
     out = run_script(
         "parity.py", "--steps", "4", "--threads", "1", "--batch", "8", "--d-model", "16", "--d-state", "16",
-        "--headdim", "8", "--train-len", "6", "--eval-len", "12", "--eval-batch", "8",
+        "--headdim", "8", "--train-len", "6", "--eval-len", "12", "--eval-batch", "8", *extra,
     )  # fmt: skip
-    assert "A = -softplus(a)" in out  # the paper's A activation by default
+    assert f"A = -{activation or 'softplus'}(a)" in out  # the paper's softplus by default
     assert "| model | acc t<=6 | acc t>6 | acc all 12 | acc last | scaled t>6 | exact t>6 |" in out
     for label in ("Mamba-3 (trapezoid + RoPE)", "Mamba-3, no RoPE", "Mamba-2-style (Euler, no RoPE)"):
         pct = r" ([\d.]+)% \|"
