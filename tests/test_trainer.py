@@ -326,3 +326,17 @@ def test_damaged_validation_shard_stops_at_the_evaluation_with_the_step_saved(tm
     good.tofile(shard)
     resumed = Pretrainer(cfg)
     assert resumed.train().step == 4 and resumed.last_eval["step"] == 4
+
+
+def test_resume_on_changed_data_warns_that_it_is_no_longer_exact(tmp_path):
+    data = tmp_path / "data"
+    cfg = tiny_config(tmp_path / "run", max_steps=2).replace("data", dummy=False, train_data_path=str(data))
+    make_dataset(data, seed=0)
+    Pretrainer(cfg).train()
+    make_dataset(data, seed=1)  # re-prepared: same tokenizer and size, other tokens
+    Pretrainer(cfg.replace("training", max_steps=4)).train()
+    warnings = [r for r in metrics(tmp_path / "run") if r.get("event") == "warning"]
+    assert len(warnings) == 1 and warnings[0]["step"] == 2
+    assert "changed since checkpoint step 2" in warnings[0]["message"]
+    Pretrainer(cfg.replace("training", max_steps=6)).train()  # unchanged since step 4: no new warning
+    assert sum(r.get("event") == "warning" for r in metrics(tmp_path / "run")) == 1

@@ -338,6 +338,16 @@ class Pretrainer:
             )
         self.step = int(meta["step"])
         self.tokens_seen = int(meta.get("tokens_seen", 0))
+        changed = saved_data.get("manifest_sha256") and mine_data.get("manifest_sha256")
+        if changed and saved_data["manifest_sha256"] != mine_data["manifest_sha256"] and self.dist.is_main:
+            # Same tokenizer, other data (re-prepared, grown): allowed, but the resume is no longer exact.
+            self.logger.event(
+                self.step,
+                "warning",
+                f"the training data at {self.cfg.data.train_data_path} changed since checkpoint step {step} "
+                "(its manifest differs): training goes on over the new data from the saved position, no "
+                "longer an exact continuation of the run",
+            )
         if "sampler" in meta:
             self.sampler.load_state_dict(meta["sampler"])
         elif self.dist.is_main:
