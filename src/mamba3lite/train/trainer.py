@@ -338,8 +338,8 @@ class Pretrainer:
             )
         self.step = int(meta["step"])
         self.tokens_seen = int(meta.get("tokens_seen", 0))
-        changed = saved_data.get("manifest_sha256") and mine_data.get("manifest_sha256")
-        if changed and saved_data["manifest_sha256"] != mine_data["manifest_sha256"] and self.dist.is_main:
+        saved_sha, mine_sha = saved_data.get("manifest_sha256"), mine_data.get("manifest_sha256")
+        if saved_sha and mine_sha and saved_sha != mine_sha and self.dist.is_main:
             # Same tokenizer, other data (re-prepared, grown): allowed, but the resume is no longer exact.
             self.logger.event(
                 self.step,
@@ -444,15 +444,12 @@ class Pretrainer:
             batches = [self._batch(indices[i * mb : (i + 1) * mb]) for i in range(accum)]
         except DataError as e:  # a shard whose bytes changed since prepare (the message names it)
             batches, bad = [], e
-        if D.any_rank(bad is not None, self.dist):
-            # All ranks stop here together (one rank raising alone would leave the others waiting in the
-            # gradient all-reduce), with the sampler put back to before this step: nothing of the step
-            # has happened, so the checkpoint `train` writes now resumes exactly here.
+        if (err := self._damaged_on_any_rank(bad, f"batch for step {self.step + 1}")) is not None:
+            # Nothing of the step has happened: with the sampler put back to before it, the checkpoint
+            # `train` writes now resumes exactly here.
             self.sampler.load_state_dict(sampler_before)
             self._sampler_iter = iter(self.sampler)
-            raise bad or DataError(
-                f"another rank's batch for step {self.step + 1} is damaged (its log names the shard)"
-            )
+            raise err
         good, loss_sum, skipped = 0, 0.0, 0
         for i in range(accum):
             x, y = batches[i]
@@ -588,12 +585,12 @@ class Pretrainer:
                 self.device,
                 self.autocast_dtype is not None,
             )
-        except DataError as e:  # a damaged val shard: every rank stops here (see train_step)
+        except DataError as e:  # a damaged val shard
             loss_sum, bad = 0.0, e
         finally:
             self.raw_model.train()
-        if D.any_rank(bad is not None, self.dist):
-            raise bad or DataError("another rank's validation batch is damaged (its log names the shard)")
+        if (err := self._damaged_on_any_rank(bad, "validation batch")) is not None:
+            raise err
         count = len(mine)
         loss_sum, count = D.sum_across([loss_sum, float(count)], self.dist)
         val_loss = loss_sum / max(count, 1)
@@ -722,8 +719,7 @@ class Pretrainer:
             except DataError:  # a damaged training or validation batch, seen by all ranks together
                 self._save_before_data_error()
                 raise
-            if self.step > 0 and self._last_saved != self.step:
-                self.save_checkpoint()
+            self._save_unsaved()
             if self.dist.is_main:
                 if stopped:
                     self.logger.event(
@@ -759,14 +755,24 @@ class Pretrainer:
             self.logger.close()
             lock.release()
 
-    def _save_before_data_error(self) -> None:
-        """A damaged batch stops the run (on every rank: see train_step and evaluate), but the steps done
-        since the last checkpoint are good: save them, so that the run resumes here once the data is
-        repaired."""
+    def _damaged_on_any_rank(self, mine: DataError | None, what: str) -> DataError | None:
+        """The error every rank raises together when any rank's batch was damaged (one rank raising alone
+        would leave the others waiting in the next collective), else None."""
+        if not D.any_rank(mine is not None, self.dist):
+            return None
+        return mine or DataError(f"another rank's {what} is damaged (its log names the shard)")
+
+    def _save_unsaved(self) -> bool:
+        """Save the current step unless it is step 0 or saved already; True if it saved."""
         if self.step == 0 or self._last_saved == self.step:
-            return
+            return False
         self.save_checkpoint()
-        if self.dist.is_main:
+        return True
+
+    def _save_before_data_error(self) -> None:
+        """A damaged batch stops the run (on every rank: `_damaged_on_any_rank`), but the steps done since
+        the last checkpoint are good: save them, so that the run resumes here once the data is repaired."""
+        if self._save_unsaved() and self.dist.is_main:
             self.logger.event(
                 self.step,
                 "save",
