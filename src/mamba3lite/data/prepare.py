@@ -473,10 +473,9 @@ def _check_args(
 
 
 def _check_out(out: Path, args_record: dict, overwrite: bool) -> None:
-    """Refuse to replace something that is not this same dataset, unless `overwrite`."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
-    if not out.is_dir() or overwrite:
+    """Refuse to replace something that is not this same dataset, unless `overwrite`. `out` is a
+    directory by now (`prepare` refused a file and created it to hold its lock)."""
+    if overwrite:
         return
     if (out / MANIFEST_NAME).exists():
         try:
