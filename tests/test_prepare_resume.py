@@ -97,27 +97,23 @@ def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
     assert tree_hashes(tmp_path / "ds3") == tree_hashes(tmp_path / "ref")
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after "pid (comm)": state, ppid, ...; None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _children(pid: int) -> list[int]:
     """Processes whose parent is `pid` (Linux /proc)."""
-    kids = []
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                with open(f"/proc/{stat}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(stat))
-    return kids
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and (st := _stat(p)) and int(st[1]) == pid]
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"  # a zombie has exited
 
 
 def _prepare_cmd(out, *extra):
