@@ -222,6 +222,29 @@ def test_bf16_autocast_forward_backward_finite():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.parametrize("mimo", [False, True])
+def test_model_cast_to_bf16_runs_and_matches_fp32(mimo):
+    """Weights in bf16 (`model.to(torch.bfloat16)`, e.g. to halve memory for generation), no autocast:
+    RMSNorm and the scan return ≥ fp32, which each Linear takes in its own dtype."""
+    kw = {"is_mimo": True, "mimo_rank": 2} if mimo else {}
+    fp32 = make_model(dtype=torch.float32, **kw)
+    bf16 = make_model(dtype=torch.float32, **kw).to(torch.bfloat16)
+    x = ids(T=20)
+    x[0, 9] = EOS
+    ref, logits = fp32(x), bf16(x)
+    assert logits.dtype == torch.bfloat16
+    assert (logits.float() - ref).norm() / ref.norm() < 0.03
+    loss = bf16(x[:, :-1], x[:, 1:])
+    assert abs(loss.item() - fp32(x[:, :-1], x[:, 1:]).item()) < 0.05
+    loss.backward()
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all() for p in bf16.parameters())
+    cache = bf16.allocate_cache(2)
+    last, cache = bf16.prefill(x[:, :7], cache)
+    for t in range(7, 20):
+        last = bf16.step(x[:, t], cache)
+    assert (last.float() - ref[:, -1]).norm() / ref[:, -1].norm() < 0.03
+
+
 @pytest.mark.slow
 def test_torch_compile_matches_eager():
     torch.manual_seed(0)

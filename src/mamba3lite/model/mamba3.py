@@ -42,6 +42,12 @@ class RMSNorm(nn.Module):
         return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(xf.dtype), self.eps)
 
 
+def linear_in_own_dtype(linear: nn.Linear, x: Tensor) -> Tensor:
+    """linear(x) with x cast to the weights' dtype: RMSNorm and the scan return ≥ fp32, which a model
+    built (or cast) in bf16 cannot multiply; under autocast (fp32 weights) the cast is a no-op."""
+    return linear(x.to(linear.weight.dtype))
+
+
 def heavy_tail(a: Tensor) -> Tensor:
     """f(a) = 1 + a for a ≥ 0 and 1/(1 − a) for a < 0: positive, C¹, linear tail (official HEAD)."""
     return torch.where(a >= 0, 1 + a, 1 / (1 - a.clamp(max=0)))
@@ -290,7 +296,7 @@ class Mamba3(nn.Module):
     def _project(self, u_BTD: Tensor):
         """in_proj, split, per-head scalars. Returns z (B,T,E), x (B,T,H,P), B, C (B,T,R,G,N),
         Δ, A, λ (B,H,T) in ≥ fp32, dθ (B,H,T,S) or None."""
-        parts = torch.split(self.in_proj(u_BTD), self._split, dim=-1)
+        parts = torch.split(linear_in_own_dtype(self.in_proj, u_BTD), self._split, dim=-1)
         z, x, Bp, Cp, a_dt, a_A = parts[:6]
         sd = torch.promote_types(a_dt.dtype, torch.float32)
         dt = F.softplus(a_dt.transpose(1, 2).to(sd) + self.dt_bias.to(sd)[:, None])
@@ -340,8 +346,9 @@ class Mamba3(nn.Module):
         if self.is_outproj_norm:
             y = F.rms_norm(y, (P,), eps=self.norm.eps) * self.norm.weight.view(H, 1, 1, P).to(y.dtype)
         amp_dtype = autocast_dtype(y.device.type)
-        if amp_dtype is not None:  # out_proj would cast it; the gate keeps the cast
-            y = y.to(amp_dtype)
+        # out_proj would cast it under autocast (the gate keeps the cast); without autocast it needs the
+        # weights' dtype (a model built or cast to bf16: the scan's output is ≥ fp32).
+        y = y.to(amp_dtype or self.out_proj.weight.dtype)
         zr = z_BTE.unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
         if self.is_mimo:
             zr = zr * self.mimo_z[:, None].to(zr.dtype)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from mamba3lite.model.config import ModelConfig
-from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache, RMSNorm
+from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache, RMSNorm, linear_in_own_dtype
 from mamba3lite.model.sampling import sample_next
 from mamba3lite.model.scan import autocast_dtype
 
@@ -46,7 +46,7 @@ class GatedMLP(nn.Module):
         self.fc2 = nn.Linear(d_hidden, d_model, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        v, g = self.fc1(x).chunk(2, dim=-1)
+        v, g = linear_in_own_dtype(self.fc1, x).chunk(2, dim=-1)
         return self.fc2(v * F.silu(g))
 
 
@@ -229,8 +229,9 @@ class Mamba3Transformer(nn.Module):
     def forward(self, input_ids_BT: Tensor, targets_BT: Tensor | None = None) -> Tensor:
         h_BTD = self._body(input_ids_BT, self._resets(input_ids_BT, None))
         if targets_BT is None:
-            return self.lm_head(h_BTD)
-        return linear_cross_entropy(h_BTD.flatten(0, 1), self.lm_head.weight, targets_BT.flatten())
+            return linear_in_own_dtype(self.lm_head, h_BTD)
+        w_VD = self.lm_head.weight
+        return linear_cross_entropy(h_BTD.flatten(0, 1).to(w_VD.dtype), w_VD, targets_BT.flatten())
 
     # ---- decode ----
     def allocate_cache(self, batch_size: int, device=None, dtype=None) -> ModelCache:
@@ -250,7 +251,7 @@ class Mamba3Transformer(nn.Module):
         reset_BT = self._resets(input_ids_BT, cache.last_token_B)
         h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
         cache.last_token_B.copy_(input_ids_BT[:, -1])
-        return self.lm_head(h_BTD[:, -1]), cache
+        return linear_in_own_dtype(self.lm_head, h_BTD[:, -1]), cache
 
     @torch.no_grad()
     def step(self, token_B: Tensor, cache: ModelCache) -> Tensor:
@@ -260,7 +261,7 @@ class Mamba3Transformer(nn.Module):
         for block, layer_cache in zip(self.layers, cache.layers):
             x_BD = block.step(x_BD, layer_cache, reset_B)
         cache.last_token_B.copy_(token_B)
-        return self.lm_head(self.norm_f(x_BD))
+        return linear_in_own_dtype(self.lm_head, self.norm_f(x_BD))
 
     @torch.no_grad()
     def generate(
