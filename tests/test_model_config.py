@@ -66,6 +66,7 @@ def test_derived_sizes_of_defaults():
         ({"is_mimo": 1}, "is_mimo"),
         ({"norm_eps": "abc"}, "norm_eps"),
         ({"d_state": 2, "rope_fraction": 0.5}, "d_state"),
+        ({"d_state": 15}, "d_state"),  # SISO too: the rotation pairs channels (2i, 2i+1)
     ],
 )
 def test_invalid_values_name_the_field(kw, field):

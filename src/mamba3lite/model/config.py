@@ -132,8 +132,8 @@ class ModelConfig:
             raise bad("rope_fraction", "must be 0.5 or 1.0")
         if self.n_angles < 1:
             raise bad("d_state", "is too small: int(d_state * rope_fraction) must be >= 2")
-        if self.is_mimo and self.d_state % 2:
-            raise bad("d_state", "must be even for MIMO (split-half rotation pairs)")
+        if self.rope and self.d_state % 2:
+            raise bad("d_state", "must be even (the rotation turns channels in pairs)")
         if self.a_activation not in A_ACTIVATIONS:
             raise bad("a_activation", f"must be one of {', '.join(A_ACTIVATIONS)}")
         if not self.A_floor >= 0:
