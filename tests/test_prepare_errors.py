@@ -135,6 +135,28 @@ def test_failure_mid_run_leaves_the_previous_dataset_intact(existing, tmp_path):
     assert verify_dataset(out) == []
 
 
+def test_a_manifest_that_cannot_be_written_leaves_the_previous_dataset_intact(
+    existing, tmp_path, monkeypatch
+):
+    """The last step (disk full, or a manifest that fails validation) fails before the old dataset's
+    manifest and splits are replaced."""
+    out, before = existing
+    src = _jsonl(tmp_path / "new.jsonl", _docs(40, "new"))
+
+    def disk_full(self, dataset_dir):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Manifest, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        prepare([src], out, workers=0, min_chars=1, overwrite=True)
+    after = tree_hashes(out)
+    assert {k: v for k, v in after.items() if not k.startswith(".prepare")} == before
+    monkeypatch.undo()
+    assert verify_dataset(out) == []
+    prepare([src], out, workers=0, min_chars=1, overwrite=True)  # and the same command then succeeds
+    assert verify_dataset(out) == [] and Manifest.load(out).extra["stats"]["kept"] == 40
+
+
 def test_failure_in_a_workers_run_is_reported_cleanly(cli, existing, tmp_path):
     out, before = existing
     src = _jsonl(tmp_path / "new.jsonl", _docs(100, "new"), bad_at=60, bad=b'{"body": "no text"}\n')

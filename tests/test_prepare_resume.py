@@ -58,6 +58,8 @@ def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatc
         with pytest.raises(_Interrupt):
             P.prepare(sources, out, **KW)
     assert (out / P.STAGE_DIRNAME / P.STATE_NAME).is_file() and not (out / "manifest.json").exists()
+    # What a write killed mid-way (SIGKILL, power loss) leaves behind; the finished dataset must not carry it.
+    (out / P.STAGE_DIRNAME / "train" / ".shard_99999.bin.x1y2z3.tmp").write_bytes(b"half a shard")
     resumed = P.prepare(sources, out, **KW)
     assert resumed.resumed_shards == n_snapshots
     assert tree_hashes(out) == tree_hashes(tmp_path / "ref")

@@ -936,7 +936,13 @@ def _public_stats(stats: dict) -> dict:
 
 
 def _finalize(stage: Path, out: Path, manifest: Manifest) -> None:
-    """Move the staged shards into `out` and write the manifest last."""
+    """Move the staged shards into `out` and put the manifest in place last. The manifest is validated
+    and written into the staging dir first, so a manifest that cannot be written (invalid, disk full)
+    fails before anything in `out`, an older dataset included, is touched."""
+    manifest.save(stage)
+    for split in SPLITS:  # temp files of writes killed mid-way in an earlier, resumed run
+        for tmp in (stage / split).glob(".*.tmp"):
+            tmp.unlink()
     old = out / MANIFEST_NAME
     if old.exists():
         old.unlink()  # from here on `out` is not a dataset until the new manifest lands
@@ -948,5 +954,6 @@ def _finalize(stage: Path, out: Path, manifest: Manifest) -> None:
         if (stage / split).is_dir():
             os.replace(stage / split, dst)
     shards.fsync_dir(out)
-    manifest.save(out)
+    os.replace(stage / MANIFEST_NAME, old)
+    shards.fsync_dir(out)
     shutil.rmtree(stage)
