@@ -312,6 +312,21 @@ def test_hf_tokenizer_json_and_eos_inside_text_is_removed(tmp_path):
     assert len(shard) == 2 and all(np.all(doc != 0) for doc in shard)
 
 
+def test_hf_tokenizer_with_gaps_in_its_ids_gets_the_largest_id_plus_one_as_vocab_size(tmp_path):
+    """A pruned vocabulary: 5 tokens, ids up to 9. The token count (5) would put EOS outside the
+    vocabulary and the manifest would be refused after all the work."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "foo": 3, "<|endoftext|>": 9}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "a.txt").write_text("hello world foo hello world\n")
+    prepare([str(tmp_path / "a.txt")], tmp_path / "ds", tokenizer=str(tmp_path / "tok.json"), workers=0,
+            val_fraction=0.0, min_chars=1)  # fmt: skip
+    m = Manifest.load(tmp_path / "ds")
+    assert (m.vocab_size, m.eos_id) == (10, 9) and verify_dataset(tmp_path / "ds") == []
+
+
 def test_progress_bars_do_not_change_the_output(tmp_path, capsys):
     a, b = _two_sources(tmp_path, n=40)
     prepare([a, b], tmp_path / "quiet", workers=0, shard_tokens=100, min_chars=1)

@@ -132,8 +132,11 @@ class HFTokenizer:
         except Exception as e:
             raise ConfigError(f"cannot read tokenizer file {path}: {e}") from e
         self.name = str(Path(path).resolve())
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        # Ids may have gaps (a pruned vocabulary): the size is the largest id + 1, not the token count.
+        self.vocab_size = max(
+            self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1
+        )
         eos = next((vocab[t] for t in self._EOS_CANDIDATES if t in vocab), None)
         if eos is None:
             raise ConfigError(
