@@ -41,6 +41,16 @@ def test_missing_path_cli(cli, tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.parametrize("value", ["inf", "1e400", "nan", "2.5", "many"])
+def test_counts_that_are_not_whole_finite_numbers_are_usage_errors(cli, tmp_path, value):
+    (tmp_path / "a.txt").write_text("text long enough to keep")
+    r = cli(
+        "prepare", "--source", str(tmp_path / "a.txt"), "--out", str(tmp_path / "ds"), "--max-docs", value
+    )
+    assert r.returncode == 2 and "--max-docs" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "ds").exists()
+
+
 def test_unknown_tokenizer(cli, tmp_path):
     (tmp_path / "a.txt").write_text("text long enough to keep")
     with pytest.raises(ConfigError, match="unknown tokenizer 'gpt3'"):
