@@ -436,6 +436,14 @@ def test_torch_file_must_hold_a_1d_integer_tensor(tmp_path, obj):
         PretrainDataset(tmp_path, 4, 100)
 
 
+@pytest.mark.parametrize("obj", [np.arange(50), np.arange(6).reshape(2, 3)])
+def test_torch_file_with_a_pickled_non_tensor_is_one_line_naming_the_fix(tmp_path, obj):
+    torch.save(obj, tmp_path / "shard_0000.bin")
+    with pytest.raises(DataError, match=r"shard_0000\.bin: holds a pickled object.*torch\.from_numpy") as e:
+        PretrainDataset(tmp_path, 4, 100)
+    assert "\n" not in str(e.value) and "weights_only" not in str(e.value)
+
+
 def test_corpus_too_short_for_one_window(tmp_path):
     write_manifest_dataset(tmp_path, [np.arange(16)], vocab=100)
     with pytest.raises(DataError, match="no window"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import operator
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,15 @@ def _load_torch_tokens(path: Path) -> torch.Tensor:
     """Memory-map a torch.save'd 1-D integer tensor (weights_only: no arbitrary pickles)."""
     try:
         obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-    except Exception as e:  # torch raises many types for corrupt or foreign archives
+    except pickle.UnpicklingError:  # weights_only refused a pickled object (a numpy array, ...)
         raise DataError(
-            f"{path}: cannot load as a torch.save'd token tensor ({type(e).__name__}: {e})"
+            f"{path}: holds a pickled object other than a tensor (or a damaged pickle); save a 1-D "
+            "integer tensor of token ids (e.g. torch.save(torch.from_numpy(ids), path))"
+        ) from None
+    except Exception as e:  # torch raises many types for corrupt or foreign archives
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # torch's are paragraphs
+        raise DataError(
+            f"{path}: cannot load as a torch.save'd token tensor ({type(e).__name__}: {first})"
         ) from None
     if not isinstance(obj, torch.Tensor) or obj.dim() != 1 or obj.dtype not in _TORCH_INT_DTYPES:
         what = (
