@@ -29,6 +29,7 @@ def test_clean_text():
     assert clean_text("nul\x00 bell\x07 del\x7f c1\x85 tab\tnl\n") == ("nul bell del c1 tab\tnl\n", 0)
     nfd = "cafe\u0301"
     assert clean_text(nfd) == (unicodedata.normalize("NFC", nfd), 0)
+    assert clean_text("e\x01\u0301") == ("\u00e9", 0)  # NFC after the control character is gone
     assert clean_text("bad \udcff\udcfe") == ("bad \ufffd\ufffd", 2)
     assert clean_text("emoji 👍🏽 zwj 👩‍💻") == ("emoji 👍🏽 zwj 👩‍💻", 0)
 

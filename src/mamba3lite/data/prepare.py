@@ -131,10 +131,11 @@ def clean_text(text: str) -> tuple[str, int]:
         n_replaced = 0
     else:
         text, n_replaced = replace_surrogates(text)
-        text = unicodedata.normalize("NFC", text)
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = _CONTROL_RE.sub("", text)
+    if not text.isascii():  # last: removing a control character can join a letter and a combining mark
+        text = unicodedata.normalize("NFC", text)
     return text, n_replaced
 
 
