@@ -373,7 +373,7 @@ def test_size_not_multiple_of_dtype(tmp_path):
 
 def test_raw_without_manifest_needs_dtype(tmp_path):
     np.arange(100, dtype="<u4").tofile(tmp_path / "tokens.bin")
-    with pytest.raises(DataError, match=r"tokens\.bin.*pass dtype"):
+    with pytest.raises(DataError, match=r"tokens\.bin.*data\.token_dtype"):
         PretrainDataset(tmp_path / "tokens.bin", 16, 200)
 
 

@@ -93,3 +93,34 @@ def test_bad_inputs_are_one_line_errors(tmp_path, trained, data, capsys):
         assert main(["eval", *args]) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and "Traceback" not in err, (args, err)
+
+
+def test_raw_seed_shards_train_and_eval_with_token_dtype(tmp_path, capsys):
+    """The seed pipeline's raw uint32 shards (no manifest): data.token_dtype names their dtype for the
+    trainer, and eval takes it from the run's config (or --token-dtype)."""
+    raw = tmp_path / "seed_shards"
+    raw.mkdir()
+    rng = np.random.default_rng(0)
+    for k in range(2):
+        rng.integers(0, 50257, 200).astype("<u4").tofile(raw / f"shard_{k:04d}.bin")
+    run = tmp_path / "run"
+    cfg = tiny_config(run, raw, max_steps=2, save_every=2, eval_every=0)
+    with pytest.raises(DataError, match=r"shard_0000\.bin.*data\.token_dtype"):
+        Pretrainer(cfg).train()
+    Pretrainer(cfg.replace("data", token_dtype="uint32")).train()
+    capsys.readouterr()  # the trainer's log lines
+    assert main(["eval", "--checkpoint-dir", str(run), "--data-path", str(raw), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["split"] == "train" and math.isfinite(r["loss"]) and r["windows"] == (400 - 1) // 16
+    args = [
+        "eval",
+        "--checkpoint-dir",
+        str(run),
+        "--data-path",
+        str(raw),
+        "--json",
+        "--token-dtype",
+        "uint16",
+    ]
+    assert main(args) == 0  # read as uint16: a different (in-vocabulary) token stream
+    assert json.loads(capsys.readouterr().out)["windows"] == (800 - 1) // 16

@@ -146,6 +146,9 @@ class TrainingConfig:
         return self.windows_per_step(world_size) * self.max_seq_len
 
 
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from. Paths are dataset directories (manifest.json) or seed-format files."""
@@ -159,10 +162,20 @@ class DataConfig:
         "when its manifest has one, else no evaluation",
     )
     dummy: bool = _f(False, "train on seeded random tokens instead of data (plumbing tests only)")
+    token_dtype: str | None = _f(
+        None,
+        "dtype of raw token files without a manifest (uint32 for the seed pipeline's shards); "
+        "a prepared dataset's manifest records its own",
+    )
 
     def __post_init__(self) -> None:
         if not self.dummy and not self.train_data_path:
             raise ConfigError("data.train_data_path must be set (or data.dummy: true for random tokens)")
+        if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
+            raise ConfigError(
+                f"data.token_dtype must be one of {', '.join(TOKEN_DTYPES)} (or unset), "
+                f"got {self.token_dtype!r}"
+            )
 
 
 def _model_config_cls() -> type:

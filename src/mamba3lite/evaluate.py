@@ -125,6 +125,7 @@ def evaluate_model(
     dtype: str = "fp32",
     vocab_hash: str | None = None,
     tokenizer_name: str = "gpt2",
+    token_dtype: str | None = None,
 ) -> EvalResult:
     """Mean loss of `model` over windows of `data_path` (see the module docstring).
 
@@ -140,7 +141,7 @@ def evaluate_model(
         raise ConfigError(f"--max-batches must be >= 1, got {max_batches}")
     cfg = model.cfg
     split = pick_split(data_path, split)
-    ds = PretrainDataset(data_path, max_seq_len, cfg.vocab_size, split=split)
+    ds = PretrainDataset(data_path, max_seq_len, cfg.vocab_size, split=split, dtype=token_dtype)
     if ds.manifest is not None:
         check_compatible(ds.manifest, cfg.vocab_size, cfg.eos_id, vocab_hash, tokenizer_name)
     n = len(ds)

@@ -16,6 +16,7 @@ import json
 import sys
 
 from mamba3lite.commands.options import add_checkpoint_options
+from mamba3lite.config import TOKEN_DTYPES
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset"
 
@@ -45,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B",
         help="windows per batch (default: the run's micro_batch_size)",
     )
+    parser.add_argument(
+        "--token-dtype",
+        choices=TOKEN_DTYPES,
+        default=None,
+        help="dtype of raw token files without a manifest (default: the run's data.token_dtype)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -66,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=tc.dtype,
         vocab_hash=loaded.vocab_hash,
         tokenizer_name=loaded.tokenizer_name,
+        token_dtype=args.token_dtype or loaded.config.data.token_dtype,
     )
     if args.json:
         out = {"checkpoint_dir": str(loaded.run_dir), "step": loaded.step, **result.to_dict()}

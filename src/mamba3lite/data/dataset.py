@@ -227,8 +227,9 @@ class PretrainDataset(Dataset):
             return None
         if np_dtype is None:
             raise DataError(
-                f"{path} is a raw token file without a manifest, so its dtype is unknown: pass dtype "
-                f"(e.g. dtype='uint32' for the seed pipeline's files, 'uint16' for GPT-2-sized vocabularies)"
+                f"{path} is a raw token file without a manifest, so its dtype is unknown: set "
+                "data.token_dtype in the run's config (`eval --token-dtype`; dtype= in Python): uint32 for "
+                "the seed pipeline's files, uint16 for GPT-2-sized vocabularies"
             )
         return np_dtype
 

@@ -242,6 +242,7 @@ class Pretrainer:
             split="train",
             dummy=dc.dummy,
             seed=tc.seed,
+            dtype=None if dc.dummy else dc.token_dtype,
         )
 
     def _build_val_data(self) -> Any:
@@ -264,7 +265,7 @@ class Pretrainer:
             split = (
                 "val" if (p / "manifest.json").exists() and Manifest.load(p).split_shards("val") else "train"
             )
-            return PretrainDataset(p, tc.max_seq_len, vocab, split=split)
+            return PretrainDataset(p, tc.max_seq_len, vocab, split=split, dtype=dc.token_dtype)
         manifest = getattr(self.train_data, "manifest", None)
         if manifest is not None and manifest.n_tokens("val") > tc.max_seq_len:
             return PretrainDataset(dc.train_data_path, tc.max_seq_len, vocab, split="val")
