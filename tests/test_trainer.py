@@ -234,6 +234,20 @@ def test_evaluation_on_manifest_val_split_with_bits_per_byte(tmp_path):
     assert (tmp_path / "run" / "config.yaml").read_text().count("train_data_path") == 1
 
 
+def test_epoch_boundaries_and_skipped_windows_are_logged(tmp_path):
+    """The windows that do not fill a global batch are skipped each epoch: said at the start and at
+    every new epoch (the seed's DataLoader(drop_last=True) dropped them without a word)."""
+    data = make_dataset(tmp_path / "data", n_train=420)  # 419 // 16 = 26 windows: 6 steps of 4, 2 skipped
+    cfg = tiny_config(tmp_path / "run", max_steps=8).replace("data", dummy=False, train_data_path=data)
+    Pretrainer(cfg).train()
+    events = [r for r in metrics(tmp_path / "run") if r["kind"] == "event"]
+    start = next(r for r in events if r["event"] == "start")
+    assert "epoch 0 of 6 steps over 26 windows, 2 skipped per epoch" in start["message"]
+    (epoch,) = [r for r in events if r["event"] == "epoch"]
+    assert epoch["step"] == 6 and epoch["message"].startswith("epoch 1 of 6 steps")
+    assert epoch["message"].endswith("begins at step 7")
+
+
 def test_logged_tokens_per_second_counts_accumulation(tmp_path):
     t = Pretrainer(tiny_config(tmp_path, max_steps=4, log_every=2))
     t.train()

@@ -203,6 +203,7 @@ class Pretrainer:
             shuffle=True,
         )
         self._sampler_iter = iter(self.sampler)
+        self._epoch_seen = self.sampler.epoch  # an "epoch" event when the sampler moves past it
         self.ckpt = CheckpointManager(self.run_dir, keep_last_n=tc.keep_last_n)
         self.autocast_dtype = torch.bfloat16 if tc.dtype == "bf16" else None
 
@@ -440,6 +441,15 @@ class Pretrainer:
         sampler_before = self.sampler.state_dict()
         indices = self._next_indices()
         assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
+        if self.sampler.epoch != self._epoch_seen:
+            self._epoch_seen = self.sampler.epoch
+            if self.dist.is_main:
+                self.logger.event(
+                    self.step,
+                    "epoch",
+                    f"{self._epoch_summary()} begins at step {self.step + 1}",
+                    tokens_total=self.tokens_seen,
+                )
         bad: DataError | None = None
         try:
             batches = [self._batch(indices[i * mb : (i + 1) * mb]) for i in range(accum)]
@@ -693,9 +703,11 @@ class Pretrainer:
                     self.step,
                     "start",
                     f"{what} at step {self.step} -> {target} on "
-                    f"{self.dist.world_size} x {self.device}; {self._tokens_per_step:,} tokens/step",
+                    f"{self.dist.world_size} x {self.device}; {self._tokens_per_step:,} tokens/step; "
+                    f"{self._epoch_summary()}",
                     tokens_total=self.tokens_seen,
                 )
+            self._epoch_seen = self.sampler.epoch
             self.logger.restart_window()
             stopped = False
             self.history = []
@@ -755,6 +767,18 @@ class Pretrainer:
                 signal.signal(sig, h)
             self.logger.close()
             lock.release()
+
+    def _epoch_summary(self) -> str:
+        """An epoch's size in steps, and the windows each epoch skips (made visible: the seed's DataLoader
+        dropped them silently)."""
+        s = self.sampler
+        text = f"epoch {s.epoch} of {s.batches_per_epoch:,} steps over {s.n_windows:,} windows"
+        if s.tail_per_epoch:
+            text += (
+                f", {s.tail_per_epoch:,} skipped per epoch (n_windows % global batch {s.global_batch_size}; "
+                f"{'different ones each epoch' if s.shuffle else 'always the last ones'})"
+            )
+        return text
 
     def _damaged_on_any_rank(self, mine: DataError | None, what: str) -> DataError | None:
         """The error every rank raises together when any rank's batch was damaged (one rank raising alone
