@@ -15,7 +15,7 @@ import torch
 
 from mamba3lite.config import Config
 from mamba3lite.data.shards import write_dataset
-from mamba3lite.errors import CheckpointError, DataError, TrainingError
+from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
 from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
 from mamba3lite.train.trainer import INJECT_ENV, Pretrainer, parse_injection
 from tiny_shapes import TINY_MODEL_SHAPE
@@ -246,6 +246,24 @@ def test_epoch_boundaries_and_skipped_windows_are_logged(tmp_path):
     (epoch,) = [r for r in events if r["event"] == "epoch"]
     assert epoch["step"] == 6 and epoch["message"].startswith("epoch 1 of 6 steps")
     assert epoch["message"].endswith("begins at step 7")
+
+
+def test_val_data_path_equal_to_the_training_data_without_a_val_split_is_refused(tmp_path):
+    tokens = np.arange(2000) % (VOCAB - 1) + 1
+    data = str(tmp_path / "data")
+    write_dataset(
+        data,
+        [("train", tokens, 1, 2000)],
+        vocab_size=VOCAB,
+        eos_id=0,
+        tokenizer={"name": "t", "vocab_hash": "ab" * 32},
+    )
+    cfg = tiny_config(tmp_path / "run", eval_every=2).replace(
+        "data", dummy=False, train_data_path=data, val_data_path=str(tmp_path / "data" / ".")
+    )
+    with pytest.raises(ConfigError, match=r"val_data_path .* is the training data.*held-out"):
+        Pretrainer(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 def test_logged_tokens_per_second_counts_accumulation(tmp_path):

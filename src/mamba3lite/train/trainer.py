@@ -266,6 +266,11 @@ class Pretrainer:
             split = (
                 "val" if (p / "manifest.json").exists() and Manifest.load(p).split_shards("val") else "train"
             )
+            if split == "train" and p.resolve() == Path(dc.train_data_path).resolve():
+                raise ConfigError(
+                    f"data.val_data_path {dc.val_data_path} is the training data, which has no val split: "
+                    "validating on it would measure memorisation; point it at held-out data, or unset it"
+                )
             return PretrainDataset(p, tc.max_seq_len, vocab, split=split, dtype=dc.token_dtype)
         manifest = getattr(self.train_data, "manifest", None)
         if manifest is not None and manifest.n_tokens("val") > tc.max_seq_len:
