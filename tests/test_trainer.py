@@ -166,6 +166,32 @@ def test_rollbacks_without_progress_are_bounded(tmp_path, monkeypatch):
     assert CheckpointManager(tmp_path).latest_step() == 4
 
 
+def test_persistent_non_finite_gradient_norm_rolls_back_then_stops(tmp_path):
+    """Finite losses, overflowing backward (every gradient of one parameter is inf): each micro-step's
+    finite loss resets the per-micro-step NaN streak, so the steps are counted on their own; the run
+    rolls back after nan_guard_max_consecutive such steps and stops at max_rollbacks instead of looping."""
+    t = Pretrainer(
+        tiny_config(tmp_path, max_steps=20, save_every=2, nan_guard_max_consecutive=3, max_rollbacks=1)
+    )
+    poisoned = []
+
+    def overflow(g):
+        if t.step < 2:
+            return g
+        poisoned.append(1)
+        assert len(poisoned) < 100, "the guard never fired: the run loops on the same step"
+        return g * float("inf")
+
+    t.params[0].register_hook(overflow)
+    with pytest.raises(TrainingError, match="max_rollbacks = 1"):
+        t.train()
+    assert t.rollbacks == 1 and t.step == 2
+    rows = metrics(tmp_path)
+    (rb,) = [r for r in rows if r.get("event") == "rollback"]
+    assert "3 consecutive non-finite gradient norms at step 3: rolled back to step 2" in rb["message"]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+
+
 def test_explicit_resume_loads_exactly_that_step(tmp_path):
     run = tmp_path / "run"
     a = Pretrainer(tiny_config(run, max_steps=6, save_every=2))

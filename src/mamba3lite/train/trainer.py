@@ -210,7 +210,8 @@ class Pretrainer:
         self.step = 0
         self.tokens_seen = 0
         self.micro_count = 0  # per process, never restored: the fault-injection clock
-        self.nan_streak = 0
+        self.nan_streak = 0  # consecutive micro-steps with a non-finite loss
+        self.bad_grad_streak = 0  # consecutive steps with finite losses but a non-finite gradient norm
         self.rollbacks = 0
         self._rollbacks_without_progress = 0
         self._rollback_floor = -1  # a save past this step counts as progress
@@ -492,7 +493,7 @@ class Pretrainer:
                     tokens_total=self.tokens_seen,
                 )
             if self.nan_streak >= tc.nan_guard_max_consecutive:
-                self._rollback()
+                self._rollback(f"{self.nan_streak} consecutive non-finite losses")
                 return False
         tokens = self._tokens_per_step
         self.tokens_seen += tokens
@@ -510,21 +511,25 @@ class Pretrainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         if not math.isfinite(grad_norm):  # finite loss, overflowing backward: skip like a NaN loss
             self.optimizer.zero_grad(set_to_none=True)
-            self.nan_streak += 1
+            # Counted per step: the finite losses of its micro-steps have just reset nan_streak.
+            self.bad_grad_streak += 1
             if self.dist.is_main:
                 self.logger.event(
                     self.step,
                     "nan_skip",
-                    f"non-finite gradient norm at step {self.step + 1}; optimizer step skipped",
+                    f"non-finite gradient norm at step {self.step + 1}; optimizer step skipped "
+                    f"({self.bad_grad_streak} in a row)",
                     tokens_total=self.tokens_seen,
                 )
-            if self.nan_streak >= tc.nan_guard_max_consecutive:
-                self._rollback()
+            if self.bad_grad_streak >= tc.nan_guard_max_consecutive:
+                self._rollback(f"{self.bad_grad_streak} consecutive non-finite gradient norms")
+                return False
             self._pending_skipped += skipped + good
             self._pending_tokens += tokens
             return False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.bad_grad_streak = 0
         self.step += 1
         loss_mean = D.mean_across(loss_sum / good, self.dist)
         self.history.append((self.step, loss_mean))
@@ -540,8 +545,8 @@ class Pretrainer:
         self._pending_skipped = self._pending_tokens = 0
         return True
 
-    def _rollback(self) -> None:
-        streak = self.nan_streak
+    def _rollback(self, why: str) -> None:
+        """Back to the newest checkpoint after `why` (e.g. "5 consecutive non-finite losses")."""
         self.optimizer.zero_grad(set_to_none=True)
         target = -1
         if self.dist.is_main:
@@ -550,7 +555,7 @@ class Pretrainer:
         target = D.broadcast_int(target, self.dist)
         if target < 0:
             raise TrainingError(
-                f"{streak} consecutive non-finite losses at step {self.step + 1} and no checkpoint in "
+                f"{why} at step {self.step + 1} and no checkpoint in "
                 f"{self.run_dir} to roll back to; lower training.lr, check the data, or save earlier "
                 "(training.save_every)"
             )
@@ -565,15 +570,14 @@ class Pretrainer:
         self._restore(target)
         self.rollbacks += 1
         self._rollback_floor = max(self._rollback_floor, target)
-        self.nan_streak = 0
+        self.nan_streak = self.bad_grad_streak = 0
         self._pending_skipped = self._pending_tokens = 0
         if self.dist.is_main:
             marked = self.logger.supersede_after(target)
             self.logger.event(
                 self.step,
                 "rollback",
-                f"{streak} consecutive non-finite micro-steps at step "
-                f"{from_step + 1}: rolled back to step {target}; {marked} rows superseded",
+                f"{why} at step {from_step + 1}: rolled back to step {target}; {marked} rows superseded",
                 tokens_total=self.tokens_seen,
             )
             self.logger.restart_window()
