@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import numpy as np
 import pytest
@@ -189,19 +190,108 @@ def test_explicit_step_loads_exactly_that_step(tmp_path):
         mgr.load(30, m, o)
 
 
+def _save_seed_format(directory, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The seed: both copies of the tied tensor (the second cloned), index-keyed optimizer, no hashes."""
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(directory / f"model_step_{step}.safetensors"))
+    torch.save(opt.state_dict(), directory / f"optim_step_{step}.pt")
+    meta = {"step": step, "opt_steps": step, "tag": f"step_{step}"}
+    (directory / f"meta_step_{step}.json").write_text(json.dumps(meta))
+
+
 def test_seed_format_with_both_tied_copies_still_loads(tmp_path):
     model, opt = _trained()
-    # The seed: both copies of the tied tensor (the second cloned), index-keyed optimizer, no hashes.
-    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp_path / "model_step_5.safetensors"))
-    torch.save(opt.state_dict(), tmp_path / "optim_step_5.pt")
-    (tmp_path / "meta_step_5.json").write_text(json.dumps({"step": 5, "opt_steps": 5, "tag": "step_5"}))
+    _save_seed_format(tmp_path, 5, model, opt)
     mgr = CheckpointManager(tmp_path)
     assert mgr.latest_step() == 5 and mgr.status(5).format == "seed"
     m2, o2 = _fresh()
     with pytest.warns(UserWarning, match="seed-format"):
         mgr.load(5, m2, o2)
     assert torch.equal(m2.embed.weight, model.embed.weight) and m2.lm_head.weight is m2.embed.weight
+
+
+@pytest.mark.parametrize("kind", ["optim", "model"])
+def test_torn_seed_format_checkpoint_falls_back(tmp_path, kind):
+    # The seed's save was not atomic: a crash could leave a complete-looking triple with a truncated file
+    # (its Pitfall 1). Without hashes, the archives' structure is what can be checked.
+    model, opt = _trained()
+    _save_seed_format(tmp_path, 5, model, opt)
+    _save_seed_format(tmp_path, 10, model, opt)
+    path = checkpoint_files(tmp_path, 10)[kind]
+    path.write_bytes(path.read_bytes()[: path.stat().st_size - 100])  # header intact, tail missing
+    mgr = CheckpointManager(tmp_path)
+    assert not mgr.status(10).loadable and mgr.status(10).format == "seed"
+    with pytest.warns(UserWarning, match=path.name):
+        assert mgr.latest_step() == 5
+    with pytest.raises(CheckpointError, match=path.name):
+        mgr.load(10, *_fresh())
+    with pytest.warns(UserWarning, match="seed-format"):
+        assert mgr.load(5, *_fresh())["step"] == 5
+
+
+def _flip_format_bit(meta: dict) -> None:
+    meta["format"] = meta["format"][:-1] + chr(ord(meta["format"][-1]) ^ 1)  # "...-v1" -> "...-v0"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _flip_format_bit,
+        lambda meta: meta.pop("format"),
+        lambda meta: meta.__setitem__("formau", meta.pop("format")),  # a flipped bit in the key
+    ],
+    ids=["flipped-value", "key-removed", "flipped-key"],
+)
+def test_damaged_meta_format_is_corrupt_not_seed_format(tmp_path, damage):
+    # Only a meta with none of our keys is the seed's (unverified) format: a damaged "format" must not
+    # switch off the hash checks, nor drop the tied-alias map on load.
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, model, opt)
+    mgr.save(2, model, opt)
+    path = checkpoint_files(tmp_path, 2)["meta"]
+    meta = json.loads(path.read_text())
+    damage(meta)
+    path.write_text(json.dumps(meta))
+    fresh = CheckpointManager(tmp_path)
+    st = fresh.status(2)
+    assert not st.loadable and st.format != "seed" and path.name in st.problems[0]
+    with pytest.warns(UserWarning, match=path.name):
+        assert fresh.latest_step() == 1
+    with pytest.raises(CheckpointError, match=path.name):
+        fresh.load(2, *_fresh())
+    m2, o2 = _fresh()
+    assert fresh.load(1, m2, o2)["step"] == 1 and m2.lm_head.weight is m2.embed.weight
+
+
+def test_move_aside_keeps_every_abandoned_timeline(tmp_path, monkeypatch):
+    # Resuming step 1 twice abandons two different step-2 checkpoints: both must survive.
+    import mamba3lite.train.checkpoint as ckpt_module
+
+    frozen = time.gmtime(1_700_000_000)
+    monkeypatch.setattr(ckpt_module.time, "gmtime", lambda *a: frozen)  # both moves in the same second
+    mgr = CheckpointManager(tmp_path)
+    m1, o1 = _trained(steps=1)
+    mgr.save(1, m1, o1)
+    mgr.save(2, m1, o1)
+    first_bytes = checkpoint_files(tmp_path, 2)["model"].read_bytes()
+    first = mgr.move_aside([2])
+    m2, o2 = _trained(steps=4)
+    mgr.save(2, m2, o2)
+    second_bytes = checkpoint_files(tmp_path, 2)["model"].read_bytes()
+    second = mgr.move_aside([2])
+    assert first_bytes != second_bytes and first != second
+    assert first.parent == second.parent == tmp_path / "superseded"
+    assert (first / "model_step_2.safetensors").read_bytes() == first_bytes
+    assert (second / "model_step_2.safetensors").read_bytes() == second_bytes
+    triple = ["meta_step_2.json", "model_step_2.safetensors", "optim_step_2.pt"]
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir()) == triple
+    assert mgr.list_steps() == [1]
+    mgr.save(2, m2, o2)
+    third = mgr.move_aside([2], from_step=1)
+    assert third.name == "20231114T221320Z-from-step-1" and third.parent == first.parent
+    # A moved-aside triple still verifies where it lies.
+    assert CheckpointManager(third).status(2).verified
 
 
 def test_wrong_model_is_a_clear_error(tmp_path):

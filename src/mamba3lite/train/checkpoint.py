@@ -20,8 +20,12 @@ Fixes of the seed's defects (its "Checkpointing" section):
   moments on the wrong tensors (Pitfall 4). Loading uses weights_only=True throughout.
 - `load(N)` loads exactly N or raises `CheckpointError` naming the file (Pitfall 6 is the trainer's).
 
-Seed-format checkpoints (meta without "format", no hashes, both tied copies, index-keyed optimizer
-state) are accepted as "unverified": they load when all three files are present and parse.
+Seed-format checkpoints (a meta with none of our keys "format", "files", "meta_sha256"; no hashes, both
+tied copies, index-keyed optimizer state) are accepted as "unverified": they load when all three files
+are present, the meta parses, the weights file's header covers the file and the optimizer file is a whole
+zip archive (its central directory, at the end, is readable), so a truncated seed save is skipped too.
+A meta with any of our keys but an unknown "format" value is not loadable (a flipped bit must not
+switch verification off).
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ _NAME_RE = re.compile(r"^(model|optim|meta)_step_(\d+)\.(safetensors|pt|json)$")
 _EXT = {"model": "safetensors", "optim": "pt", "meta": "json"}
 # Temp files of the atomic writers (mkstemp prefix ".NAME.", suffix ".tmp") for checkpoint files.
 _TEMP_RE = re.compile(r"^\.(model|optim|meta)_step_\d+\.(safetensors|pt|json)\..+\.tmp$")
+# Keys that only our metas have: a meta with none of them is the seed's (unverified) format; one with any of
+# them is ours and must pass every check, whatever its "format" value has become.
+_PROJECT_META_KEYS = ("format", "files", "meta_sha256")
 
 
 def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
@@ -79,14 +86,43 @@ def _test_pause() -> None:
         time.sleep(float(delay))
 
 
+def _safetensors_problem(path: Path) -> str | None:
+    """None if `path` is a whole safetensors file (its header parses and covers the file), else why not."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own error types on truncated/corrupt files
+        return f"{path}: unreadable ({e})"
+    return None
+
+
+def _zip_problem(path: Path) -> str | None:
+    """None if `path` is a whole torch.save archive, else why not. Cheap: reads the zip's central
+    directory (at the END of the file, so any truncation loses it) and the small pickle entry (CRC-checked),
+    not the tensor data."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            pickles = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            if not pickles:
+                return f"{path}: not a torch.save archive (no data.pkl)"
+            z.read(pickles[0])
+    except Exception as e:  # BadZipFile, OSError, EOFError, a bad CRC...: status() never raises
+        return f"{path}: not a whole torch.save archive, truncated or corrupt ({e})"
+    return None
+
+
 @dataclass
 class CheckpointStatus:
     """What is on disk for one step and whether it can be trusted."""
 
     step: int
     verified: bool  # meta parses and both other files match their recorded size and sha256
-    loadable: bool  # verified, or a complete seed-format triple (no checksums to check)
-    format: str | None  # META_FORMAT, "seed", or None when the meta is missing/unreadable
+    loadable: bool  # verified, or a whole seed-format triple (no checksums to check)
+    format: str | None  # META_FORMAT, "seed", or None when the meta is missing/unreadable/of unknown format
     problems: list[str] = field(default_factory=list)  # one line per bad/missing file, naming it
     sizes: dict[str, int | None] = field(default_factory=dict)
 
@@ -505,20 +541,27 @@ class CheckpointManager:
                 if sizes[kind] is None:
                     problems.append(f"{paths[kind]} is missing")
             return CheckpointStatus(step, False, False, None, problems, sizes)
-        if meta.get("format") != META_FORMAT:  # the seed's meta: no hashes; existence + parse only
+        digest_ok = "meta_sha256" not in meta or meta["meta_sha256"] == _meta_digest(meta)  # absent: older v1
+        if not any(k in meta for k in _PROJECT_META_KEYS):
+            # The seed's meta: no hashes to check, so check that both files are whole archives (their
+            # structure, not every tensor): the seed's non-atomic save could leave them truncated.
             for kind in ("model", "optim"):
                 if sizes[kind] is None:
                     problems.append(f"{paths[kind]} is missing")
             if not problems:
-                try:
-                    from safetensors import safe_open
-
-                    with safe_open(str(paths["model"]), framework="pt") as f:
-                        f.keys()
-                except Exception as e:
-                    problems.append(f"{paths['model']}: unreadable ({e})")
+                found = (_safetensors_problem(paths["model"]), _zip_problem(paths["optim"]))
+                problems += [p for p in found if p]
             return CheckpointStatus(step, False, not problems, "seed", problems, sizes)
-        if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):  # absent: older v1 meta
+        if meta.get("format") != META_FORMAT:
+            # One of our metas with a format we do not know: a damaged value (a flipped bit must not turn
+            # verification off by making the step look like a seed-format one) or another version's file.
+            why = "corrupt or edited" if not digest_ok else "written by another version of mamba3lite?"
+            problems.append(
+                f"{paths['meta']}: unknown checkpoint format {meta.get('format')!r}, "
+                f"expected {META_FORMAT!r} ({why})"
+            )
+            return CheckpointStatus(step, False, False, None, problems, sizes)
+        if not digest_ok:
             problems.append(f"{paths['meta']}: content differs from its meta_sha256 (corrupt or edited)")
         for kind in ("model", "optim"):
             want = meta.get("files", {}).get(kind, {})
@@ -639,16 +682,34 @@ class CheckpointManager:
             self.delete(s)
         return deleted
 
-    def move_aside(self, steps: list[int], subdir: str = "superseded") -> Path:
-        """Move whole triples into DIR/subdir/ (used when resuming an older step: the newer ones would
-        otherwise be resumed after a crash). Nothing is deleted."""
-        target = self.dir / subdir
-        target.mkdir(exist_ok=True)
+    def move_aside(
+        self, steps: list[int], subdir: str = "superseded", *, from_step: int | None = None
+    ) -> Path:
+        """Move whole triples into a new folder of their own, DIR/subdir/<UTC time>-from-step-<from_step>/
+        (or ...-steps-<first>-<last>/ when `from_step`, the step resumed from, is not given), and return
+        it. Used when resuming an older step: the newer ones would otherwise be resumed after a crash.
+        Nothing is deleted or overwritten: each abandoned timeline gets its own folder (a counter suffix
+        if the name is taken), so resuming the same older step twice keeps both abandoned timelines."""
+        import itertools
+
+        assert steps, "nothing to move aside"
+        parent = self.dir / subdir
+        parent.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        what = f"from-step-{from_step}" if from_step is not None else f"steps-{min(steps)}-{max(steps)}"
+        for n in itertools.count(1):
+            target = parent / (f"{stamp}-{what}" if n == 1 else f"{stamp}-{what}-{n}")
+            try:
+                target.mkdir()  # exclusive: never shares a folder with an earlier timeline
+                break
+            except FileExistsError:
+                continue
         for s in steps:
             for p in checkpoint_files(self.dir, s).values():
                 if p.exists():
                     os.replace(p, target / p.name)
-
+        fsync_dir(target)
+        fsync_dir(parent)
         fsync_dir(self.dir)
         return target
 

@@ -399,7 +399,7 @@ class Pretrainer:
             newer = [s for s in self.ckpt.list_steps() if s > target]
             note = ""
             if newer:
-                where = self.ckpt.move_aside(newer)
+                where = self.ckpt.move_aside(newer, from_step=target)
                 note = f"; newer checkpoints {newer} moved to {where}"
             marked = self.logger.supersede_after(target)
             self.logger.event(
