@@ -192,6 +192,21 @@ def test_persistent_non_finite_gradient_norm_rolls_back_then_stops(tmp_path):
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
 
 
+def test_resume_latest_refuses_when_no_checkpoint_verifies_and_touches_nothing(tmp_path):
+    """Starting afresh would overwrite them and retention would delete them: the seed's "failed load ->
+    restart from scratch" is an error here."""
+    Pretrainer(tiny_config(tmp_path, max_steps=4, save_every=2, keep_last_n=2)).train()
+    for p in tmp_path.glob("optim_step_*.pt"):
+        p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 0xFF]))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(CheckpointError, match=r"none of the checkpoints.*verifies"),
+    ):
+        Pretrainer(tiny_config(tmp_path, max_steps=6, save_every=2, keep_last_n=2)).train()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
 def test_explicit_resume_loads_exactly_that_step(tmp_path):
     run = tmp_path / "run"
     a = Pretrainer(tiny_config(run, max_steps=6, save_every=2))

@@ -16,6 +16,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from mamba3lite import __version__
 from mamba3lite.errors import Mamba3LiteError
@@ -57,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as the CLI's other messages: `warning: ...`, without Python's file:line and source line."""
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    return f"warning{kind}: {message}\n"
+
+
 def _run_command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.formatwarning = _one_line_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

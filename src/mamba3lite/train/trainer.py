@@ -21,9 +21,10 @@ all ranks agree, a checkpoint is written, a "stop" event logged, and `train()` r
 Resume is exact: model, optimizer (by parameter name), sampler position, Python/numpy/torch RNG states,
 step and token counters are in the checkpoint, so N steps == N/2 + resume + N/2 bit for bit (fp32, CPU).
 `resume="latest"` picks the newest VERIFIED checkpoint; an explicit step N loads exactly N (the seed
-silently replaced it with the latest: its Pitfall 6); newer checkpoints are moved to DIR/superseded/
-so that a later crash cannot resume the abandoned timeline, and their metrics rows are marked
-superseded.
+silently replaced it with the latest: its Pitfall 6); newer checkpoints are moved to their own folder
+DIR/superseded/<UTC time>-from-step-N/ (one per abandoned timeline, never overwritten) so that a later
+crash cannot resume the abandoned timeline, and their metrics rows are marked superseded. If no
+checkpoint in DIR verifies, `resume="latest"` is an error, not a fresh start over them.
 
 Fault injection for tests: the environment variable MAMBA3LITE_INJECT_NONFINITE, read when the
 Pretrainer is built, makes chosen micro-steps' losses NaN. Micro-steps are counted per process from 0
@@ -375,20 +376,28 @@ class Pretrainer:
         return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps}
 
     def _pick_resume_target(self) -> int:
-        """The step to resume from (-1: fresh start), decided on rank 0 and broadcast."""
-        target = -1
-        if self.resume == "none":
-            if self.dist.is_main and self.ckpt.list_steps():
-                raise CheckpointError(
-                    f"{self.run_dir} already holds checkpoints (steps {self.ckpt.list_steps()}); use "
-                    "--resume latest to continue, or another --checkpoint-dir for a fresh run"
-                )
-        elif self.resume == "latest":
-            if self.dist.is_main:
-                latest = self.ckpt.latest_step()
-                target = -1 if latest is None else latest
-        else:
+        """The step to resume from (-1: fresh start), decided on rank 0 and broadcast. A refusal is raised
+        on every rank (rank 0 raising alone would leave the others waiting in the broadcast)."""
+        target, refusal = -1, None
+        if self.resume not in ("none", "latest"):
             target = int(self.resume)
+        elif self.dist.is_main and (steps := self.ckpt.list_steps()):
+            if self.resume == "none":
+                refusal = (
+                    f"{self.run_dir} already holds checkpoints (steps {steps}); use --resume latest to "
+                    "continue, or another --checkpoint-dir for a fresh run"
+                )
+            elif (latest := self.ckpt.latest_step()) is None:
+                # Starting afresh here would overwrite them (and retention would delete them).
+                problems = "; ".join(f"step {s}: {', '.join(self.ckpt.status(s).problems)}" for s in steps)
+                refusal = (
+                    f"none of the checkpoints in {self.run_dir} verifies ({problems}); nothing was "
+                    "changed: restore them from a copy, or move them away to start this run afresh"
+                )
+            else:
+                target = latest
+        if D.any_rank(refusal is not None, self.dist):
+            raise CheckpointError(refusal or "rank 0 refused to resume (its output says why)")
         return D.broadcast_int(target, self.dist)
 
     def _apply_resume(self, target: int) -> None:
