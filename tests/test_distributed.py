@@ -188,3 +188,23 @@ def test_a_damaged_batch_on_one_rank_stops_every_rank_with_the_good_steps_saved(
     ids.tofile(shard)
     train(config, run, 2, *opts)
     assert sorted(losses(run)) == [1, 2, 3, 4]
+
+
+def test_mfu_counts_every_device_and_a_refused_resume_exits_every_rank(tmp_path):
+    """tokens_per_s is the rate of both processes, so MFU divides by both devices' peak; and a refusal
+    decided on rank 0 (`--resume none` on a directory with checkpoints) ends both ranks with its message
+    instead of leaving rank 1 waiting in a collective."""
+    from mamba3lite.config import load_config
+    from mamba3lite.model import model_flops_per_token
+
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    two = ("--set", "training.gradient_accumulation_steps=1", "--set", "training.peak_tflops=0.001")
+    train(config, run, 2, *two)
+    cfg = load_config(config)
+    per_token = model_flops_per_token(cfg.model, cfg.training.max_seq_len)["train"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in [r for r in rows if r["kind"] == "train"]:
+        assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / (2 * 0.001e12), rel=1e-6)
+    r = train(config, run, 2, *two, "--resume", "none", check=False)
+    assert r.returncode != 0 and "already holds checkpoints" in r.stderr

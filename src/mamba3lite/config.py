@@ -89,7 +89,7 @@ class TrainingConfig:
         5, "consecutive non-finite micro-steps (each skipped) before rolling back to the last checkpoint"
     )
     max_rollbacks: int = _f(3, "NaN rollbacks allowed without saving a newer checkpoint before giving up")
-    peak_tflops: float = _f(0.0, "accelerator peak TFLOP/s for MFU; 0 = look up the GPU (none on CPU)")
+    peak_tflops: float = _f(0.0, "one accelerator's peak TFLOP/s for MFU; 0 = look up the GPU (none on CPU)")
     progress: bool = _f(True, "show a progress bar when stderr is an interactive terminal")
 
     def __post_init__(self) -> None:

@@ -826,6 +826,7 @@ class Pretrainer:
 
     def _build_logger(self) -> TrainingLogger:
         tc = self.tc
+        peak = peak_flops(self.device, tc.peak_tflops)
         flops = None
         try:
             from mamba3lite.model import model_flops_per_token
@@ -837,7 +838,8 @@ class Pretrainer:
             self.run_dir,
             log_every=tc.log_every,
             flops_per_token=flops,
-            peak_flops_per_s=peak_flops(self.device, tc.peak_tflops),
+            # tokens/s is the rate of all processes together, so the peak is all their devices'
+            peak_flops_per_s=None if peak is None else peak * self.dist.world_size,
             device=self.device,
             max_steps=tc.max_steps,
             start_step=self.step,
