@@ -198,13 +198,17 @@ def test_resume_latest_refuses_when_no_checkpoint_verifies_and_touches_nothing(t
     Pretrainer(tiny_config(tmp_path, max_steps=4, save_every=2, keep_last_n=2)).train()
     for p in tmp_path.glob("optim_step_*.pt"):
         p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 0xFF]))
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+
+    def files():  # all but the run lock, whose holder line each Pretrainer rewrites
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"}
+
+    before = files()
     with (
         pytest.warns(UserWarning),
         pytest.raises(CheckpointError, match=r"none of the checkpoints.*verifies"),
     ):
         Pretrainer(tiny_config(tmp_path, max_steps=6, save_every=2, keep_last_n=2)).train()
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert files() == before
 
 
 def test_explicit_resume_loads_exactly_that_step(tmp_path):
@@ -305,6 +309,19 @@ def test_val_data_path_equal_to_the_training_data_without_a_val_split_is_refused
     with pytest.raises(ConfigError, match=r"val_data_path .* is the training data.*held-out"):
         Pretrainer(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_validation_loss_is_an_event_and_the_run_goes_on(tmp_path):
+    """A diverging model's inf validation loss: the metrics file is strict JSON, so it was a ValueError
+    (a traceback) before the step's checkpoint; now an event, and the checkpoints are written."""
+    t = Pretrainer(tiny_config(tmp_path, max_steps=8, eval_every=4, save_every=4))
+    forward = t.raw_model.forward
+    t.raw_model.forward = lambda x, y=None: forward(x, y) * (1.0 if t.raw_model.training else float("inf"))
+    assert t.train().step == 8
+    assert CheckpointManager(tmp_path).list_steps() == [4, 8]
+    rows = metrics(tmp_path)
+    assert not [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in rows if r.get("event") == "eval_nonfinite"] == [4, 8]
 
 
 def test_logged_tokens_per_second_counts_accumulation(tmp_path):

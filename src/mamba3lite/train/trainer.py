@@ -213,6 +213,7 @@ class Pretrainer:
         self.micro_count = 0  # per process, never restored: the fault-injection clock
         self.nan_streak = 0  # consecutive micro-steps with a non-finite loss
         self.bad_grad_streak = 0  # consecutive steps with finite losses but a non-finite gradient norm
+        self._evaluated_at = -1  # the step of the last evaluation (its loss finite or not)
         self.rollbacks = 0
         self._rollbacks_without_progress = 0
         self._rollback_floor = -1  # a save past this step counts as progress
@@ -599,6 +600,7 @@ class Pretrainer:
         (deterministic; split across ranks); perplexity; bits per byte when the dataset knows bytes."""
         if self.val_data is None:
             return None
+        self._evaluated_at = self.step
         tc = self.tc
         n = len(self.val_data)
         total = min(tc.eval_batches * tc.micro_batch_size, n)
@@ -623,6 +625,18 @@ class Pretrainer:
         count = len(mine)
         loss_sum, count = D.sum_across([loss_sum, float(count)], self.dist)
         val_loss = loss_sum / max(count, 1)
+        if not math.isfinite(val_loss):
+            # A diverging model (or an overflow in the eval's dtype). Not an evaluation to record (the
+            # metrics and the checkpoint meta are strict JSON), and no reason to lose the step: say so.
+            if self.dist.is_main:
+                self.logger.event(
+                    self.step,
+                    "eval_nonfinite",
+                    f"validation loss is {val_loss} at step {self.step} (the model may be diverging); "
+                    "not recorded as an evaluation",
+                    tokens_total=self.tokens_seen,
+                )
+            return None
         out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_windows": int(count)}
         bpt = getattr(self.val_data, "bytes_per_token", None)
         if bpt:
@@ -744,8 +758,7 @@ class Pretrainer:
                         stopped = True
                         break
                 self.logger.flush()
-                evaluated_now = self.last_eval is not None and self.last_eval.get("step") == self.step
-                if not stopped and tc.eval_every and self.step > 0 and not evaluated_now:
+                if not stopped and tc.eval_every and self.step > 0 and self._evaluated_at != self.step:
                     self.evaluate()  # the run's final numbers, even when max_steps is off the eval cadence
             except DataError:  # a damaged training or validation batch, seen by all ranks together
                 self._save_before_data_error()
