@@ -211,6 +211,17 @@ def test_resume_latest_refuses_when_no_checkpoint_verifies_and_touches_nothing(t
     assert files() == before
 
 
+def test_fresh_start_supersedes_the_rows_of_an_attempt_that_saved_nothing(tmp_path):
+    Pretrainer(tiny_config(tmp_path, max_steps=3)).train()
+    for step in CheckpointManager(tmp_path).list_steps():  # as if killed before its first save
+        CheckpointManager(tmp_path).delete(step)
+    Pretrainer(tiny_config(tmp_path, max_steps=2)).train()
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows if r["kind"] == "train" and not r.get("superseded")] == [1, 2]
+    (restart,) = [r for r in rows if r.get("event") == "restart"]
+    assert restart["step"] == 0 and "metrics rows of an earlier attempt superseded" in restart["message"]
+
+
 def test_explicit_resume_loads_exactly_that_step(tmp_path):
     run = tmp_path / "run"
     a = Pretrainer(tiny_config(run, max_steps=6, save_every=2))

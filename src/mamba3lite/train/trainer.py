@@ -403,6 +403,16 @@ class Pretrainer:
 
     def _apply_resume(self, target: int) -> None:
         if target < 0:
+            # A fresh start; rows in metrics.jsonl are an earlier attempt's that died before its first
+            # checkpoint: this run replaces them.
+            if self.dist.is_main and (marked := self.logger.supersede_after(0)):
+                self.logger.event(
+                    0,
+                    "restart",
+                    f"no checkpoint to resume: starting at step 0; {marked} metrics rows of an earlier "
+                    "attempt superseded",
+                    tokens_total=0,
+                )
             return
         self._restore(target)
         if self.dist.is_main:
