@@ -222,6 +222,18 @@ def test_fresh_start_supersedes_the_rows_of_an_attempt_that_saved_nothing(tmp_pa
     assert restart["step"] == 0 and "metrics rows of an earlier attempt superseded" in restart["message"]
 
 
+def test_resume_with_changed_adamw_settings_uses_the_configs_and_says_so(tmp_path):
+    Pretrainer(tiny_config(tmp_path, max_steps=2, weight_decay=0.1, betas=(0.9, 0.95))).train()
+    t = Pretrainer(tiny_config(tmp_path, max_steps=4, weight_decay=0.5, betas=(0.8, 0.99), eps=1e-6))
+    t.train()
+    decayed, other = t.optimizer.param_groups
+    assert (decayed["weight_decay"], other["weight_decay"]) == (0.5, 0.0)
+    assert all(tuple(g["betas"]) == (0.8, 0.99) and g["eps"] == 1e-6 for g in (decayed, other))
+    (event,) = [r for r in metrics(tmp_path) if r.get("event") == "config"]
+    assert "weight_decay 0.1 -> 0.5" in event["message"] and "eps 1e-08 -> 1e-06" in event["message"]
+    assert int(t.optimizer.state[t.params[0]]["step"]) == 4  # the moments themselves were restored
+
+
 def test_explicit_resume_loads_exactly_that_step(tmp_path):
     run = tmp_path / "run"
     a = Pretrainer(tiny_config(run, max_steps=6, save_every=2))

@@ -358,6 +358,12 @@ class Pretrainer:
                 "(its manifest differs): training goes on over the new data from the saved position, no "
                 "longer an exact continuation of the run",
             )
+        if (changed := self._apply_optimizer_settings()) and self.dist.is_main:
+            self.logger.event(
+                self.step,
+                "config",
+                f"AdamW settings from the config, not from checkpoint step {step}: {', '.join(changed)}",
+            )
         if "sampler" in meta:
             self.sampler.load_state_dict(meta["sampler"])
         elif self.dist.is_main:
@@ -371,6 +377,26 @@ class Pretrainer:
         self.last_eval = meta.get("last_eval")
         self._last_saved = self.step
         return meta
+
+    def _apply_optimizer_settings(self) -> list[str]:
+        """AdamW keeps weight_decay, betas and eps in its param groups, so loading a checkpoint's optimizer
+        state brings back the settings it was saved with; the run's config (what config.yaml records)
+        wins. Groups as `param_groups`: [decayed, not decayed]. Returns the changes, e.g. "eps 1e-08 ->
+        1e-06". (lr is set every step from the schedule.)"""
+        tc, changed = self.tc, []
+        for i, g in enumerate(self.optimizer.param_groups):
+            want = {
+                "weight_decay": tc.weight_decay if i == 0 else 0.0,
+                "betas": tuple(tc.betas),
+                "eps": tc.eps,
+            }
+            for key, value in want.items():
+                have = tuple(g[key]) if key == "betas" else g[key]
+                if have != value:
+                    g[key] = value
+                    if i == 0 or key != "weight_decay":
+                        changed.append(f"{key} {have} -> {value}")
+        return list(dict.fromkeys(changed))
 
     def _sched_kw(self) -> dict:
         tc = self.tc
