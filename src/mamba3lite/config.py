@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -131,8 +133,10 @@ class TrainingConfig:
             raise ConfigError(f"training.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"training.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"training.seed must be in [0, 2**63), got {self.seed}")
         if not self.checkpoint_dir:
             raise ConfigError("training.checkpoint_dir must not be empty")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
@@ -255,6 +259,50 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+@functools.cache
+def _strict_loader() -> type:
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping."""
+
+    def construct_mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice (the second would silently win)",
+                    key_node.start_mark,
+                )
+            if isinstance(key, (str, int, float, bool)):  # (an unhashable key: PyYAML's own error)
+                seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return StrictLoader
+
+
+def yaml_error_line(e: Exception) -> str:
+    """A YAMLError as one line: what is wrong and where (PyYAML's own text spans several lines)."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem:
+        return " ".join(str(e).split())
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"{context + ': ' if context else ''}{problem}{where}"
+
+
+def strict_yaml_load(text: str) -> Any:
+    """yaml.safe_load, but a key given twice in one mapping is a YAMLError: PyYAML keeps the last one
+    silently, so a second `training:` block would replace the whole first one."""
+    import yaml
+
+    return yaml.load(text, Loader=_strict_loader())  # a SafeLoader subclass: no arbitrary objects
 
 
 def _parse_text(text: str) -> Any:
@@ -392,9 +440,9 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
 
     path = resolve_preset(name_or_path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = strict_yaml_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
     except UnicodeDecodeError as e:  # a binary file, or text in another encoding
         raise ConfigError(
             f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); expected a YAML config"

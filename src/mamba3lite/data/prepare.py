@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mamba3lite.config import strict_yaml_load, yaml_error_line
 from mamba3lite.data import shards
 from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, ShardInfo
 from mamba3lite.data.sources import (
@@ -260,11 +261,11 @@ def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]
 
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = strict_yaml_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"mixture file not found: {path}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        raise ConfigError(f"{path}: not valid YAML ({yaml_error_line(e)})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a mapping with `sources:` (and optionally `target_tokens:`)")
     for key in doc:
