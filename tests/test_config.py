@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 import yaml
 
 from mamba3lite.config import (
@@ -20,6 +21,7 @@ from mamba3lite.config import (
 )
 from mamba3lite.errors import ConfigError
 from mamba3lite.model import ModelConfig
+from mamba3lite.train.distributed import pick_device
 
 
 def test_seed_defaults():
@@ -46,6 +48,10 @@ def test_every_field_is_documented():
         ("training.max_steps=abc", "training.max_steps must be an integer"),
         ("training.compile=maybe", "training.compile must be true or false"),
         ("training.device=tpu", "training.device"),
+        ("training.device=cuda:abc", "training.device must be auto, cpu, cuda or cuda:N"),
+        ("training.seed=9223372036854775808", "training.seed must be in [0, 2**63)"),
+        ("training.seed=-1", "training.seed"),
+        ("data.token_dtype=uint8", "data.token_dtype must be one of"),
         ("training.micro_batch_size=0", "training.micro_batch_size must be > 0"),
         ("model.d_model=0", "model.d_model"),
     ],
@@ -117,6 +123,24 @@ def test_yaml_roundtrip_and_unknown_section(tmp_path):
     p.write_text("training: {lr: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(p)
+    # PyYAML keeps the last of two equal keys: the whole first `training:` block would be lost
+    p.write_text(
+        "training:\n  lr: 1.0e-2\n  max_steps: 50\nmodel:\n  n_layers: 2\ntraining:\n  log_every: 5\n"
+    )
+    with pytest.raises(ConfigError, match=r"key 'training' is given twice.*\(line 6, column 1\)$") as e:
+        load_config(p)
+    assert "\n" not in str(e.value)
+    p.write_text("training:\n  lr: 1.0e-2\n  lr: 2.0e-2\n")
+    with pytest.raises(ConfigError, match="key 'lr' is given twice"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_device_without_cuda_is_a_config_error(device, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU-only machine
+    with pytest.raises(ConfigError, match=rf"training.device is {device} but .* no CUDA device; use"):
+        pick_device(device)
+    assert pick_device("auto") == torch.device("cpu") and pick_device("cpu") == torch.device("cpu")
 
 
 def test_presets_by_name_and_missing(tmp_path):

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mamba3lite.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -42,9 +44,20 @@ def pick_device(preference: str, local_rank: int = 0) -> torch.device:
     """`auto` -> cuda:local_rank when CUDA is available, else cpu; `cuda` -> cuda:local_rank."""
     if preference == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    if preference == "cuda":
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device(preference)
+    if preference == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"training.device is {preference} but this PyTorch ({torch.__version__}) sees no CUDA device; "
+            "use training.device=cpu (or auto)"
+        )
+    index = local_rank if preference == "cuda" else int(preference.split(":", 1)[1])
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"training.device {preference}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+            f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
+        )
+    return torch.device(f"cuda:{index}")
 
 
 def init_distributed(device_preference: str = "auto") -> DistInfo:
