@@ -234,6 +234,15 @@ def test_resume_with_changed_adamw_settings_uses_the_configs_and_says_so(tmp_pat
     assert int(t.optimizer.state[t.params[0]]["step"]) == 4  # the moments themselves were restored
 
 
+def test_resume_with_another_max_seq_len_warns_that_the_data_order_is_not_continued(tmp_path):
+    data = make_dataset(tmp_path / "data")
+    cfg = tiny_config(tmp_path / "run", max_steps=2).replace("data", dummy=False, train_data_path=data)
+    Pretrainer(cfg).train()
+    Pretrainer(cfg.replace("training", max_steps=3, max_seq_len=8)).train()
+    (warning,) = [r for r in metrics(tmp_path / "run") if r.get("event") == "warning"]
+    assert "max_seq_len changed from 16 (checkpoint step 2) to 8" in warning["message"]
+
+
 def test_explicit_resume_loads_exactly_that_step(tmp_path):
     run = tmp_path / "run"
     a = Pretrainer(tiny_config(run, max_steps=6, save_every=2))

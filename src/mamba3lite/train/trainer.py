@@ -358,6 +358,16 @@ class Pretrainer:
                 "(its manifest differs): training goes on over the new data from the saved position, no "
                 "longer an exact continuation of the run",
             )
+        saved_len = (saved_cfg.get("training") or {}).get("max_seq_len")
+        if saved_len not in (None, self.tc.max_seq_len) and self.dist.is_main:
+            # The sampler's position counts windows of the old length in the old permutation.
+            self.logger.event(
+                self.step,
+                "warning",
+                f"training.max_seq_len changed from {saved_len} (checkpoint step {step}) to "
+                f"{self.tc.max_seq_len}: the windows and their order differ, so the data from here is not a "
+                "continuation of the run's (some text comes again, some is skipped this epoch)",
+            )
         if (changed := self._apply_optimizer_settings()) and self.dist.is_main:
             self.logger.event(
                 self.step,
