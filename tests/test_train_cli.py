@@ -194,6 +194,49 @@ def test_sigterm_saves_exits_zero_and_resume_continues(tmp_path):
     assert CheckpointManager(run).latest_step() == stopped_at + 2
 
 
+def _train_cmd(cfg: str, run, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "mamba3lite",
+        "train",
+        "--config",
+        cfg,
+        "--checkpoint-dir",
+        str(run),
+        *extra,
+    ]
+
+
+def test_a_reader_closing_stdout_does_not_end_the_run(tmp_path):
+    """`mamba3lite train ... | head -2`: the run goes on to its last step and checkpoint, exit 0 (it used to
+    die silently at the first print after the pipe closed, with exit 0 and no checkpoint)."""
+    cfg, run = tiny_yaml(tmp_path, max_steps=12, save_every=6), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(_train_cmd(cfg, run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` exits
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert b"standard output was closed by its reader" in err and b"Traceback" not in err
+    assert CheckpointManager(run).list_steps()[-1] == 12
+
+
+def test_sigterm_after_the_run_finished_still_exits_zero(tmp_path):
+    cfg, run = tiny_yaml(tmp_path, max_steps=3), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        _train_cmd(cfg, run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    for line in proc.stdout:
+        if line.startswith("done:"):
+            proc.send_signal(signal.SIGTERM)  # during the interpreter's (slow, after torch) shutdown
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert CheckpointManager(run).latest_step() == 3
+
+
 @pytest.mark.parametrize(
     "error, where",
     [

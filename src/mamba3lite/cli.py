@@ -13,9 +13,12 @@ Errors the user can fix (`Mamba3LiteError`) print one line and exit non-zero wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from mamba3lite import __version__
@@ -24,6 +27,45 @@ from mamba3lite.malloc import keep_freed_memory
 
 # The subcommands, in the order of the pipeline. Each module's HELP is its line in `--help`.
 COMMANDS: tuple[str, ...] = ("quickstart", "prepare", "train", "eval", "generate", "inspect", "plot")
+# Commands whose work must not end when their console output can no longer be written (`train | head`):
+# the run goes on, its rows are in RUN/metrics.jsonl. `generate | head` stops, as a reader expects.
+KEEP_RUNNING_WITHOUT_STDOUT = ("quickstart", "prepare", "train")
+
+
+class _StdoutThatMayClose:
+    """sys.stdout, until a write finds the pipe closed (the reader exited): then one note on stderr and
+    every later write is dropped; fd 1 goes to /dev/null so that the interpreter's flush at exit cannot
+    fail either. Everything else is the real stream's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def _lost(self) -> None:
+        self.closed_by_reader = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        print("note: standard output was closed by its reader; carrying on without it", file=sys.stderr)
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._lost()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._lost()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def command_module(name: str):
@@ -48,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     code = _run_command(argv)
+    if argv is None and threading.current_thread() is threading.main_thread():
+        # The process's own command line (the console script, `python -m mamba3lite`), and the command is
+        # over (a training run has saved everything): a SIGTERM during interpreter shutdown, which takes a
+        # while after torch, must not turn a finished run into exit -15. (Not for in-process callers.)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist = sys.modules.get("mamba3lite.train.distributed")  # imported only by commands that train
     if dist is not None and dist.left_process_group:
         # A distributed worker whose run is over and written: skip interpreter finalization, which can
@@ -65,6 +112,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def _run_command(argv: list[str] | None) -> int:
+    argv_given_none = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = _one_line_warning
     parser = build_parser()
@@ -72,7 +120,13 @@ def _run_command(argv: list[str] | None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # The process's own command line (the console script, `python -m mamba3lite`), not an in-process
+    # caller: a command may then leave process-wide state (signal handlers) as the process's exit needs.
+    args.own_process = argv_given_none
     keep_freed_memory()  # CPU speed: see mamba3lite/malloc.py
+    stdout = sys.stdout
+    if args.command in KEEP_RUNNING_WITHOUT_STDOUT and not isinstance(stdout, _StdoutThatMayClose):
+        sys.stdout = _StdoutThatMayClose(stdout)
     try:
         return int(args._run(args) or 0)
     except BrokenPipeError:  # `mamba3lite generate ... | head`
@@ -86,6 +140,9 @@ def _run_command(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if isinstance(sys.stdout, _StdoutThatMayClose) and stdout is not sys.stdout:
+            sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -188,5 +188,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         D.teardown()
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            # In the CLI's own process the run is over and saved: from here to the exit (slow, after
+            # torch) a SIGTERM must not turn it into exit -15. An in-process caller gets its handler back.
+            own = getattr(args, "own_process", False)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if own else previous)
     return 0
