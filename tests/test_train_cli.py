@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,6 +193,23 @@ def test_sigterm_saves_exits_zero_and_resume_continues(tmp_path):
     train_steps = [r["step"] for r in rows(run) if r["kind"] == "train"]
     assert train_steps == list(range(1, stopped_at + 3))
     assert CheckpointManager(run).latest_step() == stopped_at + 2
+
+
+def test_a_hand_written_config_yaml_in_the_run_directory_is_not_overwritten(cli, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    mine = run / "config.yaml"
+    mine.write_text("# my notes\n" + Path(tiny_yaml(tmp_path)).read_text())
+    before = mine.read_bytes()
+    r = cli("train", "--config", str(mine), "--checkpoint-dir", str(run), "--set", "training.max_steps=1")
+    assert r.returncode == 2 and "is the run's config.yaml" in r.stderr and "Traceback" not in r.stderr
+    assert mine.read_bytes() == before and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    # The trainer's own record passed back in is fine: it is rewritten as the run's record.
+    assert cli("train", "--config", tiny_yaml(tmp_path), "--checkpoint-dir", str(run / "r2"),
+               "--max-steps", "1").returncode == 0  # fmt: skip
+    r = cli("train", "--config", str(run / "r2" / "config.yaml"), "--checkpoint-dir", str(run / "r2"),
+            "--max-steps", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr
 
 
 def _train_cmd(cfg: str, run, *extra: str) -> list[str]:

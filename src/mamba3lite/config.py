@@ -450,12 +450,14 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     return Config.from_dict(raw, source=str(path)).with_overrides(list(overrides))
 
 
+RESOLVED_HEADER = "# Resolved config of this run (every field; written by `mamba3lite train`).\n"
+
+
 def write_resolved_config(cfg: Config, path: str | Path) -> None:
     """Write the fully resolved config (every field, defaults included) as YAML, atomically."""
     from mamba3lite.data.shards import atomic_write_bytes
 
-    header = "# Resolved config of this run (every field; written by `mamba3lite train`).\n"
-    atomic_write_bytes(Path(path), (header + cfg.to_yaml()).encode("utf-8"))
+    atomic_write_bytes(Path(path), (RESOLVED_HEADER + cfg.to_yaml()).encode("utf-8"))
 
 
 def _type_name(type_: Any) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from pathlib import Path
 
 from mamba3lite.commands.options import add_override_option
 from mamba3lite.errors import ConfigError, TrainingError
@@ -75,14 +76,15 @@ def build_config(args: argparse.Namespace):
     from mamba3lite.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.checkpoint_dir is not None:
+        cfg = cfg.replace("training", checkpoint_dir=args.checkpoint_dir)
+    _check_config_file_is_not_the_runs_record(args.config, cfg.training.checkpoint_dir)
     if args.data_path is not None:  # an explicit data path means real data, even if the file said dummy
         cfg = cfg.replace("data", train_data_path=args.data_path, dummy=False)
     if args.val_data_path is not None:
         cfg = cfg.replace("data", val_data_path=args.val_data_path)
     if args.dummy:
         cfg = cfg.replace("data", dummy=True)
-    if args.checkpoint_dir is not None:
-        cfg = cfg.replace("training", checkpoint_dir=args.checkpoint_dir)
     if args.max_steps is not None:
         cfg = cfg.replace("training", max_steps=args.max_steps)
     if args.dry_run:
@@ -97,6 +99,22 @@ def build_config(args: argparse.Namespace):
             warmup_steps=min(t.warmup_steps, 1),
         )
     return cfg
+
+
+def _check_config_file_is_not_the_runs_record(config: str, checkpoint_dir: str) -> None:
+    """RUN/config.yaml is the trainer's record of the resolved config, rewritten at every start. Passing
+    it back (`--config RUN/config.yaml`) is fine; a hand-written file of that name would be overwritten,
+    comments and all: refuse before anything is written."""
+    from mamba3lite.config import RESOLVED_HEADER, resolve_preset
+
+    path = resolve_preset(config)
+    record = Path(checkpoint_dir) / "config.yaml"
+    mine = record.exists() and path.resolve() == record.resolve()
+    if mine and not path.read_text(encoding="utf-8", errors="replace").startswith(RESOLVED_HEADER):
+        raise ConfigError(
+            f"--config {config} is the run's config.yaml, which `train` rewrites with the resolved "
+            "config of every start: keep your config file outside the checkpoint directory"
+        )
 
 
 def out_of_memory_advice(exc: BaseException, cfg) -> str | None:
