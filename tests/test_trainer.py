@@ -356,6 +356,21 @@ def test_non_finite_validation_loss_is_an_event_and_the_run_goes_on(tmp_path):
     assert [r["step"] for r in rows if r.get("event") == "eval_nonfinite"] == [4, 8]
 
 
+def test_data_that_eval_would_refuse_is_refused_before_training(tmp_path):
+    data = make_dataset(tmp_path / "data")  # EOS id 0, tokenizer "test" (vocab hash ab..)
+    cfg = tiny_config(tmp_path / "run").replace("data", dummy=False, train_data_path=data)
+    with pytest.raises(DataError, match=r"training data .* uses EOS id 0, the model 5: set model.eos_id=0"):
+        Pretrainer(cfg.replace("model", eos_id=5))
+    other = tmp_path / "other"
+    write_dataset(other, [("val", np.arange(600) % VOCAB, 6, 1800)], vocab_size=VOCAB, eos_id=0,
+                  tokenizer={"name": "another", "vocab_hash": "cd" * 32})  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"validation data .* tokenized with another .* training data with test"
+    ):
+        Pretrainer(cfg.replace("data", val_data_path=str(other)))
+    assert not (tmp_path / "run").exists()
+
+
 def test_logged_tokens_per_second_counts_accumulation(tmp_path):
     t = Pretrainer(tiny_config(tmp_path, max_steps=4, log_every=2))
     t.train()

@@ -171,6 +171,7 @@ class Pretrainer:
         self._seed_everything(tc.seed)
         self.train_data = train_data if train_data is not None else self._build_train_data()
         self.val_data = val_data if val_data is not None else self._build_val_data()
+        self._check_data_matches()
         if model is None:
             from mamba3lite.model import Mamba3Transformer
 
@@ -279,6 +280,34 @@ class Pretrainer:
         if manifest is not None and manifest.n_tokens("val") > tc.max_seq_len:
             return PretrainDataset(dc.train_data_path, tc.max_seq_len, vocab, split="val")
         return None
+
+    def _check_data_matches(self) -> None:
+        """What `eval` refuses, refused before training: a dataset whose EOS id is not the model's (the
+        state resets at EOS, generation stops at it), and validation data of another tokenizer than the
+        training data's. (A vocab_size mismatch is the dataset's own error.)"""
+        train_m = getattr(self.train_data, "manifest", None)
+        val_m = getattr(self.val_data, "manifest", None)
+        eos = self.cfg.model.eos_id
+        for what, m in (("training data", train_m), ("validation data", val_m)):
+            if m is not None and m.eos_id != eos:
+                raise DataError(
+                    f"the {what} ({self._data_path(what)}) uses EOS id {m.eos_id}, the model {eos}: set "
+                    f"model.eos_id={m.eos_id}, or prepare the data with the model's tokenizer"
+                )
+        if train_m is not None and val_m is not None:
+            a, b = train_m.tokenizer or {}, val_m.tokenizer or {}
+            if a.get("vocab_hash") and b.get("vocab_hash") and a["vocab_hash"] != b["vocab_hash"]:
+                raise DataError(
+                    f"the validation data ({self._data_path('validation data')}) was tokenized with "
+                    f"{b.get('name')} (vocab hash {b['vocab_hash'][:12]}), the training data with "
+                    f"{a.get('name')} ({a['vocab_hash'][:12]}); prepare both with one tokenizer"
+                )
+
+    def _data_path(self, what: str) -> str:
+        dc = self.cfg.data
+        return (
+            str(dc.val_data_path or dc.train_data_path) if what == "validation data" else dc.train_data_path
+        )
 
     def _data_identity(self) -> dict | None:
         m = getattr(self.train_data, "manifest", None)
