@@ -220,3 +220,24 @@ def test_jsonl_drops_a_torn_last_line_instead_of_gluing_the_next_row_to_it(tmp_p
     sink.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [json.loads(good), {"kind": "event", "step": 0, "event": "start"}]
+
+
+def test_damaged_bytes_in_metrics_jsonl_are_bad_lines_not_a_crash(tmp_path):
+    """Invalid UTF-8 (or a row without an integer step) is counted like a torn line by the readers
+    (`plot`, `inspect`), and a resume's supersede pass drops it instead of raising."""
+    from mamba3lite.report.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    good = [{"kind": "train", "step": s, "loss": 2.0} for s in (1, 2)]
+    lines = [json.dumps(r).encode() for r in good] + [
+        b"\xff\xfe\x00garbage",
+        b'{"kind": "train", "step": "x"}',
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    m = read_metrics(tmp_path)
+    assert [r["step"] for r in m.train] == [1, 2] and m.bad_lines == 2
+    sink = JsonlSink(path)
+    assert sink.supersede_after(1) == 1
+    sink.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [good[0], {**good[1], "superseded": True}]

@@ -45,7 +45,8 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
             else f"run directory not found: {where}"
         )
     out = RunMetrics()
-    with open(path, encoding="utf-8") as f:
+    # errors="replace": a line of damaged bytes is a bad line like a torn one, not a UnicodeDecodeError
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:
@@ -55,7 +56,7 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
             except json.JSONDecodeError:
                 out.bad_lines += 1
                 continue
-            if not isinstance(row, dict) or "step" not in row:
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 out.bad_lines += 1
                 continue
             if row.get("superseded"):

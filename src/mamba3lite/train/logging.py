@@ -130,14 +130,17 @@ class JsonlSink:
         from mamba3lite.data.shards import atomic_write_bytes
 
         self._f.close()
-        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.exists() else []
+        text = self.path.read_text(encoding="utf-8", errors="replace") if self.path.exists() else ""
+        lines = text.splitlines()
         out, marked = [], 0
         for line in lines:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a torn last line from a crash: drop it
-            if isinstance(row, dict) and row.get("step", -1) > step and not row.get("superseded"):
+                continue  # a torn last line from a crash, or damaged bytes: drop it
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                continue
+            if row["step"] > step and not row.get("superseded"):
                 row["superseded"] = True
                 marked += 1
             out.append(json.dumps(row, default=_json_default))
