@@ -72,6 +72,8 @@ def test_greedy_matches_a_full_forward(loaded, tok):
         ({"temperature": -1}, "--temperature"),
         ({"top_k": 0}, "--top-k"),
         ({"top_p": 1.5}, "--top-p"),
+        ({"seed": -1}, "--seed"),
+        ({"seed": 2**63}, "--seed"),
     ],
 )
 def test_bad_sampling_arguments(loaded, tok, kw, flag):
@@ -129,6 +131,7 @@ def test_bad_checkpoint_inputs_are_clear_errors(tmp_path, capsys):
         (["--checkpoint-dir", str(tmp_path)], "holds no checkpoints"),
         (["--checkpoint-dir", str(run), "--step", "4"], "no checkpoint of step 4"),
         (["--checkpoint-dir", str(run), "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--checkpoint-dir", str(run), "--seed", "99999999999999999999999"], "--seed must be in [0, 2**63)"),
         (["--checkpoint-dir", str(run), "--device", "tpu"], "--device must be"),
     ]
     if not torch.cuda.is_available():

@@ -47,9 +47,9 @@ class GenerationResult:
 
 
 def check_sampling_args(
-    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None
+    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int = 0
 ) -> None:
-    """ConfigError naming the flag for values `sample_next` would reject."""
+    """ConfigError naming the flag for values `sample_next` (or the generator's seeding) would reject."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not temperature >= 0:
@@ -58,6 +58,10 @@ def check_sampling_args(
         raise ConfigError(f"--top-k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {top_p}")
+    # torch.Generator.manual_seed takes a 64-bit integer (beyond it: a traceback, "Overflow when unpacking
+    # long long"); [0, 2**63) is also the range training.seed accepts.
+    if not 0 <= seed < 2**63:
+        raise ConfigError(f"--seed must be in [0, 2**63), got {seed}")
 
 
 def generate_text(
@@ -78,7 +82,7 @@ def generate_text(
     drawn from a CPU `torch.Generator` seeded with `seed`: the same model, prompt, settings and seed give
     the same text. `on_text(piece)` is called with each newly completed piece of text (streaming).
     """
-    check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed)
     device = next(model.parameters()).device
     prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
     vocab = model.cfg.vocab_size

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from mamba3lite.pretrained import load_pretrained, resolve_device
 
     top_k = None if args.top_k == 0 else args.top_k
-    check_sampling_args(args.max_new_tokens, args.temperature, top_k, args.top_p)
+    check_sampling_args(args.max_new_tokens, args.temperature, top_k, args.top_p, args.seed)
     loaded = load_pretrained(args.checkpoint_dir, args.step, device=resolve_device(args.device))
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
