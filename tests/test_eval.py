@@ -14,6 +14,7 @@ from mamba3lite.data.shards import write_dataset
 from mamba3lite.errors import DataError
 from mamba3lite.evaluate import evaluate_model
 from mamba3lite.pretrained import load_pretrained
+from mamba3lite.tokenizer import load_tokenizer
 from mamba3lite.train.trainer import Pretrainer
 from userside_helpers import make_dataset, save_tiny_checkpoint, tiny_config
 
@@ -88,6 +89,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, trained, data, capsys):
         (["--checkpoint-dir", str(run), "--step", "9", "--data-path", str(data)], "no checkpoint of step 9"),
         (["--checkpoint-dir", str(run), "--data-path", str(tmp_path / "nodata")], "does not exist"),
         (["--checkpoint-dir", str(run), "--data-path", str(data), "--max-batches", "0"], "--max-batches"),
+        (["--checkpoint-dir", str(run), "--data-path", str(data), "--batch-size", "0"], "--batch-size"),
     ]
     for args, message in cases:
         assert main(["eval", *args]) == 2, args
@@ -124,3 +126,28 @@ def test_raw_seed_shards_train_and_eval_with_token_dtype(tmp_path, capsys):
     ]
     assert main(args) == 0  # read as uint16: a different (in-vocabulary) token stream
     assert json.loads(capsys.readouterr().out)["windows"] == (800 - 1) // 16
+
+
+def test_a_val_split_too_short_for_a_window(tmp_path, trained, capsys):
+    """A val split shorter than one window (7 tokens, max_seq_len 16): by default eval falls back to the
+    train split (as train and quickstart do) and says so; --split val names the split and the fix."""
+    tok = load_tokenizer("gpt2")
+    rng = np.random.default_rng(0)
+    parts = [("train", rng.integers(0, 50000, 200), 4, 800), ("val", rng.integers(0, 50000, 7), 1, 28)]
+    short = tmp_path / "short_val"
+    write_dataset(
+        short,
+        parts,
+        vocab_size=50257,
+        eos_id=tok.eos_id,
+        tokenizer={"name": "gpt2", "vocab_hash": tok.vocab_hash},
+    )
+    base = ["eval", "--checkpoint-dir", str(trained), "--data-path", str(short), "--json"]
+    with pytest.warns(UserWarning, match=r"val split \(7 tokens\) is too short"):
+        assert main(base) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["split"] == "train" and out["windows"] == (200 - 1) // 16
+    assert main([*base, "--split", "val"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert "val split has 7 tokens" in err and "--split train" in err

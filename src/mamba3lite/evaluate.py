@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,9 +68,11 @@ def check_compatible(
         raise DataError(f"{where} uses EOS id {manifest.eos_id}, the model {model_eos_id}")
 
 
-def pick_split(data_path: str | Path, split: str | None) -> str:
-    """The split to evaluate: `split` if given (checked), else "val" when the dataset has one, else
-    "train"."""
+def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> str:
+    """The split to evaluate: `split` if given (checked), else "val" when the dataset's val split holds
+    at least one window (more than `max_seq_len` tokens, as the trainer and the quickstart decide), else
+    "train" (with a warning when a val split exists but is too short). DataError, naming the split, when
+    the split chosen holds no window."""
     from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest
 
     p = Path(data_path)
@@ -82,8 +85,27 @@ def pick_split(data_path: str | Path, split: str | None) -> str:
             raise ConfigError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not m.split_shards(split):
             raise DataError(f"{root} has no {split} split (its splits: {', '.join(_splits(m))})")
-        return split
-    return "val" if m.n_tokens("val") > 0 else "train"
+    elif m.n_tokens("val") > max_seq_len:
+        split = "val"
+    else:
+        split = "train"
+        if m.n_tokens("val") > 0:
+            warnings.warn(
+                f"{root}: the val split ({m.n_tokens('val'):,} tokens) is too short for one window of "
+                f"max_seq_len + 1 = {max_seq_len + 1} tokens; evaluating the train split",
+                stacklevel=3,
+            )
+    n = m.n_tokens(split)
+    if n <= max_seq_len:
+        if split == "val":
+            fix = "evaluate the train split instead (--split train), or prepare with a larger --val-fraction"
+        else:
+            fix = "prepare more data, or evaluate a run trained with a smaller max_seq_len"
+        raise DataError(
+            f"{root}: its {split} split has {n:,} tokens, too few for one window of max_seq_len + 1 = "
+            f"{max_seq_len + 1} tokens (the run's max_seq_len); {fix}"
+        )
+    return split
 
 
 def _splits(m) -> list[str]:
@@ -140,7 +162,7 @@ def evaluate_model(
     if max_batches is not None and max_batches < 1:
         raise ConfigError(f"--max-batches must be >= 1, got {max_batches}")
     cfg = model.cfg
-    split = pick_split(data_path, split)
+    split = pick_split(data_path, split, max_seq_len)
     ds = PretrainDataset(data_path, max_seq_len, cfg.vocab_size, split=split, dtype=token_dtype)
     if ds.manifest is not None:
         check_compatible(ds.manifest, cfg.vocab_size, cfg.eos_id, vocab_hash, tokenizer_name)

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         loaded.model,
         args.data_path,
         max_seq_len=tc.max_seq_len,
-        batch_size=args.batch_size or tc.micro_batch_size,
+        batch_size=tc.micro_batch_size if args.batch_size is None else args.batch_size,
         max_batches=args.max_batches,
         split=args.split,
         dtype=tc.dtype,
