@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from mamba3lite.cli import main
 from mamba3lite.data.prepare import prepare
 from mamba3lite.data.shards import Manifest, verify_dataset
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
@@ -107,6 +108,17 @@ def test_bad_arguments(tmp_path):
             prepare(**{"sources": [src], "out": tmp_path / "ds", "workers": 0, **kw})
     with pytest.raises(ConfigError, match="no sources"):
         prepare([], tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_an_empty_source_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """`prepare --source "$UNSET"`: one error line, exit 2, and neither the current directory tokenized nor
+    --out created."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("text long enough to keep, in the current directory")
+    assert main(["prepare", "--source", "", "--out", str(tmp_path / "ds"), "--workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: source '' is empty") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "ds").exists()
 
 

@@ -50,6 +50,14 @@ def test_missing_path_and_empty_glob(tmp_path):
         S.Source(str(tmp_path / "*.nothing"))
 
 
+@pytest.mark.parametrize("spec", ["", "  ", "\t"])
+def test_an_empty_source_is_refused_not_the_current_directory(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("would be read as the current directory")
+    with pytest.raises(ConfigError, match=r"is empty .*unset shell variable"):
+        S.Source(spec)
+
+
 def test_jsonl_lines_are_units_with_locations_and_blank_lines_skipped(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(b'{"text": "one"}\n\n{"text": "two"}\n')

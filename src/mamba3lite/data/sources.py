@@ -166,6 +166,13 @@ class Source:
         self.max_docs = max_docs
         self.files: list[Path] = []
         self.hf: tuple[str, str | None] | None = None
+        if not spec.strip():
+            # Path("") is the current directory: an unset shell variable (`--source "$CORPUS"`) would
+            # tokenize whatever directory the command runs in.
+            raise ConfigError(
+                f"source {spec!r} is empty (an unset shell variable?); pass a file, a directory, a "
+                "'GLOB', stdlib or hf:NAME"
+            )
         if spec == "stdlib":
             self.files = stdlib_files()
         elif spec.startswith("hf:"):
