@@ -79,3 +79,43 @@ def test_seed_format_files_without_manifest(tmp_path, capsys):
     assert main(["inspect", str(pt)]) == 0
     out = capsys.readouterr().out
     assert "int32 (torch.save'd" in out and "def seed_format" in out
+
+
+def test_files_that_are_not_token_shards_are_refused_with_the_right_advice(run, tmp_path, capsys):
+    """A checkpoint file, another file of a run, a text file and a device are each one error line naming
+    what the path is and what to run instead; none is described (or --verified) as a raw token file."""
+    text = tmp_path / "notes.txt"
+    text.write_text("some notes\nthat are text, not tokens\n")
+    no_suffix = tmp_path / "README"
+    no_suffix.write_text("plain ASCII text without a suffix\n")
+    (run / "config.yaml").write_text("training:\n  max_steps: 8\n")
+    cases = [
+        (
+            checkpoint_files(run, 8)["model"],
+            f"is a checkpoint file; inspect its run directory: mamba3lite inspect {run}",
+        ),
+        (checkpoint_files(run, 4)["optim"], "is a checkpoint file"),
+        (checkpoint_files(run, 4)["meta"], "is a checkpoint file"),
+        (run / "config.yaml", f"is a file of the run directory {run}"),
+        (text, "is a text file, not token shards; prepare it first: mamba3lite prepare --source"),
+        (no_suffix, "is a text file"),
+        ("/dev/null", "/dev/null is a character device"),
+    ]
+    for path, message in cases:
+        assert main(["inspect", str(path), "--verify"]) == 2, path
+        captured = capsys.readouterr()
+        err = captured.err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (path, err)
+        assert "Traceback" not in err and "raw token file" not in captured.out
+
+
+def test_verify_of_a_file_no_manifest_lists_does_not_claim_it_verified(tmp_path, capsys):
+    raw = tmp_path / "raw.bin"
+    np.arange(300, 340, dtype="<u4").tofile(raw)
+    assert main(["inspect", str(raw), "--verify"]) == 0
+    assert "not verified: no manifest lists this file" in capsys.readouterr().out
+    np.full(8, 60000, dtype="<u2").tofile(raw)  # ids beyond GPT-2's vocabulary: not this vocabulary's tokens
+    assert main(["inspect", str(raw), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "token id 60000 >= vocab_size" in err and "no manifest lists this file" in err
+    assert "re-run `mamba3lite prepare`" not in err

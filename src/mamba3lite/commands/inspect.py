@@ -7,6 +7,9 @@ checkpoint (run) directories and single shard files in `mamba3lite.report.inspec
 from __future__ import annotations
 
 import argparse
+import codecs
+import re
+import stat
 import sys
 from pathlib import Path
 
@@ -30,16 +33,88 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Checkpoint files (and the temp files of their atomic writes), as train/checkpoint.py names them; kept
+# here so that a wrong PATH is refused without importing torch.
+_CHECKPOINT_FILE_RE = re.compile(r"^\.?(model|optim|meta)_step_\d+\.(safetensors|pt|json)")
+# Suffixes of files that are text for people (a file named so that decodes as UTF-8 is not token data)
+# and of token files (never taken for text, whatever their bytes).
+_TEXT_SUFFIXES = frozenset(
+    {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".csv"}
+    | {".tsv", ".html", ".xml", ".log", ".sh", ".c", ".h", ".cpp", ".js", ".ts", ".rs", ".go", ".java"}
+)
+_TOKEN_SUFFIXES = frozenset({".bin", ".pt", ".npy", ".u16", ".u32", ".tokens"})
+_TEXT_PROBE_BYTES = 64 * 1024
+
+
+def _not_regular(path: Path) -> str:
+    """What a path that exists but is neither a file nor a directory is, in words."""
+    mode = path.stat().st_mode
+    for test, what in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "a special file"
+
+
+def _is_text_file(path: Path) -> bool:
+    """Whether `path` is plainly a text file: its first 64 KiB decode as UTF-8 and it is named like text,
+    or (any name but a token file's) it also has no NUL byte. Token data is neither: uint32 ids below
+    2**24 and uint16 ids below 256 (newline, space, punctuation in GPT-2) contain NUL bytes, and random
+    high bytes are not valid UTF-8."""
+    suffix = path.suffix.lower()
+    if suffix in _TOKEN_SUFFIXES:
+        return False
+    with path.open("rb") as f:
+        head = f.read(_TEXT_PROBE_BYTES)
+    if not head:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at 64 KiB: ok
+    except UnicodeDecodeError:
+        return False
+    return suffix in _TEXT_SUFFIXES or b"\0" not in head
+
+
+def _run_dir_of(path: Path) -> Path | None:
+    """The directory holding `path` when it is a checkpoint (run) directory, else None."""
+    parent = path.parent
+    if any(_CHECKPOINT_FILE_RE.match(p.name) for p in parent.glob("*_step_*")):
+        return parent
+    return None
+
+
 def detect_kind(path: Path) -> str:
     """DATASET, CHECKPOINT or SHARD_FILE; DataNotFoundError / ConfigError when PATH is none of them."""
     from mamba3lite.data.shards import MANIFEST_NAME
 
+    expected = "expected a dataset directory, a checkpoint directory or a token shard file"
     if not path.exists():
         raise DataNotFoundError(f"{path} does not exist")
     if path.is_file():
         if path.name == MANIFEST_NAME:
             return DATASET
+        if _CHECKPOINT_FILE_RE.match(path.name):
+            raise ConfigError(
+                f"{path} is a checkpoint file; inspect its run directory: mamba3lite inspect {path.parent}"
+            )
+        run_dir = _run_dir_of(path)
+        if run_dir is not None:
+            raise ConfigError(
+                f"{path} is a file of the run directory {run_dir}, not a token shard; inspect the run: "
+                f"mamba3lite inspect {run_dir}"
+            )
+        if _is_text_file(path):
+            raise ConfigError(
+                f"{path} is a text file, not token shards; prepare it first: mamba3lite prepare --source "
+                f"{path} --out DIR (then inspect DIR)"
+            )
         return SHARD_FILE
+    if not path.is_dir():
+        raise ConfigError(f"{path} is {_not_regular(path)}, not a file or directory; {expected}")
     if (path / MANIFEST_NAME).is_file():
         return DATASET
     if (

@@ -257,8 +257,22 @@ def inspect_shard_file(path: Path, verify: bool) -> int:
     """Print the description; with `verify`, DataError when the file disagrees with its manifest."""
     text, problems = describe_shard_file(path)
     print(text)
+    listed = _owning_manifest(path) is not None
+    # Without a manifest there is nothing to check the file against, and its dtype (hence its ids) may be
+    # a guess: say so rather than call it verified, or blame `prepare` for a file it did not write.
+    fix = (
+        "re-run `mamba3lite prepare`"
+        if listed
+        else "no manifest lists this file: it may have another dtype than the one guessed, hold another "
+        "vocabulary's tokens, or not be a token file at all"
+    )
     if problems and verify:
-        raise DataError(f"verification failed: {problems[0]}; re-run `mamba3lite prepare`")
+        raise DataError(f"verification failed: {problems[0]}; {fix}")
     if problems:
-        print("\nwarning: " + "; ".join(problems))
+        print("\nwarning: " + "; ".join(problems) + ("" if listed else f" ({fix})"))
+    elif verify and not listed:
+        print(
+            "\nnot verified: no manifest lists this file, so there is no size, sha256 or count to check "
+            "it against (only that its ids are below the vocabulary size)"
+        )
     return 0
