@@ -96,6 +96,16 @@ def test_typed_overrides():
         Config().with_overrides(["training.lr"])
 
 
+def test_overrides_of_one_section_are_validated_together():
+    # eos_id 0 is only valid with the new vocabulary, vocab_size 296 only with the new EOS: in either order
+    for order in (["model.vocab_size=296", "model.eos_id=0"], ["model.eos_id=0", "model.vocab_size=296"]):
+        m = Config().with_overrides(order).model
+        assert (m.vocab_size, m.eos_id) == (296, 0)
+    assert Config().with_overrides(["training.lr=1e-3", "training.lr=2e-3"]).training.lr == 2e-3
+    with pytest.raises(ConfigError, match=r"model\.eos_id must be a token id"):
+        Config().with_overrides(["model.vocab_size=296"])  # the default EOS 50256 is outside it
+
+
 def test_yaml_roundtrip_and_unknown_section(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(

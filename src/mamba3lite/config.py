@@ -231,8 +231,11 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> Config:
-        """A copy with `section.key=value` overrides applied (values typed by the field)."""
-        cfg = self
+        """A copy with `section.key=value` overrides applied (values typed by the field). All the overrides
+        of a section are applied together and validated once, so `model.vocab_size=296 model.eos_id=0`
+        works in either order (one at a time, the first would be checked against the other's old value);
+        a key given twice: the last wins."""
+        per_section: dict[str, dict[str, Any]] = {}
         for item in overrides:
             key, sep, text = item.partition("=")
             if not sep:
@@ -241,7 +244,10 @@ class Config:
             if not dot:
                 raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. training.lr=3e-4")
             _reject_unknown([section], SECTIONS, where="--set: unknown section")
-            cfg = cfg.replace(section, **{name: _parse_text(text.strip())})
+            per_section.setdefault(section, {})[name] = _parse_text(text.strip())
+        cfg = self
+        for section, values in per_section.items():
+            cfg = cfg.replace(section, **values)
         return cfg
 
     def replace(self, section: str, **values: Any) -> Config:
