@@ -264,6 +264,24 @@ def test_damaged_meta_format_is_corrupt_not_seed_format(tmp_path, damage):
     assert fresh.load(1, m2, o2)["step"] == 1 and m2.lm_head.weight is m2.embed.weight
 
 
+@pytest.mark.parametrize("field, value", [("tokens_seen", "abc"), ("data", [1]), ("config", None)])
+def test_older_meta_without_digest_with_a_badly_typed_field_is_not_loadable(tmp_path, field, value):
+    # A v1 meta has no meta_sha256 to catch an edit; every reader relies on these fields' types.
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, model, opt, {"tokens_seen": 10, "config": {}, "data": {}})
+    mgr.save(2, model, opt, {"tokens_seen": 20, "config": {}, "data": {}})
+    path = checkpoint_files(tmp_path, 2)["meta"]
+    meta = json.loads(path.read_text())
+    del meta["meta_sha256"]
+    meta[field] = value
+    path.write_text(json.dumps(meta))
+    st = CheckpointManager(tmp_path).status(2)
+    assert not st.loadable and f"field(s) {field} of the wrong type" in st.problems[0]
+    with pytest.warns(UserWarning, match=path.name):
+        assert CheckpointManager(tmp_path).latest_step() == 1
+
+
 def test_move_aside_keeps_every_abandoned_timeline(tmp_path, monkeypatch):
     # Resuming step 1 twice abandons two different step-2 checkpoints: both must survive.
     import mamba3lite.train.checkpoint as ckpt_module

@@ -62,6 +62,20 @@ _TEMP_RE = re.compile(r"^\.(model|optim|meta)_step_\d+\.(safetensors|pt|json)\..
 # Keys that only our metas have: a meta with none of them is the seed's (unverified) format; one with any of
 # them is ours and must pass every check, whatever its "format" value has become.
 _PROJECT_META_KEYS = ("format", "files", "meta_sha256")
+# Types of our metas' fields (absent ones are not checked).
+_META_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "tokens_seen": int,
+    "files": dict,
+    "config": dict,
+    "data": (dict, type(None)),
+    "metrics": (dict, type(None)),
+    "last_eval": (dict, type(None)),
+    "sampler": dict,
+    "rng": dict,
+    "tied": dict,
+    "has_optimizer": bool,
+    "wandb_run_id": (str, type(None)),
+}
 
 
 def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
@@ -563,6 +577,13 @@ class CheckpointManager:
             return CheckpointStatus(step, False, False, None, problems, sizes)
         if not digest_ok:
             problems.append(f"{paths['meta']}: content differs from its meta_sha256 (corrupt or edited)")
+        # An older meta has no digest to catch an edit: its fields' types are checked, as every reader
+        # (trainer, eval, generate, inspect) relies on them.
+        bad = [k for k, types in _META_FIELD_TYPES.items() if k in meta and not isinstance(meta[k], types)]
+        if bad:
+            problems.append(
+                f"{paths['meta']}: field(s) {', '.join(bad)} of the wrong type (corrupt or edited)"
+            )
         for kind in ("model", "optim"):
             want = meta.get("files", {}).get(kind, {})
             path = paths[kind]
