@@ -115,6 +115,24 @@ def test_load_pretrained_rebuilds_the_trained_model(run_dir, loaded):
     assert not loaded.model.training
 
 
+def test_newest_step_deleted_by_a_running_trainings_retention_is_chosen_again(tmp_path, monkeypatch):
+    from mamba3lite.train.checkpoint import CheckpointManager
+
+    run = save_tiny_checkpoint(tmp_path / "run", step=3)
+    save_tiny_checkpoint(run, step=4)
+    read_meta, reads = CheckpointManager.read_meta, []
+
+    def retention_strikes(self, step):
+        reads.append(step)
+        if reads.count(4) == 2:  # chosen (status read it once), about to be loaded
+            self.delete(4)  # as `keep_last_n` does right after the next save
+        return read_meta(self, step)
+
+    monkeypatch.setattr(CheckpointManager, "read_meta", retention_strikes)
+    loaded = load_pretrained(run)
+    assert loaded.step == 3 and any("step 4 was removed while loading" in n for n in loaded.notes)
+
+
 def _corrupt(run_dir, step):
     path = checkpoint_files(run_dir, step)["model"]
     data = bytearray(path.read_bytes())

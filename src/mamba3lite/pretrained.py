@@ -117,22 +117,12 @@ def load_pretrained(
     The newest-step search skips damaged newer checkpoints (each noted in `Pretrained.notes`); an
     explicit `step` loads exactly that step or raises. Weights are verified against the meta's sha256.
     """
-    from mamba3lite.config import Config
-    from mamba3lite.model import Mamba3Transformer
     from mamba3lite.train.checkpoint import CheckpointManager
 
     p = check_run_dir(run_dir)
     ckpt = CheckpointManager(p)
     notes: list[str] = []
-    if step is None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            step = ckpt.latest_step()
-        notes += [str(w.message) for w in caught]
-        if step is None:
-            problems = "; ".join(p for s in ckpt.list_steps() for p in ckpt.status(s).problems)
-            raise CheckpointError(f"no checkpoint in {p} verifies: {problems}")
-    else:
+    if step is not None:
         if step < 0:
             raise CheckpointError(f"--step must be >= 0, got {step}")
         if step not in ckpt.list_steps():
@@ -140,6 +130,45 @@ def load_pretrained(
                 f"there is no checkpoint of step {step} in {p}; loadable steps: "
                 f"{ckpt.verified_steps() or 'none'}"
             )
+        meta, config, model = _load_step(ckpt, p, step)
+    else:
+        # The newest step; a training run writing into `p` may delete it (retention) between the choice
+        # and the load: then choose again.
+        for attempt in range(3):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step = ckpt.latest_step()
+            notes += [str(w.message) for w in caught]
+            if step is None:
+                problems = "; ".join(p for s in ckpt.list_steps() for p in ckpt.status(s).problems)
+                raise CheckpointError(f"no checkpoint in {p} verifies: {problems}")
+            try:
+                meta, config, model = _load_step(ckpt, p, step)
+                break
+            except CheckpointError:
+                if attempt == 2 or step in ckpt.list_steps():
+                    raise
+                notes.append(f"step {step} was removed while loading it (a running training's retention?)")
+    model.to(device).eval()
+    data = meta.get("data") or {}
+    return Pretrained(
+        model=model,
+        config=config,
+        step=step,
+        meta=meta,
+        run_dir=p,
+        tokenizer_name=str(data.get("tokenizer") or "gpt2"),
+        vocab_hash=data.get("vocab_hash"),
+        notes=notes,
+    )
+
+
+def _load_step(ckpt, p: Path, step: int):
+    """(meta, config, model on the CPU) of checkpoint `step`, verified; CheckpointError if anything is
+    wrong."""
+    from mamba3lite.config import Config
+    from mamba3lite.model import Mamba3Transformer
+
     meta = ckpt.read_meta(step)
     raw_cfg = meta.get("config")
     if not isinstance(raw_cfg, dict) or "model" not in raw_cfg:
@@ -153,15 +182,4 @@ def load_pretrained(
         raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
     model = Mamba3Transformer(config.model)
     ckpt.load(step, model, None, map_location="cpu")  # verifies sizes and sha256 first
-    model.to(device).eval()
-    data = meta.get("data") or {}
-    return Pretrained(
-        model=model,
-        config=config,
-        step=step,
-        meta=meta,
-        run_dir=p,
-        tokenizer_name=str(data.get("tokenizer") or "gpt2"),
-        vocab_hash=data.get("vocab_hash"),
-        notes=notes,
-    )
+    return meta, config, model
