@@ -7,10 +7,13 @@ asserted depends on how fast the machine is."""
 from __future__ import annotations
 
 import json
+import shlex
+import signal
+from pathlib import Path
 
 import pytest
 
-from mamba3lite.cli import main
+from mamba3lite.cli import build_parser, main
 from mamba3lite.data.shards import Manifest
 from mamba3lite.train.checkpoint import CheckpointManager
 from userside_helpers import tiny_config_yaml
@@ -106,3 +109,143 @@ def test_dataset_is_reused_only_when_it_verifies_and_is_the_same_slice(tmp_path)
     shard = out / Manifest.load(out).shards[0].path
     shard.write_bytes(shard.read_bytes()[:-2])
     assert ensure_dataset(out, 4, notes.append) == (out, False) and "does not verify" in notes[-3]
+
+
+@pytest.mark.parametrize("minutes", ["inf", "1e400", "-inf", "nan"])
+def test_minutes_must_be_finite_and_are_checked_before_any_work(tmp_path, capsys, minutes):
+    work = tmp_path / "w"
+    rc = main(["quickstart", f"--minutes={minutes}", "--max-docs", "3", "--workdir", str(work)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --minutes must be > 0") and err.count("\n") == 1, err
+    assert not work.exists()  # refused before the dataset was prepared
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.train_data_path=elsewhere",
+        "data.token_dtype=uint32",
+        "training.max_steps=5",
+        "training.checkpoint_dir=r",
+        "training.eval_every=1",
+        "training.eval_batches=1",
+        "training.save_every=1",
+    ],
+)
+def test_set_of_a_field_the_quickstart_sets_is_refused(tmp_path, capsys, override):
+    work = tmp_path / "w"
+    config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32)
+    rc = main(["quickstart", "--minutes", "0.01", "--max-docs", "3", "--workdir", str(work),
+               "--config", config, "--set", override])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --set {override!r}: the quickstart sets {override.split('=')[0]} itself")
+    assert not work.exists()
+
+
+def test_set_help_names_the_refused_fields_and_the_rest_pass(capsys):
+    from mamba3lite.quickstart import check_overrides
+
+    with pytest.raises(SystemExit):
+        main(["quickstart", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "override any config field" not in text
+    assert "refused for the fields the quickstart sets itself: data.*, training.checkpoint_dir," in text
+    allowed = ["training.lr=3e-4", "training.warmup_steps=3", "training.log_every=2", "model.d_state=8"]
+    check_overrides(allowed)  # upper limits of the plan (warmup_steps, log_every), or not the plan's
+
+
+def summary_of(split: str = "val", stopped_by: str | None = None, **options) -> str:
+    from mamba3lite.quickstart import QuickstartOptions, QuickstartResult, summary_text
+
+    ev = {"loss": 5.0, "bits_per_byte": 2.0, "tokens": 1000, "split": split}
+    work = Path(options.get("workdir", "mamba3lite-quickstart"))
+    result = QuickstartResult(
+        data_path=work / "data" / "stdlib",
+        run_dir=work / "run",
+        data_reused=False,
+        start_step=0,
+        end_step=10,
+        tokens_seen=100,
+        start_eval=ev,
+        end_eval={**ev, "loss": 4.0},
+        sample="",
+        plot=None,
+        seconds=1.0,
+        steps_planned=10,
+        stopped_by=stopped_by,
+        options=QuickstartOptions(**options),
+    )
+    return summary_text(result)
+
+
+def next_command(summary: str, command: str) -> list[str]:
+    (line,) = [x for x in summary.splitlines() if x.startswith(f"  mamba3lite {command} ")]
+    return shlex.split(line.split("   (")[0])
+
+
+def test_summary_next_commands_name_this_runs_options():
+    text = summary_of(workdir="w/my qs", max_docs=5, config="my.yaml", overrides=["training.lr=3e-4"])
+    again = build_parser().parse_args(next_command(text, "quickstart")[1:])
+    assert (again.workdir, again.max_docs, again.config, again.overrides) == (
+        "w/my qs", 5, "my.yaml", ["training.lr=3e-4"]
+    )  # fmt: skip
+    train = next_command(text, "train")
+    assert train[2:6] == ["--config", "my.yaml", "--set", "training.lr=3e-4"]
+    assert train[train.index("--checkpoint-dir") + 1] == "w/my qs/run"
+    assert next_command(text, "inspect")[2] == "w/my qs/run"
+    # The defaults: nothing to repeat.
+    default = summary_of()
+    assert next_command(default, "quickstart") == ["mamba3lite", "quickstart", "--minutes", "5"]
+    assert next_command(default, "train")[2:4] == ["--config", "tiny"]
+
+
+def test_summary_names_the_split_evaluated_and_a_stop():
+    val = summary_of("val")
+    assert "val loss      5.000 -> 4.000 nats/token" in val and "on 1,000 val tokens)" in val
+    assert "stopped" not in val
+    train = summary_of("train", stopped_by="signal")
+    assert "val loss" not in train and "val tokens" not in train
+    assert "train loss    5.000 -> 4.000" in train and "on 1,000 train tokens: no usable val split" in train
+    assert "steps         0 -> 10   tokens seen 100   (stopped by signal)" in train
+
+
+def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
+    """SIGINT in the first step of the probe (the trainer whose first `warmup_steps` steps re-plan the
+    rest): the quickstart must not go on to train the planned steps, and ends as a stopped run does."""
+    import mamba3lite.quickstart as qs
+    from mamba3lite.train.trainer import Pretrainer
+
+    # A measured 1 ms/step plans thousands of steps, so the first warmup_steps (4) are a probe.
+    monkeypatch.setattr(qs, "_time_steps", lambda trainer, cpu: (1e-3, ""))
+    monkeypatch.setattr(qs, "_process_age_s", lambda: 0.0)  # the budget starts now, not at pytest's start
+    real_train, calls = Pretrainer.train, []
+
+    def train(self, until_step=None):
+        calls.append(until_step)
+        if until_step is not None:  # the probe: Ctrl-C arrives during its first step
+            real_step = self.train_step
+
+            def step():
+                signal.raise_signal(signal.SIGINT)
+                return real_step()
+
+            self.train_step = step
+        return real_train(self, until_step)
+
+    monkeypatch.setattr(Pretrainer, "train", train)
+    work = tmp_path / "qs"
+    config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32, warmup_steps=4)
+    rc = main(["quickstart", "--minutes", "1", "--workdir", str(work), "--config", config,
+               "--max-docs", "12", "--sample-tokens", "5", "--set", "training.lr=2e-3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert calls == [4]  # the probe only: no training of the planned steps after the stop
+    assert "received SIGINT" in out and "re-plan" not in out
+    assert "note      stopped by signal at step 1 of" in out
+    assert "after     step 1:" in out and "(stopped by signal)" in out and "quickstart summary" in out
+    assert CheckpointManager(work / "run").verified_steps() == [1]
+    events = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e.get("kind") == "event" and e.get("event") in ("stop", "end")] == [
+        "stop"
+    ]

@@ -14,7 +14,9 @@ evaluations and checkpoints, the final evaluation, the sample and the plot fit i
 preparing the data (see PLAN_FRACTION). The measurement is made under whatever else the machine
 is doing; if the machine gets slower during the run, a timer stops the trainer cleanly
 (`Pretrainer.request_stop`: the step finishes, a checkpoint is written) when only the time for the
-final evaluation, the sample and the plot is left, and the summary says so.
+final evaluation, the sample and the plot is left, and the summary says so. Ctrl-C or SIGTERM while
+training (the probe included) stops it the same way, and the quickstart then evaluates, samples and plots
+what was trained (exit 0, as `mamba3lite train` after a stop).
 
 Re-running reuses WORKDIR: the dataset when its manifest and every shard verify, the run by resuming
 from its newest verified checkpoint and training for another `minutes` (max_steps is extended, so the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import tempfile
 import threading
 import time
@@ -36,6 +39,7 @@ from pathlib import Path
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 
 DEFAULT_WORKDIR = "mamba3lite-quickstart"
+DEFAULT_CONFIG = "tiny"
 # No trailing space: GPT-2 puts a word's leading space inside the word's token (" main"), so a lone
 # trailing " " token is the indentation token, and a model of Python source continues "def " with
 # more indentation; "def" is continued with " name(...".
@@ -50,6 +54,18 @@ EVAL_WINDOWS = 32  # windows (of max_seq_len) per before/after evaluation
 PLAN_FRACTION = 1.25
 PERIODIC_EVALS = 3  # validation rows the trainer writes during the run (for the plot), each half
 # the windows of the before/after evaluation
+MAX_MINUTES = 1e6  # ~2 years: any real budget, and far from float overflow and threading.TIMEOUT_MAX
+# Config fields the quickstart sets itself (its dataset, its run directory, the planned steps and their
+# cadence): a --set of one of them would be silently replaced, so it is refused. training.warmup_steps and
+# training.log_every are not here: the plan uses them as upper limits.
+CONTROLLED_FIELDS = (
+    "data.*",
+    "training.checkpoint_dir",
+    "training.max_steps",
+    "training.eval_every",
+    "training.eval_batches",
+    "training.save_every",
+)
 
 
 @dataclass
@@ -58,7 +74,7 @@ class QuickstartOptions:
 
     minutes: float = 5.0
     workdir: str = DEFAULT_WORKDIR
-    config: str = "tiny"
+    config: str = DEFAULT_CONFIG
     overrides: list[str] = field(default_factory=list)
     max_docs: int | None = None  # a slice of the corpus: at most this many files
     prompt: str = DEFAULT_PROMPT
@@ -82,6 +98,8 @@ class QuickstartResult:
     plot: Path | None
     seconds: float
     steps_planned: int
+    stopped_by: str | None = None  # "signal" or "time" when training ended before the plan, else None
+    options: QuickstartOptions = field(default_factory=QuickstartOptions)  # what the run was given
 
 
 def ensure_dataset(out: Path, max_docs: int | None, log: Callable[[str], None]) -> tuple[Path, bool]:
@@ -171,7 +189,20 @@ def _logged_step_s(run_dir: Path, after_step: int, upto_step: int) -> float | No
 
 def _fmt_eval(ev: dict) -> str:
     bpb = f", {ev['bits_per_byte']:.3f} bits/byte" if ev.get("bits_per_byte") is not None else ""
-    return f"val loss {ev['loss']:.3f}{bpb}"
+    return f"{ev['split']} loss {ev['loss']:.3f}{bpb}"
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse a --set of a field the quickstart sets itself (CONTROLLED_FIELDS); a malformed one is left
+    to the config's own parsing, which names the problem."""
+    for item in overrides:
+        section, _, name = item.partition("=")[0].partition(".")
+        section, name = section.strip(), name.strip()
+        if (section == "data" and name) or f"{section}.{name}" in CONTROLLED_FIELDS:
+            raise ConfigError(
+                f"--set {item!r}: the quickstart sets {section}.{name} itself (it sets "
+                f"{', '.join(CONTROLLED_FIELDS)}); use `mamba3lite train` to choose it"
+            )
 
 
 def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
@@ -184,10 +215,11 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     from mamba3lite.train.checkpoint import CheckpointManager
     from mamba3lite.train.trainer import Pretrainer
 
-    if not opts.minutes > 0:
-        raise ConfigError(f"--minutes must be > 0, got {opts.minutes}")
+    if not 0 < opts.minutes <= MAX_MINUTES:  # also refuses nan and inf
+        raise ConfigError(f"--minutes must be > 0 and at most {MAX_MINUTES:,.0f}, got {opts.minutes}")
     if opts.max_docs is not None and opts.max_docs < 1:
         raise ConfigError(f"--max-docs must be >= 1, got {opts.max_docs}")
+    check_overrides(opts.overrides)
     t_start = time.monotonic() - _process_age_s()  # the budget includes Python's and torch's start-up
     deadline = t_start + 60.0 * opts.minutes
     workdir = Path(opts.workdir)
@@ -303,26 +335,35 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
         # The throw-away trainer's steps can run slower (or faster) than the real run's, so the first
         # `warmup` steps (a fresh run's learning rate there does not depend on max_steps) are a probe:
         # their logged step times re-plan the rest. The cost is one checkpoint written and read back.
+        # A probe stopped by a signal (Ctrl-C, SIGTERM) ends the training as the main run's stop would.
         result = None
         probe = warmup if start_step == 0 and n_steps >= 4 * warmup else 0
         if probe:
             start_trainer(run_cfg(n_steps, probe=True))
             result = current[-1].train(until_step=start_step + probe)
             measured = _logged_step_s(run_dir, start_step, start_step + probe)
-            if measured and not timed_out.is_set():
+            if measured and not timed_out.is_set() and not result.stopped:
                 n_steps = probe + steps_for(measured)
                 log(f"re-plan   {measured:.2f} s/step in the first {probe} steps -> {n_steps} steps in all")
-        if result is None or not timed_out.is_set():  # at least one step, even with no time left
+        if result is None or not (timed_out.is_set() or result.stopped):  # >= 1 step, even with no time
             start_trainer(run_cfg(n_steps, probe=False))
             result = current[-1].train()
     except CheckpointError as e:
         raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
     finally:
         timer.cancel()
-    if timed_out.is_set() and result.stopped:
+    stopped_by = None  # a run short of its plan without a signal (or a stop request) met the timer
+    if result.stopped or result.step < start_step + n_steps:
+        stopped_by = "time" if timed_out.is_set() else "signal"
+    if stopped_by == "time":
         log(
             f"note      the time budget ran out at step {result.step} of {start_step + n_steps} planned "
             "(planned for 1.25x the time left): stopped cleanly, checkpoint written"
+        )
+    elif stopped_by == "signal":
+        log(
+            f"note      stopped by signal at step {result.step} of {start_step + n_steps} planned: "
+            "checkpoint written; evaluating, sampling and plotting it (Ctrl-C again to quit now)"
         )
 
     loaded = load_pretrained(run_dir)
@@ -362,34 +403,49 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
         plot=plot,
         seconds=time.monotonic() - t_start,
         steps_planned=n_steps,
+        stopped_by=stopped_by,
+        options=opts,
     )
 
 
 def summary_text(r: QuickstartResult) -> str:
-    """The closing summary: numbers, where things are, what to try next."""
-    s, e = r.start_eval, r.end_eval
+    """The closing summary: numbers, where things are, what to try next (commands that name this run's
+    --workdir, --config, --set and --max-docs when they are not the defaults, so they act on this run)."""
+    s, e, o = r.start_eval, r.end_eval, r.options
 
     def bpb(ev: dict) -> str:
         return f"{ev['bits_per_byte']:.3f}" if ev.get("bits_per_byte") is not None else "n/a"
 
-    run = r.run_dir
+    run, data = shlex.quote(str(r.run_dir)), shlex.quote(str(r.data_path))
+    config = ["--config", o.config, *(a for item in o.overrides for a in ("--set", item))]
+    again = ["mamba3lite", "quickstart", "--minutes", "5"]  # without these options it is another run
+    again += ["--workdir", o.workdir] if o.workdir != DEFAULT_WORKDIR else []
+    again += config if config != ["--config", DEFAULT_CONFIG] else []
+    again += ["--max-docs", str(o.max_docs)] if o.max_docs is not None else []
+    if e["split"] == "val":
+        loss = f"val loss      {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
+        where = f"on {e['tokens']:,} val tokens"
+    else:
+        loss = f"train loss    {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
+        where = f"on {e['tokens']:,} {e['split']} tokens: no usable val split"
+    stopped = {"signal": "   (stopped by signal)", "time": "   (stopped: time budget ran out)"}
     lines = [
         "",
         "── quickstart summary ─────────────────────────────────────────────────────────",
         f"time          {r.seconds / 60:.1f} min",
-        f"steps         {r.start_step} -> {r.end_step}   tokens seen {r.tokens_seen:,}",
-        f"val loss      {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
-        f"(bits/byte {bpb(s)} -> {bpb(e)}; on {e['tokens']:,} {e['split']} tokens)",
-        f"dataset       {r.data_path}" + ("  (reused)" if r.data_reused else ""),
+        f"steps         {r.start_step} -> {r.end_step}   tokens seen {r.tokens_seen:,}"
+        + stopped.get(r.stopped_by or "", ""),
+        f"{loss}(bits/byte {bpb(s)} -> {bpb(e)}; {where})",
+        f"dataset       {data}" + ("  (reused)" if r.data_reused else ""),
         f"run directory {run}   (checkpoints, config.yaml, metrics.jsonl)",
         f"plot          {r.plot}" if r.plot else "plot          (none: pip install 'mamba3lite[plot]')",
         "",
         "next:",
         f"  mamba3lite generate --checkpoint-dir {run} --prompt 'import' --max-new-tokens 200",
-        f"  mamba3lite eval --checkpoint-dir {run} --data-path {r.data_path}",
+        f"  mamba3lite eval --checkpoint-dir {run} --data-path {data}",
         f"  mamba3lite inspect {run}",
-        f"  mamba3lite train --config tiny --data-path {r.data_path} --checkpoint-dir {run} --max-steps "
+        f"  mamba3lite train {shlex.join(config)} --data-path {data} --checkpoint-dir {run} --max-steps "
         f"{r.end_step + 500}",
-        "  mamba3lite quickstart --minutes 5   (again: continues this run)",
+        f"  {shlex.join(again)}   (again: continues this run)",
     ]
     return "\n".join(lines)

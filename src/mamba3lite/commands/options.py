@@ -22,13 +22,11 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_override_option(parser: argparse.ArgumentParser) -> None:
+def add_override_option(
+    parser: argparse.ArgumentParser,
+    help: str = "override any config field, e.g. --set training.lr=3e-4 (repeatable)",
+) -> None:
     """--set SECTION.KEY=VALUE (repeatable) into `args.overrides`: typed config overrides."""
     parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override any config field, e.g. --set training.lr=3e-4 (repeatable)",
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help
     )

@@ -15,7 +15,7 @@ HELP = "prepare the stdlib corpus, train the tiny preset on CPU, evaluate, sampl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mamba3lite.quickstart import DEFAULT_PROMPT, DEFAULT_WORKDIR
+    from mamba3lite.quickstart import CONTROLLED_FIELDS, DEFAULT_PROMPT, DEFAULT_WORKDIR
 
     parser.add_argument(
         "--minutes",
@@ -36,7 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE|PRESET",
         help="the model/training config (default: the tiny preset)",
     )
-    add_override_option(parser)
+    add_override_option(
+        parser,
+        help="override a config field, e.g. --set training.lr=3e-4 (repeatable); refused for the fields "
+        f"the quickstart sets itself: {', '.join(CONTROLLED_FIELDS)}; training.warmup_steps and "
+        "training.log_every are upper limits",
+    )
     parser.add_argument(
         "--max-docs",
         type=int,
