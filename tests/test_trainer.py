@@ -243,6 +243,14 @@ def test_resume_with_another_max_seq_len_warns_that_the_data_order_is_not_contin
     assert "max_seq_len changed from 16 (checkpoint step 2) to 8" in warning["message"]
 
 
+def test_a_first_save_killed_before_its_meta_is_not_a_checkpoint_and_the_run_starts_afresh(tmp_path):
+    Pretrainer(tiny_config(tmp_path, max_steps=2, save_every=2)).train()
+    checkpoint_files(tmp_path, 2)["meta"].unlink()  # the meta is written last: the save did not finish
+    with pytest.warns(UserWarning, match="meta_step_2.json is missing"):
+        result = Pretrainer(tiny_config(tmp_path, max_steps=3, save_every=2)).train()
+    assert result.step == 3 and CheckpointManager(tmp_path).list_steps() == [2, 3]
+
+
 def test_explicit_resume_loads_exactly_that_step(tmp_path):
     run = tmp_path / "run"
     a = Pretrainer(tiny_config(run, max_steps=6, save_every=2))

@@ -56,7 +56,13 @@ from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingE
 from mamba3lite.evaluate import spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.train import distributed as D
-from mamba3lite.train.checkpoint import CheckpointManager, RunLock, capture_rng_state, restore_rng_state
+from mamba3lite.train.checkpoint import (
+    CheckpointManager,
+    RunLock,
+    capture_rng_state,
+    checkpoint_files,
+    restore_rng_state,
+)
 from mamba3lite.train.logging import TrainingLogger, build_logger, peak_flops
 from mamba3lite.train.optim import build_optimizer, lr_at, set_lr
 
@@ -453,15 +459,17 @@ class Pretrainer:
                     f"{self.run_dir} already holds checkpoints (steps {steps}); use --resume latest to "
                     "continue, or another --checkpoint-dir for a fresh run"
                 )
-            elif (latest := self.ckpt.latest_step()) is None:
-                # Starting afresh here would overwrite them (and retention would delete them).
-                problems = "; ".join(f"step {s}: {', '.join(self.ckpt.status(s).problems)}" for s in steps)
+            elif (latest := self.ckpt.latest_step()) is not None:
+                target = latest
+            elif damaged := [s for s in steps if checkpoint_files(self.run_dir, s)["meta"].exists()]:
+                # Saves that finished (their meta, written last, is there) and no longer verify: starting
+                # afresh would overwrite them, and retention would delete them. (Steps without a meta are
+                # saves killed mid-way, never a checkpoint: a fresh start is right for those.)
+                problems = "; ".join(f"step {s}: {', '.join(self.ckpt.status(s).problems)}" for s in damaged)
                 refusal = (
                     f"none of the checkpoints in {self.run_dir} verifies ({problems}); nothing was "
                     "changed: restore them from a copy, or move them away to start this run afresh"
                 )
-            else:
-                target = latest
         if D.any_rank(refusal is not None, self.dist):
             raise CheckpointError(refusal or "rank 0 refused to resume (its output says why)")
         return D.broadcast_int(target, self.dist)
