@@ -114,7 +114,8 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def _run_command(argv: list[str] | None) -> int:
     argv_given_none = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    warnings.formatwarning = _one_line_warning
+    if argv_given_none:  # the process's own output (an in-process caller keeps Python's format)
+        warnings.formatwarning = _one_line_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
