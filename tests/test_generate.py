@@ -47,6 +47,32 @@ def test_stops_at_the_limit_and_streams_the_same_text(loaded, tok):
     assert r.tokens_per_s > 0
 
 
+class _Scripted(torch.nn.Module):
+    """A stand-in model whose `generate` yields a fixed list of token ids (then stops)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.cfg = type("Cfg", (), {"vocab_size": 50257})()
+        self.ids = ids
+
+    def generate(self, input_ids, max_new_tokens, **kw):
+        for i in self.ids[:max_new_tokens]:
+            yield torch.tensor([i])
+
+
+def test_streaming_holds_split_characters_back_and_decodes_each_token_once(tok):
+    ids = tok.encode("café 👍🏽 ok 中文") * 40  # emoji and CJK characters split across byte tokens
+    decoded = []
+    counting = type("Tok", (), {"eos_id": tok.eos_id, "encode": tok.encode})()
+    counting.decode = lambda xs: decoded.append(len(xs)) or tok.decode(xs)
+    pieces: list[str] = []
+    r = generate_text(_Scripted(ids), counting, "", max_new_tokens=len(ids), on_text=pieces.append)
+    assert "".join(pieces) == r.text == tok.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)  # a piece never ends (or starts) inside a character
+    assert sum(decoded) < 3 * len(ids)  # each token decoded about once: linear, not quadratic
+
+
 def test_stops_at_eos(tok):
     model = eos_model()
     r = generate_text(model, tok, "def f():", max_new_tokens=50, temperature=1.0, seed=0)

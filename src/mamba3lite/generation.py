@@ -91,7 +91,8 @@ def generate_text(
     gen = torch.Generator(device=device).manual_seed(seed)
     input_ids_BT = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     new_ids: list[int] = []
-    emitted = ""
+    pieces: list[str] = []  # text emitted so far, each piece ending on a complete character
+    pending: list[int] = []  # tokens since the last piece: only these are decoded (linear, not quadratic)
     stopped_at_eos = False
     t0 = time.perf_counter()
     model.eval()
@@ -109,15 +110,18 @@ def generate_text(
             stopped_at_eos = True
             break
         new_ids.append(token)
-        text = tokenizer.decode(new_ids)
-        if not text.endswith("\ufffd") and len(text) > len(emitted):
-            piece, emitted = text[len(emitted) :], text
-            if on_text is not None:
+        pending.append(token)
+        piece = tokenizer.decode(pending)
+        if not piece.endswith("\ufffd"):  # pending starts on a character boundary and ends on one
+            pieces.append(piece)
+            pending = []
+            if on_text is not None and piece:
                 on_text(piece)
     seconds = time.perf_counter() - t0
-    text = tokenizer.decode(new_ids)
-    if on_text is not None and len(text) > len(emitted) and text.startswith(emitted):
-        on_text(text[len(emitted) :])  # a final partial character, shown as U+FFFD
+    tail = tokenizer.decode(pending) if pending else ""  # a final partial character, shown as U+FFFD
+    if on_text is not None and tail:
+        on_text(tail)
+    text = "".join(pieces) + tail
     return GenerationResult(
         text=text,
         token_ids=new_ids,
