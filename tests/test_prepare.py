@@ -251,6 +251,18 @@ def test_rerun_same_arguments_rebuilds_in_place(tmp_path):
     assert tree_hashes(out) == before
 
 
+def test_out_inside_the_corpus_directory_is_not_read_back_as_documents(tmp_path, capsys):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "x.txt").write_text("some text that is long enough")
+    out = d / "tokens"  # the dataset lands inside the directory it is made from
+    prepare([str(d)], out, workers=0, val_fraction=0.0)
+    before = tree_hashes(out)
+    prepare([str(d)], out, workers=0, val_fraction=0.0)  # the re-run sees out/manifest.json in the corpus
+    assert "skipping" in capsys.readouterr().err
+    assert tree_hashes(out) == before and Manifest.load(out).extra["stats"]["kept"] == 1
+
+
 def test_cli_prepare_and_weight_pairing(cli, tmp_path):
     a, b = _two_sources(tmp_path, n=20)
     out = tmp_path / "ds"

@@ -816,6 +816,7 @@ def prepare(
     tok = load_tokenizer(tokenizer)
     dtype = shards.dtype_for_vocab(tok.vocab_size)
     resolved = [Source(s.spec, text_field=text_field, max_docs=max_docs) for s in specs]
+    _skip_own_output(resolved, Path(out))
     args_record = {
         "pipeline_version": PIPELINE_VERSION,
         "format_version": shards.FORMAT_VERSION,
@@ -928,6 +929,20 @@ def prepare(
             seconds=time.perf_counter() - t_start,
             resumed_shards=run.resumed_shards,
         )
+
+
+def _skip_own_output(sources: list[Source], out: Path) -> None:
+    """Drop the files under `out` from directory and glob sources (an --out inside the corpus directory):
+    a re-run would otherwise read the previous run's manifest and shards as documents."""
+    root = out.resolve()
+    for src in sources:
+        kept = [f for f in src.files if not f.resolve().is_relative_to(root)]
+        if len(kept) < len(src.files):
+            print(
+                f"note: source {src.spec}: skipping {len(src.files) - len(kept)} file(s) under --out {out}",
+                file=sys.stderr,
+            )
+            src.files = kept
 
 
 def _public_stats(stats: dict) -> dict:
