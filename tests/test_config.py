@@ -130,6 +130,9 @@ def test_yaml_roundtrip_and_unknown_section(tmp_path):
     p.write_text("training: [1, 2]\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(p)
+    p.write_text("# nothing but a comment\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml is empty; a config holds model:, training:"):
+        load_config(p)
     p.write_text("training: {lr: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(p)
