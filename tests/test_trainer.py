@@ -379,6 +379,15 @@ def test_data_that_eval_would_refuse_is_refused_before_training(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_dataset_directory_as_checkpoint_dir_is_refused(tmp_path):
+    data = make_dataset(tmp_path / "data")
+    before = sorted(p.name for p in (tmp_path / "data").rglob("*"))
+    cfg = tiny_config(tmp_path / "data").replace("data", dummy=False, train_data_path=data)
+    with pytest.raises(ConfigError, match=r"is a dataset directory .* --checkpoint-dir at a run directory"):
+        Pretrainer(cfg)
+    assert sorted(p.name for p in (tmp_path / "data").rglob("*")) == before
+
+
 def test_logged_tokens_per_second_counts_accumulation(tmp_path):
     t = Pretrainer(tiny_config(tmp_path, max_steps=4, log_every=2))
     t.train()

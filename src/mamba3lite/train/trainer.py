@@ -172,6 +172,11 @@ class Pretrainer:
         if self.device.type == "cpu":
             keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
         self.run_dir = Path(tc.checkpoint_dir)
+        if (self.run_dir / "manifest.json").exists():
+            raise ConfigError(
+                f"training.checkpoint_dir {self.run_dir} is a dataset directory (it holds manifest.json): "
+                "checkpoints would be mixed into the dataset; point --checkpoint-dir at a run directory"
+            )
         self.inject = parse_injection(os.environ.get(INJECT_ENV, ""), self.dist.rank)
 
         self._seed_everything(tc.seed)
