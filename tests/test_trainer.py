@@ -388,6 +388,13 @@ def test_a_dataset_directory_as_checkpoint_dir_is_refused(tmp_path):
     assert sorted(p.name for p in (tmp_path / "data").rglob("*")) == before
 
 
+def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(tmp_path):
+    Pretrainer(tiny_config(tmp_path, max_steps=4)).train()
+    assert Pretrainer(tiny_config(tmp_path, max_steps=3)).train().step == 4
+    (warning,) = [r for r in metrics(tmp_path) if r.get("event") == "warning"]
+    assert "at step 4, not before training.max_steps 3: nothing to train" in warning["message"]
+
+
 def test_logged_tokens_per_second_counts_accumulation(tmp_path):
     t = Pretrainer(tiny_config(tmp_path, max_steps=4, log_every=2))
     t.train()

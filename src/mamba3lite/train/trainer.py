@@ -827,6 +827,14 @@ class Pretrainer:
                     f"{self._epoch_summary()}",
                     tokens_total=self.tokens_seen,
                 )
+                if self.step >= target and until_step is None:
+                    self.logger.event(
+                        self.step,
+                        "warning",
+                        f"the run is at step {self.step}, not before training.max_steps {tc.max_steps}: "
+                        "nothing to train; raise --max-steps to continue it",
+                        tokens_total=self.tokens_seen,
+                    )
             self._epoch_seen = self.sampler.epoch
             self.logger.restart_window()
             stopped = False
