@@ -188,6 +188,14 @@ def test_weighted_mixture_with_target_interleaves_and_records_contributions(tmp_
         assert firsts == {"A", "B"}
 
 
+def test_huge_weights_are_relative_and_keep_the_target(tmp_path):
+    a, b = _two_sources(tmp_path)
+    out = tmp_path / "mix"  # 1e308 + 1e308 overflowed to inf: every budget NaN, every document used
+    prepare([(a, 1e308), (b, 1e308)], out, workers=0, target_tokens=400, val_fraction=0.0, min_chars=1)
+    src_a, src_b = Manifest.load(out).extra["stats"]["sources"]
+    assert 200 <= src_a["tokens"]["train"] <= 220 and 200 <= src_b["tokens"]["train"] <= 220
+
+
 def test_without_target_every_document_is_used(tmp_path):
     a, b = _two_sources(tmp_path, n=30)
     out = tmp_path / "all"

@@ -168,3 +168,102 @@ def test_hf_source_errors(fake_datasets, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails -> an install hint
     with pytest.raises(ConfigError, match="pip install"):
         S.Source("hf:org/corpus")
+
+
+def test_damaged_inputs_are_one_data_error_each(tmp_path):
+    """Damage that used to end in a traceback: a .gz whose compressed data is corrupt (zlib.error is not
+    an OSError), and JSON lines Python's parser refuses with ValueError or RecursionError."""
+    good = gzip.compress(b"".join(json.dumps({"text": "x" * i}).encode() + b"\n" for i in range(2000)))
+    damaged = bytearray(good)
+    damaged[len(good) // 2 : len(good) // 2 + 60] = bytes(
+        b ^ 0xFF for b in good[len(good) // 2 : len(good) // 2 + 60]
+    )
+    (tmp_path / "d.jsonl.gz").write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match=r"cannot read .*d\.jsonl\.gz"):
+        list(S.Source(str(tmp_path / "d.jsonl.gz")).units())
+    assert "malformed JSON" in S.parse_jsonl_line(b'{"n": ' + b"9" * 5000 + b', "text": "a"}', "text")[1]
+    assert "malformed JSON" in S.parse_jsonl_line(b"[" * 100_000 + b"]" * 100_000, "text")[1]
+    assert "--text-field" in S.parse_jsonl_line(b'{"text": [1]}', "text")[1]
+
+
+def test_parquet_text_column_types(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": [1, 2], "raw": pa.array([b"caf\xc3\xa9", None], pa.binary())}), p)
+    with pytest.raises(DataError, match=r"column 'text' holds int64, not text; fix: --text-field"):
+        list(S.Source(str(p)).units())
+    # Text stored as BYTE_ARRAY without the UTF8 mark (some writers do): read as UTF-8
+    assert [u[2] for u in S.Source(str(p), text_field="raw").units()] == ["caf\u00e9", None]
+
+    def damaged_pages(self, *a, **k):
+        yield pa.record_batch([pa.array([b"ok"], pa.binary())], names=["raw"])
+        raise pa.ArrowInvalid("Index not in dictionary bounds")
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", damaged_pages)
+    with pytest.raises(DataError, match=r"cannot read parquet file .*t\.parquet: Index not in"):
+        list(S.Source(str(p), text_field="raw").units())
+
+
+def test_unreadable_directories_and_files_fail_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "sub" / "b.txt").write_text("b")
+    scandir = S.os.scandir
+
+    def no_permission(path="."):
+        if str(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    with monkeypatch.context() as m:  # as for a chmod 000 directory (the tests may run as root)
+        m.setattr(S.os, "scandir", no_permission)
+        with pytest.raises(DataError, match=r"cannot read directory .*sub: Permission denied"):
+            S.Source(str(tmp_path))
+    access = S.os.access
+    monkeypatch.setattr(S.os, "access", lambda p, mode: not str(p).endswith("b.txt") and access(p, mode))
+    with pytest.raises(DataError, match=r"cannot read .*b\.txt: permission denied"):
+        S.Source(str(tmp_path))
+
+
+def test_an_existing_name_with_glob_characters_is_that_file(tmp_path):
+    (tmp_path / "notes [draft].txt").write_text("draft")
+    (tmp_path / "notes d.txt").write_text("the glob would match this one")
+    units = _texts(S.Source(str(tmp_path / "notes [draft].txt")))
+    assert [u[2] for u in units] == [b"draft"]
+
+
+def test_max_docs_stops_before_reading_the_next_unit(tmp_path, monkeypatch):
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.txt").write_text(name)
+    read = []
+    read_bytes = S.Path.read_bytes
+    monkeypatch.setattr(S.Path, "read_bytes", lambda self: read.append(self.name) or read_bytes(self))
+    assert len(_texts(S.Source(str(tmp_path), max_docs=2))) == 2
+    assert read == ["a.txt", "b.txt"]
+
+
+def test_hf_rows_that_fail_or_hold_no_text(monkeypatch):
+    module = types.ModuleType("datasets")
+    mode = {}
+
+    def rows():
+        yield {"text": "fine"}
+        if mode["kind"] == "list":
+            yield {"text": ["a", "paragraph"]}
+        raise (
+            mode["kind"]("connection reset") if mode["kind"] is ConnectionError else RuntimeError("bad shard")
+        )
+
+    module.load_dataset = lambda *a, **k: rows()
+    monkeypatch.setitem(sys.modules, "datasets", module)
+    mode["kind"] = "list"
+    with pytest.raises(DataError, match=r"row 2: field 'text' is a list, not a string"):
+        list(S.Source("hf:org/x").units())
+    mode["kind"] = ConnectionError  # the network: resumable, not bad input
+    with pytest.raises(S.TransientError, match=r"hf:org/x: reading row 2 failed .*re-run the same command"):
+        list(S.Source("hf:org/x").units())
+    mode["kind"] = RuntimeError
+    with pytest.raises(DataError, match=r"hf:org/x: cannot read row 2: RuntimeError: bad shard"):
+        list(S.Source("hf:org/x").units())

@@ -29,5 +29,12 @@ class CheckpointError(Mamba3LiteError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not match the model."""
 
 
+class TransientError(Mamba3LiteError, RuntimeError):
+    """A failure that may not happen again (a network error while streaming a dataset): unlike bad input,
+    the work done so far is kept, and the same command resumes it."""
+
+    exit_code = 1
+
+
 class TrainingError(Mamba3LiteError, RuntimeError):
     """Training cannot continue (e.g. non-finite losses with no checkpoint to roll back to)."""

@@ -73,7 +73,7 @@ from mamba3lite.data.sources import (
     replace_surrogates,
 )
 from mamba3lite.dirlock import DirLock
-from mamba3lite.errors import ConfigError, DataError, Mamba3LiteError
+from mamba3lite.errors import ConfigError, DataError, Mamba3LiteError, TransientError
 from mamba3lite.tokenizer import load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 50_000_000  # as the seed's pipeline
@@ -526,8 +526,11 @@ class _Run:
         self.dedup = dedup
         self.skip_bad_lines = skip_bad_lines
         self.progress = progress
-        total_w = sum(s.weight for s in specs)
-        self.budgets = [None if target_tokens is None else target_tokens * s.weight / total_w for s in specs]
+        top = max(s.weight for s in specs)  # relative weights: a sum of 1e308s must not overflow to inf
+        total_w = sum(s.weight / top for s in specs)
+        self.budgets = [
+            None if target_tokens is None else target_tokens * (s.weight / top) / total_w for s in specs
+        ]
         # The interleaving rate of each source. With a target, its weight: every source reaches its budget
         # at about the same time. Without one every document is used, so the rate is the source's size
         # (bytes on disk, when every source's is known) and all sources run out at about the same time:
@@ -888,6 +891,8 @@ def prepare(
                 f"a tokenizer worker process died (killed for memory?); the shards done so far are kept in "
                 f"{stage}: re-run the same command to resume, perhaps with fewer --workers"
             ) from e
+        except TransientError:
+            raise  # a network error, say: the shards done so far are kept for a re-run to resume
         except Mamba3LiteError:
             # Bad input: the same arguments would fail the same way, so there is nothing to resume.
             shutil.rmtree(stage, ignore_errors=True)

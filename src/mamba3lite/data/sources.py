@@ -26,14 +26,16 @@ from __future__ import annotations
 import glob as globlib
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import re
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+from mamba3lite.errors import ConfigError, DataError, DataNotFoundError, TransientError
 
 KIND_TEXT_BYTES = 0
 KIND_JSONL = 1
@@ -93,6 +95,8 @@ def parse_jsonl_line(line: bytes, text_field: str) -> tuple[str | None, str | No
         obj = json.loads(decode_bytes(line))
     except json.JSONDecodeError as e:
         return None, f"malformed JSON ({e.msg} at column {e.colno})"
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, arrays nested too deep
+        return None, f"malformed JSON ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}"
     if text_field not in obj:
@@ -105,7 +109,10 @@ def parse_jsonl_line(line: bytes, text_field: str) -> tuple[str | None, str | No
     if text is None:
         return "", None
     if not isinstance(text, str):
-        return None, f"field {text_field!r} is a {type(text).__name__}, not a string"
+        return None, (
+            f"field {text_field!r} is a {type(text).__name__}, not a string; fix: --text-field NAME of a "
+            "text field, or --skip-bad-lines to skip such lines"
+        )
     return text, None
 
 
@@ -143,7 +150,13 @@ def stdlib_files() -> list[Path]:
 def _walk_dir(root: Path) -> list[Path]:
     """Every regular file below `root` by relative posix path; hidden entries and __pycache__ skipped."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unreadable(e: OSError) -> None:  # os.walk skips a directory it cannot list, silently
+        raise DataError(
+            f"cannot read directory {e.filename}: {e.strerror}; fix its permissions or leave it out"
+        )
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
         out.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
     files = [p for p in out if p.is_file()]
@@ -181,7 +194,7 @@ class Source:
                 raise ConfigError(f"bad source {spec!r}; expected hf:NAME or hf:NAME:CONFIG")
             self.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
             _import_datasets()  # fail now, not after the other sources were read
-        elif _is_glob(spec):
+        elif _is_glob(spec) and not Path(spec).exists():  # a name with [ or ? that exists is that file
             matches = sorted(globlib.glob(spec, recursive=True))
             if not matches:
                 raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
@@ -201,6 +214,11 @@ class Source:
                 )
         if self.hf is None and not self.files:
             raise DataError(f"source {spec!r} holds no files")
+        if unreadable := [p for p in self.files if not os.access(p, os.R_OK)]:  # now, not mid-run
+            more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+            raise DataError(
+                f"cannot read {unreadable[0]}{more}: permission denied; fix the permissions or leave it out"
+            )
 
     def __repr__(self) -> str:
         return f"Source({self.spec!r})"
@@ -228,12 +246,10 @@ class Source:
 
     def units(self, start: int = 0) -> Iterator[Unit]:
         """The units from index `start` (0-based), at most `max_docs` in all; see the module docstring."""
-        limit = self.max_docs
-        index = 0
         gen = self._iter_hf() if self.hf is not None else self._iter_files(start)
+        if self.max_docs is not None:  # stop before the next unit is read, not after
+            gen = itertools.islice(gen, self.max_docs)
         for index, unit in enumerate(gen):
-            if limit is not None and index >= limit:
-                return
             if unit is None:  # a skipped unit (index < start), not read
                 assert index < start
                 continue
@@ -253,7 +269,7 @@ class Source:
                                 continue
                             yield None if index < start else (((str(path), lineno)), KIND_JSONL, line)
                             index += 1
-                except (OSError, EOFError) as e:  # e.g. a truncated .gz
+                except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz
                     raise DataError(f"cannot read {path}: {e}") from e
             elif name.endswith(".parquet"):
                 for row, text in enumerate(self._parquet_texts(path), 1):
@@ -280,8 +296,27 @@ class Source:
                 f"{path} has no column {self.text_field!r} (columns: {', '.join(names)}); "
                 "fix: --text-field NAME"
             )
-        for batch in pf.iter_batches(columns=[self.text_field], batch_size=1024):
-            yield from batch.column(0).to_pylist()
+        import pyarrow as pa
+
+        kind = pf.schema_arrow.field(self.text_field).type
+        if pa.types.is_dictionary(kind):
+            kind = kind.value_type
+        is_bytes = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)  # text without the UTF8 mark
+        if not (is_bytes or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DataError(
+                f"{path}: column {self.text_field!r} holds {kind}, not text; fix: --text-field NAME of a "
+                "string column"
+            )
+        batches = pf.iter_batches(columns=[self.text_field], batch_size=1024)
+        while True:
+            try:  # damaged pages fail here, in the middle of the file
+                batch = next(batches, None)
+            except Exception as e:
+                raise DataError(f"cannot read parquet file {path}: {e}") from e
+            if batch is None:
+                return
+            values = batch.column(0).to_pylist()
+            yield from (decode_bytes(v) if v is not None else None for v in values) if is_bytes else values
 
     def _iter_hf(self) -> Iterator[Unit]:
         assert self.hf is not None
@@ -291,14 +326,31 @@ class Source:
             ds = datasets.load_dataset(name, config, split="train", streaming=True)
         except Exception as e:  # network, unknown name, bad config: the library's message says which
             raise DataError(f"cannot load Hugging Face dataset {self.spec!r}: {e}") from e
-        for row, example in enumerate(ds, 1):
+        rows = iter(ds)
+        for row in itertools.count(1):
+            try:  # a streamed dataset fetches and decodes lazily: most of its failures happen here
+                example = next(rows, None)
+            except (OSError, TimeoutError) as e:  # the network (ConnectionError is an OSError)
+                raise TransientError(
+                    f"{self.spec}: reading row {row} failed ({e}); the shards done so far are kept: re-run "
+                    "the same command to resume"
+                ) from e
+            except Exception as e:
+                raise DataError(f"{self.spec}: cannot read row {row}: {type(e).__name__}: {e}") from e
+            if example is None:
+                return
             if self.text_field not in example:
                 raise DataError(
                     f"{self.spec} row {row} has no field {self.text_field!r} "
                     f"(fields: {', '.join(map(str, example))}); fix: --text-field NAME"
                 )
             text = example[self.text_field]
-            yield (self.spec, row), KIND_STR, text if isinstance(text, str) else None
+            if text is not None and not isinstance(text, str):
+                raise DataError(
+                    f"{self.spec} row {row}: field {self.text_field!r} is a {type(text).__name__}, not a "
+                    "string; fix: --text-field NAME of a text field"
+                )
+            yield (self.spec, row), KIND_STR, text
 
 
 def _import_datasets():
