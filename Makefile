@@ -2,14 +2,15 @@
 # `make quickstart` or `make test`.
 #
 # TORCH_SPEC picks the PyTorch build: the default is the CPU wheel; on a CUDA machine use e.g.
-#   make venv TORCH_SPEC=torch
+#   make clean && make venv TORCH_SPEC=torch
+# (an existing .venv is not rebuilt for another TORCH_SPEC: `make clean` first)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 MINUTES ?= 5
 
-.PHONY: venv quickstart test test-fast test-slow lint bench clean
+.PHONY: venv quickstart test test-fast test-slow lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ test: venv
 
 test-fast: venv
 	@$(PY) -m pytest -q -m "not slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no tests ran"; [ $$rc -eq 0 ] || exit 1
+
+test-slow: venv
+	@$(PY) -m pytest -q -m "slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no slow tests ran"; [ $$rc -eq 0 ] || exit 1
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -4,8 +4,8 @@
 
 Compared, on the same state (model weights + AdamW moments) and the same directory:
   ours   CheckpointManager.save: 3 files, each atomic (temp, fsync, rename, dir fsync), sha256 of both
-         data files computed beside the writes, tied embedding once; load = verify hashes + load
-         weights + name-keyed optimizer state
+         data files computed by reading each back while it is fsynced, tied embedding once; load =
+         verify hashes + load weights + name-keyed optimizer state
   plain  torch.save({"model", "optim"}) to one file + fsync; load = torch.load(weights_only) + load
   raw    dd-like: the same number of bytes written sequentially in 64 MiB blocks + fsync; read back
 The target (issue 5): ours' save bandwidth >= 0.7 of raw. Reads are served from the page cache

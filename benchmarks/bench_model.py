@@ -367,11 +367,12 @@ def main() -> int:
         f"model: {cfg_name}: d_model {cfg.d_model}, {cfg.n_layers} layers, N {cfg.d_state}, P {cfg.headdim}, "
         f"H {cfg.nheads}, MLP {cfg.d_mlp}, vocab {cfg.vocab_size}, chunk {cfg.chunk_size}; Mamba-3 "
         f"{n_mamba / 1e6:.2f}M params, Transformer baseline {n_base / 1e6:.2f}M params; batch 1, "
-        f"best of {reps} after a warm-up"
+        f"best of {reps} after a warm-up (the sequential reference: best of {max(1, reps - 1)})"
     )
 
-    peak = {d: matmul_flops(DTYPES[d], 512 if q else 2048, reps) for d in ("fp32", "bf16")}
-    print(f"matmul peak (measured, 2048^3 best of {max(3, reps)}): "
+    n_peak = 512 if q else 2048
+    peak = {d: matmul_flops(DTYPES[d], n_peak, reps) for d in ("fp32", "bf16")}
+    print(f"matmul peak (measured, {n_peak}^3 best of {max(3, reps)}): "
           f"fp32 {fmt_rate(peak['fp32'])}FLOP/s, bf16 {fmt_rate(peak['bf16'])}FLOP/s")  # fmt: skip
     parts = model_flops_per_token(cfg, 2048)
     share = ", ".join(f"{k} {100 * parts[k] / parts['forward']:.0f}%" for k in
@@ -408,9 +409,13 @@ def main() -> int:
     scan_rows = []
     sp = model_flops_per_token(cfg, scan_len)
     scan_flops = 3 * (sp["scan_intra"] + sp["scan_state"]) / cfg.n_layers  # per token, one layer
+    # The same without the masked half of each chunk's L×L blocks, which the scan computes and discards:
+    # the convention of the Transformer's causal attention count (T/2 keys per query).
+    L = max(1, min(cfg.chunk_size, scan_len))
+    causal_flops = 3 * (sp["scan_intra"] * (L + 1) / (2 * L) + sp["scan_state"]) / cfg.n_layers
     for dtype in dtypes:
         t = scan_time(cfg, scan_len, dtype, reps)
-        scan_rows.append((dtype, scan_len / t, scan_flops * scan_len / t))
+        scan_rows.append((dtype, scan_len / t, scan_flops * scan_len / t, causal_flops * scan_len / t))
 
     # -- decode --
     dec = []
@@ -449,11 +454,16 @@ def main() -> int:
     print()
     print(f"The chunked scan alone (one layer: H {cfg.nheads}, P {cfg.headdim}, N {cfg.d_state}, "
           f"chunk {cfg.chunk_size}), forward + backward, T = {scan_len}")  # fmt: skip
-    print("| dtype | tokens/s | scan FLOP/s | MFU vs bf16 matmul | MFU vs fp32 matmul |")
-    print("|---|---|---|---|---|")
-    for dtype, tok, fl in scan_rows:
+    print("| dtype | tokens/s | scan FLOP/s | MFU vs bf16 matmul | MFU vs fp32 matmul "
+          "| causal-half MFU vs bf16 matmul |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for dtype, tok, fl, fl_causal in scan_rows:
         print(f"| {dtype} | {tok:.0f} | {fmt_rate(fl)} | {100 * fl / peak['bf16']:.1f}% "
-              f"| {100 * fl / peak['fp32']:.1f}% |")  # fmt: skip
+              f"| {100 * fl / peak['fp32']:.1f}% | {100 * fl_causal / peak['bf16']:.1f}% |")  # fmt: skip
+    print(
+        "(scan FLOPs as computed: full L×L chunk blocks; causal-half: without their masked half, as the "
+        "Transformer's attention is counted)"
+    )
     print()
     print("Decode, ms per token (batch 1, fp32, median of the timed steps after a prefill of the context)")
     print("| context | Mamba-3 (recurrent step) | Transformer (KV cache) | Transformer / Mamba-3 |")
@@ -466,11 +476,12 @@ def main() -> int:
     # -- targets --
     print()
     by = {(r[0], r[1]): r for r in rows}
-    for dtype, _, fl in scan_rows:
+    for dtype, _, fl, fl_causal in scan_rows:
         if dtype == "bf16":
-            mfu = fl / peak["bf16"]
-            print(f"target scan >= 20% MFU in bf16 at T={scan_len}: {100 * mfu:.1f}% -> "
-                  f"{'met' if mfu >= 0.2 else 'NOT met'}")  # fmt: skip
+            mfu, causal = fl / peak["bf16"], fl_causal / peak["bf16"]
+            print(f"target scan >= 20% MFU in bf16 at T={scan_len}: {100 * mfu:.1f}% as computed -> "
+                  f"{'met' if mfu >= 0.2 else 'NOT met'}; counting only the causal half of the chunk "
+                  f"blocks {100 * causal:.1f}% -> {'met' if causal >= 0.2 else 'NOT met'}")  # fmt: skip
     for T, need in ((2048, 1.0), (8192, 3.0)):
         for d in dtypes:
             if (T, d) in by:

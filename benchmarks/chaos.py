@@ -102,7 +102,10 @@ def main() -> int:
     ap.add_argument("--kill-trials", type=int, default=20, help="kill -9 / resume trials (default 20)")
     ap.add_argument("--sigterm-trials", type=int, default=8, help="SIGTERM / resume trials (default 8)")
     ap.add_argument(
-        "--flips", type=int, default=10, help="random byte flips per checkpoint file (default 10)"
+        "--flips",
+        type=int,
+        default=10,
+        help="random bit flips (one bit of one byte each) per checkpoint file (default 10)",
     )
     ap.add_argument("--no-corruption", action="store_true", help="skip the damaged-checkpoint scenario")
     ap.add_argument("--no-lock", action="store_true", help="skip the two-trainers scenario")

@@ -4,7 +4,8 @@ One prepared run on one accelerator, everything side by side in one process:
 
 1. The device's bf16 matmul rate (mean of timed 8192³ products after warm-ups): the MFU denominator.
 2. For each preset (default mamba3_180m and mamba3_440m) and each mode, forward + backward of the LM
-   loss at the preset's micro batch (16 × 2048 tokens), bf16 autocast over fp32 weights, as the trainer:
+   loss at --batch × 2048 tokens (default 16, the seed's micro batch; the 440M and larger presets have
+   since been split to 8 × 4 accumulation to fit 80 GB), bf16 autocast over fp32 weights, as the trainer:
    - eager: the model as is (pure PyTorch chunked scan);
    - compiled: every layer wrapped by `torch.compile` (regional compilation: one graph, reused by all
      the identical layers, so compile time does not grow with depth); embedding and the fused chunked

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from mamba3lite.cli import build_parser
 from mamba3lite.config import load_config
 from mamba3lite.data.shards import write_dataset
 from mamba3lite.train.checkpoint import CheckpointManager
@@ -281,7 +282,10 @@ def test_out_of_memory_is_one_clear_error_naming_the_knobs(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert rc == 2
     assert f"out of memory on {where}" in err
-    assert "training.micro_batch_size=1 training.gradient_accumulation_steps=2" in err
+    fix = "--set training.micro_batch_size=1 --set training.gradient_accumulation_steps=2"
+    assert fix in err
+    args = build_parser().parse_args(["train", "--config", "tiny", *fix.split()])  # a command that parses
+    assert args.overrides == fix.split()[1::2]
     assert "training.grad_checkpointing=true" in err and "Traceback" not in err
     assert sorted(p.name for p in run_dir.rglob("*")) == before
 

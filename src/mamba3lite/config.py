@@ -453,7 +453,7 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         raise ConfigError(
             f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); expected a YAML config"
         ) from None
-    if raw is None:  # an empty file (or only comments) would silently be the defaults: the 440M recipe
+    if raw is None:  # an empty file (or only comments) would silently be every default
         raise ConfigError(
             f"{path} is empty; a config holds model:, training: and/or data: sections (or use a preset "
             f"name: {', '.join(available_presets())})"

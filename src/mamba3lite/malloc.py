@@ -9,7 +9,7 @@ benchmark's small model: the chunked scan alone 50 -> 36 ms, the whole model wit
 1187 -> 920 ms (benchmarks/RESULTS.md). The price: the process keeps its peak heap until it exits.
 
 The same settings as environment variables (read by glibc at start-up, for any program):
-    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_TOP_PAD_=268435456
 """
 
 from __future__ import annotations

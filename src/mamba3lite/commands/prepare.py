@@ -17,7 +17,7 @@ sources (repeat --source; --weight applies to the --source just before it):
   DIR                  every file below it (hidden files and __pycache__ skipped; binary files skipped
                        and counted)
   'GLOB'               e.g. 'corpus/**/*.md' (quote it)
-  stdlib               this Python's standard-library .py files (no tests, idlelib, site-packages)
+  stdlib               this Python's standard-library .py files (no tests, idlelib, encodings, site-packages)
   hf:NAME[:CONFIG]     a Hugging Face dataset, streamed (pip install 'mamba3lite[hf]')
 
 examples:

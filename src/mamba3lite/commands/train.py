@@ -131,7 +131,7 @@ def out_of_memory_advice(exc: BaseException, cfg) -> str | None:
     first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
     fix = (
         f"--set training.micro_batch_size={t.micro_batch_size // 2} "
-        f"training.gradient_accumulation_steps={2 * t.gradient_accumulation_steps}"
+        f"--set training.gradient_accumulation_steps={2 * t.gradient_accumulation_steps}"
         if t.micro_batch_size > 1
         else f"--set training.max_seq_len={max(1, t.max_seq_len // 2)}"
     )
