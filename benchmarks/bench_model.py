@@ -173,7 +173,8 @@ class BaselineTransformer(nn.Module):
 
 def transformer_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token (2 per multiply-add): qkv + out projections, causal attention (scores and
-    values over T/2 keys on average), SwiGLU, head. Same convention as `model_flops_per_token`."""
+    values over T/2 keys on average), SwiGLU, head. As `model_flops_per_token` for the matmuls; its scan
+    counts full chunk blocks, masked half included (the scan table prints both conventions)."""
     D, nl = cfg.d_model, cfg.n_layers
     proj = nl * 2 * D * 4 * D
     attn = nl * 2 * 2 * D * (seq_len / 2)
