@@ -131,6 +131,10 @@ class _StatePassing(torch.autograd.Function):
         decay, starts = ctx.saved_tensors
         nc = starts.shape[2]
         sd = decay.dtype
+        if g_starts is not None:
+            # It arrives transposed (the gradient of qS = q·Sᵀ) and in the autocast dtype: one
+            # contiguous state-dtype copy up front, not a transposing cast of every chunk in the loop.
+            g_starts = g_starts.to(sd, memory_format=torch.contiguous_format)
         d_dS = torch.empty(starts.shape, dtype=sd, device=starts.device)  # d_dS[c] = ∂S after chunk c
         if g_hT is None:
             d_dS[:, :, -1] = 0
@@ -141,7 +145,7 @@ class _StatePassing(torch.autograd.Function):
             if g_starts is None:
                 torch.mul(d_dS[:, :, c], d_c, out=d_dS[:, :, c - 1])
             else:
-                torch.addcmul(g_starts[:, :, c].to(sd), d_c, d_dS[:, :, c], out=d_dS[:, :, c - 1])
+                torch.addcmul(g_starts[:, :, c], d_c, d_dS[:, :, c], out=d_dS[:, :, c - 1])
         g = d_dS[:, :, 0] * decay[:, :, 0, None, None]
         if g_starts is not None:
             g = g + g_starts[:, :, 0]
