@@ -141,13 +141,28 @@ def test_missing_resume_step_is_an_error(cli, tmp_path):
     assert r.returncode == 2 and "step 7" in r.stderr and "Loadable steps: [2]" in r.stderr
 
 
+def _train_cmd(cfg: str, run, *extra: str) -> list[str]:
+    """`python -m mamba3lite train --config CFG --checkpoint-dir RUN ...` as a subprocess argv."""
+    return [
+        sys.executable,
+        "-m",
+        "mamba3lite",
+        "train",
+        "--config",
+        cfg,
+        "--checkpoint-dir",
+        str(run),
+        *extra,
+    ]
+
+
 @pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resume_continues(tmp_path):
     cfg = tiny_yaml(tmp_path, max_steps=100_000, save_every=100_000)
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mamba3lite", "train", "--config", cfg, "--checkpoint-dir", str(run)],
+        _train_cmd(cfg, run),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -171,18 +186,7 @@ def test_sigterm_saves_exits_zero_and_resume_continues(tmp_path):
     stopped_at = stop[0]["step"]
     assert stopped_at >= 3 and CheckpointManager(run).latest_step() == stopped_at
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mamba3lite",
-            "train",
-            "--config",
-            cfg,
-            "--checkpoint-dir",
-            str(run),
-            "--max-steps",
-            str(stopped_at + 2),
-        ],
+        _train_cmd(cfg, run, "--max-steps", str(stopped_at + 2)),
         capture_output=True,
         text=True,
         env=env,
@@ -211,20 +215,6 @@ def test_a_hand_written_config_yaml_in_the_run_directory_is_not_overwritten(cli,
     r = cli("train", "--config", str(run / "r2" / "config.yaml"), "--checkpoint-dir", str(run / "r2"),
             "--max-steps", "2")  # fmt: skip
     assert r.returncode == 0, r.stderr
-
-
-def _train_cmd(cfg: str, run, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "mamba3lite",
-        "train",
-        "--config",
-        cfg,
-        "--checkpoint-dir",
-        str(run),
-        *extra,
-    ]
 
 
 def test_a_reader_closing_stdout_does_not_end_the_run(tmp_path):
