@@ -48,15 +48,24 @@ class EvalResult:
 
 
 def check_compatible(
-    manifest, model_vocab_size: int, model_eos_id: int, vocab_hash: str | None, tokenizer_name: str
+    manifest,
+    model_vocab_size: int,
+    model_eos_id: int,
+    vocab_hash: str | None,
+    tokenizer_name: str,
+    *,
+    where: str = "the dataset",
+    reference: str = "the model",
+    eos_fix: str = "",
 ) -> None:
-    """DataError unless a dataset `manifest` was tokenized like the model's training data."""
-    where = "the dataset"
+    """DataError unless a dataset `manifest` was tokenized like the model's training data (`reference`:
+    what `vocab_hash` and `tokenizer_name` belong to; `where`: how to name the dataset; `eos_fix`: the
+    advice after an EOS mismatch, e.g. ": set model.eos_id=0" where the model is not trained yet)."""
     m_tok = manifest.tokenizer or {}
     if vocab_hash and m_tok.get("vocab_hash") and m_tok["vocab_hash"] != vocab_hash:
         raise DataError(
-            f"{where} was tokenized with {m_tok.get('name')} (vocab hash {m_tok['vocab_hash'][:12]}), the "
-            f"model with {tokenizer_name} ({vocab_hash[:12]}); prepare the data with the model's "
+            f"{where} was tokenized with {m_tok.get('name')} (vocab hash {m_tok['vocab_hash'][:12]}), "
+            f"{reference} with {tokenizer_name} ({vocab_hash[:12]}); prepare the data with {reference}'s "
             f"tokenizer (`mamba3lite prepare --tokenizer {tokenizer_name}`)"
         )
     if manifest.vocab_size != model_vocab_size:
@@ -65,7 +74,7 @@ def check_compatible(
             "share a tokenizer; prepare the data with the model's tokenizer"
         )
     if manifest.eos_id != model_eos_id:
-        raise DataError(f"{where} uses EOS id {manifest.eos_id}, the model {model_eos_id}")
+        raise DataError(f"{where} uses EOS id {manifest.eos_id}, the model {model_eos_id}{eos_fix}")
 
 
 def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> str:

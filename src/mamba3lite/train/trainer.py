@@ -53,7 +53,7 @@ import torch
 
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
-from mamba3lite.evaluate import spread_picks, window_loss_sum
+from mamba3lite.evaluate import check_compatible, spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.train import distributed as D
 from mamba3lite.train.checkpoint import (
@@ -296,29 +296,20 @@ class Pretrainer:
         """What `eval` refuses, refused before training: a dataset whose EOS id is not the model's (the
         state resets at EOS, generation stops at it), and validation data of another tokenizer than the
         training data's. (A vocab_size mismatch is the dataset's own error.)"""
+        dc, mc = self.cfg.data, self.cfg.model
         train_m = getattr(self.train_data, "manifest", None)
         val_m = getattr(self.val_data, "manifest", None)
-        eos = self.cfg.model.eos_id
-        for what, m in (("training data", train_m), ("validation data", val_m)):
-            if m is not None and m.eos_id != eos:
-                raise DataError(
-                    f"the {what} ({self._data_path(what)}) uses EOS id {m.eos_id}, the model {eos}: set "
-                    f"model.eos_id={m.eos_id}, or prepare the data with the model's tokenizer"
-                )
-        if train_m is not None and val_m is not None:
-            a, b = train_m.tokenizer or {}, val_m.tokenizer or {}
-            if a.get("vocab_hash") and b.get("vocab_hash") and a["vocab_hash"] != b["vocab_hash"]:
-                raise DataError(
-                    f"the validation data ({self._data_path('validation data')}) was tokenized with "
-                    f"{b.get('name')} (vocab hash {b['vocab_hash'][:12]}), the training data with "
-                    f"{a.get('name')} ({a['vocab_hash'][:12]}); prepare both with one tokenizer"
-                )
-
-    def _data_path(self, what: str) -> str:
-        dc = self.cfg.data
-        return (
-            str(dc.val_data_path or dc.train_data_path) if what == "validation data" else dc.train_data_path
-        )
+        train_tok = (train_m.tokenizer or {}) if train_m is not None else {}
+        for m, where, vocab_hash, name in (
+            (train_m, f"the training data ({dc.train_data_path})", None, ""),
+            (val_m, f"the validation data ({dc.val_data_path or dc.train_data_path})",
+             train_tok.get("vocab_hash"), str(train_tok.get("name"))),
+        ):  # fmt: skip
+            if m is not None:
+                check_compatible(
+                    m, mc.vocab_size, mc.eos_id, vocab_hash, name, where=where, reference="the training data",
+                    eos_fix=f": set model.eos_id={m.eos_id}, or prepare the data with the model's tokenizer",
+                )  # fmt: skip
 
     def _data_identity(self) -> dict | None:
         m = getattr(self.train_data, "manifest", None)
