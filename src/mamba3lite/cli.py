@@ -142,8 +142,7 @@ def _run_command(argv: list[str] | None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        if isinstance(sys.stdout, _StdoutThatMayClose) and stdout is not sys.stdout:
-            sys.stdout = stdout
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":
