@@ -819,7 +819,6 @@ def prepare(
     tok = load_tokenizer(tokenizer)
     dtype = shards.dtype_for_vocab(tok.vocab_size)
     resolved = [Source(s.spec, text_field=text_field, max_docs=max_docs) for s in specs]
-    _skip_own_output(resolved, Path(out))
     args_record = {
         "pipeline_version": PIPELINE_VERSION,
         "format_version": shards.FORMAT_VERSION,
@@ -837,6 +836,7 @@ def prepare(
         "max_docs": max_docs,
     }
     out = Path(out)
+    _skip_own_output(resolved, out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
     out_existed = out.exists()
@@ -870,6 +870,13 @@ def prepare(
         if run.resumed_shards:
             print(f"resuming: {run.resumed_shards} shards already done and verified", file=sys.stderr)
         stage.mkdir(parents=True, exist_ok=True)
+
+        def discard() -> None:
+            """Remove what this run made: its staging directory, and `out` if the run created it."""
+            shutil.rmtree(stage, ignore_errors=True)
+            if not out_existed:
+                shutil.rmtree(out, ignore_errors=True)
+
         pool = None
         try:
             cfg = _WorkerConfig(tok.name, min_chars, text_field, seed, val_fraction)
@@ -894,19 +901,14 @@ def prepare(
         except TransientError:
             raise  # a network error, say: the shards done so far are kept for a re-run to resume
         except Mamba3LiteError:
-            # Bad input: the same arguments would fail the same way, so there is nothing to resume.
-            shutil.rmtree(stage, ignore_errors=True)
-            if not out_existed:
-                shutil.rmtree(out, ignore_errors=True)
+            discard()  # bad input: the same arguments would fail the same way, nothing to resume
             raise
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)  # batches still queued (a target was reached)
         stats = run.stats
         if stats["kept"] == 0 or not run.packers["train"].next_index:
-            shutil.rmtree(stage, ignore_errors=True)
-            if not out_existed:
-                shutil.rmtree(out, ignore_errors=True)
+            discard()
             dropped = ", ".join(f"{k} {v}" for k, v in stats["dropped"].items() if v)
             if stats["kept"] == 0:
                 raise DataError(
@@ -939,6 +941,8 @@ def prepare(
 def _skip_own_output(sources: list[Source], out: Path) -> None:
     """Drop the files under `out` from directory and glob sources (an --out inside the corpus directory):
     a re-run would otherwise read the previous run's manifest and shards as documents."""
+    if not out.exists():  # a first run: nothing of ours to skip, and no file needs resolving
+        return
     root = out.resolve()
     for src in sources:
         kept = [f for f in src.files if not f.resolve().is_relative_to(root)]
