@@ -184,3 +184,76 @@ def test_state_passing_function_equals_unrolled_autograd():
         torch.testing.assert_close(a, b)
     fn = lambda d, x, s: _StatePassing.apply(d, x, s, torch.float64)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (decay, dS, S0))
+
+
+@pytest.mark.parametrize("use", ["both", "starts", "h"])
+def test_state_passing_gradients_when_one_output_is_unused(use):
+    """The backward takes a None gradient for the output nobody read (autograd passes None, not zeros)."""
+    from mamba3lite.model.scan import _StatePassing, state_passing_unrolled
+
+    g = torch.Generator().manual_seed(6)
+    decay = torch.rand(1, 2, 4, dtype=F64, generator=g).requires_grad_()
+    dS = torch.randn(1, 2, 4, 3, 5, dtype=F64, generator=g).requires_grad_()
+    S0 = torch.randn(1, 2, 3, 5, dtype=F64, generator=g).requires_grad_()
+    grads = []
+    for fn in (_StatePassing.apply, state_passing_unrolled):
+        starts, h = fn(decay, dS, S0, F64)
+        loss = {"both": starts.sum() + h.sum(), "starts": starts.square().sum(), "h": h.square().sum()}[use]
+        grads.append(torch.autograd.grad(loss, (decay, dS, S0)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_state_passing_carries_in_the_state_dtype_from_low_precision_increments():
+    """bf16 chunk increments (the autocast matmul's output) are carried in fp32, and the gradients come
+    back in each input's dtype, close to a float64 run."""
+    from mamba3lite.model.scan import _StatePassing
+
+    g = torch.Generator().manual_seed(7)
+    decay = torch.rand(2, 3, 9, generator=g) * 0.5 + 0.5
+    dS = torch.randn(2, 3, 9, 4, 6, generator=g).bfloat16()
+    S0 = torch.randn(2, 3, 4, 6, generator=g)
+    w_starts = torch.randn(2, 3, 9, 4, 6, generator=g)
+    results = []
+    as_f64 = (decay.double(), dS.double(), S0.double())
+    for args, out_dtype in (((decay, dS, S0), torch.bfloat16), (as_f64, F64)):
+        leaves = [a.detach().requires_grad_() for a in args]
+        starts, h = _StatePassing.apply(*leaves, out_dtype)
+        assert starts.dtype == out_dtype and h.dtype == leaves[2].dtype
+        loss = (starts.double() * w_starts.double()).sum() + h.double().square().sum()
+        grads = torch.autograd.grad(loss, leaves)
+        assert [gr.dtype for gr in grads] == [a.dtype for a in leaves]
+        results.append((h, *grads))
+    for lo, hi in zip(*results):
+        assert ((lo.double() - hi).abs().max() / hi.abs().max()).item() < 0.02
+
+
+def test_exp_nonpos_is_exp_down_to_the_floor_then_exact_zero():
+    from mamba3lite.model.scan import EXP_FLOOR, _exp_nonpos
+
+    x = torch.tensor([0.0, -1.0, -39.0, EXP_FLOOR + 0.5, EXP_FLOOR - 0.5, -100.0, -1e4, float("-inf"), 3.0])
+    want = torch.tensor([0.0, -1.0, -39.0, EXP_FLOOR + 0.5]).exp().tolist() + [0.0] * 4 + [1.0]
+    for inplace in (False, True):
+        got = _exp_nonpos(x.clone(), inplace=inplace)
+        torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=0)
+
+
+def test_strong_decay_makes_no_subnormal_weights():
+    """Within-chunk decays below e^-87 are fp32 subnormals (and e^x on CPU takes a ~15x slower path for
+    such x); the weights are exact zeros there instead, and the scan still equals the reference."""
+    from mamba3lite.model.scan import _DecayWeights
+
+    (q, k, v, adt, dt, lam), reset = make_inputs(T=64, resets=True)
+    adt = adt * 40  # up to −80 per token: the chunk spans exponents far below −87
+    cs = torch.cumsum(adt.float().view(2, 3, 1, 64), -1)
+    scale = dt.float().view(2, 3, 1, 64)
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    for mask in (causal, None):  # None: the causal mask without resets
+        W = _DecayWeights.apply(cs, scale, torch.zeros_like(scale), mask, torch.float32)
+        tiny = torch.finfo(torch.float32).tiny
+        assert not ((W != 0) & (W.abs() < tiny)).any()
+        assert (W == 0).float().mean() > 0.6  # most of the lower triangle decayed to nothing
+    y_ref, h_ref = sequential_scan(q, k, v, adt, dt, lam, reset_BT=reset)
+    y, h = chunked_scan(q, k, v, adt, dt, lam, chunk_size=16, reset_BT=reset)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(h, h_ref)

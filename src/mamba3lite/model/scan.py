@@ -23,6 +23,8 @@ are float64); the matmuls run in the inputs' dtype or the autocast dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -34,6 +36,21 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes matmuls in on this device type, or None when autocast is off."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+# Exponents below this give exactly 0 in the chunked scan (e^-40 ≈ 4e-18: under float64's resolution of
+# the O(1) sums these weights enter). exp on CPU takes a ~15x slower path for fp32 inputs below −87 and
+# ~2x for −inf, and tiny products become denormals (slow on many CPUs); zeros are fast everywhere.
+EXP_FLOOR = -40.0
+_EXP_FLOOR_VALUE = math.exp(EXP_FLOOR) * 1.5  # above e^FLOOR after rounding in any dtype, still ~0
+
+
+def _exp_nonpos(x: Tensor, inplace: bool = False) -> Tensor:
+    """e^x for x ≤ 0 (larger x are clamped to 0), exactly 0 for x < EXP_FLOOR; `inplace` overwrites x
+    (outside autograd only)."""
+    if inplace:
+        return torch.nn.functional.threshold_(x.clamp_(EXP_FLOOR, 0.0).exp_(), _EXP_FLOOR_VALUE, 0.0)
+    return torch.nn.functional.threshold(x.clamp(EXP_FLOOR, 0.0).exp(), _EXP_FLOOR_VALUE, 0.0)
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
@@ -78,7 +95,9 @@ def scan_step(
 class _DecayWeights(torch.autograd.Function):
     """The intra-chunk weights W[t, s] = e^{cs_t − cs_s}·mask[t, s]·scale_s − [s = t]·bn_t, cast to
     `out_dtype` (the autocast dtype under autocast: they then scale bf16 scores, as in flash-style
-    kernels). The exponent is masked before exp, so no e^{positive} is ever formed.
+    kernels). The exponent is clamped to ≤ 0 before exp (no e^{positive} is ever formed; where it was
+    positive, s > t, the mask zeroes it) and to EXP_FLOOR from below. `mask` is None for the plain
+    causal (lower-triangular) mask.
 
     Written as a Function because its backward is one product and three reductions,
     d cs_t = Σ_s G[t, s] − Σ_s' G[s', t] with G = gW ⊙ e^{…} ⊙ scale, where autograd's chain through
@@ -87,7 +106,8 @@ class _DecayWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cs, scale, bn, mask, out_dtype):
-        decay = (cs[..., :, None] - cs[..., None, :]).masked_fill_(~mask, float("-inf")).exp_()
+        decay = _exp_nonpos(cs[..., :, None] - cs[..., None, :], inplace=True)
+        decay = decay.tril_() if mask is None else decay.mul_(mask)
         W = decay * scale[..., None, :]
         W.diagonal(dim1=-2, dim2=-1).sub_(bn)  # diagonal weight γ_t = scale_t − bn_t (decay 1 there)
         ctx.save_for_backward(decay, scale)
@@ -105,51 +125,50 @@ class _DecayWeights(torch.autograd.Function):
 
 
 class _StatePassing(torch.autograd.Function):
-    """The carry between chunks: starts[c] = S before chunk c, S ← decay_c·S + dS_c from S = S0 (fp32
-    or wider). Returns (starts (B, H, nc, P, N) in `out_dtype`, the final S in the state dtype).
+    """The carry between chunks: starts[c] = S before chunk c, S ← decay_c·S + dS_c from S = S0. The
+    carry runs in the state dtype (fp32 or wider) whatever the dtype of dS (the autocast dtype under
+    autocast). Returns (starts in `out_dtype`, the final S in the state dtype). Layout-agnostic: the
+    scan keeps S as (B, H, nc, N, P), the layout in which both matmuls that read and write it (q·S and
+    Kᵀ·V) produce and take contiguous blocks, so no gradient arrives transposed.
 
     A Function because the loop is nc tiny steps: autograd would record ~3 nodes per chunk and stack
-    the starts (and, backward, the per-chunk gradients) with a full copy each way, then cast the fp32
-    stack for the bf16 matmul that reads it. Here each step writes into a preallocated output, in the
-    dtype its reader wants, and the backward is the same loop reversed: with g_c the gradient of S after
-    chunk c, ∂dS_c = g_c, g_(c−1) = decay_c·g_c + ∂starts[c], and ∂decay_c = ⟨g_c, starts[c]⟩ (all c at once).
+    the starts (and, backward, the per-chunk gradients) with a full copy each way. Here each step writes
+    into a preallocated output in the dtype its reader wants, and the backward is the same loop
+    reversed: with g_c the gradient of S after chunk c, ∂dS_c = g_c, g_(c−1) = decay_c·g_c + ∂starts[c],
+    and ∂decay_c = ⟨g_c, starts[c]⟩, each taken while g_c is fresh in cache.
     """
 
     @staticmethod
-    def forward(ctx, decay_BHc, dS_BHcPN, S0_BHPN, out_dtype):
-        nc = dS_BHcPN.shape[2]
-        starts = torch.empty(dS_BHcPN.shape, dtype=out_dtype, device=dS_BHcPN.device)
-        S = S0_BHPN
+    def forward(ctx, decay_BHc, dS_BHcXY, S0_BHXY, out_dtype):
+        nc = dS_BHcXY.shape[2]
+        starts = torch.empty(dS_BHcXY.shape, dtype=out_dtype, device=dS_BHcXY.device)
+        S = S0_BHXY
         for c in range(nc):
             starts[:, :, c] = S
-            S = torch.addcmul(dS_BHcPN[:, :, c], decay_BHc[:, :, c, None, None], S)
+            S = torch.addcmul(dS_BHcXY[:, :, c], decay_BHc[:, :, c, None, None], S)
         ctx.save_for_backward(decay_BHc, starts)
+        ctx.dS_dtype = dS_BHcXY.dtype
         return starts, S
 
     @staticmethod
     def backward(ctx, g_starts, g_hT):
         decay, starts = ctx.saved_tensors
         nc = starts.shape[2]
-        sd = decay.dtype
-        if g_starts is not None:
-            # It arrives transposed (the gradient of qS = q·Sᵀ) and in the autocast dtype: one
-            # contiguous state-dtype copy up front, not a transposing cast of every chunk in the loop.
-            g_starts = g_starts.to(sd, memory_format=torch.contiguous_format)
-        d_dS = torch.empty(starts.shape, dtype=sd, device=starts.device)  # d_dS[c] = ∂S after chunk c
-        if g_hT is None:
-            d_dS[:, :, -1] = 0
-        else:
-            d_dS[:, :, -1] = g_hT
-        for c in range(nc - 1, 0, -1):
-            d_c = decay[:, :, c, None, None]
-            if g_starts is None:
-                torch.mul(d_dS[:, :, c], d_c, out=d_dS[:, :, c - 1])
-            else:
-                torch.addcmul(g_starts[:, :, c], d_c, d_dS[:, :, c], out=d_dS[:, :, c - 1])
-        g = d_dS[:, :, 0] * decay[:, :, 0, None, None]
-        if g_starts is not None:
-            g = g + g_starts[:, :, 0]
-        d_decay = (d_dS * starts).sum((-2, -1))
+        d_dS = torch.empty(starts.shape, dtype=ctx.dS_dtype, device=starts.device)
+        d_decay = torch.empty_like(decay)
+        g = (
+            torch.zeros(starts[:, :, 0].shape, dtype=decay.dtype, device=starts.device)
+            if g_hT is None
+            else g_hT
+        )
+        for c in range(nc - 1, -1, -1):
+            d_dS[:, :, c] = g
+            d_decay[:, :, c] = torch.linalg.vecdot(g.flatten(-2), starts[:, :, c].flatten(-2).to(g.dtype))
+            g = (
+                g * decay[:, :, c, None, None]
+                if g_starts is None
+                else torch.addcmul(g_starts[:, :, c], decay[:, :, c, None, None], g)
+            )
         return d_decay, d_dS, g, None
 
 
@@ -284,15 +303,16 @@ def chunked_scan(
     v_c = chunks(v_BHTRP, R, P).reshape(Bsz, H, nc, L * R, P)
 
     # Masks: causal (s ≤ t) and, with resets, same segment. seg_t = number of resets in the chunk up to t.
-    causal_LL = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     if reset_BT is not None:
         rs = torch.nn.functional.pad(reset_BT, (0, pad)).view(Bsz, 1, nc, L).to(torch.int32)
         seg_B1cL = torch.cumsum(rs, dim=-1)
-        mask = causal_LL & (seg_B1cL[..., :, None] == seg_B1cL[..., None, :])
+        mask = torch.ones(L, L, dtype=torch.bool, device=dev).tril() & (
+            seg_B1cL[..., :, None] == seg_B1cL[..., None, :]
+        )
         from_start_B1cL = seg_B1cL == 0  # no reset between the chunk start and t (inclusive)
         to_end_B1cL = seg_B1cL == seg_B1cL[..., -1:]  # no reset in (s, chunk end]
     else:
-        mask = causal_LL
+        mask = None  # causal only: lower-triangular
     out_dtype = amp_dtype or sd
     W_BHcLL = _DecayWeights.apply(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, out_dtype)
 
@@ -306,33 +326,34 @@ def chunked_scan(
     y_intra = _mm(scores, v_c)
 
     # State passing. dS_c = Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ (the chunk's own contribution).
-    to_end_BHcL = torch.exp(cs_BHcL[..., -1:] - cs_BHcL)
-    chunk_decay_BHc = torch.exp(cs_BHcL[..., -1])
+    to_end_BHcL = _exp_nonpos(cs_BHcL[..., -1:] - cs_BHcL)
+    chunk_decay_BHc = _exp_nonpos(cs_BHcL[..., -1])
     if reset_BT is not None:
         to_end_BHcL = to_end_BHcL * to_end_B1cL
         chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
     # The per-token weight goes on v (P wide), not on k (N wide): half the elementwise work and memory.
     w_BHcL = scale_BHcL * to_end_BHcL
     vw = (v_c.view(Bsz, H, nc, L, R, P) * w_BHcL[..., None, None].to(v_c.dtype)).view(Bsz, H, nc, L * R, P)
-    dS_BHcPN = _mm(vw.transpose(-1, -2), k_c.reshape(Bsz, H, nc, L * R, N)).to(sd)
+    # The carried state is kept transposed, (N, P): Kᵀ·V writes it and q·S reads it without a transpose.
+    dS_BHcNP = _mm(k_c.reshape(Bsz, H, nc, L * R, N).transpose(-1, -2), vw)
 
-    S = torch.zeros(Bsz, H, P, N, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd)
+    S = torch.zeros(Bsz, H, N, P, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd).mT
     if k_prev_BRHN is not None:
         assert v_prev_BRHP is not None
         # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
-        prev_BHPN = torch.einsum("brhp,brhn->bhpn", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
-        S = S + boa[:, :, 0, None, None] * prev_BHPN
+        prev_BHNP = torch.einsum("brhp,brhn->bhnp", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
+        S = S + boa[:, :, 0, None, None] * prev_BHNP
     if torch.compiler.is_compiling():  # traced loops over slices of one buffer compile badly
-        S_BHcPN, h_T = state_passing_unrolled(chunk_decay_BHc, dS_BHcPN, S, out_dtype)
+        S_BHcNP, h_T = state_passing_unrolled(chunk_decay_BHc, dS_BHcNP, S, out_dtype)
     else:
-        S_BHcPN, h_T = _StatePassing.apply(chunk_decay_BHc, dS_BHcPN, S, out_dtype)
+        S_BHcNP, h_T = _StatePassing.apply(chunk_decay_BHc, dS_BHcNP, S, out_dtype)
 
-    from_start = torch.exp(cs_BHcL)
+    from_start = _exp_nonpos(cs_BHcL)
     if reset_BT is not None:
         from_start = from_start * from_start_B1cL
-    qS = _mm(q_c, S_BHcPN.transpose(-1, -2)).view(Bsz, H, nc, L, R, P)
+    qS = _mm(q_c, S_BHcNP).view(Bsz, H, nc, L, R, P)
     # (qS in its own dtype times the fp32 factor: autograd keeps the bf16 qS, not an fp32 copy.)
     # Under autocast y stays in the autocast dtype (the mixer's gate and out_proj would cast it there).
     w_start = from_start[..., None, None].to(amp_dtype or from_start.dtype)
     y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, w_start)
-    return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T
+    return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T.mT.contiguous()
