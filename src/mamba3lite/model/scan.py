@@ -53,14 +53,6 @@ def _exp_nonpos(x: Tensor, inplace: bool = False) -> Tensor:
     return torch.nn.functional.threshold(x.clamp(EXP_FLOOR, 0.0).exp(), _EXP_FLOOR_VALUE, 0.0)
 
 
-def _mm(a: Tensor, b: Tensor) -> Tensor:
-    """Matmul; under autocast the dtypes are autocast's business, otherwise promote to a common dtype."""
-    if a.dtype != b.dtype and autocast_dtype(a.device.type) is None:
-        common = torch.promote_types(a.dtype, b.dtype)
-        a, b = a.to(common), b.to(common)
-    return a @ b
-
-
 def scan_step(
     q_BHRN: Tensor,
     k_BHRN: Tensor,
@@ -99,92 +91,165 @@ class _DecayWeights(torch.autograd.Function):
     positive, s > t, the mask zeroes it) and to EXP_FLOOR from below. `mask` is None for the plain
     causal (lower-triangular) mask.
 
-    Written as a Function because its backward is one product and three reductions,
-    d cs_t = Σ_s G[t, s] − Σ_s' G[s', t] with G = gW ⊙ e^{…} ⊙ scale, where autograd's chain through
-    sub / masked_fill / exp / mul / diagonal / cast makes ~8 passes over the (L, L) blocks.
+    Written as a Function because its backward is one product, one matrix-vector product and one
+    column sum: with M = gW ⊙ e^{…}, ∂scale_s = Σ_t M[t, s] and ∂cs_t = Σ_s M[t, s]·scale_s − scale_t·∂scale_t
+    (the gradient of cs_t − cs_s from both sides), where autograd's chain through sub / mask / exp / mul /
+    diagonal / cast makes ~8 passes over the (L, L) blocks.
     """
 
     @staticmethod
     def forward(ctx, cs, scale, bn, mask, out_dtype):
         decay = _exp_nonpos(cs[..., :, None] - cs[..., None, :], inplace=True)
         decay = decay.tril_() if mask is None else decay.mul_(mask)
-        W = decay * scale[..., None, :]
-        W.diagonal(dim1=-2, dim2=-1).sub_(bn)  # diagonal weight γ_t = scale_t − bn_t (decay 1 there)
+        W = torch.mul(
+            decay, scale[..., None, :], out=torch.empty(decay.shape, dtype=out_dtype, device=cs.device)
+        )
+        W.diagonal(dim1=-2, dim2=-1).copy_(scale - bn)  # γ_t = scale_t − bn_t (the decay is 1 there)
         ctx.save_for_backward(decay, scale)
-        return W.to(out_dtype)
+        return W
 
     @staticmethod
     def backward(ctx, gW):
         decay, scale = ctx.saved_tensors
         M = gW * decay  # in the state dtype (type promotion)
         d_scale = M.sum(-2)
-        G = M.mul_(scale[..., None, :])
-        d_cs = G.sum(-1) - G.sum(-2)
+        d_cs = torch.einsum("...ts,...s->...t", M, scale) - scale * d_scale
         d_bn = -gW.diagonal(dim1=-2, dim2=-1).to(scale.dtype)
         return d_cs, d_scale, d_bn, None, None
 
 
-class _StatePassing(torch.autograd.Function):
-    """The carry between chunks: starts[c] = S before chunk c, S ← decay_c·S + dS_c from S = S0. The
-    carry runs in the state dtype (fp32 or wider) whatever the dtype of dS (the autocast dtype under
-    autocast). Returns (starts in `out_dtype`, the final S in the state dtype). Layout-agnostic: the
-    scan keeps S as (B, H, nc, N, P), the layout in which both matmuls that read and write it (q·S and
-    Kᵀ·V) produce and take contiguous blocks, so no gradient arrives transposed.
+def _carry(
+    decay_BHc: Tensor, dS_BHcNP: Tensor, S0_BHNP: Tensor, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The carry between chunks: starts[c] = S before chunk c, S ← decay_c·S + dS_c from S = S0, in the
+    state dtype of S0 (fp32 or wider) whatever the dtype of dS. Returns (starts in `out_dtype`, final S).
+    Each step writes into one preallocated output (autograd would stack per-chunk tensors)."""
+    starts = torch.empty(dS_BHcNP.shape, dtype=out_dtype, device=dS_BHcNP.device)
+    S = S0_BHNP
+    for c in range(dS_BHcNP.shape[2]):
+        starts[:, :, c] = S
+        S = torch.addcmul(dS_BHcNP[:, :, c], decay_BHc[:, :, c, None, None], S)
+    return starts, S
 
-    A Function because the loop is nc tiny steps: autograd would record ~3 nodes per chunk and stack
-    the starts (and, backward, the per-chunk gradients) with a full copy each way. Here each step writes
-    into a preallocated output in the dtype its reader wants, and the backward is the same loop
-    reversed: with g_c the gradient of S after chunk c, ∂dS_c = g_c, g_(c−1) = decay_c·g_c + ∂starts[c],
-    and ∂decay_c = ⟨g_c, starts[c]⟩, each taken while g_c is fresh in cache.
+
+def _carry_backward(
+    decay_BHc: Tensor, starts: Tensor, g_starts: Tensor, g_hT: Tensor, dS_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The carry's backward, the same loop reversed. With g_c the gradient of S after chunk c:
+    ∂dS_c = g_c, ∂decay_c = ⟨g_c, starts[c]⟩ (taken while g_c is in cache), g_(c−1) = decay_c·g_c +
+    ∂starts[c]. Returns (∂decay, ∂dS in `dS_dtype`, ∂S0)."""
+    d_dS = torch.empty(starts.shape, dtype=dS_dtype, device=starts.device)
+    d_decay = torch.empty_like(decay_BHc)
+    g = g_hT.to(decay_BHc.dtype)
+    for c in range(starts.shape[2] - 1, -1, -1):
+        d_dS[:, :, c] = g
+        d_decay[:, :, c] = (g * starts[:, :, c]).sum((-2, -1))
+        g = torch.addcmul(g_starts[:, :, c], decay_BHc[:, :, c, None, None], g)
+    return d_decay, d_dS, g
+
+
+def _carry_unrolled(
+    decay_BHc: Tensor, dS_BHcNP: Tensor, S0_BHNP: Tensor, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """`_carry` in plain autograd ops (used under torch.compile, where the compiler fuses the loop, and
+    loops over slices of one buffer compile badly)."""
+    starts = []
+    S = S0_BHNP
+    # unbind, not dS[:, :, c]: each indexing op's backward materialises a zero tensor of the full dS
+    # and adds it up, O(nc²) memory traffic.
+    for decay_BH, dS_BHNP in zip(decay_BHc.unbind(2), dS_BHcNP.unbind(2)):
+        starts.append(S)
+        S = decay_BH[:, :, None, None] * S + dS_BHNP
+    return torch.stack(starts, dim=2).to(out_dtype), S
+
+
+def _weigh(x: Tensor, W_LL: Tensor, R: int) -> Tensor:
+    """(…, L·R, L·R) blocks ⊙ the (…, L, L) weights, repeated over the R×R rank pairs."""
+    if R == 1:
+        return x * W_LL
+    *lead, LR, _ = x.shape
+    L = LR // R
+    return (x.view(*lead, L, R, L, R) * W_LL[..., :, None, :, None]).view(x.shape)
+
+
+def _rows(x: Tensor, w_L: Tensor, R: int) -> Tensor:
+    """(…, L·R, D) rows ⊙ a per-token weight (…, L), repeated over the R ranks, in x's dtype."""
+    *lead, LR, D = x.shape
+    return (x.view(*lead, LR // R, R, D) * w_L[..., None, None].to(x.dtype)).view(x.shape)
+
+
+def _addmm_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """out += a @ b over any leading batch dims, accumulated by the matmul itself (no separate add)."""
+    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out
+
+
+def _chunk_core_autograd(q_c, k_c, v_c, W, w_vw, chunk_decay, S0, w_start):
+    """The chunked scan's matmul core in plain autograd ops: the reference for `_ChunkCore` and the form
+    torch.compile traces. Shapes, per chunk c of L tokens and R ranks (flattened to L·R rows):
+    q_c, k_c (B, H, nc, L·R, N), v_c (B, H, nc, L·R, P) and W (B, H, nc, L, L) in the matmul dtype;
+    w_vw (the weight of token s in its chunk's state increment), w_start (of the carried state in
+    token t's output), both (B, H, nc, L); chunk_decay (B, H, nc); S0 (B, H, N, P) in the state dtype.
+    Returns (y (B, H, nc, L·R, P) in the matmul dtype, final state (B, H, N, P)):
+        y = (q kᵀ ⊙ W) v + w_start ⊙ q·starts,   starts = carry(chunk_decay, kᵀ (v ⊙ w_vw), S0).
+    """
+    R = q_c.shape[-2] // W.shape[-1]
+    y = _weigh(q_c @ k_c.mT, W, R) @ v_c
+    dS = k_c.mT @ _rows(v_c, w_vw, R)
+    starts, h_T = _carry_unrolled(chunk_decay, dS, S0, q_c.dtype)
+    return y + _rows(q_c @ starts, w_start, R), h_T
+
+
+class _ChunkCore(torch.autograd.Function):
+    """`_chunk_core_autograd` with a hand-written backward: each gradient that two matmuls feed (q, k,
+    v) is accumulated by the second matmul into the first's output (baddbmm), where autograd would add
+    two full-size tensors, one often in transposed layout; the masked products (q kᵀ ⊙ W) and v ⊙ w_vw
+    are recomputed instead of stored. Runs with autocast off: the caller casts to the matmul dtype.
     """
 
     @staticmethod
-    def forward(ctx, decay_BHc, dS_BHcXY, S0_BHXY, out_dtype):
-        nc = dS_BHcXY.shape[2]
-        starts = torch.empty(dS_BHcXY.shape, dtype=out_dtype, device=dS_BHcXY.device)
-        S = S0_BHXY
-        for c in range(nc):
-            starts[:, :, c] = S
-            S = torch.addcmul(dS_BHcXY[:, :, c], decay_BHc[:, :, c, None, None], S)
-        ctx.save_for_backward(decay_BHc, starts)
-        ctx.dS_dtype = dS_BHcXY.dtype
-        return starts, S
+    def forward(ctx, q_c, k_c, v_c, W, w_vw, chunk_decay, S0, w_start):
+        R = q_c.shape[-2] // W.shape[-1]
+        with torch.autocast(q_c.device.type, enabled=False):
+            scores = q_c @ k_c.mT
+            y = _weigh(scores, W, R) @ v_c
+            dS = k_c.mT @ _rows(v_c, w_vw, R)
+            starts, h_T = _carry(chunk_decay, dS, S0, q_c.dtype)
+            qS = q_c @ starts
+            lead, LR, P = qS.shape[:-2], qS.shape[-2], qS.shape[-1]
+            w = w_start[..., None, None].to(y.dtype)
+            y.view(*lead, LR // R, R, P).addcmul_(qS.view(*lead, LR // R, R, P), w)
+        ctx.save_for_backward(q_c, k_c, v_c, W, w_vw, chunk_decay, w_start, scores, starts, qS)
+        return y, h_T
 
     @staticmethod
-    def backward(ctx, g_starts, g_hT):
-        decay, starts = ctx.saved_tensors
-        nc = starts.shape[2]
-        d_dS = torch.empty(starts.shape, dtype=ctx.dS_dtype, device=starts.device)
-        d_decay = torch.empty_like(decay)
-        g = (
-            torch.zeros(starts[:, :, 0].shape, dtype=decay.dtype, device=starts.device)
-            if g_hT is None
-            else g_hT
-        )
-        for c in range(nc - 1, -1, -1):
-            d_dS[:, :, c] = g
-            d_decay[:, :, c] = torch.linalg.vecdot(g.flatten(-2), starts[:, :, c].flatten(-2).to(g.dtype))
-            g = (
-                g * decay[:, :, c, None, None]
-                if g_starts is None
-                else torch.addcmul(g_starts[:, :, c], decay[:, :, c, None, None], g)
-            )
-        return d_decay, d_dS, g, None
-
-
-def state_passing_unrolled(
-    decay_BHc: Tensor, dS_BHcPN: Tensor, S0_BHPN: Tensor, out_dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """`_StatePassing` in plain autograd ops (used under torch.compile, where the compiler fuses the
-    loop; eagerly it costs stack/unbind copies and ~3 autograd nodes per chunk)."""
-    starts = []
-    S = S0_BHPN
-    # unbind, not dS[:, :, c]: each indexing op's backward materialises a zero tensor of the full dS
-    # and adds it up, O(nc²) memory traffic.
-    for decay_BH, dS_BHPN in zip(decay_BHc.unbind(2), dS_BHcPN.unbind(2)):
-        starts.append(S)
-        S = decay_BH[:, :, None, None] * S + dS_BHPN
-    return torch.stack(starts, dim=2).to(out_dtype), S
+    def backward(ctx, dy, dh_T):
+        q_c, k_c, v_c, W, w_vw, chunk_decay, w_start, scores, starts, qS = ctx.saved_tensors
+        R = q_c.shape[-2] // W.shape[-1]
+        with torch.autocast(q_c.device.type, enabled=False):
+            dy = dy.to(q_c.dtype)
+            # y += w_start ⊙ q·starts
+            lead, LR, P = dy.shape[:-2], dy.shape[-2], dy.shape[-1]
+            d_w_start = (dy * qS).view(*lead, LR // R, R * P).sum(-1, dtype=w_start.dtype)
+            d_qS = _rows(dy, w_start, R)
+            dq = d_qS @ starts.mT
+            d_chunk_decay, d_dS, dS0 = _carry_backward(chunk_decay, starts, q_c.mT @ d_qS, dh_T, q_c.dtype)
+            # dS = kᵀ (v ⊙ w_vw)
+            dk = _rows(v_c, w_vw, R) @ d_dS.mT
+            d_vw = k_c @ d_dS
+            dv = _rows(d_vw, w_vw, R)
+            d_w_vw = (d_vw * v_c).view(*lead, LR // R, R * P).sum(-1, dtype=w_vw.dtype)
+            # y = (q kᵀ ⊙ W) v
+            _addmm_(dv, _weigh(scores, W, R).mT, dy)
+            d_sw = dy @ v_c.mT
+            d_scores = _weigh(d_sw, W, R)
+            dW = d_sw.mul_(scores)
+            if R > 1:
+                L = LR // R
+                dW = dW.view(*lead, L, R, L, R).sum((-3, -1))
+            _addmm_(dq, d_scores, k_c)
+            _addmm_(dk, d_scores.mT, q_c)
+        return dq, dk, dv, dW, d_w_vw, d_chunk_decay, dS0, d_w_start
 
 
 def sequential_scan(
@@ -299,7 +364,7 @@ def chunked_scan(
     scale_BHcL = chunks(scale)
     boa_next_BHcL = chunks(boa_next)
     q_c = chunks(q_BHTRN, R, N).reshape(Bsz, H, nc, L * R, N)
-    k_c = chunks(k_BHTRN, R, N)
+    k_c = chunks(k_BHTRN, R, N).reshape(Bsz, H, nc, L * R, N)
     v_c = chunks(v_BHTRP, R, P).reshape(Bsz, H, nc, L * R, P)
 
     # Masks: causal (s ≤ t) and, with resets, same segment. seg_t = number of resets in the chunk up to t.
@@ -313,47 +378,28 @@ def chunked_scan(
         to_end_B1cL = seg_B1cL == seg_B1cL[..., -1:]  # no reset in (s, chunk end]
     else:
         mask = None  # causal only: lower-triangular
-    out_dtype = amp_dtype or sd
-    W_BHcLL = _DecayWeights.apply(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, out_dtype)
+    # Matmul dtype: autocast's, else the inputs' promoted with the state dtype (at least fp32).
+    mm_dtype = amp_dtype or torch.promote_types(torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd)
+    W_BHcLL = _DecayWeights.apply(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, mm_dtype)
 
-    scores = _mm(q_c, k_c.reshape(Bsz, H, nc, L * R, N).transpose(-1, -2))  # (B, H, nc, L·R, L·R)
-    if R == 1:
-        scores = scores * W_BHcLL
-    else:
-        scores = (scores.view(Bsz, H, nc, L, R, L, R) * W_BHcLL[..., :, None, :, None]).view(
-            Bsz, H, nc, L * R, L * R
-        )
-    y_intra = _mm(scores, v_c)
-
-    # State passing. dS_c = Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ (the chunk's own contribution).
+    # State passing. dS_c = Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ (the chunk's own contribution), kept
+    # transposed, (N, P): Kᵀ·V writes it and q·S reads it without a transpose. The per-token weight goes
+    # on v (P wide), not on k (N wide).
     to_end_BHcL = _exp_nonpos(cs_BHcL[..., -1:] - cs_BHcL)
     chunk_decay_BHc = _exp_nonpos(cs_BHcL[..., -1])
+    from_start = _exp_nonpos(cs_BHcL)
     if reset_BT is not None:
         to_end_BHcL = to_end_BHcL * to_end_B1cL
         chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
-    # The per-token weight goes on v (P wide), not on k (N wide): half the elementwise work and memory.
-    w_BHcL = scale_BHcL * to_end_BHcL
-    vw = (v_c.view(Bsz, H, nc, L, R, P) * w_BHcL[..., None, None].to(v_c.dtype)).view(Bsz, H, nc, L * R, P)
-    # The carried state is kept transposed, (N, P): Kᵀ·V writes it and q·S reads it without a transpose.
-    dS_BHcNP = _mm(k_c.reshape(Bsz, H, nc, L * R, N).transpose(-1, -2), vw)
-
+        from_start = from_start * from_start_B1cL
     S = torch.zeros(Bsz, H, N, P, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd).mT
     if k_prev_BRHN is not None:
         assert v_prev_BRHP is not None
         # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
         prev_BHNP = torch.einsum("brhp,brhn->bhnp", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
         S = S + boa[:, :, 0, None, None] * prev_BHNP
-    if torch.compiler.is_compiling():  # traced loops over slices of one buffer compile badly
-        S_BHcNP, h_T = state_passing_unrolled(chunk_decay_BHc, dS_BHcNP, S, out_dtype)
-    else:
-        S_BHcNP, h_T = _StatePassing.apply(chunk_decay_BHc, dS_BHcNP, S, out_dtype)
-
-    from_start = _exp_nonpos(cs_BHcL)
-    if reset_BT is not None:
-        from_start = from_start * from_start_B1cL
-    qS = _mm(q_c, S_BHcNP).view(Bsz, H, nc, L, R, P)
-    # (qS in its own dtype times the fp32 factor: autograd keeps the bf16 qS, not an fp32 copy.)
+    core = _chunk_core_autograd if torch.compiler.is_compiling() else _ChunkCore.apply
+    q_c, k_c, v_c = (x.to(mm_dtype) for x in (q_c, k_c, v_c))
     # Under autocast y stays in the autocast dtype (the mixer's gate and out_proj would cast it there).
-    w_start = from_start[..., None, None].to(amp_dtype or from_start.dtype)
-    y = torch.addcmul(y_intra.view(Bsz, H, nc, L, R, P), qS, w_start)
+    y, h_T = core(q_c, k_c, v_c, W_BHcLL, scale_BHcL * to_end_BHcL, chunk_decay_BHc, S, from_start)
     return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T.mT.contiguous()
