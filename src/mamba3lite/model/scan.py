@@ -18,7 +18,8 @@ Layout is head-major, (B, H, T, R, ·), so that the chunked scan's chunk view ne
 state uses the official cache layout (k_prev (B, R, H, N), v_prev (B, R, H, P), h (B, H, P, N)).
 
 Dtypes: decay exponents, cumulative sums and states are kept in at least fp32 (float64 when the inputs
-are float64); the matmuls run in the inputs' dtype or the autocast dtype.
+are float64); the chunked scan's matmuls run in the autocast dtype, else in the inputs' dtype promoted
+to the state dtype. Inside a chunk the carried state is (N, P), the transpose of h.
 """
 
 from __future__ import annotations
