@@ -100,6 +100,49 @@ def test_round_trip_structure_and_counts(messy_corpus, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train", "val"]
 
 
+def test_byte_order_marks_and_upper_case_suffixes(tmp_path):
+    """A UTF-8 BOM is not text (it was a token of a .txt and broke the first line of a .jsonl); UTF-16/32
+    files with their BOM (what Windows tools write) are text, not binary; DATA.JSONL is JSON lines, not
+    one text document of braces."""
+    d = tmp_path / "c"
+    d.mkdir()
+    body = "Grüße aus Köln, a document long enough to keep. "
+    files = {
+        "bom.txt": b"\xef\xbb\xbf" + (body + "utf-8 bom").encode(),
+        "bom.jsonl": b"\xef\xbb\xbf" + (json.dumps({"text": body + "jsonl bom"}) + "\n").encode(),
+        "wide16.txt": (body + "utf-16").encode("utf-16"),  # BOM + little-endian on this machine
+        "wide16be.txt": b"\xfe\xff" + (body + "utf-16 be").encode("utf-16-be"),
+        "wide32.txt": (body + "utf-32").encode("utf-32"),
+        "broken16.txt": b"\xff\xfe" + (body + "cut").encode("utf-16-le") + b"\x00\xd8",  # lone surrogate
+        "UPPER.JSONL": (
+            json.dumps({"text": body + "upper one"}) + "\n" + json.dumps({"text": body + "upper two"})
+        ).encode(),
+    }
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    out = tmp_path / "ds"
+    prepare([str(d)], out, workers=0, val_fraction=0.0, min_chars=8)
+    m = Manifest.load(out)
+    got = sorted(_decode_all(out)["train"])
+    want = sorted(
+        body + tail
+        for tail in (
+            "utf-8 bom",
+            "jsonl bom",
+            "utf-16",
+            "utf-16 be",
+            "utf-32",
+            "cut\ufffd",
+            "upper one",
+            "upper two",
+        )
+    )
+    assert got == want
+    stats = m.extra["stats"]
+    assert stats["dropped"]["binary"] == 0 and stats["dropped"]["bad_lines"] == 0
+    assert stats["replaced_bytes"] == 1
+
+
 def test_documents_are_never_split_across_shards(tmp_path):
     d = tmp_path / "c"
     d.mkdir()

@@ -3,8 +3,8 @@
 `prepare(sources, out, ...)` is the library form of `mamba3lite prepare`. The pipeline:
 
 1. **Read** (main process): each source (`sources.Source`) yields units in a fixed order.
-2. **Clean + tokenize** (worker processes, `--workers`): decode (undecodable bytes → U+FFFD, counted),
-   skip binary files, NFC-normalise, CRLF/CR → LF, drop control characters other than newline and tab,
+2. **Clean + tokenize** (worker processes, `--workers`): decode (UTF-8 without its byte-order mark, or
+   UTF-16/32 after theirs; undecodable bytes → U+FFFD, counted), skip binary files, NFC-normalise, CRLF/CR → LF, drop control characters other than newline and tab,
    drop empty and `< min_chars` documents, hash the cleaned text (sha256), pick its split from that hash,
    and encode it; every document is followed by EOS. Batches go to a process pool and come back in
    submission order, so the result never depends on the number of workers or on timing.
@@ -67,6 +67,7 @@ from mamba3lite.data.sources import (
     KIND_TEXT_BYTES,
     Source,
     decode_bytes,
+    decode_wide_text,
     format_location,
     looks_binary,
     parse_jsonl_line,
@@ -192,10 +193,12 @@ def _process_batch(items: list[tuple[int, bytes | str | None]]) -> list[Result]:
     for i, (kind, payload) in enumerate(items):
         if kind == KIND_TEXT_BYTES:
             assert isinstance(payload, bytes)
-            if looks_binary(payload):
-                out[i] = (BINARY, 0, None, False, None, 0, 0, None)
-                continue
-            text = decode_bytes(payload)
+            text = decode_wide_text(payload)
+            if text is None:
+                if looks_binary(payload):
+                    out[i] = (BINARY, 0, None, False, None, 0, 0, None)
+                    continue
+                text = decode_bytes(payload)
         elif kind == KIND_JSONL:
             assert isinstance(payload, bytes)
             text, problem = parse_jsonl_line(payload, cfg.text_field)

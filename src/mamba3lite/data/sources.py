@@ -3,6 +3,7 @@
 A source spec is one of
 
     path/to/file        .txt .md .py (any other name is read as UTF-8 text too), .jsonl, .jsonl.gz, .parquet
+                        (suffixes in any case: DATA.JSONL is JSON lines)
     path/to/dir         every regular file below it, hidden files/dirs and __pycache__ skipped
     'glob/**/*.md'      a glob (recursive `**` allowed); matching directories are walked as above
     stdlib              the running interpreter's standard-library .py files (see `stdlib_files`)
@@ -13,7 +14,8 @@ one unit (blank lines are not units), a Parquet row or a streamed dataset row on
 sorted relative-path order, so the same input gives the same sequence on every machine. Each unit is
 `(location, kind, payload)`:
 
-    KIND_TEXT_BYTES   payload = the file's raw bytes; the worker decodes it and detects binary files
+    KIND_TEXT_BYTES   payload = the file's raw bytes; the worker decodes it (UTF-8, or UTF-16/32 when the
+                      file starts with their byte-order mark) and detects binary files
     KIND_JSONL        payload = one raw JSONL line (bytes); the worker parses it
     KIND_STR          payload = an already decoded str (Parquet, hf); None when the row has no text
 
@@ -23,6 +25,7 @@ are pure functions for that), so the reading process only does I/O.
 
 from __future__ import annotations
 
+import codecs
 import glob as globlib
 import gzip
 import hashlib
@@ -51,6 +54,14 @@ STDLIB_EXCLUDED_PARTS = frozenset(
 )
 
 _BINARY_PROBE_BYTES = 8192
+_UTF8_BOM = b"\xef\xbb\xbf"
+# UTF-32 first: its little-endian mark starts with UTF-16's.
+_WIDE_BOMS = (
+    (b"\xff\xfe\x00\x00", "utf-32-le"),
+    (b"\x00\x00\xfe\xff", "utf-32-be"),
+    (b"\xff\xfe", "utf-16-le"),
+    (b"\xfe\xff", "utf-16-be"),
+)
 # Bytes that never occur in text: C0 controls except \t \n \v \f \r and ESC (ANSI colours), and DEL.
 _NON_TEXT_BYTES = bytes([*range(0, 7), 8, *range(14, 27), *range(28, 32), 127])
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
@@ -83,10 +94,34 @@ def looks_binary(data: bytes) -> bool:
 
 def decode_bytes(data: bytes) -> str:
     """UTF-8 decode that never fails: each undecodable byte becomes a lone surrogate (surrogateescape).
+    A leading UTF-8 byte-order mark is dropped (it marks the encoding; it is not text).
 
     The cleaner turns every lone surrogate into U+FFFD and counts them, so undecodable file bytes and
     invalid `\\ud800` escapes in JSON are replaced and counted in one place."""
+    if data.startswith(_UTF8_BOM):
+        data = data[len(_UTF8_BOM) :]
     return data.decode("utf-8", errors="surrogateescape")
+
+
+def decode_wide_text(data: bytes) -> str | None:
+    """The text of a UTF-32 or UTF-16 file that starts with its byte-order mark (Windows tools write
+    UTF-16, whose NUL bytes would otherwise make it look binary), else None. Undecodable code units
+    become lone surrogates, as in `decode_bytes`."""
+    for bom, codec in _WIDE_BOMS:
+        if data.startswith(bom):
+            return data[len(bom) :].decode(codec, errors=_LONE_SURROGATE_ERRORS)
+    return None
+
+
+def _lone_surrogate(err: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: an undecodable span becomes one lone surrogate (counted, then replaced, by the
+    cleaner). surrogateescape cannot do this for codecs that are not ASCII-compatible."""
+    assert isinstance(err, UnicodeDecodeError)
+    return "\udcff", err.end
+
+
+_LONE_SURROGATE_ERRORS = "mamba3lite-lone-surrogate"
+codecs.register_error(_LONE_SURROGATE_ERRORS, _lone_surrogate)
 
 
 def parse_jsonl_line(line: bytes, text_field: str) -> tuple[str | None, str | None]:
@@ -240,7 +275,7 @@ class Source:
         if self.hf is not None:
             return None
         files = self.files
-        if self.max_docs is not None and not any(p.name.endswith(STRUCTURED_SUFFIXES) for p in files):
+        if self.max_docs is not None and not any(p.name.lower().endswith(STRUCTURED_SUFFIXES) for p in files):
             files = files[: self.max_docs]
         return sum(p.stat().st_size for p in files)
 
@@ -259,7 +294,7 @@ class Source:
     def _iter_files(self, start: int) -> Iterator[Unit | None]:
         index = 0
         for path in self.files:
-            name = path.name
+            name = path.name.lower()
             if name.endswith((".jsonl", ".jsonl.gz")):
                 opener = gzip.open if name.endswith(".gz") else open
                 try:
