@@ -4,9 +4,10 @@
 
 1. **Read** (main process): each source (`sources.Source`) yields units in a fixed order.
 2. **Clean + tokenize** (worker processes, `--workers`): decode (UTF-8 without its byte-order mark, or
-   UTF-16/32 after theirs; undecodable bytes → U+FFFD, counted), skip binary files, NFC-normalise, CRLF/CR → LF, drop control characters other than newline and tab,
-   drop empty and `< min_chars` documents, hash the cleaned text (sha256), pick its split from that hash,
-   and encode it; every document is followed by EOS. Batches go to a process pool and come back in
+   UTF-16/32 after theirs; undecodable bytes → U+FFFD, counted), skip binary files, NFC-normalise,
+   CRLF/CR → LF, drop control characters other than newline and tab, drop empty and `< min_chars`
+   documents, hash the cleaned text (sha256), pick its split from that hash, and encode it; every
+   document is followed by EOS. Batches go to a process pool and come back in
    submission order, so the result never depends on the number of workers or on timing.
 3. **Mix** (main process): the next document comes from the source with the fewest tokens taken per
    unit of rate (ties: lowest index). With a target token count, source i stops after
