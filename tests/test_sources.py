@@ -50,6 +50,22 @@ def test_missing_path_and_empty_glob(tmp_path):
         S.Source(str(tmp_path / "*.nothing"))
 
 
+def test_symlinked_directories_are_followed_once(tmp_path):
+    """A linked directory is read like a real one (a `**` glob follows it too); a link back up (a cycle) or a
+    second link to a directory already read adds nothing, and the real directory's name is used."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "o.txt").write_text("outside")
+    root = tmp_path / "corpus"
+    (root / "real").mkdir(parents=True)
+    (root / "real" / "r.txt").write_text("real")
+    (root / "a_link_to_real").symlink_to(root / "real")
+    (root / "linked").symlink_to(outside)
+    (root / "real" / "loop").symlink_to(root)
+    files = S.Source(str(root)).files
+    assert [p.relative_to(root).as_posix() for p in files] == ["linked/o.txt", "real/r.txt"]
+
+
 @pytest.mark.parametrize("spec", ["", "  ", "\t"])
 def test_an_empty_source_is_refused_not_the_current_directory(spec, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -4,7 +4,8 @@ A source spec is one of
 
     path/to/file        .txt .md .py (any other name is read as UTF-8 text too), .jsonl, .jsonl.gz, .parquet
                         (suffixes in any case: DATA.JSONL is JSON lines)
-    path/to/dir         every regular file below it, hidden files/dirs and __pycache__ skipped
+    path/to/dir         every regular file below it, hidden files/dirs and __pycache__ skipped; symlinked
+                        directories followed, each real directory once
     'glob/**/*.md'      a glob (recursive `**` allowed); matching directories are walked as above
     stdlib              the running interpreter's standard-library .py files (see `stdlib_files`)
     hf:NAME[:CONFIG]    a Hugging Face dataset's "train" split, streamed (needs the `datasets` package)
@@ -183,7 +184,9 @@ def stdlib_files() -> list[Path]:
 
 
 def _walk_dir(root: Path) -> list[Path]:
-    """Every regular file below `root` by relative posix path; hidden entries and __pycache__ skipped."""
+    """Every regular file below `root` by relative posix path; hidden entries and __pycache__ skipped.
+    Symlinked directories are followed (as `**` globs do), each real directory walked once: a link back
+    to a directory already walked (a cycle, or a second link to it) adds nothing."""
     out = []
 
     def unreadable(e: OSError) -> None:  # os.walk skips a directory it cannot list, silently
@@ -191,8 +194,16 @@ def _walk_dir(root: Path) -> list[Path]:
             f"cannot read directory {e.filename}: {e.strerror}; fix its permissions or leave it out"
         )
 
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+    seen = {os.path.realpath(root)}
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
+        keep = []
+        # Real directories before links, each group sorted: which name a directory is read under is fixed.
+        for d in sorted(dirnames, key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d)):
+            real = os.path.realpath(os.path.join(dirpath, d))
+            if not d.startswith(".") and d != "__pycache__" and real not in seen:
+                seen.add(real)
+                keep.append(d)
+        dirnames[:] = keep
         out.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
     files = [p for p in out if p.is_file()]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
