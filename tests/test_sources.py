@@ -107,6 +107,33 @@ def test_start_and_max_docs_give_the_same_units_as_slicing(tmp_path):
     assert _texts(S.Source(str(tmp_path), max_docs=7), 3) == full[3:7]
 
 
+def test_size_with_max_docs_counts_only_the_units_taken(tmp_path):
+    """Without a target the mixer's rates are the sources' sizes; a --max-docs slice of one big JSONL or
+    Parquet file counted as the whole file (here 100x too large), skewing the mix toward it."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    lines = [json.dumps({"text": f"line {i:04d} " + "x" * 40}) + "\n" for i in range(1000)]
+    j = tmp_path / "big.jsonl"
+    j.write_text("\n" + "".join(lines))  # a blank first line is not a unit
+    assert S.Source(str(j)).size_bytes() == j.stat().st_size
+    assert S.Source(str(j), max_docs=10).size_bytes() == 1 + sum(len(x) for x in lines[:10])
+    assert S.Source(str(j), max_docs=5000).size_bytes() == j.stat().st_size
+    z = tmp_path / "big.jsonl.gz"
+    z.write_bytes(gzip.compress("".join(lines).encode()))
+    assert 0 < S.Source(str(z), max_docs=10).size_bytes() <= z.stat().st_size
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(1000)]}), p)
+    assert S.Source(str(p), max_docs=100).size_bytes() == int(p.stat().st_size * 0.1)
+    d = tmp_path / "d"
+    d.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (d / name).write_text("0123456789")
+    (d / "c.jsonl").write_text("".join(lines[:3]))
+    assert S.Source(str(d), max_docs=1).size_bytes() == 10
+    assert S.Source(str(d), max_docs=4).size_bytes() == 20 + len(lines[0]) + len(lines[1])
+
+
 def test_binary_detection():
     assert S.looks_binary(b"abc\x00def")
     assert S.looks_binary(bytes(range(1, 32)) * 10)

@@ -27,6 +27,7 @@ are pure functions for that), so the reading process only does I/O.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob as globlib
 import gzip
 import hashlib
@@ -45,7 +46,6 @@ KIND_TEXT_BYTES = 0
 KIND_JSONL = 1
 KIND_STR = 2
 
-STRUCTURED_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 # stdlib parts left out of the `stdlib` corpus: third-party packages, the (huge, repetitive) test suite,
 # IDLE, and `encodings/`, whose generated charmap tables ("0x00e9 -> LATIN SMALL LETTER E WITH ACUTE")
 # are ~12% of the bytes and taught small models to write tables instead of code. What remains is
@@ -281,14 +281,59 @@ class Source:
         return h.hexdigest()
 
     def size_bytes(self) -> int | None:
-        """Bytes on disk of the source's files (an estimate of its size; compressed for .gz and .parquet),
-        capped pro rata by max_docs for single-unit files; None for hf: sources (unknown)."""
+        """Bytes on disk of the source's files (an estimate of its size; compressed for .gz and .parquet);
+        with max_docs, of the part the first max_docs units come from (JSONL lines are read up to there,
+        Parquet is taken pro rata by its row count). None for hf: sources (unknown)."""
         if self.hf is not None:
             return None
-        files = self.files
-        if self.max_docs is not None and not any(p.name.lower().endswith(STRUCTURED_SUFFIXES) for p in files):
-            files = files[: self.max_docs]
-        return sum(p.stat().st_size for p in files)
+        if self.max_docs is None:
+            return sum(p.stat().st_size for p in self.files)
+        total, left = 0, self.max_docs
+        for p in self.files:
+            if left <= 0:
+                break
+            name = p.name.lower()
+            if name.endswith((".jsonl", ".jsonl.gz")):
+                n, used = self._jsonl_prefix(p, left)
+            elif name.endswith(".parquet"):
+                n = self._parquet_rows(p)
+                used = p.stat().st_size * min(1.0, left / n) if n else 0
+            else:
+                n, used = 1, p.stat().st_size
+            total += int(used)
+            left -= n
+        return total
+
+    @staticmethod
+    def _jsonl_prefix(path: Path, n: int) -> tuple[int, int]:
+        """(units, bytes on disk) of the first `n` units of a JSONL file (all of it if it has fewer)."""
+        gz = path.name.lower().endswith(".gz")
+        try:
+            with (
+                open(path, "rb") as raw,
+                gzip.GzipFile(fileobj=raw) if gz else contextlib.nullcontext(raw) as f,
+            ):
+                count = 0
+                for line in f:
+                    if line.strip():
+                        count += 1
+                        if count == n:
+                            break
+                return count, raw.tell()  # for .gz: the compressed bytes read so far (to a buffer's size)
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"cannot read {path}: {e}") from e
+
+    def _parquet_rows(self, path: Path) -> int:
+        try:
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        except ImportError as e:
+            raise ConfigError(
+                f"reading {path} needs the `pyarrow` package; fix: pip install 'mamba3lite[parquet]'"
+            ) from e
+        except Exception as e:
+            raise DataError(f"cannot read parquet file {path}: {e}") from e
 
     def units(self, start: int = 0) -> Iterator[Unit]:
         """The units from index `start` (0-based), at most `max_docs` in all; see the module docstring."""
