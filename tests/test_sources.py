@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
 import sys
 import types
 
@@ -41,6 +42,37 @@ def test_recursive_glob_takes_each_file_once(tmp_path):
         (tmp_path / rel).write_text(rel)
     got = [p.decode() for _, _, p in _texts(S.Source(str(tmp_path / "d" / "**")))]
     assert got == ["d/a.txt", "d/sub/b.txt"]
+
+
+def test_recursive_globs_over_symlink_cycles_end_and_match_as_glob_does(tmp_path):
+    """glob.glob follows a link to "." round and round: one such link listed every file 41 times, two
+    never finished. `**` now walks each real directory once; what it matches is unchanged."""
+    d = tmp_path / "d"
+    for rel in ["a.md", "x.txt", "sub/b.md", "sub/deep/c.md", "other/sub/e.txt", ".hidden/h.md"]:
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(rel)
+    (d / "self").symlink_to(".")
+    (d / "sub" / "up").symlink_to("..")
+
+    def rel(spec):
+        def hung(*_):
+            raise TimeoutError(f"Source({spec!r}) did not finish in 30 s")
+
+        old = signal.signal(signal.SIGALRM, hung)  # a regression would hang CI; fail the test instead
+        signal.alarm(30)
+        try:
+            return [p.relative_to(d).as_posix() for p in S.Source(spec).files]
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+
+    assert rel(f"{d}/**/*.md") == ["a.md", "sub/b.md", "sub/deep/c.md"]
+    assert rel(f"{d}/**") == ["a.md", "other/sub/e.txt", "sub/b.md", "sub/deep/c.md", "x.txt"]
+    assert rel(f"{d}/**/sub") == ["other/sub/e.txt", "sub/b.md", "sub/deep/c.md"]  # directories: walked
+    assert rel(f"{d}/**/deep/*.md") == ["sub/deep/c.md"]
+    assert rel(f"{d}/su*/**/*.md") == ["sub/b.md", "sub/deep/c.md", "sub/up/a.md"]  # up -> d, once
+    assert rel(f"{d}/s*/**/*.md") == ["self/a.md", "self/sub/b.md", "self/sub/deep/c.md"]  # each file once
+    assert rel(f"{d}/*.md") == ["a.md"]
 
 
 def test_missing_path_and_empty_glob(tmp_path):

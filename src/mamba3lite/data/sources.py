@@ -6,7 +6,8 @@ A source spec is one of
                         (suffixes in any case: DATA.JSONL is JSON lines)
     path/to/dir         every regular file below it, hidden files/dirs and __pycache__ skipped; symlinked
                         directories followed, each real directory once
-    'glob/**/*.md'      a glob (recursive `**` allowed); matching directories are walked as above
+    'glob/**/*.md'      a glob (recursive `**` allowed, walked as a directory is: each real directory
+                        once); matching directories are walked as above
     stdlib              the running interpreter's standard-library .py files (see `stdlib_files`)
     hf:NAME[:CONFIG]    a Hugging Face dataset's "train" split, streamed (needs the `datasets` package)
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import fnmatch
 import glob as globlib
 import gzip
 import hashlib
@@ -209,6 +211,38 @@ def _walk_dir(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def _glob(spec: str) -> list[Path]:
+    """What a glob source matches (files and directories; the caller walks the directories), sorted.
+    A `**` component is expanded by `_walk_dir` and matched component by component, not by glob.glob,
+    which follows symlinked directories round a cycle until the OS refuses (a link to `.` listed every
+    file 41 times; two such links never finished)."""
+    parts = spec.split("/")
+    if "**" not in parts:
+        return [Path(m) for m in sorted(globlib.glob(spec))]
+    i = parts.index("**")
+    head = "/".join(parts[:i]) or "."
+    rest = [c for c in parts[i:] if c]  # a trailing "/" (directories only) walks them all the same
+    out: dict[str, Path] = {}  # by real path: two roots (d/sub, and d/self -> d) share files
+    for root in map(Path, sorted(globlib.glob(head)) if _is_glob(head) else [head]):
+        if not root.is_dir():
+            continue
+        for f in _walk_dir(root):
+            comps = f.relative_to(root).parts
+            # A file counts when its path, or a directory above it, matches (matched directories are walked).
+            if any(_match_parts(rest, comps[:k]) for k in range(len(comps), 0, -1)):
+                out.setdefault(os.path.realpath(f), f)
+    return list(out.values())
+
+
+def _match_parts(pattern: list[str], comps: tuple[str, ...]) -> bool:
+    """Glob match of path components: `**` matches any number of components, others one (fnmatch)."""
+    if not pattern:
+        return not comps
+    if pattern[0] == "**":
+        return any(_match_parts(pattern[1:], comps[k:]) for k in range(len(comps) + 1))
+    return bool(comps) and fnmatch.fnmatchcase(comps[0], pattern[0]) and _match_parts(pattern[1:], comps[1:])
+
+
 def _is_glob(spec: str) -> bool:
     return any(c in spec for c in "*?[")
 
@@ -241,7 +275,7 @@ class Source:
             self.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
             _import_datasets()  # fail now, not after the other sources were read
         elif _is_glob(spec) and not Path(spec).exists():  # a name with [ or ? that exists is that file
-            matches = sorted(globlib.glob(spec, recursive=True))
+            matches = _glob(spec)
             if not matches:
                 raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
             for m in matches:
