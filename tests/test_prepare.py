@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import unicodedata
 
 import numpy as np
@@ -117,6 +118,10 @@ def test_byte_order_marks_and_upper_case_suffixes(tmp_path):
         "UPPER.JSONL": (
             json.dumps({"text": body + "upper one"}) + "\n" + json.dumps({"text": body + "upper two"})
         ).encode(),
+        # Random bytes behind a UTF-16 or UTF-32 mark are binary all the same (they decode to lone
+        # surrogates and private-use characters).
+        "blob16.bin": b"\xff\xfe" + random.Random(0).randbytes(4000),
+        "blob32.bin": b"\xff\xfe\x00\x00" + random.Random(1).randbytes(4000),
     }
     for name, data in files.items():
         (d / name).write_bytes(data)
@@ -139,7 +144,7 @@ def test_byte_order_marks_and_upper_case_suffixes(tmp_path):
     )
     assert got == want
     stats = m.extra["stats"]
-    assert stats["dropped"]["binary"] == 0 and stats["dropped"]["bad_lines"] == 0
+    assert stats["dropped"]["binary"] == 2 and stats["dropped"]["bad_lines"] == 0
     assert stats["replaced_bytes"] == 1
 
 

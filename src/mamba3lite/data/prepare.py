@@ -73,6 +73,7 @@ from mamba3lite.data.sources import (
     looks_binary,
     parse_jsonl_line,
     replace_surrogates,
+    wide_text_looks_binary,
 )
 from mamba3lite.dirlock import DirLock
 from mamba3lite.errors import ConfigError, DataError, Mamba3LiteError, TransientError
@@ -195,10 +196,11 @@ def _process_batch(items: list[tuple[int, bytes | str | None]]) -> list[Result]:
         if kind == KIND_TEXT_BYTES:
             assert isinstance(payload, bytes)
             text = decode_wide_text(payload)
+            binary = looks_binary(payload) if text is None else wide_text_looks_binary(text)
+            if binary:
+                out[i] = (BINARY, 0, None, False, None, 0, 0, None)
+                continue
             if text is None:
-                if looks_binary(payload):
-                    out[i] = (BINARY, 0, None, False, None, 0, 0, None)
-                    continue
                 text = decode_bytes(payload)
         elif kind == KIND_JSONL:
             assert isinstance(payload, bytes)

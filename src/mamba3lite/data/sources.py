@@ -68,6 +68,8 @@ _WIDE_BOMS = (
 # Bytes that never occur in text: C0 controls except \t \n \v \f \r and ESC (ANSI colours), and DEL.
 _NON_TEXT_BYTES = bytes([*range(0, 7), 8, *range(14, 27), *range(28, 32), 127])
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
+_IMPLAUSIBLE_RE = re.compile("[\x00-\x08\x0e-\x1f\ud800-\udfff\ue000-\uf8ff]")
+_WIDE_PROBE_CHARS = 4096
 
 Location = str | tuple[str, int]
 Unit = tuple[Location, int, "bytes | str | None"]
@@ -114,6 +116,15 @@ def decode_wide_text(data: bytes) -> str | None:
         if data.startswith(bom):
             return data[len(bom) :].decode(codec, errors=_LONE_SURROGATE_ERRORS)
     return None
+
+
+def wide_text_looks_binary(text: str) -> bool:
+    """True if text decoded from behind a UTF-16/32 mark (`decode_wide_text`) is evidently binary: more
+    than 5% of its first 4096 characters are C0 controls (other than whitespace), lone surrogates or
+    private-use code points. Random bytes decode to ~13% of those as UTF-16 (surrogates and the private
+    use area) and to nearly all lone surrogates as UTF-32; text has next to none."""
+    head = text[:_WIDE_PROBE_CHARS]
+    return len(_IMPLAUSIBLE_RE.findall(head)) > 0.05 * len(head)
 
 
 def _lone_surrogate(err: UnicodeError) -> tuple[str, int]:
