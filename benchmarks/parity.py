@@ -1,25 +1,31 @@
 """State tracking: running parity of bit strings with a 1-layer model (MAMBA3.md §6, paper Table 5b).
 
 Task: a sequence [BOS, b_1, ..., b_T] of random bits; at every bit position t the model predicts
-parity(b_1..b_t). Trained with a length curriculum (the length grows from 3 to --train-len over the
-first 30% of the steps; every position is supervised), evaluated at length 256, beyond anything seen.
-The default is the paper's protocol (MAMBA3.md §5: curriculum 3..40 -> 160, evaluated at 256, LR
-swept; 1e-2 is the best of our sweep) and the paper's A = −softplus(a) (MAMBA3.md §7; `--a-activation
-heavy_tail` for the official HEAD's form, with which a decay near 1 needs a → −∞). `--train-len 40` is
-the harder variant (6.4x extrapolation): there the model learns the parity algorithm but not precisely
-enough to carry it 6x further: angle errors of ~0.005π per token and decays below 1 cost nothing at
-t <= 40, and accuracy beyond 40 stays at 55-85%; the same weights with exact angles and no decay (the
-"exact" column) are 100% at 256 (benchmarks/RESULTS.md has the tables and the sweeps).
+parity(b_1..b_t). Trained only on lengths up to --train-len (default 40; a curriculum grows the length
+from 3 over the first 30% of the steps; every position is supervised), evaluated at length 256, 6.4x
+beyond anything seen. `--train-len 160` is the paper's protocol (MAMBA3.md §5: curriculum 3..40 -> 160,
+evaluated at 256). A = −softplus(a), the paper's (MAMBA3.md §7; `--a-activation heavy_tail` for the
+official HEAD's form, with which a decay near 1 needs a → −∞).
 
 Why Mamba-3 can do it and Mamba-2 cannot: with data-dependent RoPE the state rotates by
 θ = π·tanh(a^θ)·Δ per token, so "rotate by π on a 1, by 0 on a 0" keeps the parity as the phase of the
 state, exactly and at any length. Without rotation the state is a sum of non-negatively decayed
 writes (α = e^{ΔA} > 0), which cannot represent a sign flip per token, and accuracy stays near chance.
 
+What makes it extrapolate from 40 tokens: the readout and the loss must keep asking for *exact* angles.
+Short sequences only pin the angle to the precision the loss still feels: an error ε per bit moves the
+phase by ≤ 40ε within training but by ~128ε at 256. The default readout is linear in the block's output
+(no final RMSNorm) and the loss regresses the logit margin (logit_1 − logit_0) onto ±--margin (squared
+error), so every position's margin must be the same, which only exact angles and a decay of 1 give; it
+never saturates. Cross-entropy through a normalised readout (`--loss ce --final-norm`, this script's
+first recipe) reaches a training loss of exactly 0 in fp32 and stops pulling: angle errors of
+0.004-0.016π per bit remain, enough to be right at 40 and at chance by 256 (55-85% beyond 40;
+benchmarks/RESULTS.md has both recipes, the sweeps and the seeds).
+
 The model is built from the library pieces: embedding (3 tokens: 0, 1, BOS) -> one `Block`
 (RMSNorm -> Mamba3 -> residual; its SwiGLU half only with --d-mlp > 0, off by default so the mixer
-alone does the state tracking) -> RMSNorm -> 2-way linear head.
-Paper shapes: 1 layer, N = 64, d_model in {32, 64}. Variants (one row each):
+alone does the state tracking) -> [RMSNorm with --final-norm] -> 2-way linear head.
+Paper shapes: 1 layer, N = 64, d_model in {32, 64}. Variants (one row each, same readout and loss):
     Mamba-3         trapezoid + RoPE (the default mixer)
     Mamba-3 no RoPE rope=False
     Mamba-2-style   trapezoid=False (λ ≡ 1, exponential-Euler) and rope=False
@@ -29,12 +35,10 @@ positions and at the last one, the paper's "scaled accuracy" (acc − 0.5) / 0.5
 length (chance = 0, perfect = 100); as a diagnostic, the accuracy beyond the training length of the same
 weights with every angle rounded to a multiple of π and A at its floor ("exact"); and the learned
 dynamics per 0-bit and per 1-bit of every head: the rotation in units of π (exact parity needs 0 and
-±1) and the decay α = e^{AΔ} (needs 1). A small error per token costs nothing at the trained lengths and
-accumulates with the length, which is what length generalisation measures. The paper trains 10^4
-steps × batch 256 with an LR sweep; here 2000 steps × 64 at the best LR of a small sweep, a few minutes
-per variant on one CPU core.
+±1) and the decay α = e^{AΔ} (needs 1). The paper trains 10^4 steps × batch 256 with an LR sweep; here
+2000 steps × 64, about half a minute per variant on one CPU core.
 
-    python benchmarks/parity.py [--steps 2000] [--batch 64] [--variants mamba3,norope,mamba2]
+    python benchmarks/parity.py [--train-len 40] [--steps 2000] [--variants mamba3,norope,mamba2]
 """
 
 from __future__ import annotations
@@ -63,17 +67,28 @@ VARIANTS = {
 
 
 class ParityModel(nn.Module):
-    """embed -> one Mamba-3 Block -> RMSNorm -> Linear(d_model, 2). forward(ids_BT) -> logits_BT2."""
+    """embed -> one Mamba-3 Block -> [RMSNorm] -> Linear(d_model, 2). forward(ids_BT) -> logits_BT2."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, final_norm: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.block = Block(cfg)
-        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps) if final_norm else nn.Identity()
         self.head = nn.Linear(cfg.d_model, 2)
 
     def forward(self, ids_BT: Tensor) -> Tensor:
         return self.head(self.norm_f(self.block(self.embed(ids_BT))))
+
+
+def parity_loss(logits_BT2: Tensor, targets_BT: Tensor, args: argparse.Namespace) -> Tensor:
+    """`margin`: mean squared error of logit_1 − logit_0 against ±args.margin (the sign of the parity)
+    over supervised positions; `ce`: cross-entropy (with args.smoothing)."""
+    logits, targets = logits_BT2.flatten(0, 1), targets_BT.flatten()
+    if args.loss == "ce":
+        return F.cross_entropy(logits, targets, ignore_index=-100, label_smoothing=args.smoothing)
+    keep = targets != -100
+    want = (2.0 * targets[keep] - 1.0) * args.margin
+    return (logits[keep, 1] - logits[keep, 0] - want).square().mean()
 
 
 def make_batch(batch: int, length: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -106,7 +121,7 @@ def train_variant(
     average over the last steps), seconds)."""
     torch.manual_seed(seed)
     cfg = model_config(args.d_model, args.d_state, args.headdim, args.d_mlp, switches, args.a_activation)
-    model = ParityModel(cfg)
+    model = ParityModel(cfg, final_norm=args.final_norm)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     gen = torch.Generator().manual_seed(seed)
     warmup = max(1, args.steps // 20)
@@ -121,8 +136,7 @@ def train_variant(
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        logits = model(ids).flatten(0, 1)
-        loss = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, label_smoothing=args.smoothing)
+        loss = parity_loss(model(ids), targets, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -207,7 +221,9 @@ def main() -> int:
     ap.add_argument("--d-state", type=int, default=64)
     ap.add_argument("--headdim", type=int, default=64, help="64 with d_model 32: one head")
     ap.add_argument("--d-mlp", type=int, default=0, help="SwiGLU width of the block (0 = mixer only)")
-    ap.add_argument("--train-len", type=int, default=160, help="longest training length (curriculum end)")
+    ap.add_argument(
+        "--train-len", type=int, default=40, help="longest training length (curriculum end); 160: the paper's"
+    )
     ap.add_argument(
         "--curriculum", type=float, default=0.3, help="fraction of the steps over which the length grows"
     )
@@ -220,8 +236,14 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument(
+        "--loss", choices=("margin", "ce"), default="margin",
+        help="margin: squared error of logit_1 - logit_0 against +-margin (default); ce: cross-entropy",
+    )  # fmt: skip
+    ap.add_argument("--margin", type=float, default=4.0, help="the logit margin --loss margin regresses onto")
+    ap.add_argument("--final-norm", action="store_true", help="RMSNorm before the head (the first recipe's)")
+    ap.add_argument(
         "--label-smoothing", dest="smoothing", type=float, default=0.0,
-        help="label smoothing of the cross-entropy (0.1 helped a little at --train-len 40, RESULTS.md)",
+        help="label smoothing of --loss ce",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -237,6 +259,8 @@ def main() -> int:
     print(
         f"running parity: 1 layer, d_model {args.d_model}, N {args.d_state}, headdim {args.headdim}, "
         f"A = -{args.a_activation}(a); "
+        f"readout {'RMSNorm -> ' if args.final_norm else ''}linear, loss "
+        f"{'cross-entropy' if args.loss == 'ce' else f'margin MSE (+-{args.margin:g})'}; "
         f"train lengths 3..{args.train_len} (curriculum over {args.curriculum:.0%} of the steps), "
         f"{args.steps} steps x batch {args.batch}, "
         f"lr {args.lr:g}; eval {args.eval_batch} sequences of length {args.eval_len}; "

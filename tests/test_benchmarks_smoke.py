@@ -70,14 +70,20 @@ def test_bench_model_estimates_the_sequential_scan_above_its_limit_and_prints_th
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activation", [None, "heavy_tail"])
-def test_parity_tiny_budget_prints_its_table(activation):
-    extra = ["--a-activation", activation] if activation else []
+@pytest.mark.parametrize(
+    ("activation", "recipe"), [(None, []), ("heavy_tail", []), (None, ["--loss", "ce", "--final-norm"])]
+)
+def test_parity_tiny_budget_prints_its_table(activation, recipe):
+    extra = (["--a-activation", activation] if activation else []) + recipe
     out = run_script(
         "parity.py", "--steps", "4", "--threads", "1", "--batch", "8", "--d-model", "16", "--d-state", "16",
         "--headdim", "8", "--train-len", "6", "--eval-len", "12", "--eval-batch", "8", *extra,
     )  # fmt: skip
     assert f"A = -{activation or 'softplus'}(a)" in out  # the paper's softplus by default
+    readout = (
+        "readout RMSNorm -> linear, loss cross-entropy" if recipe else "readout linear, loss margin MSE (+-4)"
+    )
+    assert readout in out
     assert "| model | acc t<=6 | acc t>6 | acc all 12 | acc last | scaled t>6 | exact t>6 |" in out
     for label in ("Mamba-3 (trapezoid + RoPE)", "Mamba-3, no RoPE", "Mamba-2-style (Euler, no RoPE)"):
         pct = r" ([\d.]+)% \|"
@@ -90,6 +96,30 @@ def test_parity_tiny_budget_prints_its_table(activation):
         assert (rotation == "-") == (label != "Mamba-3 (trapezoid + RoPE)")  # per-bit angles only with RoPE
         alphas = [float(a) for head in decay.split() for a in head.split("/")]  # α = e^{AΔ}, 2 per head
         assert len(alphas) == 2 * 4 and all(0 < a <= 1 for a in alphas)
+
+
+def test_parity_margin_loss_is_zero_exactly_at_the_target_margins():
+    """The default loss regresses logit_1 − logit_0 onto ±margin at supervised positions (BOS ignored);
+    `ce` is plain cross-entropy."""
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import parity
+    finally:
+        sys.path.remove(str(BENCH))
+    targets = torch.tensor([[-100, 1, 0, 1]])
+    args = argparse.Namespace(loss="margin", margin=4.0, smoothing=0.0)
+    exact = torch.tensor([[[9.0, -9.0], [0.0, 4.0], [1.0, -3.0], [-2.0, 2.0]]])
+    assert parity.parity_loss(exact, targets, args).item() == 0.0
+    off = exact.clone()
+    off[0, 2, 0] += 1.0  # the 0-bit position's margin is 5, not 4: squared error 1, mean over 3
+    assert parity.parity_loss(off, targets, args).item() == pytest.approx(1 / 3)
+    args.loss = "ce"
+    want = torch.nn.functional.cross_entropy(off[0, 1:], targets[0, 1:])
+    assert parity.parity_loss(off, targets, args).item() == pytest.approx(want.item())
 
 
 @pytest.mark.slow
