@@ -223,7 +223,8 @@ def _walk_dir(root: Path) -> list[Path]:
 
 
 def _glob(spec: str) -> list[Path]:
-    """What a glob source matches (files and directories; the caller walks the directories), sorted.
+    """What a glob source matches (files and directories; the caller walks the directories), in sorted
+    order (with `**`: by root, then by path below it).
     A `**` component is expanded by `_walk_dir` and matched component by component, not by glob.glob,
     which follows symlinked directories round a cycle until the OS refuses (a link to `.` listed every
     file 41 times; two such links never finished)."""
@@ -341,7 +342,7 @@ class Source:
             if name.endswith((".jsonl", ".jsonl.gz")):
                 n, used = self._jsonl_prefix(p, left)
             elif name.endswith(".parquet"):
-                n = self._parquet_rows(p)
+                n = self._open_parquet(p).metadata.num_rows
                 used = p.stat().st_size * min(1.0, left / n) if n else 0
             else:
                 n, used = 1, p.stat().st_size
@@ -368,15 +369,17 @@ class Source:
         except (OSError, EOFError, zlib.error) as e:
             raise DataError(f"cannot read {path}: {e}") from e
 
-    def _parquet_rows(self, path: Path) -> int:
+    @staticmethod
+    def _open_parquet(path: Path):
+        """A pyarrow ParquetFile (its footer read), or one clear error: pyarrow missing, file unreadable."""
         try:
             import pyarrow.parquet as pq
-
-            return pq.ParquetFile(path).metadata.num_rows
         except ImportError as e:
             raise ConfigError(
                 f"reading {path} needs the `pyarrow` package; fix: pip install 'mamba3lite[parquet]'"
             ) from e
+        try:
+            return pq.ParquetFile(path)
         except Exception as e:
             raise DataError(f"cannot read parquet file {path}: {e}") from e
 
@@ -416,16 +419,7 @@ class Source:
                 index += 1
 
     def _parquet_texts(self, path: Path) -> Iterator[str | None]:
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ConfigError(
-                f"reading {path} needs the `pyarrow` package; fix: pip install 'mamba3lite[parquet]'"
-            ) from e
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as e:
-            raise DataError(f"cannot read parquet file {path}: {e}") from e
+        pf = self._open_parquet(path)
         names = pf.schema_arrow.names
         if self.text_field not in names:
             raise DataError(
