@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from mamba3lite.config import Config, write_resolved_config
+from mamba3lite.data.shards import MANIFEST_NAME
 from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
 from mamba3lite.evaluate import check_compatible, spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
@@ -121,7 +122,7 @@ def _manifest_sha256(path: str | None) -> str | None:
     if not path:
         return None
     p = Path(path)
-    m = p / "manifest.json" if p.is_dir() else (p if p.name == "manifest.json" else None)
+    m = p / MANIFEST_NAME if p.is_dir() else (p if p.name == MANIFEST_NAME else None)
     if m is None or not m.is_file():
         return None
     return hashlib.sha256(m.read_bytes()).hexdigest()
@@ -172,9 +173,9 @@ class Pretrainer:
         if self.device.type == "cpu":
             keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
         self.run_dir = Path(tc.checkpoint_dir)
-        if (self.run_dir / "manifest.json").exists():
+        if (self.run_dir / MANIFEST_NAME).exists():
             raise ConfigError(
-                f"training.checkpoint_dir {self.run_dir} is a dataset directory (it holds manifest.json): "
+                f"training.checkpoint_dir {self.run_dir} is a dataset directory (it holds {MANIFEST_NAME}): "
                 "checkpoints would be mixed into the dataset; point --checkpoint-dir at a run directory"
             )
         self.inject = parse_injection(os.environ.get(INJECT_ENV, ""), self.dist.rank)
@@ -279,7 +280,7 @@ class Pretrainer:
         if dc.val_data_path:
             p = Path(dc.val_data_path)
             split = (
-                "val" if (p / "manifest.json").exists() and Manifest.load(p).split_shards("val") else "train"
+                "val" if (p / MANIFEST_NAME).exists() and Manifest.load(p).split_shards("val") else "train"
             )
             if split == "train" and p.resolve() == Path(dc.train_data_path).resolve():
                 raise ConfigError(
