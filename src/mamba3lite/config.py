@@ -278,15 +278,16 @@ def _strict_loader() -> type:
         seen = set()
         for key_node, _ in node.value:
             key = loader.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key, (str, int, float, bool)):  # (an unhashable key: PyYAML's own error)
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None,
                     None,
                     f"key {key!r} is given twice (the second would silently win)",
                     key_node.start_mark,
                 )
-            if isinstance(key, (str, int, float, bool)):  # (an unhashable key: PyYAML's own error)
-                seen.add(key)
+            seen.add(key)
         return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
     StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
