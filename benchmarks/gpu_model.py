@@ -10,10 +10,12 @@ One prepared run on one accelerator, everything side by side in one process:
    - compiled: every layer wrapped by `torch.compile` (regional compilation: one graph, reused by all
      the identical layers, so compile time does not grow with depth); embedding and the fused chunked
      LM loss stay eager.
-   Reported: tokens/s, ms per step, peak memory (torch.cuda.max_memory_allocated), model train FLOPs per
-   token (`model_flops_per_token`, 3 × forward), achieved FLOP/s and MFU, and the compile warm-up time.
+   Reported: tokens/s, ms per step, peak memory (torch.cuda.max_memory_allocated) beside the estimate
+   of `mamba3lite.model.memory` (activations + fp32 weights and gradients; no optimizer state here),
+   model train FLOPs per token (`model_flops_per_token`, 3 × forward), achieved FLOP/s and MFU, and the
+   compile warm-up time.
 3. With --baseline, the same-width, same-depth Transformer of bench_model.py (SDPA, flash on the GPU)
-   in the same two modes, for context.
+   in the same two modes, and a second table: Mamba-3 tokens/s ÷ the Transformer's, per preset and mode.
 
 Every case is guarded: an error (out of memory, a compile failure) is recorded in its row and the run
 goes on; cases that would start after --budget-s are skipped and marked so. Results are printed as a
@@ -45,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_model import BaselineTransformer, transformer_flops_per_token
 from mamba3lite.config import load_config
 from mamba3lite.model import Mamba3Transformer, count_parameters, model_flops_per_token
+from mamba3lite.model.memory import activation_bytes_per_token
 
 START = time.perf_counter()
 
@@ -96,6 +99,9 @@ def run_case(
     else:
         flops = 3 * transformer_flops_per_token(cfg, T)
     row["train_flops_per_token"] = flops
+    if kind == "mamba3":  # what memory.py predicts for this run: activations + fp32 weights and grads
+        act = activation_bytes_per_token(cfg, T) * args.batch * T * cfg.n_layers
+        row["est_mem_gib"] = (act + 8 * row["params"]) / 2**30
     if mode == "compiled":
         for block in model.layers:
             block.compile()
@@ -161,14 +167,27 @@ def guarded_case(
 def fmt_row(r: dict) -> str:
     if "error" in r or "skipped" in r:
         why = r.get("error") or r.get("skipped")
-        return f"| {r['model']} | {r['preset']} | {r['mode']} | {why} | | | | | | | |"
+        return f"| {r['model']} | {r['preset']} | {r['mode']} | {why} | | | | | | | | |"
     mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
+    est = f"{r['est_mem_gib']:.1f}" if "est_mem_gib" in r else "-"
     return (
         f"| {r['model']} | {r['preset']} | {r['mode']} | {r['params'] / 1e6:.1f} M | {r['batch']} | "
         f"{r['tokens_per_s']:,.0f} | "
-        f"{r['step_ms']:.1f} | {mem} | {r['train_flops_per_token'] / 1e9:.2f} G | "
+        f"{r['step_ms']:.1f} | {mem} | {est} | {r['train_flops_per_token'] / 1e9:.2f} G | "
         f"{r['flops_per_s'] / 1e12:.1f} T | {100 * r['mfu']:.1f}% | {r['first_step_s']:.1f} |"
     )
+
+
+def ratio_table(rows: list[dict]) -> str:
+    """Mamba-3 tokens/s ÷ the Transformer's, per preset and mode (per token, so unequal batches after an
+    out-of-memory retry still compare)."""
+    rate = {(r["model"], r["preset"], r["mode"]): r.get("tokens_per_s") for r in rows}
+    lines = ["| preset | mode | Mamba-3 / Transformer tokens/s |", "|---|---|---|"]
+    for (kind, preset, mode), m in rate.items():
+        t = rate.get(("transformer", preset, mode))
+        if kind == "mamba3":
+            lines.append(f"| {preset} | {mode} | {f'{m / t:.2f}x' if m and t else '-'} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -200,9 +219,9 @@ def main() -> int:
     print("\n".join(head), flush=True)
     kinds = ["mamba3"] + (["transformer"] if args.baseline else [])
     rows = []
-    cols = "| model | preset | mode | params | batch | tokens/s | ms/step | peak GiB | train FLOP/tok "
-    cols += "| FLOP/s | MFU | first step s |"
-    print(cols + "\n" + "|---" * 12 + "|", flush=True)
+    cols = "| model | preset | mode | params | batch | tokens/s | ms/step | peak GiB | est GiB "
+    cols += "| train FLOP/tok | FLOP/s | MFU | first step s |"
+    print(cols + "\n" + "|---" * 13 + "|", flush=True)
     for kind in kinds:
         for preset in args.presets:
             for mode in args.modes:
@@ -214,6 +233,8 @@ def main() -> int:
                 rows.append(row)
                 print(fmt_row(row) + (f" ({row['note']})" if "note" in row else ""), flush=True)
     print("(first step s: the first step's time; for compiled rows it is mostly the compile time)")
+    if args.baseline:
+        print(ratio_table(rows))
     print(f"total {time.perf_counter() - START:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -144,6 +144,8 @@ def test_gpu_model_runs_on_the_cpu_and_prints_its_table(tmp_path):
     assert "CPU (no CUDA" in out
     for kind in ("mamba3", "transformer"):
         assert re.search(rf"^\| {kind} \| tiny \| eager \| [\d.]+ M \| 2 \| [\d,]+ \|", out, re.M), out
+    assert re.search(r"^\| mamba3 \| tiny \| eager \|( [^|]+ \|){5} [\d.]+ \|", out, re.M), out  # est GiB
+    assert re.search(r"^\| tiny \| eager \| \d+\.\d\dx \|$", out, re.M), out  # the ratio table
     import json
 
     rows = json.loads(out_json.read_text())["rows"]

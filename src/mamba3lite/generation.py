@@ -79,8 +79,9 @@ def generate_text(
     """Continue `prompt` with at most `max_new_tokens` tokens; stop early at the tokenizer's EOS.
 
     Sampling: softmax(logits / temperature) restricted by top-k / top-p (`model.sampling.sample_next`),
-    drawn from a CPU `torch.Generator` seeded with `seed`: the same model, prompt, settings and seed give
-    the same text. `on_text(piece)` is called with each newly completed piece of text (streaming).
+    drawn from a `torch.Generator` on the model's device seeded with `seed`: the same model, prompt,
+    settings, seed and device give the same text. `on_text(piece)` is called with each newly completed
+    piece of text (streaming).
     """
     check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed)
     device = next(model.parameters()).device

@@ -1,0 +1,146 @@
+"""The model on a CUDA device: the same contracts as the CPU tests, on the GPU code paths (the eager scan's
+custom autograd Functions, bf16 autocast on CUDA, a compiled layer, decode and seeded sampling with a
+generator on the device). Every test here needs CUDA and is skipped without it: the CPU suite proves
+the same contracts on the CPU (tests/test_scan.py, tests/test_transformer.py); these are run on a lent
+GPU machine (`pytest -m gpu`) and their last results are in benchmarks/RESULTS.md, GPU section."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mamba3lite.model import Mamba3Transformer
+from mamba3lite.model.scan import chunked_scan, sequential_scan
+from test_scan import make_inputs, make_state
+from test_transformer import EOS, ids, make_model, tiny_cfg
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """fp32 matmuls in full precision (TF32 would need looser tolerances than the contracts state)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunked_equals_sequential_on_cuda_values_and_gradients(R, chunk):
+    """float64 on the GPU: the eager chunked scan (its autograd Functions) == the sequential reference,
+    outputs, final state and the gradients of every input, from a given state and with resets; and the
+    GPU result == the CPU reference."""
+    tensors, reset = make_inputs(R=R, T=45, resets=True, requires_grad=True)
+    state = make_state(R=R)
+    cpu_y, cpu_h = sequential_scan(*tensors, reset_BT=reset, **state)
+    gpu_in = [t.detach().to(CUDA).requires_grad_() for t in tensors]
+    gpu_state = {k: v.to(CUDA) for k, v in state.items()}
+    reset = reset.to(CUDA)
+    y_ref, h_ref = sequential_scan(*gpu_in, reset_BT=reset, **gpu_state)
+    y, h = chunked_scan(*gpu_in, chunk_size=chunk, reset_BT=reset, **gpu_state)
+    assert y.device.type == "cuda"
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y.cpu(), cpu_y, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h.cpu(), cpu_h, rtol=1e-10, atol=1e-10)
+    g = torch.Generator().manual_seed(5)
+    gy = torch.randn(y.shape, generator=g, dtype=y.dtype).to(CUDA)
+    gh = torch.randn(h.shape, generator=g, dtype=h.dtype).to(CUDA)
+    want = torch.autograd.grad((y_ref * gy).sum() + (h_ref * gh).sum(), gpu_in)
+    got = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), gpu_in)
+    for name, a, b in zip(["q", "k", "v", "adt", "dt", "lam"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_model_on_cuda_equals_cpu_fp32():
+    """The tiny LM's loss and every parameter's gradient agree between the CPU and the GPU (fp32)."""
+    model = make_model(dtype=torch.float32)
+    x, y = ids(), ids(seed=2)
+    loss_cpu = model(x, y)
+    grads_cpu = torch.autograd.grad(loss_cpu, list(model.parameters()))
+    model.to(CUDA)
+    loss_gpu = model(x.to(CUDA), y.to(CUDA))
+    grads_gpu = torch.autograd.grad(loss_gpu, list(model.parameters()))
+    torch.testing.assert_close(loss_gpu.cpu(), loss_cpu, rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), grads_gpu, grads_cpu):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_bf16_autocast_on_cuda():
+    """bf16 autocast on the GPU, as the trainer runs: fp32 loss close to the fp32 model's, finite
+    gradients in fp32 on fp32 weights."""
+    torch.manual_seed(0)
+    model = Mamba3Transformer(tiny_cfg(d_model=64, d_state=32, headdim=16, chunk_size=16)).to(CUDA)
+    x, y = ids(T=40).to(CUDA), ids(T=40, seed=2).to(CUDA)
+    ref = model(x, y)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(x, y)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert abs(loss.item() - ref.item()) < 0.05
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_mimo": True, "mimo_rank": 2, "chunk_size": 4}])
+def test_teacher_forced_decode_equals_forward_on_cuda(kw):
+    """float64 on the GPU: prefill(k) + step × (T − k) == forward(T), SISO and MIMO, with EOS resets."""
+    model = make_model(reset_at_eos=True, **kw).to(CUDA)
+    x = ids(T=25)
+    x[:, 9] = EOS  # a document boundary inside the prefill and one inside the decoded steps
+    x[:, 17] = EOS
+    x = x.to(CUDA)
+    logits = model(x)
+    for k in (1, 11):
+        cache = model.allocate_cache(2, dtype=torch.float64)
+        first, _ = model.prefill(x[:, :k], cache)
+        steps = [first] + [model.step(x[:, t], cache) for t in range(k, 25)]
+        torch.testing.assert_close(torch.stack(steps, dim=1), logits[:, k - 1 :], rtol=1e-10, atol=1e-10)
+
+
+def test_generate_on_cuda_seeded_and_greedy():
+    """Sampling with a generator on the device is reproducible; greedy decode == forward argmax."""
+    model = make_model(dtype=torch.float32).to(CUDA)
+    x = ids(T=7).to(CUDA)
+
+    def run(seed):
+        gen = torch.Generator(device=CUDA).manual_seed(seed)
+        return torch.stack(list(model.generate(x, 8, temperature=1.0, top_k=20, top_p=0.9, generator=gen)))
+
+    a = run(0)
+    assert a.device.type == "cuda" and a.shape == (8, 2) and int(a.max()) < 61
+    assert torch.equal(a, run(0))
+    seq = x
+    for token in model.generate(x, 5, temperature=0):
+        assert torch.equal(token, model(seq)[:, -1].argmax(-1))
+        seq = torch.cat([seq, token[:, None]], dim=1)
+
+
+def test_compiled_layers_on_cuda_match_eager():
+    """Each layer compiled (as benchmarks/gpu_model.py and the trainer's compile switch do): the same
+    loss and gradients as eager, fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    model = Mamba3Transformer(tiny_cfg(d_model=64, d_state=32, headdim=16, chunk_size=16)).to(CUDA)
+    x, y = ids(T=40).to(CUDA), ids(T=40, seed=2).to(CUDA)
+    params = list(model.parameters())
+    eager = model(x, y)
+    grads = torch.autograd.grad(eager, params)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager_bf16 = model(x, y)
+    for block in model.layers:
+        block.compile()
+    loss = model(x, y)
+    got = torch.autograd.grad(loss, params)
+    torch.testing.assert_close(loss, eager, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got, grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_bf16 = model(x, y)
+    loss_bf16.backward()
+    assert abs(loss_bf16.item() - eager_bf16.item()) < 0.02
+    assert all(torch.isfinite(p.grad).all() for p in params)
