@@ -121,11 +121,12 @@ def test_generate_on_cuda_seeded_and_greedy():
         seq = torch.cat([seq, token[:, None]], dim=1)
 
 
-def test_compiled_layers_on_cuda_match_eager():
+@pytest.mark.parametrize("kw", [{}, {"is_mimo": True, "mimo_rank": 2}])
+def test_compiled_layers_on_cuda_match_eager(kw):
     """Each layer compiled (as benchmarks/gpu_model.py and the trainer's compile switch do): the same
-    loss and gradients as eager, fp32 and under bf16 autocast."""
+    loss and gradients as eager, fp32 and under bf16 autocast, SISO and MIMO."""
     torch.manual_seed(0)
-    model = Mamba3Transformer(tiny_cfg(d_model=64, d_state=32, headdim=16, chunk_size=16)).to(CUDA)
+    model = Mamba3Transformer(tiny_cfg(d_model=64, d_state=32, headdim=16, chunk_size=16, **kw)).to(CUDA)
     x, y = ids(T=40).to(CUDA), ids(T=40, seed=2).to(CUDA)
     params = list(model.parameters())
     eager = model(x, y)
@@ -137,8 +138,8 @@ def test_compiled_layers_on_cuda_match_eager():
     loss = model(x, y)
     got = torch.autograd.grad(loss, params)
     torch.testing.assert_close(loss, eager, rtol=1e-4, atol=1e-4)
-    for a, b in zip(got, grads):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    for (name, _), a, b in zip(model.named_parameters(), got, grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss_bf16 = model(x, y)
     loss_bf16.backward()

@@ -129,6 +129,21 @@ def test_gradients_chunked_equal_sequential(R):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("R", [1, 2])
+def test_compiled_form_of_the_scan_equals_sequential(R, monkeypatch):
+    """The plain-ops form torch.compile traces (no custom Functions: they gave wrong gradients when
+    compiled on CUDA), here run eagerly: outputs, state and all gradients == the reference."""
+    from mamba3lite.model import scan
+
+    used = []
+    for name in ("_decay_weights_autograd", "_chunk_core_autograd"):
+        fn = getattr(scan, name)
+        monkeypatch.setattr(scan, name, lambda *a, _fn=fn, _n=name: used.append(_n) or _fn(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    test_gradients_chunked_equal_sequential(R)
+    assert sorted(set(used)) == ["_chunk_core_autograd", "_decay_weights_autograd"]
+
+
 def test_gradcheck_chunked():
     (q, k, v, adt, dt, lam), reset = make_inputs(
         B=1, H=2, T=6, R=2, N=4, P=3, resets=True, requires_grad=True

@@ -104,6 +104,27 @@ def _angle_grad(g: Tensor, out: Tensor, S: int, halves: bool) -> Tensor:
     return gb * oa - ga * ob
 
 
+def _bias_rotate_autograd(k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype):
+    """`_BiasRotate` in plain, out-of-place autograd ops (real arithmetic): the form torch.compile traces.
+    Custom Functions traced by torch.compile gave wrong gradients on CUDA (torch 2.11, aot_eager and
+    inductor alike; right loss; benchmarks/RESULTS.md, GPU section), and the compiler's own
+    rematerialisation does what the Function's hand-picked saved set does in eager."""
+    Bsz, G, T, R, N = k_BGTRN.shape
+    H = k_bias_HRN.shape[0]
+    theta = theta_BHTS.to(k_BGTRN.dtype)[:, :, :, None]  # broadcast over R
+    pad = (0, N // 2 - theta.shape[-1])  # pairs past the first S do not rotate: cos 1, sin 0
+    cos = F.pad(torch.cos(theta), pad, value=1.0)
+    sin = F.pad(torch.sin(theta), pad, value=0.0)
+    outs = []
+    for x, bias in ((k_BGTRN, k_bias_HRN), (q_BGTRN, q_bias_HRN)):
+        xb = (x[:, :, None] + bias.view(G, H // G, 1, R, N).to(x.dtype)).view(Bsz, H, T, R, N)
+        pairs = xb.unflatten(-1, (2, N // 2) if halves else (N // 2, 2))
+        a, b = pairs.unbind(-2 if halves else -1)
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-2 if halves else -1)
+        outs.append(rotated.flatten(-2).to(out_dtype))
+    return tuple(outs)
+
+
 class _BiasRotate(torch.autograd.Function):
     """k, q = R(θ)(k̂ + B_bias), R(θ)(q̂ + C_bias) per head, from the per-group normed k̂, q̂ (B, G, T, R, N).
 
@@ -317,7 +338,8 @@ class Mamba3(nn.Module):
         dev = k.device.type
         out_dtype = autocast_dtype(dev) or k.dtype
         if theta_BHTS is not None:
-            k, q = _BiasRotate.apply(k, q, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, out_dtype)
+            bias_rotate = _bias_rotate_autograd if torch.compiler.is_compiling() else _BiasRotate.apply
+            k, q = bias_rotate(k, q, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, out_dtype)
             return q, k
         if self.ngroups > 1:  # head h reads group h // (H / G)
             k = k.repeat_interleave(self.nheads // self.ngroups, dim=1)

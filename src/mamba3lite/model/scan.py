@@ -119,6 +119,16 @@ class _DecayWeights(torch.autograd.Function):
         return d_cs, d_scale, d_bn, None, None
 
 
+def _decay_weights_autograd(cs: Tensor, scale: Tensor, bn: Tensor, mask: Tensor | None, out_dtype) -> Tensor:
+    """`_DecayWeights` in plain, out-of-place autograd ops: the form torch.compile traces (custom
+    Functions traced by torch.compile gave wrong gradients on CUDA, torch 2.11; RESULTS.md, GPU section)."""
+    L = cs.shape[-1]
+    if mask is None:
+        mask = torch.ones(L, L, dtype=torch.bool, device=cs.device).tril()
+    decay = torch.where(mask, _exp_nonpos(cs[..., :, None] - cs[..., None, :]), 0.0)
+    return (decay * scale[..., None, :] - torch.diag_embed(bn)).to(out_dtype)
+
+
 def _carry(
     decay_BHc: Tensor, dS_BHcNP: Tensor, S0_BHNP: Tensor, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
@@ -381,7 +391,8 @@ def chunked_scan(
         mask = None  # causal only: lower-triangular
     # Matmul dtype: autocast's, else the inputs' promoted with the state dtype (at least fp32).
     mm_dtype = amp_dtype or torch.promote_types(torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd)
-    W_BHcLL = _DecayWeights.apply(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, mm_dtype)
+    decay_weights = _decay_weights_autograd if torch.compiler.is_compiling() else _DecayWeights.apply
+    W_BHcLL = decay_weights(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, mm_dtype)
 
     # State passing. dS_c = Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ (the chunk's own contribution), kept
     # transposed, (N, P): Kᵀ·V writes it and q·S reads it without a transpose. The per-token weight goes
