@@ -247,12 +247,17 @@ def test_model_cast_to_bf16_runs_and_matches_fp32(mimo):
 
 @pytest.mark.slow
 def test_torch_compile_matches_eager():
+    """Loss and every gradient, compiled == eager. The gradients are the point: under torch 2.11 the
+    compiled custom Functions gave the right loss and wrong gradients (now compile traces plain ops)."""
     torch.manual_seed(0)
     model = Mamba3Transformer(tiny_cfg(n_layers=1))
     x, y = ids(T=20), ids(T=20, seed=2)
+    params = list(model.parameters())
     eager = model(x, y)
+    want = torch.autograd.grad(eager, params)
     compiled = torch.compile(model)
     loss = compiled(x, y)
-    loss.backward()
+    got = torch.autograd.grad(loss, params)
     torch.testing.assert_close(loss, eager, rtol=1e-4, atol=1e-4)
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    for (name, _), a, b in zip(model.named_parameters(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -5,8 +5,9 @@ runs on accelerators) and adds up the distinct storages saved for the backward p
 per-layer bf16 copies of the weights. `training_memory_bytes` scales that by micro batch × window ×
 layers (or, with gradient checkpointing, keeps one fp32 layer input per layer plus one layer's
 activations) and adds 16 bytes per parameter: fp32 weights, gradients and AdamW's two moments.
-On the H200 (benchmarks/RESULTS.md, GPU section) the measured peaks came out 5-10% below this
-estimate; the presets' micro batches are sized with it to fit an 80 GB accelerator.
+On the H200 (benchmarks/RESULTS.md, GPU section) the measured eager peaks came out 4-7% below this
+estimate; the presets' micro batches are sized with it to fit an 80 GB accelerator. Under torch.compile
+(`training.compile`) the compiler picks what to save and the peaks were ~1.4x this estimate.
 """
 
 from __future__ import annotations
