@@ -280,6 +280,18 @@ def test_out_of_memory_is_one_clear_error_naming_the_knobs(tmp_path, monkeypatch
     assert sorted(p.name for p in run_dir.rglob("*")) == before
 
 
+def test_out_of_memory_advice_names_compile_when_it_is_on():
+    from mamba3lite.commands.train import out_of_memory_advice
+    from mamba3lite.config import load_config
+
+    cfg = load_config("tiny")
+    oom = torch.OutOfMemoryError("CUDA out of memory.")
+    assert "training.compile=false" not in out_of_memory_advice(oom, cfg)
+    cfg.training.compile = True
+    advice = out_of_memory_advice(oom, cfg)
+    assert "--set training.compile=false" in advice and "training.grad_checkpointing=true" in advice
+
+
 def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
     from mamba3lite import cli
 

@@ -78,7 +78,7 @@ class TrainingConfig:
     grad_clip: float = _f(1.0, "clip the global gradient L2 norm to this; 0 disables clipping")
     dtype: str = _f("bf16", "compute dtype: bf16 (autocast, weights stay fp32) or fp32", choices=DTYPES)
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    compile: bool = _f(False, "torch.compile the model (slow start; on the H200 1.5-1.6x eager, ~1.4x its memory)")
+    compile: bool = _f(False, "torch.compile the model (slow start; H200: ~1.55x eager speed, ~1.4x memory)")
     grad_checkpointing: bool = _f(False, "recompute block activations in backward to save memory")
     seed: int = _f(1337, "seed of the model init, the data order and every RNG")
     log_every: int = _f(50, "optimizer steps per logged window (loss is the window mean)")
