@@ -106,9 +106,9 @@ def _angle_grad(g: Tensor, out: Tensor, S: int, halves: bool) -> Tensor:
 
 def _bias_rotate_autograd(k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype):
     """`_BiasRotate` in plain, out-of-place autograd ops (real arithmetic): the form torch.compile traces.
-    Custom Functions traced by torch.compile gave wrong gradients on CUDA (torch 2.11, aot_eager and
-    inductor alike; right loss; benchmarks/RESULTS.md, GPU section), and the compiler's own
-    rematerialisation does what the Function's hand-picked saved set does in eager."""
+    torch 2.11 compiles a custom Function whose forward works in place to wrong gradients (right loss;
+    found on the H200, benchmarks/RESULTS.md GPU section); here the compiler chooses what to keep (~1.4x
+    the eager Function's activations there)."""
     Bsz, G, T, R, N = k_BGTRN.shape
     H = k_bias_HRN.shape[0]
     theta = theta_BHTS.to(k_BGTRN.dtype)[:, :, :, None]  # broadcast over R

@@ -120,8 +120,8 @@ class _DecayWeights(torch.autograd.Function):
 
 
 def _decay_weights_autograd(cs: Tensor, scale: Tensor, bn: Tensor, mask: Tensor | None, out_dtype) -> Tensor:
-    """`_DecayWeights` in plain, out-of-place autograd ops: the form torch.compile traces (custom
-    Functions traced by torch.compile gave wrong gradients on CUDA, torch 2.11; RESULTS.md, GPU section)."""
+    """`_DecayWeights` in plain, out-of-place autograd ops: the form torch.compile traces (torch 2.11
+    compiles a custom Function whose forward works in place to wrong gradients; RESULTS.md GPU section)."""
     L = cs.shape[-1]
     if mask is None:
         mask = torch.ones(L, L, dtype=torch.bool, device=cs.device).tril()
