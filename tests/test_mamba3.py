@@ -215,6 +215,33 @@ def test_heavy_tail_and_A_floor():
     assert (A <= -0.7).all()
 
 
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "siso")
+def test_layer_in_its_compiled_form_equals_eager(kw, monkeypatch):
+    """What torch.compile traces (no custom Functions anywhere: torch 2.11 compiles their in-place
+    forwards to wrong gradients), run eagerly in float64: the same output and parameter gradients."""
+    from mamba3lite.model import mamba3 as mamba3_module
+    from mamba3lite.model import scan
+
+    layer = make_layer(**kw)
+    u = inputs()
+    params = [p for _, p in layer.named_parameters()]
+    y = layer(u)
+    want = torch.autograd.grad(y.square().sum(), params)
+    used = []
+    for module, name in ((mamba3_module, "_bias_rotate_autograd"), (scan, "_decay_weights_autograd")):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name: used.append(_n) or _fn(*a))
+    for cls in (mamba3_module._BiasRotate, scan._DecayWeights, scan._ChunkCore):
+        monkeypatch.setattr(cls, "apply", lambda *a, _c=cls: pytest.fail(f"{_c.__name__} used under compile"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    y2 = layer(u)
+    got = torch.autograd.grad(y2.square().sum(), params)
+    torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-10)
+    for (name, _), a, b in zip(layer.named_parameters(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    assert set(used) == ({"_decay_weights_autograd"} | ({"_bias_rotate_autograd"} if layer.rope else set()))
+
+
 def test_gradients_flow_to_every_parameter():
     for kw in ({}, {"is_mimo": True, "mimo_rank": 2, "is_outproj_norm": True}):
         layer = make_layer(**kw)
