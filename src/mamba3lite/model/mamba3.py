@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
-from mamba3lite.model.scan import autocast_dtype, chunked_scan, scan_step, sequential_scan
+from mamba3lite.model.scan import autocast_dtype, chunked_scan, eager_or_traced, scan_step, sequential_scan
 
 SCAN_IMPLS = ("chunked", "sequential")
 
@@ -104,21 +104,25 @@ def _angle_grad(g: Tensor, out: Tensor, S: int, halves: bool) -> Tensor:
     return gb * oa - ga * ob
 
 
+def _per_head(x_BGTRN: Tensor, bias_HRN: Tensor) -> Tensor:
+    """x + bias per head (B, H, T, R, N) from per-group x (B, G, T, R, N): head h reads group h // (H / G);
+    one broadcast add makes the per-head copy."""
+    Bsz, G, T, R, N = x_BGTRN.shape
+    H = bias_HRN.shape[0]
+    return (x_BGTRN[:, :, None] + bias_HRN.view(G, H // G, 1, R, N).to(x_BGTRN.dtype)).view(Bsz, H, T, R, N)
+
+
 def _bias_rotate_autograd(k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype):
-    """`_BiasRotate` in plain, out-of-place autograd ops (real arithmetic): the form torch.compile traces.
-    torch 2.11 compiles a custom Function whose forward works in place to wrong gradients (right loss;
-    found on the H200, benchmarks/RESULTS.md GPU section); here the compiler chooses what to keep (~1.4x
-    the eager Function's activations there)."""
-    Bsz, G, T, R, N = k_BGTRN.shape
-    H = k_bias_HRN.shape[0]
+    """`_BiasRotate` in plain, out-of-place autograd ops (real arithmetic): the form torch.compile traces
+    (`eager_or_traced`; on the H200 the compiler kept ~1.4x the eager Function's activations)."""
+    N = k_BGTRN.shape[-1]
     theta = theta_BHTS.to(k_BGTRN.dtype)[:, :, :, None]  # broadcast over R
     pad = (0, N // 2 - theta.shape[-1])  # pairs past the first S do not rotate: cos 1, sin 0
     cos = F.pad(torch.cos(theta), pad, value=1.0)
     sin = F.pad(torch.sin(theta), pad, value=0.0)
     outs = []
     for x, bias in ((k_BGTRN, k_bias_HRN), (q_BGTRN, q_bias_HRN)):
-        xb = (x[:, :, None] + bias.view(G, H // G, 1, R, N).to(x.dtype)).view(Bsz, H, T, R, N)
-        pairs = xb.unflatten(-1, (2, N // 2) if halves else (N // 2, 2))
+        pairs = _per_head(x, bias).unflatten(-1, (2, N // 2) if halves else (N // 2, 2))
         a, b = pairs.unbind(-2 if halves else -1)
         rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-2 if halves else -1)
         outs.append(rotated.flatten(-2).to(out_dtype))
@@ -137,16 +141,13 @@ class _BiasRotate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype):
-        Bsz, G, T, R, N = k_BGTRN.shape
-        H = k_bias_HRN.shape[0]
         rot = rotation_factors(theta_BHTS.to(k_BGTRN.dtype)[:, :, :, None], halves)  # broadcast over R
-        outs = []
-        for x, bias in ((k_BGTRN, k_bias_HRN), (q_BGTRN, q_bias_HRN)):
-            # head h reads group h // (H / G): one broadcast add makes the per-head copy.
-            xb = (x[:, :, None] + bias.view(G, H // G, 1, R, N).to(x.dtype)).view(Bsz, H, T, R, N)
-            outs.append(rotate_(xb, rot, halves).to(out_dtype))
+        outs = [
+            rotate_(_per_head(x, bias), rot, halves).to(out_dtype)
+            for x, bias in ((k_BGTRN, k_bias_HRN), (q_BGTRN, q_bias_HRN))
+        ]
         ctx.save_for_backward(theta_BHTS, *outs)
-        ctx.halves, ctx.G, ctx.in_dtype = halves, G, k_BGTRN.dtype
+        ctx.halves, ctx.G, ctx.in_dtype = halves, k_BGTRN.shape[1], k_BGTRN.dtype
         return tuple(outs)
 
     @staticmethod
@@ -338,15 +339,10 @@ class Mamba3(nn.Module):
         dev = k.device.type
         out_dtype = autocast_dtype(dev) or k.dtype
         if theta_BHTS is not None:
-            bias_rotate = _bias_rotate_autograd if torch.compiler.is_compiling() else _BiasRotate.apply
+            bias_rotate = eager_or_traced(_BiasRotate, _bias_rotate_autograd)
             k, q = bias_rotate(k, q, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, out_dtype)
             return q, k
-        if self.ngroups > 1:  # head h reads group h // (H / G)
-            k = k.repeat_interleave(self.nheads // self.ngroups, dim=1)
-            q = q.repeat_interleave(self.nheads // self.ngroups, dim=1)
-        k = k + self.B_bias[:, None].to(k.dtype)
-        q = q + self.C_bias[:, None].to(q.dtype)
-        return q.to(out_dtype), k.to(out_dtype)
+        return _per_head(q, self.C_bias).to(out_dtype), _per_head(k, self.B_bias).to(out_dtype)
 
     def _values(self, x_BTHP: Tensor) -> Tensor:
         """x -> v (B, H, T, R, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""

@@ -25,6 +25,7 @@ to the state dtype. Inside a chunk the carried state is (N, P), the transpose of
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -119,9 +120,16 @@ class _DecayWeights(torch.autograd.Function):
         return d_cs, d_scale, d_bn, None, None
 
 
+def eager_or_traced(function: type[torch.autograd.Function], plain: Callable) -> Callable:
+    """`function.apply` in eager mode, `plain` (the same math in plain out-of-place autograd ops) while
+    torch.compile traces. The custom Functions save memory and passes in eager; under compile the
+    compiler fuses and chooses what to keep itself, and torch 2.11 compiles a Function whose forward
+    works in place to wrong gradients (right loss; found on the H200, benchmarks/RESULTS.md GPU section)."""
+    return plain if torch.compiler.is_compiling() else function.apply
+
+
 def _decay_weights_autograd(cs: Tensor, scale: Tensor, bn: Tensor, mask: Tensor | None, out_dtype) -> Tensor:
-    """`_DecayWeights` in plain, out-of-place autograd ops: the form torch.compile traces (torch 2.11
-    compiles a custom Function whose forward works in place to wrong gradients; RESULTS.md GPU section)."""
+    """`_DecayWeights` in plain, out-of-place autograd ops: the form torch.compile traces."""
     L = cs.shape[-1]
     if mask is None:
         mask = torch.ones(L, L, dtype=torch.bool, device=cs.device).tril()
@@ -391,7 +399,7 @@ def chunked_scan(
         mask = None  # causal only: lower-triangular
     # Matmul dtype: autocast's, else the inputs' promoted with the state dtype (at least fp32).
     mm_dtype = amp_dtype or torch.promote_types(torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd)
-    decay_weights = _decay_weights_autograd if torch.compiler.is_compiling() else _DecayWeights.apply
+    decay_weights = eager_or_traced(_DecayWeights, _decay_weights_autograd)
     W_BHcLL = decay_weights(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, mm_dtype)
 
     # State passing. dS_c = Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ (the chunk's own contribution), kept
@@ -410,7 +418,7 @@ def chunked_scan(
         # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
         prev_BHNP = torch.einsum("brhp,brhn->bhnp", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
         S = S + boa[:, :, 0, None, None] * prev_BHNP
-    core = _chunk_core_autograd if torch.compiler.is_compiling() else _ChunkCore.apply
+    core = eager_or_traced(_ChunkCore, _chunk_core_autograd)
     q_c, k_c, v_c = (x.to(mm_dtype) for x in (q_c, k_c, v_c))
     # Under autocast y stays in the autocast dtype (the mixer's gate and out_proj would cast it there).
     y, h_T = core(q_c, k_c, v_c, W_BHcLL, scale_BHcL * to_end_BHcL, chunk_decay_BHc, S, from_start)
