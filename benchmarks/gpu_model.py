@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -76,6 +77,13 @@ def matmul_rate(dev: torch.device) -> float:
     return 2 * n**3 / timed(lambda: a @ b, dev, 10)
 
 
+@functools.cache
+def activation_bytes(preset: str, seq_len: int) -> float:
+    """memory.py's per-token, per-layer activation bytes of a preset (a CPU forward of one layer: once per
+    preset, not per mode or batch retry)."""
+    return activation_bytes_per_token(load_config(preset).model, seq_len)
+
+
 def build(kind: str, preset: str, dev: torch.device) -> tuple[nn.Module, object]:
     cfg = load_config(preset).model
     torch.manual_seed(0)
@@ -100,7 +108,7 @@ def run_case(
         flops = 3 * transformer_flops_per_token(cfg, T)
     row["train_flops_per_token"] = flops
     if kind == "mamba3":  # what memory.py predicts for this run: activations + fp32 weights and grads
-        act = activation_bytes_per_token(cfg, T) * args.batch * T * cfg.n_layers
+        act = activation_bytes(preset, T) * args.batch * T * cfg.n_layers
         row["est_mem_gib"] = (act + 8 * row["params"]) / 2**30
     if mode == "compiled":
         for block in model.layers:
