@@ -208,3 +208,40 @@ def test_mfu_counts_every_device_and_a_refused_resume_exits_every_rank(tmp_path)
         assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / (2 * 0.001e12), rel=1e-6)
     r = train(config, run, 2, *two, "--resume", "none", check=False)
     assert r.returncode != 0 and "already holds checkpoints" in r.stderr
+
+
+# Loaded by every torchrun worker through PYTHONPATH (Python imports `sitecustomize` at start-up): rank 0's
+# checkpoint write of step 2 fails as a full disk would, before any file of it is written.
+RANK0_DISK_FULL = """
+import errno, os
+if os.environ.get("RANK") == "0":
+    from mamba3lite.train import checkpoint
+
+    original = checkpoint.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.dir / "model_step_2.safetensors"))
+        return original(self, step, *args, **kwargs)
+
+    checkpoint.CheckpointManager.save = save
+"""
+
+
+def test_an_error_on_rank_0_alone_stops_every_rank_with_one_line_each(tmp_path, monkeypatch):
+    # Rank 0 stops on its own error while rank 1 waits in the next collective, which then fails on the
+    # closed connection: rank 1 must say so in one line that points at rank 0's error, not print the
+    # traceback of the broken collective (and of the teardown's barrier, which fails the same way).
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RANK0_DISK_FULL)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    r = train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", check=False)
+    assert r.returncode != 0
+    tail = r.stderr[-3000:]
+    assert f"error: No space left on device ({run / 'model_step_2.safetensors'})" in r.stderr, tail
+    assert "rank 1 stops because another rank of this job stopped first" in r.stderr, tail
+    assert "src/mamba3lite/" not in r.stderr, tail  # no worker traceback (torchrun prints its own)
+    assert CheckpointManager(run).list_steps() == []

@@ -185,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, on_sigterm)
+    finished = False
     try:
         try:
             trainer = Pretrainer(cfg, resume=resume, dist=info)
@@ -193,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
                 trainer.request_stop()
             result = trainer.train()
         except RuntimeError as e:
+            if D.lost_a_peer(e, info):  # e.g. rank 0 could not write a checkpoint: its error says why
+                raise TrainingError(
+                    f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
+                    "`error:` line says why"
+                ) from None
             advice = out_of_memory_advice(e, cfg)
             if advice is None:
                 raise
@@ -205,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{cfg.training.checkpoint_dir}",
                 flush=True,
             )
+        finished = True
     finally:
-        D.teardown()
+        D.teardown(after_error=not finished)
         if previous is not None:
             # In the CLI's own process the run is over and saved: from here to the exit (slow, after
             # torch) a SIGTERM must not turn it into exit -15. An in-process caller gets its handler back.

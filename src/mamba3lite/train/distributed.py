@@ -80,9 +80,11 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
 left_process_group = False
 
 
-def teardown() -> None:
+def teardown(after_error: bool = False) -> None:
     """Leave the process group. Every rank first waits for the others: a gloo group destroyed while a
     peer still talks to it aborts the process ("terminate called without an active exception").
+    `after_error`: this rank is already stopping on an error, which the barrier's own failure (a peer
+    that is gone) must not replace.
 
     Even after a clean barrier + destroy, interpreter finalization of a gloo worker aborts the same way
     now and then (seen ~1 run in 15 on a loaded 2-core machine, after every atexit handler had run):
@@ -92,9 +94,25 @@ def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()
+        except RuntimeError:
+            if not after_error:
+                raise
         finally:
             dist.destroy_process_group()
             left_process_group = True
+
+
+# What a collective raises on a rank whose peer has gone (it stopped on an error of its own, or was
+# killed): gloo names the closed connection in a plain RuntimeError; NCCL and the rendezvous store raise
+# the Dist*Error family.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_a_peer(error: BaseException, info: DistInfo) -> bool:
+    """True if `error` is a collective failing because another rank of this job is gone."""
+    if not info.distributed or not isinstance(error, RuntimeError):
+        return False
+    return isinstance(error, dist.DistError) or any(s in str(error) for s in _PEER_GONE)
 
 
 def wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
