@@ -119,3 +119,39 @@ def test_verify_of_a_file_no_manifest_lists_does_not_claim_it_verified(tmp_path,
     err = capsys.readouterr().err
     assert "token id 60000 >= vocab_size" in err and "no manifest lists this file" in err
     assert "re-run `mamba3lite prepare`" not in err
+
+
+def test_token_dtype_reads_a_raw_file_as_told_and_is_refused_where_the_file_records_its_own(tmp_path, capsys):
+    # A uint16 file whose every second id is 0 ("!") reads as valid uint32 ids too: the guess (uint32)
+    # halves it, --token-dtype uint16 reads what was written.
+    ids = load_tokenizer("gpt2").encode("def f(x):\n    return x\n")
+    written = np.column_stack([ids, np.zeros(len(ids), dtype=int)]).ravel()
+    raw = tmp_path / "raw.bin"
+    written.astype("<u2").tofile(raw)
+    assert main(["inspect", str(raw)]) == 0
+    out = capsys.readouterr().out
+    assert "uint32 (guessed" in out and f"tokens       {len(ids)}\n" in out
+    assert main(["inspect", str(raw), "--token-dtype", "uint16"]) == 0
+    out = capsys.readouterr().out
+    assert "uint16 (--token-dtype)" in out and f"tokens       {2 * len(ids)}\n" in out
+    # A size that is not a whole number of the given dtype's tokens: one error line naming the file.
+    odd = tmp_path / "odd.bin"
+    np.arange(7, dtype="<u2").tofile(odd)
+    assert main(["inspect", str(odd), "--token-dtype", "uint32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "odd.bin" in err and "not a multiple of 4 (uint32)" in err
+    # A shard listed by a manifest, a torch.save'd tensor and a dataset directory record their dtype.
+    ds = make_dataset(tmp_path / "ds", repeats=1)
+    shard = ds / Manifest.load(ds).split_shards("train")[0].path
+    assert main(["inspect", str(shard), "--token-dtype", "uint16"]) == 0  # the manifest's own dtype: fine
+    capsys.readouterr()
+    pt = tmp_path / "tokens.pt"
+    torch.save(torch.tensor(ids, dtype=torch.int32), pt)
+    for path, message in [
+        (shard, "which records dtype uint16, not uint32: drop --token-dtype"),
+        (pt, "is a torch.save'd tensor, which records its own dtype: drop --token-dtype"),
+        (ds, "is a dataset directory, which records its own dtype: drop --token-dtype"),
+    ]:
+        assert main(["inspect", str(path), "--token-dtype", "uint32"]) == 2, path
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (path, err)

@@ -13,6 +13,7 @@ import stat
 import sys
 from pathlib import Path
 
+from mamba3lite.config import TOKEN_DTYPES
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 
 HELP = "describe (and --verify) a dataset directory, a checkpoint directory or a shard file"
@@ -30,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dataset: re-hash every shard and check sizes, counts and max token ids against "
         "the manifest; checkpoint directory: every step's files against its meta; shard file: "
         "against its manifest entry. Exit non-zero naming the first bad shard or step",
+    )
+    parser.add_argument(
+        "--token-dtype",
+        choices=TOKEN_DTYPES,
+        help="a shard file that no manifest lists: read it as this dtype instead of guessing (the seed's "
+        "pipeline wrote uint32)",
     )
 
 
@@ -133,6 +140,11 @@ def detect_kind(path: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
     kind = detect_kind(path)
+    if args.token_dtype and kind != SHARD_FILE:
+        raise ConfigError(
+            f"--token-dtype is for a shard file that no manifest lists; {path} is a {kind} directory, "
+            "which records its own dtype: drop --token-dtype"
+        )
     handler = {DATASET: _inspect_dataset, CHECKPOINT: _inspect_checkpoint, SHARD_FILE: _inspect_shard_file}[
         kind
     ]
@@ -148,7 +160,7 @@ def _inspect_checkpoint(path: Path, args: argparse.Namespace) -> int:
 def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
     from mamba3lite.report.inspect_run import inspect_shard_file
 
-    return inspect_shard_file(path, args.verify)
+    return inspect_shard_file(path, args.verify, token_dtype=args.token_dtype)
 
 
 def describe_dataset(path: Path) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mamba3lite.errors import CheckpointError, DataError
+from mamba3lite.errors import CheckpointError, ConfigError, DataError
 
 PREVIEW_TOKENS = 64
 
@@ -173,8 +173,9 @@ def _owning_manifest(path: Path):
     return None
 
 
-def describe_shard_file(path: Path) -> tuple[str, list[str]]:
-    """(the description, problems found against the manifest's record)."""
+def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str, list[str]]:
+    """(the description, problems found against the manifest's record). `token_dtype`: the dtype of a
+    raw file that no manifest lists (else guessed); a file that records its own is refused with it."""
     from mamba3lite.data.dataset import _load_torch_tokens, is_torch_file
     from mamba3lite.data.shards import open_tokens, sha256_file
 
@@ -185,15 +186,28 @@ def describe_shard_file(path: Path) -> tuple[str, list[str]]:
     eos_id, vocab, tokenizer_name = 50256, 50257, "gpt2"
     if owner is not None:
         root, m, record = owner
+        if token_dtype and np.dtype(token_dtype) != m.np_dtype:
+            raise ConfigError(
+                f"{path} is a shard of {root / 'manifest.json'}, which records dtype {m.dtype}, not "
+                f"{token_dtype}: drop --token-dtype"
+            )
         dtype_note = f"{m.dtype} (from {root / 'manifest.json'})"
         tokens = open_tokens(path, m.np_dtype)
         eos_id, vocab, tokenizer_name = m.eos_id, m.vocab_size, m.tokenizer.get("name", "gpt2")
         kind = f"shard {record.path} ({record.split} split) of dataset {root}"
     elif size and is_torch_file(path):
+        if token_dtype:
+            raise ConfigError(
+                f"{path} is a torch.save'd tensor, which records its own dtype: drop --token-dtype"
+            )
         t = _load_torch_tokens(path)
         tokens = t.numpy()
         dtype_note = f"{str(t.dtype).replace('torch.', '')} (torch.save'd tensor, the seed's format)"
         kind = "seed-format token tensor (no manifest)"
+    elif token_dtype:
+        tokens = open_tokens(path, token_dtype)
+        dtype_note = f"{token_dtype} (--token-dtype)"
+        kind = "raw token file (no manifest)"
     else:
         # A raw file without a manifest: the seed's pipeline wrote uint32; a uint16 file read as uint32
         # shows ids far beyond the GPT-2 vocabulary, so the guess is checked.
@@ -253,9 +267,9 @@ def _preview(ids: np.ndarray, tokenizer_name: str, vocab: int) -> str:
     return "\n".join("  │ " + line for line in text.splitlines() or [""])
 
 
-def inspect_shard_file(path: Path, verify: bool) -> int:
+def inspect_shard_file(path: Path, verify: bool, token_dtype: str | None = None) -> int:
     """Print the description; with `verify`, DataError when the file disagrees with its manifest."""
-    text, problems = describe_shard_file(path)
+    text, problems = describe_shard_file(path, token_dtype)
     print(text)
     listed = _owning_manifest(path) is not None
     # Without a manifest there is nothing to check the file against, and its dtype (hence its ids) may be
@@ -263,8 +277,9 @@ def inspect_shard_file(path: Path, verify: bool) -> int:
     fix = (
         "re-run `mamba3lite prepare`"
         if listed
-        else "no manifest lists this file: it may have another dtype than the one guessed, hold another "
-        "vocabulary's tokens, or not be a token file at all"
+        else "no manifest lists this file: it may have another dtype than "
+        + ("--token-dtype" if token_dtype else "the one guessed (set --token-dtype)")
+        + ", hold another vocabulary's tokens, or not be a token file at all"
     )
     if problems and verify:
         raise DataError(f"verification failed: {problems[0]}; {fix}")
