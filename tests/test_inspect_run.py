@@ -151,6 +151,7 @@ def test_token_dtype_reads_a_raw_file_as_told_and_is_refused_where_the_file_reco
         (shard, "which records dtype uint16, not uint32: drop --token-dtype"),
         (pt, "is a torch.save'd tensor, which records its own dtype: drop --token-dtype"),
         (ds, "is a dataset directory, which records its own dtype: drop --token-dtype"),
+        (save_tiny_checkpoint(tmp_path / "run", step=1), "is a checkpoint directory, which holds no token"),
     ]:
         assert main(["inspect", str(path), "--token-dtype", "uint32"]) == 2, path
         err = capsys.readouterr().err

@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if args.token_dtype and kind != SHARD_FILE:
         raise ConfigError(
             f"--token-dtype is for a shard file that no manifest lists; {path} is a {kind} directory, "
-            "which records its own dtype: drop --token-dtype"
+            + ("which records its own dtype" if kind == DATASET else "which holds no token files")
+            + ": drop --token-dtype"
         )
     handler = {DATASET: _inspect_dataset, CHECKPOINT: _inspect_checkpoint, SHARD_FILE: _inspect_shard_file}[
         kind
