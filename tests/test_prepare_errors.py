@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 
 import pytest
 
@@ -258,3 +260,58 @@ def test_a_second_prepare_into_the_same_out_is_refused_while_the_first_runs(
     assert first["summary"].stats["kept"] == 20 and verify_dataset(out) == []
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no lock, no staging left
     assert tree_hashes(out) != before
+
+
+def test_a_read_error_beyond_the_target_fails_no_run_whatever_the_workers(tmp_path):
+    """Sources are read ahead of the pipeline, deeper with more --workers: a truncated archive whose
+    damage lies past the point where --target-tokens is reached failed with --workers 2 and succeeded
+    with --workers 0. Both now succeed, with the same dataset; without a target both fail."""
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in _docs(4000)).encode()
+    data = gzip.compress(lines)
+    src = tmp_path / "trunc.jsonl.gz"
+    src.write_bytes(data[: len(data) // 2])
+    kw = {"target_tokens": 2000, "val_fraction": 0.0, "min_chars": 1}
+    prepare([str(src)], tmp_path / "w0", workers=0, **kw)
+    prepare([str(src)], tmp_path / "w2", workers=2, **kw)
+    assert tree_hashes(tmp_path / "w0") == tree_hashes(tmp_path / "w2")
+    for workers in (0, 2):
+        with pytest.raises(DataError, match=r"trunc\.jsonl\.gz"):
+            prepare([str(src)], tmp_path / f"all{workers}", workers=workers, val_fraction=0.0, min_chars=1)
+        assert not (tmp_path / f"all{workers}").exists()
+
+
+def test_a_source_that_fails_while_the_run_is_set_up_leaves_no_out_behind(tmp_path):
+    # --max-docs reads the head of a JSONL source to size it, before anything is written
+    data = gzip.compress(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in _docs(3000)))
+    src = tmp_path / "trunc.jsonl.gz"
+    src.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"trunc\.jsonl\.gz"):
+        prepare([str(src)], tmp_path / "ds", workers=0, max_docs=5000)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_mixture_files_that_are_not_usable_yaml_are_one_line_errors(cli, tmp_path):
+    (tmp_path / "a.txt").write_text("text long enough to keep")
+    bad_utf8 = tmp_path / "bad.yaml"
+    bad_utf8.write_bytes(b"sources:\n  - source: a.txt\n\xff\xfe bad\n")
+    negative = tmp_path / "neg.yaml"
+    negative.write_text("sources: [a.txt]\ntarget_tokens: -5\n")
+    cases = [
+        (bad_utf8, f"{bad_utf8}: not UTF-8 text"),
+        (tmp_path, f"--mixture {tmp_path} is a directory"),
+        (negative, f"{negative}: target_tokens must be an integer >= 1, got -5"),
+    ]
+    for mixture, message in cases:
+        r = cli("prepare", "--mixture", str(mixture), "--out", str(tmp_path / "ds"))
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+        assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
+def test_a_source_that_is_a_pipe_is_not_reported_missing(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="is not a regular file or a directory; write it to a file first"):
+        prepare([str(fifo)], tmp_path / "ds", workers=0)
+    assert not (tmp_path / "ds").exists()

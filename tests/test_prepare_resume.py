@@ -180,3 +180,45 @@ def test_resume_after_kill(tmp_path):
     assert ref.returncode == 0, ref.stderr
     assert verify_dataset(out) == []
     assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["new-out", "over-an-older-dataset"])
+@pytest.mark.parametrize("moves_done", [0, 1, 2])
+def test_an_interrupted_final_move_is_completed_by_the_same_command(
+    tmp_path, monkeypatch, capsys, moves_done, older
+):
+    """The finished dataset is moved into --out split by split, then its manifest. Interrupted in between
+    (`moves_done` renames done), --out held shards and no manifest: the same command refused it as "not
+    empty", --overwrite rebuilt everything. It now completes the move, computing nothing again."""
+    sources = _corpus(tmp_path)
+    ref = P.prepare(sources, tmp_path / "ref", **KW)
+    out = tmp_path / "ds"
+    kw = dict(KW, overwrite=older)
+    if older:
+        P.prepare(sources[1:], out, **KW)
+    commit, real_replace = P._commit, os.replace
+
+    def interrupted_commit(stage, out_dir, manifest):
+        calls = [0]
+
+        def replace(src, dst):
+            if calls[0] == moves_done:
+                raise _Interrupt
+            calls[0] += 1
+            real_replace(src, dst)
+
+        with monkeypatch.context() as m:
+            m.setattr(P.os, "replace", replace)
+            commit(stage, out_dir, manifest)
+
+    with monkeypatch.context() as m:
+        m.setattr(P, "_commit", interrupted_commit)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, out, **kw)
+    assert not (out / "manifest.json").exists()
+    capsys.readouterr()
+    again = P.prepare(sources, out, **kw)
+    assert "interrupted while moving it into" in capsys.readouterr().err
+    assert again.resumed_shards == len(ref.manifest.shards)
+    assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+    assert verify_dataset(out) == []

@@ -87,6 +87,7 @@ DEFAULT_MIN_CHARS = 16
 STAGE_DIRNAME = ".prepare"
 LOCK_NAME = ".prepare.lock"  # exists while a prepare runs (mamba3lite.dirlock), or after one was killed
 STATE_NAME = "state.json"
+COMMIT_NAME = "commit.json"  # written when the dataset is complete, before it is moved into `out`
 SEEN_NAME = "seen.bin"
 # Test hook: seconds to sleep after each shard, so a test can kill a run reliably in the middle.
 SLEEP_ENV = "MAMBA3LITE_PREPARE_TEST_SLEEP_S"
@@ -270,6 +271,12 @@ def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]
         doc = strict_yaml_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"mixture file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--mixture {path} is a directory; pass the mixture YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.start}); a mixture file is YAML, see `prepare --help`"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({yaml_error_line(e)})") from None
     if not isinstance(doc, dict):
@@ -298,8 +305,8 @@ def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]
             raise ConfigError(f"{where}.weight must be a number, got {weight!r}")
         specs.append(SourceSpec(spec, float(weight)))
     target = doc.get("target_tokens")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int)):
-        raise ConfigError(f"{path}: target_tokens must be an integer, got {target!r}")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 1):
+        raise ConfigError(f"{path}: target_tokens must be an integer >= 1, got {target!r}")
     return specs, target
 
 
@@ -332,18 +339,27 @@ class _Stream:
 
     def _fill(self) -> None:
         while self._reading and len(self._pending) < self._depth:
-            locs, items, n_bytes = [], [], 0
-            for loc, kind, payload in self._units:
-                locs.append(loc)
-                items.append((kind, payload))
-                n_bytes += len(payload) if payload is not None else 0
-                if len(items) >= _BATCH_UNITS or n_bytes >= _BATCH_BYTES:
-                    break
-            if not items:
+            locs, items, n_bytes, error = [], [], 0, None
+            try:
+                for loc, kind, payload in self._units:
+                    locs.append(loc)
+                    items.append((kind, payload))
+                    n_bytes += len(payload) if payload is not None else 0
+                    if len(items) >= _BATCH_UNITS or n_bytes >= _BATCH_BYTES:
+                        break
+            except Exception as e:  # re-raised by next() at this position
+                # A read error (a truncated archive, a damaged Parquet page) is raised where the consumer
+                # reaches it: read-ahead depth grows with --workers, and a run that reaches its target
+                # first must not fail with more workers when it succeeds with fewer.
+                error = e
+            if items:
+                self._on_read(len(items), n_bytes)
+                self._pending.append((locs, self._submit(items)))
+            if error is not None or not items:
                 self._reading = False
+                if error is not None:
+                    self._pending.append((None, error))
                 return
-            self._on_read(len(items), n_bytes)
-            self._pending.append((locs, self._submit(items)))
 
     def next(self) -> tuple | None:
         """The next (location, result), or None when the source is exhausted."""
@@ -355,6 +371,8 @@ class _Stream:
             if not self._pending:
                 return None
             locs, handle = self._pending.popleft()
+            if locs is None:
+                raise handle
             results = handle.result()
             self._fill()  # keep the workers busy while this batch is consumed
             self._current = zip(locs, results)
@@ -606,6 +624,28 @@ class _Run:
             if p.name != self._pending_path(snap).name:
                 p.unlink()
 
+    def interrupted_commit(self) -> Manifest | None:
+        """The staged manifest when an earlier run of these same arguments, on the same source files,
+        completed its dataset and was interrupted while moving it into `out` (`_commit`), and every shard
+        it lists verifies, in the stage or already in `out`; else None."""
+        import json
+
+        try:
+            manifest = Manifest.load(self.stage)
+            commit = json.loads((self.stage / COMMIT_NAME).read_text(encoding="utf-8"))
+        except (DataError, OSError, ValueError):
+            return None
+        same_sources = commit.get("fingerprints") == self.fingerprints
+        if manifest.extra.get("prepare") != self.args_record or not same_sources:
+            return None
+        for info in manifest.shards:
+            path = self.stage / info.path
+            if not path.is_file():
+                path = self.stage.parent / info.path
+            if not path.is_file() or shards.sha256_file(path) != info.sha256:
+                return None
+        return manifest
+
     def try_resume(self) -> str | None:
         """Restore the snapshot in the staging dir if it matches these arguments and verifies.
         Returns None when resumed, else why not (the caller starts afresh)."""
@@ -853,21 +893,40 @@ def prepare(
         DataError, remove=True,
     )  # fmt: skip
     with lock:
-        _check_out(out, args_record, overwrite)
         stage = out / STAGE_DIRNAME
-        run = _Run(
-            stage=stage,
-            sources=resolved,
-            specs=specs,
-            args_record=args_record,
-            dtype=dtype,
-            eos_id=tok.eos_id,
-            shard_tokens=shard_tokens,
-            target_tokens=target_tokens,
-            dedup=dedup,
-            skip_bad_lines=skip_bad_lines,
-            progress=progress,
-        )
+        try:
+            run = _Run(
+                stage=stage,
+                sources=resolved,
+                specs=specs,
+                args_record=args_record,
+                dtype=dtype,
+                eos_id=tok.eos_id,
+                shard_tokens=shard_tokens,
+                target_tokens=target_tokens,
+                dedup=dedup,
+                skip_bad_lines=skip_bad_lines,
+                progress=progress,
+            )
+        except Mamba3LiteError:  # a source that cannot be read: leave no empty `out` behind
+            if not out_existed:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        if (finished := run.interrupted_commit()) is not None:
+            print(
+                f"note: the previous run of this command finished its dataset but was interrupted while "
+                f"moving it into {out}; completing that move",
+                file=sys.stderr,
+            )
+            _commit(stage, out, finished)
+            return PrepareSummary(
+                out=out,
+                manifest=finished,
+                stats=finished.extra["stats"],
+                seconds=time.perf_counter() - t_start,
+                resumed_shards=len(finished.shards),
+            )
+        _check_out(out, args_record, overwrite)
         if stage.is_dir() and (why := run.try_resume()) is not None:
             print(
                 f"note: not resuming the unfinished run in {stage}: {why}; starting afresh", file=sys.stderr
@@ -934,7 +993,7 @@ def prepare(
             shards=sorted(run.shards, key=lambda s: (order[s.split], s.path)),
             extra={"prepare": args_record, "stats": _public_stats(stats)},
         )
-        _finalize(stage, out, manifest)
+        _finalize(stage, out, manifest, run.fingerprints)
         return PrepareSummary(
             out=out,
             manifest=manifest,
@@ -967,24 +1026,36 @@ def _public_stats(stats: dict) -> dict:
     return public
 
 
-def _finalize(stage: Path, out: Path, manifest: Manifest) -> None:
+def _finalize(stage: Path, out: Path, manifest: Manifest, fingerprints: list) -> None:
     """Move the staged shards into `out` and put the manifest in place last. The manifest is validated
     and written into the staging dir first, so a manifest that cannot be written (invalid, disk full)
-    fails before anything in `out`, an older dataset included, is touched."""
-    manifest.save(stage)
+    fails before anything in `out`, an older dataset included, is touched. From then on an interrupted
+    move is completed by the next run of the same command (`_Run.interrupted_commit`, `_commit`)."""
     for split in SPLITS:  # temp files of writes killed mid-way in an earlier, resumed run
         for tmp in (stage / split).glob(".*.tmp"):
             tmp.unlink()
+    shards.atomic_write_json(stage / COMMIT_NAME, {"fingerprints": fingerprints})
+    manifest.save(stage)
+    _commit(stage, out, manifest)
+
+
+def _commit(stage: Path, out: Path, manifest: Manifest) -> None:
+    """The move itself; idempotent, so it can be run again after an interruption at any point: a split
+    still in the stage is moved into `out`, one the manifest lists that the stage lacks is there already,
+    and a split of an older dataset that the new one does not have is removed."""
     old = out / MANIFEST_NAME
     if old.exists():
         old.unlink()  # from here on `out` is not a dataset until the new manifest lands
         shards.fsync_dir(out)
+    listed = {s.split for s in manifest.shards}
     for split in SPLITS:
         dst = out / split
-        if dst.exists():
-            shutil.rmtree(dst)
         if (stage / split).is_dir():
+            if dst.exists():
+                shutil.rmtree(dst)
             os.replace(stage / split, dst)
+        elif split not in listed and dst.exists():
+            shutil.rmtree(dst)
     shards.fsync_dir(out)
     os.replace(stage / MANIFEST_NAME, old)
     shards.fsync_dir(out)

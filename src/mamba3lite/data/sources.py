@@ -300,6 +300,11 @@ class Source:
                 self.files = _walk_dir(p)
             elif p.is_file():
                 self.files = [p]
+            elif p.exists():  # a pipe, a device, `<(cmd)`: read once, cannot be resumed or fingerprinted
+                raise DataError(
+                    f"source {spec} is not a regular file or a directory; write it to a file first "
+                    "(e.g. `cmd > corpus.jsonl`) and pass that"
+                )
             else:
                 raise DataNotFoundError(
                     f"source not found: {spec}; fix: check the path, or use `stdlib` or hf:NAME"
