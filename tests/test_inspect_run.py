@@ -35,13 +35,17 @@ def test_checkpoint_directory(run, capsys):
     assert "verified: every checkpoint" in out
 
 
-def test_damaged_step_is_named_and_verify_fails(run, capsys):
-    path = checkpoint_files(run, 8)["optim"]
+@pytest.mark.parametrize("kind", ["model", "optim"])
+def test_damaged_step_is_named_and_verify_fails(run, capsys, kind):
+    path = checkpoint_files(run, 8)[kind]
     path.write_bytes(path.read_bytes()[:-3])  # truncated
     assert main(["inspect", str(run)]) == 0  # describing is not failing...
     out = capsys.readouterr().out
-    assert any(line.split()[:2] == ["8", "BAD"] for line in out.splitlines()) and path.name in out
+    state = ["BAD"] if kind == "model" else ["weights", "only"]  # generate and eval can still use it
+    assert any(line.split()[: 1 + len(state)] == ["8", *state] for line in out.splitlines())
+    assert path.name in out
     assert "1 of 2 steps loadable; newest: 4" in out
+    assert ("1 more with verified weights only (generate, eval): [8]" in out) == (kind == "optim")
     assert main(["inspect", str(run), "--verify"]) == 2  # ...verifying is
     err = capsys.readouterr().err
     assert err.startswith("error: verification failed: step 8") and "Traceback" not in err

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mamba3lite.errors import ConfigError
+from mamba3lite.tokenizer import Tokenizer
 
 
 @dataclass
@@ -94,6 +95,11 @@ def generate_text(
     new_ids: list[int] = []
     pieces: list[str] = []  # text emitted so far, each piece ending on a complete character
     pending: list[int] = []  # tokens since the last piece: only these are decoded (linear, not quadratic)
+    # ... behind the tokens of the previous piece (first: the prompt's), whose text is cut off again:
+    # decoders that drop the space of a leading word marker (SentencePiece's ▁) would otherwise glue
+    # every piece to the one before it.
+    context = _context_ids(tokenizer, prompt_ids)
+    context_text = tokenizer.decode(context)
     stopped_at_eos = False
     t0 = time.perf_counter()
     model.eval()
@@ -112,14 +118,16 @@ def generate_text(
             break
         new_ids.append(token)
         pending.append(token)
-        piece = tokenizer.decode(pending)
+        piece = _decode_after(tokenizer, context, context_text, pending)
         if not piece.endswith("\ufffd"):  # pending starts on a character boundary and ends on one
             pieces.append(piece)
-            pending = []
+            context, pending = pending, []
+            context_text = tokenizer.decode(context)
             if on_text is not None and piece:
                 on_text(piece)
     seconds = time.perf_counter() - t0
-    tail = tokenizer.decode(pending) if pending else ""  # a final partial character, shown as U+FFFD
+    # a final partial character, shown as U+FFFD
+    tail = _decode_after(tokenizer, context, context_text, pending) if pending else ""
     if on_text is not None and tail:
         on_text(tail)
     text = "".join(pieces) + tail
@@ -131,3 +139,19 @@ def generate_text(
         stopped_at_eos=stopped_at_eos,
         seconds=seconds,
     )
+
+
+def _context_ids(tokenizer: Tokenizer, prompt_ids: list[int], n: int = 8) -> list[int]:
+    """The last few prompt tokens, starting on a character boundary (their text has no U+FFFD)."""
+    ids = prompt_ids[-n:]
+    while ids and "\ufffd" in tokenizer.decode(ids):
+        ids = ids[1:]
+    return ids
+
+
+def _decode_after(tokenizer: Tokenizer, context: list[int], context_text: str, ids: list[int]) -> str:
+    """The text `ids` add after `context` (whose text alone is `context_text`)."""
+    if not context:
+        return tokenizer.decode(ids)
+    full = tokenizer.decode(context + ids)
+    return full[len(context_text) :] if full.startswith(context_text) else tokenizer.decode(ids)

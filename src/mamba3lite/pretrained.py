@@ -55,7 +55,16 @@ class Pretrained:
         """The tokenizer the model was trained with; CheckpointError if it cannot be the model's."""
         from mamba3lite.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(self.tokenizer_name)
+        try:
+            tok = load_tokenizer(self.tokenizer_name)
+        except ConfigError as e:
+            if self.tokenizer_name != "gpt2" and not Path(self.tokenizer_name).exists():
+                raise CheckpointError(
+                    f"the model in {self.run_dir} was trained with the tokenizer file {self.tokenizer_name}, "
+                    "which is not there any more; put it back at that path (the model's token ids mean "
+                    "nothing without it)"
+                ) from None
+            raise CheckpointError(f"the tokenizer of the model in {self.run_dir}: {e}") from None
         vocab = self.config.model.vocab_size
         if tok.vocab_size != vocab:
             raise CheckpointError(
@@ -86,7 +95,7 @@ def list_loadable_steps(run_dir: str | Path) -> list[int]:
     """Steps of `run_dir` whose checkpoint verifies (ascending); [] when there are none."""
     from mamba3lite.train.checkpoint import CheckpointManager
 
-    return CheckpointManager(run_dir).verified_steps()
+    return CheckpointManager(run_dir).verified_steps(need_optimizer=False)
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
@@ -128,7 +137,7 @@ def load_pretrained(
         if step not in ckpt.list_steps():
             raise CheckpointError(
                 f"there is no checkpoint of step {step} in {p}; loadable steps: "
-                f"{ckpt.verified_steps() or 'none'}"
+                f"{ckpt.verified_steps(need_optimizer=False) or 'none'}"
             )
         meta, config, model = _load_step(ckpt, p, step)
     else:
@@ -137,10 +146,12 @@ def load_pretrained(
         for attempt in range(3):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                step = ckpt.latest_step()
+                step = ckpt.latest_step(need_optimizer=False)
             notes += [str(w.message) for w in caught]
             if step is None:
-                problems = "; ".join(p for s in ckpt.list_steps() for p in ckpt.status(s).problems)
+                problems = "; ".join(
+                    p for s in ckpt.list_steps() for p in ckpt.status(s, need_optimizer=False).problems
+                )
                 raise CheckpointError(f"no checkpoint in {p} verifies: {problems}")
             try:
                 meta, config, model = _load_step(ckpt, p, step)
@@ -169,6 +180,10 @@ def _load_step(ckpt, p: Path, step: int):
     from mamba3lite.config import Config
     from mamba3lite.model import Mamba3Transformer
 
+    # Verified before the model is built from it: an edited meta could ask for any shape.
+    st = ckpt.status(step, need_optimizer=False)
+    if not st.loadable:
+        raise CheckpointError(f"checkpoint step {step} in {p} cannot be loaded: {'; '.join(st.problems)}")
     meta = ckpt.read_meta(step)
     raw_cfg = meta.get("config")
     if not isinstance(raw_cfg, dict) or "model" not in raw_cfg:

@@ -44,11 +44,17 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str]]:
     lines = [f"run directory  {path}", "", header]
     problems: list[str] = []
     statuses = {}
+    weights_only = []
     for step in steps:
         st = ckpt.status(step)
         statuses[step] = st
         state = "verified" if st.verified else "seed format" if st.loadable else "BAD"
         note = "; ".join(st.problems)
+        if not st.loadable and ckpt.status(step, need_optimizer=False).loadable:
+            # e.g. optimizer files deleted to save space: the model is still usable
+            weights_only.append(step)
+            state = "weights only"
+            note += " (the weights verify: generate and eval can use them; training cannot resume here)"
         lines.append(
             f"{step:>10,}  {state:<12}{_fmt_size(st.sizes.get('model')):>12}"
             f"{_fmt_size(st.sizes.get('optim')):>12}  {note}"
@@ -58,8 +64,10 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str]]:
     good = [s for s in steps if statuses[s].loadable]
     lines.append("")
     lines.append(f"{len(good)} of {len(steps)} steps loadable" + (f"; newest: {good[-1]:,}" if good else ""))
-    if good:
-        lines += ["", *_describe_meta(ckpt.read_meta(good[-1]))]
+    if weights_only:
+        lines.append(f"{len(weights_only)} more with verified weights only (generate, eval): {weights_only}")
+    if good or weights_only:
+        lines += ["", *_describe_meta(ckpt.read_meta(max(good + weights_only)))]
     superseded = path / "superseded"
     if superseded.is_dir():
         lines.append(f"superseded     {superseded} (checkpoints of an abandoned timeline, kept aside)")

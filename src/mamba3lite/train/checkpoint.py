@@ -542,16 +542,19 @@ class CheckpointManager:
             self._hash_cache[key] = sha256_file(path)
         return self._hash_cache[key]
 
-    def status(self, step: int) -> CheckpointStatus:
-        """Check one step's files against its meta (sizes, then hashes). Never raises for bad files."""
+    def status(self, step: int, *, need_optimizer: bool = True) -> CheckpointStatus:
+        """Check one step's files against its meta (sizes, then hashes). Never raises for bad files.
+        `need_optimizer=False`: the weights alone (generate, eval), so a step whose optimizer file was
+        deleted to save space still counts."""
         paths = checkpoint_files(self.dir, step)
+        kinds = ("model", "optim") if need_optimizer else ("model",)
         sizes = {k: (p.stat().st_size if p.exists() else None) for k, p in paths.items()}
         problems: list[str] = []
         try:
             meta = self.read_meta(step)
         except CheckpointError as e:
             problems.append(str(e))
-            for kind in ("model", "optim"):
+            for kind in kinds:
                 if sizes[kind] is None:
                     problems.append(f"{paths[kind]} is missing")
             return CheckpointStatus(step, False, False, None, problems, sizes)
@@ -559,12 +562,13 @@ class CheckpointManager:
         if not any(k in meta for k in _PROJECT_META_KEYS):
             # The seed's meta: no hashes to check, so check that both files are whole archives (their
             # structure, not every tensor): the seed's non-atomic save could leave them truncated.
-            for kind in ("model", "optim"):
+            for kind in kinds:
                 if sizes[kind] is None:
                     problems.append(f"{paths[kind]} is missing")
             if not problems:
-                found = (_safetensors_problem(paths["model"]), _zip_problem(paths["optim"]))
-                problems += [p for p in found if p]
+                problems += [p for p in [_safetensors_problem(paths["model"])] if p]
+                if need_optimizer and (bad := _zip_problem(paths["optim"])):
+                    problems.append(bad)
             return CheckpointStatus(step, False, not problems, "seed", problems, sizes)
         if meta.get("format") != META_FORMAT:
             # One of our metas with a format we do not know: a damaged value (a flipped bit must not turn
@@ -584,7 +588,7 @@ class CheckpointManager:
             problems.append(
                 f"{paths['meta']}: field(s) {', '.join(bad)} of the wrong type (corrupt or edited)"
             )
-        for kind in ("model", "optim"):
+        for kind in kinds:
             want = meta.get("files", {}).get(kind, {})
             path = paths[kind]
             if sizes[kind] is None:
@@ -596,22 +600,22 @@ class CheckpointManager:
         ok = not problems
         return CheckpointStatus(step, ok, ok, META_FORMAT, problems, sizes)
 
-    def verified_steps(self, *, warn: bool = False) -> list[int]:
+    def verified_steps(self, *, warn: bool = False, need_optimizer: bool = True) -> list[int]:
         """Steps that can be loaded (verified, or complete seed-format), ascending."""
         good = []
         for step in self.list_steps():
-            st = self.status(step)
+            st = self.status(step, need_optimizer=need_optimizer)
             if st.loadable:
                 good.append(step)
             elif warn:
                 warnings.warn(f"skipping checkpoint step {step}: {'; '.join(st.problems)}", stacklevel=2)
         return good
 
-    def latest_step(self) -> int | None:
+    def latest_step(self, *, need_optimizer: bool = True) -> int | None:
         """The newest loadable step, or None. Each newer bad step is skipped with a warning naming the
         bad file(s); older steps are not checked once a good one is found."""
         for step in reversed(self.list_steps()):
-            st = self.status(step)
+            st = self.status(step, need_optimizer=need_optimizer)
             if st.loadable:
                 return step
             warnings.warn(
@@ -630,10 +634,12 @@ class CheckpointManager:
         map_location: str | torch.device = "cpu",
     ) -> dict:
         """Verify step `step`, load its weights into `model` and its state into `optimizer` (either may
-        be None), and return the meta dict. CheckpointError naming the file if anything is wrong."""
-        st = self.status(step)
+        be None), and return the meta dict. CheckpointError naming the file if anything is wrong. The
+        optimizer file is checked only when `optimizer` is given."""
+        need_optimizer = optimizer is not None
+        st = self.status(step, need_optimizer=need_optimizer)
         if not st.loadable:
-            available = self.verified_steps()
+            available = self.verified_steps(need_optimizer=need_optimizer)
             raise CheckpointError(
                 f"checkpoint step {step} in {self.dir} cannot be loaded: {'; '.join(st.problems)}. "
                 f"Loadable steps: {available or 'none'}"
