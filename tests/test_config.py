@@ -172,3 +172,16 @@ def test_reference_markdown_covers_every_field():
         for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in md
     assert "| `lr` | float | `0.0015` | peak learning rate" in md
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.lr=1" + "0" * 400, "training.lr is too large for a number"),
+        ("model.d_model=1e30", "model.d_model is impossibly large"),
+    ],
+)
+def test_absurdly_large_numbers_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config("tiny", [override])
+    assert len(str(e.value)) < 200  # the 400-digit value is cut

@@ -280,6 +280,30 @@ def test_out_of_memory_is_one_clear_error_naming_the_knobs(tmp_path, monkeypatch
     assert sorted(p.name for p in run_dir.rglob("*")) == before
 
 
+def test_out_of_memory_while_the_model_is_built_does_not_advise_smaller_batches(
+    tmp_path, monkeypatch, capsys
+):
+    from mamba3lite import cli
+    from mamba3lite.model import count_parameters
+
+    config = tiny_yaml(tmp_path, max_steps=2, checkpoint_dir=str(tmp_path / "run"))
+
+    def boom(self, *a, **k):
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 13174571008 bytes"
+        )
+
+    monkeypatch.setattr(Pretrainer, "__init__", boom)
+    assert cli.main(["train", "--config", config]) == 2
+    err = capsys.readouterr().err
+    n = count_parameters(load_config(config).model)
+    assert (
+        "out of memory on host memory while building the model" in err
+        and f"{n / 1e6:,.1f}M parameters" in err
+    )
+    assert "Use a smaller model" in err and "micro_batch_size" not in err and "Traceback" not in err
+
+
 def test_out_of_memory_advice_names_compile_when_it_is_on():
     from mamba3lite.commands.train import out_of_memory_advice
     from mamba3lite.config import load_config

@@ -501,3 +501,54 @@ def test_resume_on_changed_data_warns_that_it_is_no_longer_exact(tmp_path):
     assert "changed since checkpoint step 2" in warnings[0]["message"]
     Pretrainer(cfg.replace("training", max_steps=6)).train()  # unchanged since step 4: no new warning
     assert sum(r.get("event") == "warning" for r in metrics(tmp_path / "run")) == 1
+
+
+def test_val_data_path_may_name_the_manifest_file(tmp_path):
+    # `eval` takes DIR/manifest.json for DIR; the trainer took it for a file without splits and
+    # validated on the training split (and its check against validating on training data missed it).
+    data = make_dataset(tmp_path / "data")
+    cfg = tiny_config(tmp_path / "run", max_steps=2, eval_every=2, eval_batches=1000).replace(
+        "data", dummy=False, train_data_path=data, val_data_path=f"{data}/manifest.json"
+    )
+    Pretrainer(cfg).train()
+    (ev,) = [r for r in metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert ev["val_windows"] == (600 - 1) // 16  # the val split's windows, not the train split's 249
+
+
+def test_settings_that_silently_change_the_run_are_warned_about_at_the_start(tmp_path):
+    def warnings_of(run):
+        return [r["message"] for r in metrics(run) if r.get("event") == "warning"]
+
+    short_val = make_dataset(tmp_path / "short", n_val=10)  # 10 tokens: no window of 16 + 1
+    cfg = tiny_config(tmp_path / "a", max_steps=2, eval_every=1).replace(
+        "data", dummy=False, train_data_path=short_val
+    )
+    Pretrainer(cfg).train()
+    assert [r for r in metrics(tmp_path / "a") if r["kind"] == "eval"] == []
+    (w,) = warnings_of(tmp_path / "a")
+    assert "no validation data" in w and "val split" in w and "(10 tokens) is too short" in w
+    no_val = str(tmp_path / "noval")
+    train_only = [("train", np.arange(2000) % (VOCAB - 1) + 1, 1, 2000)]
+    write_dataset(
+        no_val, train_only, vocab_size=VOCAB, eos_id=0, tokenizer={"name": "t", "vocab_hash": "ab" * 32}
+    )
+    cfg = tiny_config(tmp_path / "b", max_steps=2, eval_every=1).replace(
+        "data", dummy=False, train_data_path=no_val
+    )
+    Pretrainer(cfg).train()
+    (w,) = warnings_of(tmp_path / "b")
+    assert f"{no_val} has no val split; prepare with --val-fraction, or set data.val_data_path" in w
+    Pretrainer(tiny_config(tmp_path / "c", max_steps=3, warmup_steps=5)).train()
+    (w,) = warnings_of(tmp_path / "c")
+    assert "training.warmup_steps 5 > training.max_steps 3: the learning rate only warms up" in w
+    lrs = [r["lr"] for r in metrics(tmp_path / "c") if r["kind"] == "train"]
+    assert max(lrs) == pytest.approx(1e-2 * 3 / 5) and f"to {max(lrs):.3g} instead of" in w
+
+
+def test_running_a_finished_run_again_logs_no_second_evaluation(tmp_path):
+    Pretrainer(
+        tiny_config(tmp_path, max_steps=4, eval_every=3)
+    ).train()  # 4 is off the cadence: evaluated at the end
+    assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "eval"] == [3, 4]
+    Pretrainer(tiny_config(tmp_path, max_steps=4, eval_every=3)).train()
+    assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "eval"] == [3, 4]

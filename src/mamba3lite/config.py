@@ -389,34 +389,47 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
     if type_ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
+        number = None
         if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        elif isinstance(value, str):
             try:
                 f = float(value.replace("_", ""))
-            except ValueError:
+            except (ValueError, OverflowError):
                 f = None
             if f is not None and f.is_integer():
-                return int(f)
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
+                number = int(f)
+        if number is None:
+            raise ConfigError(f"{where} must be an integer, got {_short(value)}")
+        if abs(number) >= 2**64:  # beyond any int64 size or counter (fields check their own ranges)
+            raise ConfigError(f"{where} is impossibly large, got {_short(value)}")
+        return number
     if type_ is float:
         if isinstance(value, bool):
             raise ConfigError(f"{where} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
+        try:
+            if isinstance(value, (int, float)):
                 return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where} must be a number, got {value!r}")
+            if isinstance(value, str):
+                return float(value)
+        except ValueError:
+            pass
+        except OverflowError:  # an integer of hundreds of digits
+            raise ConfigError(f"{where} is too large for a number, got {_short(value)}") from None
+        raise ConfigError(f"{where} must be a number, got {_short(value)}")
     if type_ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where} must be a string, got {value!r}")
     return value
+
+
+def _short(value: Any) -> str:
+    """repr of a value for a message, cut to 40 characters (a pasted 400-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def resolve_preset(name_or_path: str | Path) -> Path:

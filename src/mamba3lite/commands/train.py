@@ -117,10 +117,11 @@ def _check_config_file_is_not_the_runs_record(config: str, checkpoint_dir: str) 
         )
 
 
-def out_of_memory_advice(exc: BaseException, cfg) -> str | None:
+def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str | None:
     """The message for an allocation failure (CUDA or CPU), naming the knobs; None for other errors.
     A step that ran out of memory never reaches the optimizer or a checkpoint: the run directory holds
-    what the last save wrote, and `train` resumes from it."""
+    what the last save wrote, and `train` resumes from it. `building`: it happened while the model and
+    optimizer were built, before any step, where the batch knobs cannot help."""
     import torch
 
     text = str(exc)
@@ -129,6 +130,15 @@ def out_of_memory_advice(exc: BaseException, cfg) -> str | None:
     t = cfg.training
     where = "the accelerator" if isinstance(exc, torch.OutOfMemoryError) else "host memory"
     first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    if building:
+        from mamba3lite.model import count_parameters
+
+        n = count_parameters(cfg.model)
+        return (
+            f"out of memory on {where} while building the model ({first}): {n / 1e6:,.1f}M parameters "
+            f"need ~{16 * n / 2**30:,.1f} GiB for fp32 weights, gradients and AdamW moments before any "
+            "activation. Use a smaller model (e.g. --config tiny) or a device with more memory."
+        )
     fix = (
         f"--set training.micro_batch_size={t.micro_batch_size // 2} "
         f"--set training.gradient_accumulation_steps={2 * t.gradient_accumulation_steps}"
@@ -199,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                     f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
                     "`error:` line says why"
                 ) from None
-            advice = out_of_memory_advice(e, cfg)
+            advice = out_of_memory_advice(e, cfg, building=trainer is None)
             if advice is None:
                 raise
             raise TrainingError(advice) from None

@@ -182,6 +182,7 @@ class Pretrainer:
 
         self._seed_everything(tc.seed)
         self.train_data = train_data if train_data is not None else self._build_train_data()
+        self._no_val_reason = ""  # why there is no validation data, when there is none
         self.val_data = val_data if val_data is not None else self._build_val_data()
         self._check_data_matches()
         if model is None:
@@ -279,6 +280,8 @@ class Pretrainer:
             )
         if dc.val_data_path:
             p = Path(dc.val_data_path)
+            if p.name == MANIFEST_NAME:  # the dataset's manifest file names the dataset, as in `eval`
+                p = p.parent
             split = (
                 "val" if (p / MANIFEST_NAME).exists() and Manifest.load(p).split_shards("val") else "train"
             )
@@ -291,6 +294,17 @@ class Pretrainer:
         manifest = getattr(self.train_data, "manifest", None)
         if manifest is not None and manifest.n_tokens("val") > tc.max_seq_len:
             return PretrainDataset(dc.train_data_path, tc.max_seq_len, vocab, split="val")
+        if manifest is not None and manifest.n_tokens("val"):
+            self._no_val_reason = (
+                f"the val split of {dc.train_data_path} ({manifest.n_tokens('val'):,} tokens) is too short "
+                f"for one window of max_seq_len + 1 = {tc.max_seq_len + 1} tokens; lower "
+                "training.max_seq_len, or prepare with a larger --val-fraction"
+            )
+        else:
+            self._no_val_reason = (
+                f"{dc.train_data_path} has no val split; prepare with --val-fraction, or set "
+                "data.val_data_path"
+            )
         return None
 
     def _check_data_matches(self) -> None:
@@ -417,6 +431,8 @@ class Pretrainer:
             restore_rng_state(meta["rng"])
         self.wandb_run_id = meta.get("wandb_run_id") or self.wandb_run_id
         self.last_eval = meta.get("last_eval")
+        if isinstance(self.last_eval, dict) and self.last_eval.get("step") == self.step:
+            self._evaluated_at = self.step  # a re-run of a finished run does not evaluate (and log) it again
         self._last_saved = self.step
         return meta
 
@@ -819,6 +835,8 @@ class Pretrainer:
                     f"{self._epoch_summary()}",
                     tokens_total=self.tokens_seen,
                 )
+                for warning in self._start_warnings():
+                    self.logger.event(self.step, "warning", warning, tokens_total=self.tokens_seen)
                 if self.step >= target and until_step is None:
                     self.logger.event(
                         self.step,
@@ -886,6 +904,20 @@ class Pretrainer:
                 signal.signal(sig, h)
             self.logger.close()
             lock.release()
+
+    def _start_warnings(self) -> list[str]:
+        """Settings that make the run other than it looks: no validation although evaluation is on, a
+        warmup that never reaches the peak learning rate."""
+        tc, out = self.tc, []
+        if tc.eval_every and self.val_data is None:
+            out.append(f"no validation data, so training.eval_every has no effect: {self._no_val_reason}")
+        if tc.warmup_steps > tc.max_steps:
+            peak = lr_at(tc.max_steps - 1, **self._sched_kw())
+            out.append(
+                f"training.warmup_steps {tc.warmup_steps} > training.max_steps {tc.max_steps}: the learning "
+                f"rate only warms up, to {peak:.3g} instead of training.lr {tc.lr:g}; lower warmup_steps"
+            )
+        return out
 
     def _epoch_summary(self) -> str:
         """An epoch's size in steps, and the windows each epoch skips (made visible: the seed's DataLoader
