@@ -552,3 +552,32 @@ def test_running_a_finished_run_again_logs_no_second_evaluation(tmp_path):
     assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "eval"] == [3, 4]
     Pretrainer(tiny_config(tmp_path, max_steps=4, eval_every=3)).train()
     assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "eval"] == [3, 4]
+
+
+def test_a_rollback_skips_the_data_that_led_to_the_divergence(tmp_path):
+    """Non-finite losses caused by the data itself (here: the windows of step 6) recurred identically
+    after a rollback that replayed the same batches, until max_rollbacks stopped the run. The rollback
+    now continues with the batches after the failure."""
+    t = Pretrainer(
+        tiny_config(tmp_path, max_steps=12, save_every=2, nan_guard_max_consecutive=2, max_rollbacks=1)
+    )
+    order = [t.sampler.global_batch(0, i) for i in range(12)]
+    poison = set(order[5])
+    forward, drawn = t.raw_model.forward, []
+    batch = t._batch
+
+    def tracked_batch(indices):
+        drawn.append(list(indices))
+        return batch(indices)
+
+    t._batch = tracked_batch
+    t.raw_model.forward = lambda x, y=None: (
+        forward(x, y) * (float("nan") if t.raw_model.training and poison & set(drawn[-1]) else 1.0)
+    )
+    result = t.train()
+    assert result.step == 12 and result.rollbacks == 1
+    (rb,) = [r for r in metrics(tmp_path) if r.get("event") == "rollback"]
+    assert "rolled back to step 4 and skipping the data of steps 5-6" in rb["message"], rb["message"]
+    live = [r["step"] for r in metrics(tmp_path) if r["kind"] == "train" and not r.get("superseded")]
+    assert live == list(range(1, 13))
+    assert sum(bool(poison & set(d)) for d in drawn) == 2  # step 6's two micro-batches, never again

@@ -7,10 +7,12 @@ whose order is a pure function of (seed, epoch, consumed), so it is the same for
 Per micro-step: forward under autocast (bf16 when configured), then the NaN guard: if the loss is
 non-finite on ANY rank, every rank skips the micro-step (no backward: gradients and optimizer state are
 untouched) and an event is logged. After `nan_guard_max_consecutive` consecutive skipped micro-steps the
-run rolls back to the newest verified checkpoint (model, optimizer, sampler, RNG, counters) and goes on
-from there; with no checkpoint it stops with `TrainingError`, and so it does after `max_rollbacks`
-rollbacks that did not lead to a newer checkpoint. When only some micro-steps of a step were skipped,
-the gradient is rescaled to the mean over the good ones.
+run rolls back to the newest verified checkpoint (model, optimizer, RNG, counters) and goes on from
+there with the data AFTER the failure: the batches drawn since the checkpoint are skipped, as large
+runs skip the data around a loss spike, since replaying them would most often diverge the same way
+(the event says which). With no checkpoint it stops with `TrainingError`, and so it does after
+`max_rollbacks` rollbacks that did not lead to a newer checkpoint. When only some micro-steps of a step
+were skipped, the gradient is rescaled to the mean over the good ones.
 
 Per optimizer step: gradients averaged across ranks (one explicit all-reduce; see distributed.py),
 global-norm clipping (the pre-clip norm is logged), lr = `lr_at(step)` (a pure function: the
@@ -673,7 +675,10 @@ class Pretrainer:
                 "training.lr or check the data around this step"
             )
         from_step = self.step
+        data_position = self.sampler.state_dict()  # after the batches that led here: skip them
         self._restore(target)
+        self.sampler.load_state_dict(data_position)
+        self._sampler_iter = iter(self.sampler)
         self.rollbacks += 1
         self._rollback_floor = max(self._rollback_floor, target)
         self.nan_streak = self.bad_grad_streak = 0
@@ -683,7 +688,8 @@ class Pretrainer:
             self.logger.event(
                 self.step,
                 "rollback",
-                f"{why} at step {from_step + 1}: rolled back to step {target}; {marked} rows superseded",
+                f"{why} at step {from_step + 1}: rolled back to step {target} and skipping the data of "
+                f"steps {target + 1}-{from_step + 1}; {marked} rows superseded",
                 tokens_total=self.tokens_seen,
             )
             self.logger.restart_window()
