@@ -185,3 +185,10 @@ def test_absurdly_large_numbers_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config("tiny", [override])
     assert len(str(e.value)) < 200  # the 400-digit value is cut
+
+
+def test_a_boolean_may_be_given_as_1_or_0():
+    assert load_config("tiny", ["training.progress=0"]).training.progress is False
+    assert load_config("tiny", ["training.progress=1"]).training.progress is True
+    with pytest.raises(ConfigError, match=r"training\.progress must be true or false, got 2"):
+        load_config("tiny", ["training.progress=2"])

@@ -341,13 +341,14 @@ def test_dummy_windows_shift_vary_and_are_configurable(caplog):
 # ----------------------------------------------------------------------------------------------- errors
 
 
-def test_missing_path_is_an_error_naming_path_and_both_fixes(tmp_path):
+def test_missing_path_is_an_error_naming_path_and_the_fix(tmp_path):
+    # (not random tokens, the seed's silent fallback; `train` adds how to ask for those: test_train_cli)
     missing = tmp_path / "no_such_data.bin"
     with pytest.raises(FileNotFoundError) as e:
         PretrainDataset(missing, 16, 100)
     msg = str(e.value)
     assert isinstance(e.value, DataNotFoundError)
-    assert str(missing) in msg and "prepare" in msg and "dummy" in msg
+    assert str(missing) in msg and "mamba3lite prepare" in msg and "fix the path" in msg
 
 
 def test_empty_directory(tmp_path):

@@ -124,6 +124,14 @@ def test_dry_run_on_the_tiny_preset(cli, tmp_path):
         (["--resume", "soon", "--dummy"], "--resume must be latest, none or a step number"),
         (["--set", "training.lrr=1", "--dummy"], "did you mean `lr`"),
         (["--config", "tiny_typo_preset", "--dummy"], "config not found"),
+        (
+            ["--dummy", "--data-path", "/some/data"],
+            "--dummy trains on random tokens, --data-path on a dataset",
+        ),
+        (
+            ["--data-path", "/nonexistent/data"],
+            "or fix the path; random tokens on purpose, for plumbing tests: --dummy",
+        ),
     ],
 )
 def test_bad_input_is_one_line_error(cli, tmp_path, args, message):

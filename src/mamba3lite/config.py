@@ -383,6 +383,8 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
     if type_ is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):  # `--set training.progress=1`: YAML reads an int
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
             return value.lower() in ("true", "yes", "on", "1")
         raise ConfigError(f"{where} must be true or false, got {value!r}")

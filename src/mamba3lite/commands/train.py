@@ -75,6 +75,8 @@ def build_config(args: argparse.Namespace):
     """The resolved Config: file, then --set overrides, then the dedicated flags."""
     from mamba3lite.config import load_config
 
+    if args.dummy and args.data_path is not None:
+        raise ConfigError("--dummy trains on random tokens, --data-path on a dataset: pass one of them")
     cfg = load_config(args.config, args.overrides)
     if args.checkpoint_dir is not None:
         cfg = cfg.replace("training", checkpoint_dir=args.checkpoint_dir)

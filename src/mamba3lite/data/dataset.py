@@ -182,8 +182,8 @@ class PretrainDataset(Dataset):
         self.data_path = path
         if not path.exists():
             raise DataNotFoundError(
-                f"data path {path} does not exist: create the dataset with `mamba3lite prepare` (or fix the "
-                f"path), or pass dummy=True / --dummy to train on random tokens on purpose"
+                f"data path {path} does not exist: create the dataset with `mamba3lite prepare`, or fix "
+                "the path"
             )
         np_dtype = None if dtype is None else self._parse_dtype(dtype)
         if path.is_file() and path.name == MANIFEST_NAME:

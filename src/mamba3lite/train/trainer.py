@@ -55,7 +55,7 @@ import torch
 
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.data.shards import MANIFEST_NAME
-from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
+from mamba3lite.errors import CheckpointError, ConfigError, DataError, DataNotFoundError, TrainingError
 from mamba3lite.evaluate import check_compatible, spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.train import distributed as D
@@ -255,15 +255,18 @@ class Pretrainer:
         from mamba3lite.data import PretrainDataset
 
         dc, tc = self.cfg.data, self.tc
-        return PretrainDataset(
-            None if dc.dummy else dc.train_data_path,
-            tc.max_seq_len,
-            self.cfg.model.vocab_size,
-            split="train",
-            dummy=dc.dummy,
-            seed=tc.seed,
-            dtype=None if dc.dummy else dc.token_dtype,
-        )
+        try:
+            return PretrainDataset(
+                None if dc.dummy else dc.train_data_path,
+                tc.max_seq_len,
+                self.cfg.model.vocab_size,
+                split="train",
+                dummy=dc.dummy,
+                seed=tc.seed,
+                dtype=None if dc.dummy else dc.token_dtype,
+            )
+        except DataNotFoundError as e:  # (the seed trained on random tokens here without a word)
+            raise DataNotFoundError(f"{e}; random tokens on purpose, for plumbing tests: --dummy") from None
 
     def _build_val_data(self) -> Any:
         from mamba3lite.data import PretrainDataset
