@@ -158,6 +158,26 @@ def test_flops_per_token_by_hand():
     assert m["scan_intra"] == 2 * H * 2 * 8 * 16 * (N + P)
 
 
+def test_flops_count_the_padded_last_chunk_the_scan_computes():
+    cfg = ModelConfig(vocab_size=100, eos_id=0, d_model=32, n_layers=1, d_state=16, headdim=8, chunk_size=32)
+    full, ragged = model_flops_per_token(cfg, seq_len=64), model_flops_per_token(cfg, seq_len=40)
+    # 40 tokens run as 2 chunks of 32 (the last one padded): the scan's work per real token is 64/40 x
+    for part in ("scan_intra", "scan_state"):
+        assert ragged[part] == pytest.approx(full[part] * 64 / 40)
+    assert ragged["projections"] == full["projections"] and ragged["mlp"] == full["mlp"]
+
+
+def test_without_rope_a_state_too_small_to_rotate_is_fine():
+    from mamba3lite.model import Mamba3Transformer
+
+    cfg = ModelConfig(vocab_size=50, eos_id=0, d_model=16, n_layers=1, d_state=2, headdim=8, rope=False)
+    assert cfg.n_angles == 0
+    logits = Mamba3Transformer(cfg)(torch.randint(0, 50, (1, 7)))
+    assert logits.shape == (1, 7, 50) and torch.isfinite(logits).all()
+    with pytest.raises(ConfigError, match="d_state is too small"):
+        ModelConfig(vocab_size=50, eos_id=0, d_model=16, n_layers=1, d_state=2, headdim=8)
+
+
 def test_flops_dominated_by_matmuls_at_paper_shape():
     f = model_flops_per_token(preset(CONFIGS / "mamba3_440m.yaml"), seq_len=2048)
     n = count_parameters(preset(CONFIGS / "mamba3_440m.yaml"))
@@ -188,6 +208,13 @@ def test_sample_distribution_and_determinism():
     assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.7]), atol=0.03)
     hot = sample_next(logits, 0.05, generator=torch.Generator().manual_seed(5))  # low temperature -> argmax
     assert (hot == 2).float().mean() > 0.99
+
+
+def test_a_temperature_that_overflows_the_logits_is_greedy():
+    logits = torch.tensor([[5.0, 3.0, 1.0], [-1.0, -2.0, -3.0], [0.5, -2.0, 9.0]])
+    for t in (1e-37, 1e-39, 1e-45):  # logits / t overflow: to +inf, or (row 1 alone) to -inf everywhere
+        for row, want in zip(logits, [0, 0, 2]):
+            assert sample_next(row[None], t, generator=torch.Generator().manual_seed(0)).tolist() == [want]
 
 
 def test_sample_rejects_bad_settings():

@@ -147,6 +147,13 @@ def test_packed_with_resets_equals_separate_documents():
     assert (model(packed) - separate).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("reset_at_eos", [False, True])
+def test_an_empty_sequence_gives_empty_logits(reset_at_eos):
+    model = make_model(reset_at_eos=reset_at_eos)
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    assert model(empty).shape == (2, 0, 61)
+
+
 def test_sequential_scan_switch_gives_same_logits():
     model = make_model()
     x = ids(T=19)

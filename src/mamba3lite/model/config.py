@@ -130,7 +130,7 @@ class ModelConfig:
             raise bad("ngroups", f"must divide nheads = {self.nheads}")
         if self.rope_fraction not in (0.5, 1.0):
             raise bad("rope_fraction", "must be 0.5 or 1.0")
-        if self.n_angles < 1:
+        if self.rope and self.n_angles < 1:
             raise bad("d_state", "is too small: int(d_state * rope_fraction) must be >= 2")
         if self.rope and self.d_state % 2:
             raise bad("d_state", "must be even (the rotation turns channels in pairs)")

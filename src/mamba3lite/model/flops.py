@@ -8,6 +8,8 @@ implemented (the chunked scan computes full L×L blocks, causal half included); 
 
 from __future__ import annotations
 
+import math
+
 from mamba3lite.model.config import ModelConfig
 
 
@@ -48,12 +50,14 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     D, E, H, N, P, R = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.d_state, cfg.headdim, cfg.rank
     L = max(1, min(cfg.chunk_size, seq_len))
     nl = cfg.n_layers
+    # The scan pads the last chunk to L tokens: its work per real token is that of ceil(T/L)·L tokens.
+    padded = math.ceil(max(seq_len, 1) / L) * L / max(seq_len, 1)
     projections = nl * 2 * D * (cfg.d_in_proj + E)
     # Per chunk and head: scores (LR × N) @ (N × LR) and (LR × LR) @ (LR × P): 2·L²R²(N + P); per token ÷ L.
-    scan_intra = nl * H * 2 * L * R * R * (N + P)
+    scan_intra = padded * nl * H * 2 * L * R * R * (N + P)
     # Per token and head: chunk state Vᵀ K̃ (2·R·P·N), queries on the carried state (2·R·N·P), and the
     # carry S ← e^{…} S + dS once per chunk (2·P·N / L).
-    scan_state = nl * H * (4 * R * P * N + 2 * P * N / L)
+    scan_state = padded * nl * H * (4 * R * P * N + 2 * P * N / L)
     mlp = nl * 2 * 3 * D * cfg.d_mlp
     lm_head = 2 * D * cfg.vocab_size
     forward = projections + scan_intra + scan_state + mlp + lm_head

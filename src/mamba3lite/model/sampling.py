@@ -29,10 +29,9 @@ def sample_next(
     logits_BV = logits_BV.float()
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
-    scaled_BV = logits_BV / temperature
-    if torch.isposinf(scaled_BV).any():  # a temperature so small that logits overflow: its limit, greedy
-        return logits_BV.argmax(dim=-1)
-    logits_BV = scaled_BV
+    # Shifted so that each row's largest logit is 0: a temperature so small that the division
+    # overflows then sends the others to -inf, i.e. the greedy limit, instead of inf/inf = NaN.
+    logits_BV = (logits_BV - logits_BV.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits_BV.shape[-1]:
         kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))

@@ -210,6 +210,8 @@ class Mamba3Transformer(nn.Module):
         if not self.cfg.reset_at_eos:
             return None
         prev_BT = torch.roll(input_ids_BT, 1, dims=1)
+        if prev_BT.shape[1] == 0:  # an empty sequence: nothing to reset
+            return prev_BT == self.cfg.eos_id
         if last_token_B is None:
             prev_BT[:, 0] = -1
         else:
