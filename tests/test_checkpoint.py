@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 
@@ -210,6 +211,26 @@ def test_seed_format_with_both_tied_copies_still_loads(tmp_path):
     assert torch.equal(m2.embed.weight, model.embed.weight) and m2.lm_head.weight is m2.embed.weight
 
 
+def test_seed_format_optimizer_of_one_group_loads_into_decay_and_no_decay_groups(tmp_path):
+    # The seed's AdamW has ONE group over model.parameters(); ours has two (decayed, not decayed), so
+    # position i of the seed's state is not position i of ours: it is mapped by the model's order.
+    from mamba3lite.train.optim import build_optimizer
+
+    model, opt = _trained()
+    assert len(opt.param_groups) == 1
+    _save_seed_format(tmp_path, 5, model, opt)
+    m2 = _fresh()[0]
+    o2 = build_optimizer(m2, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert len(o2.param_groups) == 2 and o2.param_groups[0]["params"][0] is not m2.embed.weight
+    with pytest.warns(UserWarning, match="seed-format"):
+        CheckpointManager(tmp_path).load(5, m2, o2)
+    names = param_names(model)
+    want = {names[id(p)]: opt.state[p]["exp_avg"] for p in model.parameters()}
+    got = {param_names(m2)[id(p)]: o2.state[p]["exp_avg"] for g in o2.param_groups for p in g["params"]}
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert [g["weight_decay"] for g in o2.param_groups] == [0.1, 0.0]  # this optimizer's settings
+
+
 @pytest.mark.parametrize("kind", ["optim", "model"])
 def test_torn_seed_format_checkpoint_falls_back(tmp_path, kind):
     # The seed's save was not atomic: a crash could leave a complete-looking triple with a truncated file
@@ -338,3 +359,36 @@ def test_rng_state_roundtrip_through_json():
     restore_rng_state(state)
     b = (random.random(), np.random.rand(), torch.rand(3))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("with_digest", [True, False])
+def test_a_meta_whose_files_entry_is_not_a_mapping_is_a_bad_step_not_a_crash(tmp_path, with_digest):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(4, model, opt, meta={})
+    mgr.save(6, model, opt, meta={})
+    path = checkpoint_files(tmp_path, 6)["meta"]
+    meta = json.loads(path.read_text())
+    meta["files"]["model"] = 5
+    if not with_digest:  # an older meta without its own digest: only the field types can tell
+        del meta["meta_sha256"]
+    path.write_text(json.dumps(meta))
+    st = mgr.status(6)
+    assert not st.loadable and st.problems
+    with pytest.warns(UserWarning, match="step 6 is not usable"):
+        assert mgr.latest_step() == 4
+
+
+def test_forget_hashes_sees_corruption_that_kept_size_and_mtime(tmp_path):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(4, model, opt, meta={})
+    path = checkpoint_files(tmp_path, 4)["model"]
+    st = os.stat(path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # a flipped bit in the last tensor: same size
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the same mtime
+    assert mgr.status(4).verified  # the hash of the save, cached
+    mgr.forget_hashes()
+    assert not mgr.status(4).verified and "sha256 differs" in mgr.status(4).problems[0]

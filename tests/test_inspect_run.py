@@ -160,3 +160,13 @@ def test_token_dtype_reads_a_raw_file_as_told_and_is_refused_where_the_file_reco
         assert main(["inspect", str(path), "--token-dtype", "uint32"]) == 2, path
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (path, err)
+
+
+def test_verify_of_seed_format_steps_does_not_claim_hashes_were_checked(tmp_path, capsys):
+    from test_checkpoint import _save_seed_format, _trained
+
+    model, opt = _trained()
+    _save_seed_format(tmp_path, 5, model, opt)
+    assert main(["inspect", str(tmp_path), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "except the seed-format steps [5]: their metas record no sizes or hashes" in out

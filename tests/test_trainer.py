@@ -581,3 +581,42 @@ def test_a_rollback_skips_the_data_that_led_to_the_divergence(tmp_path):
     live = [r["step"] for r in metrics(tmp_path) if r["kind"] == "train" and not r.get("superseded")]
     assert live == list(range(1, 13))
     assert sum(bool(poison & set(d)) for d in drawn) == 2  # step 6's two micro-batches, never again
+
+
+def test_resume_deletes_an_unfinished_save_instead_of_keeping_it_aside(tmp_path):
+    # model and optimizer files of step 6 without a meta: a save cut short (kill -9, full disk). Moving
+    # them to superseded/ kept ~2x the model's size for good after every such preemption.
+    Pretrainer(tiny_config(tmp_path, max_steps=4, save_every=2)).train()
+    for kind in ("model", "optim"):
+        src, dst = checkpoint_files(tmp_path, 4)[kind], checkpoint_files(tmp_path, 6)[kind]
+        dst.write_bytes(src.read_bytes())
+    Pretrainer(tiny_config(tmp_path, max_steps=8, save_every=2)).train()
+    assert not (tmp_path / "superseded").exists()
+    assert CheckpointManager(tmp_path).verified_steps() == [2, 4, 6, 8]
+    (resume,) = [r for r in metrics(tmp_path) if r.get("event") == "resume"]
+    assert "unfinished save(s) of step(s) [6] (no meta) deleted" in resume["message"]
+
+
+def test_a_rollback_hashes_the_checkpoint_again(tmp_path, monkeypatch):
+    # A bit flipped in step 4's weights after they were saved keeps size and mtime: the manager that
+    # wrote them must not vouch for them from its cache; the rollback goes to step 2 instead.
+    import os
+
+    monkeypatch.setenv(INJECT_ENV, "10:2")  # step 6's micro-steps
+    t = Pretrainer(tiny_config(tmp_path, max_steps=8, save_every=2, nan_guard_max_consecutive=2))
+    save = t.save_checkpoint
+
+    def save_then_rot():
+        save()
+        if t.step == 4:
+            path = checkpoint_files(tmp_path, 4)["model"]
+            st = os.stat(path)
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 1
+            path.write_bytes(bytes(data))
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    t.save_checkpoint = save_then_rot
+    assert t.train().step == 8
+    (rb,) = [r for r in metrics(tmp_path) if r.get("event") == "rollback"]
+    assert "rolled back to step 2" in rb["message"]

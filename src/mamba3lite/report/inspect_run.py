@@ -32,8 +32,9 @@ def _fmt_size(n: int | None) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
-def describe_checkpoint_dir(path: Path) -> tuple[str, list[str]]:
-    """(the description, the problems: one line per step that cannot be loaded)."""
+def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int]]:
+    """(the description, the problems: one line per step that cannot be loaded, the seed-format steps:
+    their metas record no sizes or hashes, so they are only checked for whole files)."""
     from mamba3lite.train.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(path)
@@ -71,7 +72,8 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str]]:
     superseded = path / "superseded"
     if superseded.is_dir():
         lines.append(f"superseded     {superseded} (checkpoints of an abandoned timeline, kept aside)")
-    return "\n".join(lines), problems
+    seed = [s for s in steps if statuses[s].format == "seed"]
+    return "\n".join(lines), problems, seed
 
 
 def _describe_meta(meta: dict) -> list[str]:
@@ -147,7 +149,7 @@ def last_metrics_rows(path: Path) -> list[str]:
 
 def inspect_checkpoint_dir(path: Path, verify: bool) -> int:
     """Print the description; with `verify`, CheckpointError if any step is not loadable."""
-    text, problems = describe_checkpoint_dir(path)
+    text, problems, seed = describe_checkpoint_dir(path)
     print(text)
     for line in last_metrics_rows(path):
         print(line)
@@ -155,7 +157,13 @@ def inspect_checkpoint_dir(path: Path, verify: bool) -> int:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"verification failed: {problems[0]}{more}")
     if verify:
-        print("\nverified: every checkpoint's files match the sizes and sha256 recorded in its meta")
+        verified = "verified: every checkpoint's files match the sizes and sha256 recorded in its meta"
+        if seed:
+            verified = (
+                f"{verified}, except the seed-format steps {seed}: their metas record no sizes or hashes, "
+                "so their files were only checked to be whole archives"
+            )
+        print(f"\n{verified}")
     return 0
 
 

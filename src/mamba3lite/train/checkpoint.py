@@ -535,6 +535,11 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: records step {meta['step']}, not {step}")
         return meta
 
+    def forget_hashes(self) -> None:
+        """Hash every file again from now on: corruption after a save changes neither size nor mtime,
+        so a manager that hashed (or wrote) a file long ago must not vouch for it now (a rollback)."""
+        self._hash_cache.clear()
+
     def _cached_sha(self, path: Path) -> str:
         st = path.stat()
         key = (str(path), st.st_size, st.st_mtime_ns)
@@ -588,8 +593,12 @@ class CheckpointManager:
             problems.append(
                 f"{paths['meta']}: field(s) {', '.join(bad)} of the wrong type (corrupt or edited)"
             )
+        if problems:  # an edited or damaged meta: its other fields cannot be trusted to have any shape
+            return CheckpointStatus(step, False, False, META_FORMAT, problems, sizes)
         for kind in kinds:
-            want = meta.get("files", {}).get(kind, {})
+            want = meta.get("files", {}).get(kind)
+            if not isinstance(want, dict):
+                want = {}
             path = paths[kind]
             if sizes[kind] is None:
                 problems.append(f"{path} is missing")
@@ -660,17 +669,45 @@ class CheckpointManager:
                     raise CheckpointError(f"{paths['optim']}: this checkpoint holds no optimizer state")
                 load_optimizer_state_by_name(optimizer, model, saved, str(paths["optim"]))
             else:
-                self._load_seed_optimizer(optimizer, saved, paths["optim"])
+                self._load_seed_optimizer(optimizer, model, saved, paths["optim"])
         return meta
 
     @staticmethod
-    def _load_seed_optimizer(optimizer: torch.optim.Optimizer, saved: Any, path: Path) -> None:
-        """The seed's index-keyed state: accepted only if every moment's shape matches the parameter
-        at its index (the order is assumed, so at least check what can be checked)."""
+    def _load_seed_optimizer(
+        optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: Any, path: Path
+    ) -> None:
+        """The seed's index-keyed state. The seed builds AdamW over `model.parameters()` (the tied
+        embedding once) in ONE group, so saved index i is the i-th parameter of the model; that is mapped
+        to its name and loaded by name into this optimizer's groups. (A file whose groups are shaped as
+        this optimizer's is taken position by position.) Every moment's shape is checked: the order is
+        assumed, so at least check what can be checked."""
         if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
             raise CheckpointError(f"{path}: not an optimizer state file")
-        params = [p for g in optimizer.param_groups for p in g["params"]]
         saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
+        model_params = list(model.parameters())
+        if len(saved["param_groups"]) == 1 and len(saved_ids) == len(model_params):
+            names = param_names(model)
+            by_name = {
+                "state": {
+                    names[id(p)]: saved["state"][i]
+                    for i, p in zip(saved_ids, model_params)
+                    if i in saved["state"]
+                },
+                "param_groups": [
+                    {
+                        **{k: v for k, v in g.items() if k != "params"},
+                        "params": [names[id(p)] for p in g["params"]],
+                    }
+                    for g in optimizer.param_groups
+                ],
+            }
+            load_optimizer_state_by_name(optimizer, model, by_name, f"{path} (seed format)")
+            warnings.warn(
+                f"{path}: seed-format (index-keyed) optimizer state, mapped by model order; shapes checked",
+                stacklevel=3,
+            )
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         if len(saved_ids) != len(params):
             raise CheckpointError(
                 f"{path}: {len(saved_ids)} parameters saved, the optimizer has {len(params)}"

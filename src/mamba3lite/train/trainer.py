@@ -509,9 +509,16 @@ class Pretrainer:
         if self.dist.is_main:
             newer = [s for s in self.ckpt.list_steps() if s > target]
             note = ""
+            # A save cut short before its meta (kill -9, disk full) was never a checkpoint: its model and
+            # optimizer files are deleted, not kept aside, or every preemption would leave them for good.
+            if torn := [s for s in newer if not checkpoint_files(self.ckpt.dir, s)["meta"].exists()]:
+                for s in torn:
+                    self.ckpt.delete(s)
+                newer = [s for s in newer if s not in torn]
+                note = f"; unfinished save(s) of step(s) {torn} (no meta) deleted"
             if newer:
                 where = self.ckpt.move_aside(newer, from_step=target)
-                note = f"; newer checkpoints {newer} moved to {where}"
+                note += f"; newer checkpoints {newer} moved to {where}"
             marked = self.logger.supersede_after(target)
             self.logger.event(
                 self.step,
@@ -660,6 +667,7 @@ class Pretrainer:
         """Back to the newest checkpoint after `why` (e.g. "5 consecutive non-finite losses")."""
         self.optimizer.zero_grad(set_to_none=True)
         target = -1
+        self.ckpt.forget_hashes()  # the files were written (and hashed) maybe hours ago: check them anew
         if self.dist.is_main:
             latest = self.ckpt.latest_step()
             target = -1 if latest is None else latest
