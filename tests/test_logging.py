@@ -241,3 +241,20 @@ def test_damaged_bytes_in_metrics_jsonl_are_bad_lines_not_a_crash(tmp_path):
     sink.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [good[0], {**good[1], "superseded": True}]
+
+
+def test_the_progress_bar_counts_from_the_step_a_run_resumes_at(monkeypatch, tmp_path):
+    # Built at step 0 and only moved to the resumed step, the bar took the resumed steps as done in no
+    # time: thousands of steps/s and an ETA of 00:00 for the whole run.
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    logger = build_logger(
+        tmp_path, log_every=10, flops_per_token=None, peak_flops_per_s=None, device=None, max_steps=560,
+        start_step=0, progress=True,
+    )  # fmt: skip
+    bar = logger.progress._bar
+    assert bar is not None and bar.initial == 0
+    logger.restart_window(460)
+    assert bar.initial == bar.n == 460 and bar.format_dict["rate"] is None
+    logger.log_step(461, loss=3.0, lr=1e-3, grad_norm=1.0, tokens_processed=64, tokens_total=64)
+    assert bar.n == 461 and bar.format_dict["n"] - bar.format_dict["initial"] == 1
+    logger.close()

@@ -111,3 +111,12 @@ def test_plot_bad_inputs(tmp_path, cli, case):
     assert r.stderr.startswith("error: ")
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "metrics.png").exists()
+
+
+def test_ema_weighs_rows_by_the_steps_they_average():
+    # 20 one-step rows (a probe, loss falling) then 10-step rows at ~3.6: the smoothed curve of the
+    # 10-step rows must come down to them, not sit ~1 nat above, pulled by the many early rows.
+    losses = [10.8 - 0.35 * i for i in range(20)] + [3.6] * 8
+    steps = [1] * 20 + [10] * 8
+    assert ema(losses, steps=steps)[-1] < 3.75 < ema(losses)[-1]
+    assert ema(losses, steps=[10] * 28) == pytest.approx(ema(losses))  # equal windows: the row EMA

@@ -620,3 +620,44 @@ def test_a_rollback_hashes_the_checkpoint_again(tmp_path, monkeypatch):
     assert t.train().step == 8
     (rb,) = [r for r in metrics(tmp_path) if r.get("event") == "rollback"]
     assert "rolled back to step 2" in rb["message"]
+
+
+def test_a_resume_supersedes_whole_rows_of_abandoned_steps_only(tmp_path):
+    # log_every 3, save_every 4: a window 7-9 straddled checkpoint 8, so resuming at 8 marked the row
+    # of steps 7-9 superseded and steps 7-8, which are kept, had no row. A save now closes the window.
+    Pretrainer(tiny_config(tmp_path, max_steps=10, log_every=3, save_every=4)).train()
+    Pretrainer(tiny_config(tmp_path, max_steps=12, log_every=3, save_every=4), resume=8).train()
+    rows = [r for r in metrics(tmp_path) if r["kind"] == "train"]
+    kept = [r for r in rows if not r.get("superseded")]
+    assert all(r["step"] > 8 for r in rows if r.get("superseded"))
+    assert sum(r["window_steps"] for r in kept) == 12  # every kept step in exactly one kept row
+    assert [r["step"] for r in kept if r["step"] <= 8] == [3, 4, 6, 8]
+
+
+def test_the_steps_saved_before_a_damaged_batch_keep_their_rows(tmp_path):
+    data = make_dataset(tmp_path / "data")
+    cfg = tiny_config(tmp_path / "run", max_steps=6, log_every=10).replace(
+        "data", dummy=False, train_data_path=data
+    )
+    t = Pretrainer(cfg)
+    next_indices = t._next_indices
+
+    def damaged_at_step_4():
+        if t.step == 3:
+            raise DataError("shard_00000.bin: token id 67 at position 5 is outside the vocabulary")
+        return next_indices()
+
+    t._next_indices = damaged_at_step_4
+    with pytest.raises(DataError):
+        t.train()
+    assert CheckpointManager(tmp_path / "run").latest_step() == 3
+    (row,) = [r for r in metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert row["step"] == 3 and row["window_steps"] == 3
+
+
+def test_a_stop_requested_by_a_timer_is_not_called_a_signal(tmp_path):
+    t = Pretrainer(tiny_config(tmp_path, max_steps=6))
+    t.request_stop("the time budget")
+    assert t.train().stopped
+    (stop,) = [r for r in metrics(tmp_path) if r.get("event") == "stop"]
+    assert stop["message"].startswith("stopped by the time budget at step 1")

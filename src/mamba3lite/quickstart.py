@@ -321,12 +321,12 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     def out_of_time() -> None:
         timed_out.set()
         if current:
-            current[-1].request_stop()
+            current[-1].request_stop("the time budget")
 
     def start_trainer(run_config) -> None:
         current.append(Pretrainer(run_config, resume="latest"))
         if timed_out.is_set():  # the timer fired before this trainer existed
-            current[-1].request_stop()
+            current[-1].request_stop("the time budget")
 
     timer = threading.Timer(max(0.0, deadline - reserve - time.monotonic()), out_of_time)
     timer.daemon = True

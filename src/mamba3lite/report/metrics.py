@@ -8,6 +8,7 @@ rollback to step S, rows of the abandoned timeline (step > S, written before) ca
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,11 +71,17 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
     return out
 
 
-def ema(values: list[float], alpha: float = 0.1) -> list[float]:
-    """Exponential moving average, bias-corrected so the first points are not pulled toward 0."""
+def ema(values: list[float], alpha: float = 0.1, steps: list[float] | None = None) -> list[float]:
+    """Exponential moving average, bias-corrected so the first points are not pulled toward 0.
+
+    `steps`: how many training steps each value averages (rows' `window_steps`). A row then weighs by
+    its steps, relative to the median row, which gets `alpha`: twenty one-step rows at the start of a
+    run (the quickstart's probe) count as two ten-step rows, not as twenty."""
+    typical = statistics.median(steps) if steps else 1.0
     out, m, w = [], 0.0, 0.0
-    for v in values:
-        m = (1 - alpha) * m + alpha * v
-        w = (1 - alpha) * w + alpha
+    for i, v in enumerate(values):
+        a = alpha if steps is None else 1 - (1 - alpha) ** (steps[i] / typical)
+        m = (1 - a) * m + a * v
+        w = (1 - a) * w + a
         out.append(m / w)
     return out

@@ -40,7 +40,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     losses = [r["loss"] for r in m.train if "loss" in r]
     if steps:
         ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, lw=1, label="train loss")
-        ax_loss.plot(steps, ema(losses), color="tab:blue", lw=2, label="train loss (EMA)")
+        windows = [r.get("window_steps", 1) for r in m.train if "loss" in r]
+        ax_loss.plot(steps, ema(losses, steps=windows), color="tab:blue", lw=2, label="train loss (EMA)")
     ev = [(r["step"], r["val_loss"]) for r in m.eval if "val_loss" in r]
     if ev:
         ax_loss.plot(*zip(*ev), "o-", color="tab:orange", lw=2, label="validation loss")

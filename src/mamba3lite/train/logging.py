@@ -261,6 +261,14 @@ class ProgressBar:
 
         return lambda s: tqdm.write(s)
 
+    def restart(self, step: int) -> None:
+        """Count from `step` anew (after a resume or rollback): the rate and ETA are of the steps run
+        from now, not of the resumed ones counted as done in no time."""
+        if self._bar is not None:
+            self._bar.reset(total=self._bar.total)
+            self._bar.initial = self._bar.n = step
+            self._bar.refresh()
+
     def update(self, step: int, loss: float | None) -> None:
         if self._bar is not None:
             self._bar.n = step
@@ -350,8 +358,11 @@ class TrainingLogger:
         return cls(log_every=1, sinks=[NullSink()])
 
     # ------------------------------------------------------------------ window state
-    def restart_window(self) -> None:
-        """Start a fresh window, marked as start-up (call at start, after resume and after rollback)."""
+    def restart_window(self, step: int | None = None) -> None:
+        """Start a fresh window, marked as start-up (call at start, after resume and after rollback, with
+        the step training continues from: the progress bar counts from there)."""
+        if step is not None and self.progress is not None:
+            self.progress.restart(step)
         self._losses: list[float] = []
         self._grad_norms: list[float] = []
         self._tokens = 0

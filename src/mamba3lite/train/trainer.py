@@ -237,6 +237,7 @@ class Pretrainer:
         self._pending_skipped = 0
         self._pending_tokens = 0
         self._stop = threading.Event()
+        self._stop_reason = "signal"
         self.wandb_run_id: str | None = None
         self.logger = TrainingLogger.disabled()
         self.history: list[tuple[int, float | None]] = []
@@ -703,7 +704,7 @@ class Pretrainer:
                 f"steps {target + 1}-{from_step + 1}; {marked} rows superseded",
                 tokens_total=self.tokens_seen,
             )
-            self.logger.restart_window()
+            self.logger.restart_window(self.step)
         D.barrier(self.dist)
 
     # ------------------------------------------------------------------------------- evaluation
@@ -760,9 +761,12 @@ class Pretrainer:
         return out
 
     # ------------------------------------------------------------------------------------- run
-    def request_stop(self) -> None:
-        """Ask `train()` to stop after the current step, as SIGTERM does (checkpoint, "stop" event).
-        Thread-safe: e.g. a timer thread enforcing a wall-clock budget (the quickstart's)."""
+    def request_stop(self, reason: str = "signal") -> None:
+        """Ask `train()` to stop after the current step, as SIGTERM does (checkpoint, "stop" event that
+        says "stopped by `reason`"). Thread-safe: e.g. a timer thread enforcing a wall-clock budget (the
+        quickstart's, reason "the time budget")."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
         self._stop.set()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -863,12 +867,16 @@ class Pretrainer:
                         tokens_total=self.tokens_seen,
                     )
             self._epoch_seen = self.sampler.epoch
-            self.logger.restart_window()
+            self.logger.restart_window(self.step)
             stopped = False
             self.history = []
             try:
                 while self.step < target:
                     if self.train_step():
+                        if self.step % tc.save_every == 0:
+                            # A step a run can resume from ends a window: a resume or rollback to it
+                            # then supersedes whole rows of the abandoned steps, never kept ones.
+                            self.logger.flush()
                         t0 = time.time()
                         # Evaluate first: a checkpoint written at an evaluation step carries that
                         # evaluation (its meta's last_eval, what `inspect` and a resume report).
@@ -884,6 +892,7 @@ class Pretrainer:
                 if not stopped and tc.eval_every and self.step > 0 and self._evaluated_at != self.step:
                     self.evaluate()  # the run's final numbers, even when max_steps is off the eval cadence
             except DataError:  # a damaged training or validation batch, seen by all ranks together
+                self.logger.flush()  # the steps about to be saved keep their rows
                 self._save_before_data_error()
                 raise
             self._save_unsaved()
@@ -892,7 +901,7 @@ class Pretrainer:
                     self.logger.event(
                         self.step,
                         "stop",
-                        f"stopped by signal at step {self.step}; checkpoint "
+                        f"stopped by {self._stop_reason} at step {self.step}; checkpoint "
                         f"saved, `mamba3lite train` resumes from it",
                         tokens_total=self.tokens_seen,
                     )
@@ -912,6 +921,7 @@ class Pretrainer:
         except Exception as e:
             if self.dist.is_main:
                 with contextlib.suppress(Exception):
+                    self.logger.flush()  # the steps since the last row (superseded if they were not saved)
                     self.logger.event(
                         self.step, "error", f"{type(e).__name__}: {e}", tokens_total=self.tokens_seen
                     )
