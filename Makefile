@@ -1,12 +1,16 @@
 # Set-up and the everyday commands. Every target builds .venv first, so a fresh machine needs only
 # `make quickstart` or `make test`.
 #
-# TORCH_SPEC picks the PyTorch build: the default is the CPU wheel; on a CUDA machine use e.g.
-#   make clean && make venv TORCH_SPEC=torch
-# (an existing .venv is not rebuilt for another TORCH_SPEC: `make clean` first)
+# TORCH_SPEC picks the PyTorch release, TORCH_INDEX where it comes from: pip's configured indexes by
+# default (this project's machines hold the CPU wheel of 2.13.0; PyPI's Linux x86_64 wheel bundles
+# CUDA, several GB). A CPU-only machine elsewhere:
+#   make quickstart TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# A CUDA machine: make clean && make venv TORCH_SPEC=torch
+# (an existing .venv is not rebuilt for another TORCH_SPEC or TORCH_INDEX: `make clean` first)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 MINUTES ?= 5
 
@@ -16,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned, so nothing below can pull a multi-GB CUDA build by accident
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

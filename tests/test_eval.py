@@ -151,3 +151,20 @@ def test_a_val_split_too_short_for_a_window(tmp_path, trained, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
     assert "val split has 7 tokens" in err and "--split train" in err
+
+
+def test_a_dataset_without_a_val_split_is_evaluated_on_train_with_a_warning(tmp_path, trained, data):
+    from mamba3lite.data.shards import Manifest
+
+    m = Manifest.load(data)
+    train_only = tmp_path / "train_only"
+    tok = load_tokenizer("gpt2")
+    ids = np.concatenate([np.fromfile(data / s.path, dtype="<u2") for s in m.split_shards("train")])
+    write_dataset(train_only, [("train", ids, 10, 4 * len(ids))], vocab_size=tok.vocab_size,
+                  eos_id=tok.eos_id, tokenizer=m.tokenizer)  # fmt: skip
+    loaded = load_pretrained(trained)
+    with pytest.warns(UserWarning, match="it has no val split; evaluating the train split"):
+        r = evaluate_model(
+            loaded.model, train_only, max_seq_len=16, batch_size=2, max_batches=1, dtype="fp32"
+        )
+    assert r.split == "train"

@@ -98,12 +98,17 @@ def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> st
         split = "val"
     else:
         split = "train"
-        if m.n_tokens("val") > 0:
-            warnings.warn(
-                f"{root}: the val split ({m.n_tokens('val'):,} tokens) is too short for one window of "
-                f"max_seq_len + 1 = {max_seq_len + 1} tokens; evaluating the train split",
-                stacklevel=3,
-            )
+        why = (
+            f"the val split ({m.n_tokens('val'):,} tokens) is too short for one window of "
+            f"max_seq_len + 1 = {max_seq_len + 1} tokens"
+            if m.n_tokens("val") > 0
+            else "it has no val split"
+        )
+        warnings.warn(
+            f"{root}: {why}; evaluating the train split (text the model may have trained on; "
+            "prepare with a larger --val-fraction for held-out numbers)",
+            stacklevel=3,
+        )
     n = m.n_tokens(split)
     if n <= max_seq_len:
         if split == "val":
