@@ -663,3 +663,11 @@ def test_a_stop_requested_by_a_timer_is_not_called_a_signal(tmp_path):
     assert t.train().stopped
     (stop,) = [r for r in metrics(tmp_path) if r.get("event") == "stop"]
     assert stop["message"].startswith("stopped by the time budget at step 1")
+
+
+def test_resume_to_a_step_never_saved_is_refused_before_the_runs_records_are_touched(tmp_path):
+    Pretrainer(tiny_config(tmp_path, max_steps=4, save_every=2)).train()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 3 in .*Loadable steps: \[2, 4\]"):
+        Pretrainer(tiny_config(tmp_path, max_steps=6, save_every=2), resume=3).train()
+    assert (tmp_path / "metrics.jsonl").read_text() == before  # no "error" event in a healthy run

@@ -472,6 +472,16 @@ class Pretrainer:
         target, refusal = -1, None
         if self.resume not in ("none", "latest"):
             target = int(self.resume)
+            # Refused here, before the run's records are opened: a typo'd step must not log an error
+            # into a healthy run's metrics.
+            if self.dist.is_main and not (st := self.ckpt.status(target)).loadable:
+                loadable = self.ckpt.verified_steps()
+                if target not in self.ckpt.list_steps():
+                    refusal = f"there is no checkpoint of step {target} in {self.run_dir}"
+                else:
+                    why = "; ".join(st.problems)
+                    refusal = f"checkpoint step {target} in {self.run_dir} cannot be loaded: {why}"
+                refusal += f". Loadable steps: {loadable or 'none'}"
         elif self.dist.is_main and (steps := self.ckpt.list_steps()):
             if self.resume == "none":
                 refusal = (
