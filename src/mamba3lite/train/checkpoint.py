@@ -623,14 +623,14 @@ class CheckpointManager:
     def latest_step(self, *, need_optimizer: bool = True) -> int | None:
         """The newest loadable step, or None. Each newer bad step is skipped with a warning naming the
         bad file(s); older steps are not checked once a good one is found."""
-        for step in reversed(self.list_steps()):
+        steps = self.list_steps()
+        for i, step in reversed(list(enumerate(steps))):
             st = self.status(step, need_optimizer=need_optimizer)
             if st.loadable:
                 return step
+            then = "trying an older one" if i else "and there is no older one"
             warnings.warn(
-                f"checkpoint step {step} is not usable, falling back to an older one: "
-                f"{'; '.join(st.problems)}",
-                stacklevel=2,
+                f"checkpoint step {step} is not usable, {then}: {'; '.join(st.problems)}", stacklevel=2
             )
         return None
 
