@@ -65,7 +65,7 @@ def train(config: str, run_dir, nproc: int, *extra: str, check: bool = True) -> 
             "mamba3lite",
         ]
     cmd += ["train", "--config", config, "--checkpoint-dir", str(run_dir), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 or not check, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -245,3 +245,18 @@ def test_an_error_on_rank_0_alone_stops_every_rank_with_one_line_each(tmp_path, 
     assert "rank 1 stops because another rank of this job stopped first" in r.stderr, tail
     assert "src/mamba3lite/" not in r.stderr, tail  # no worker traceback (torchrun prints its own)
     assert CheckpointManager(run).list_steps() == []
+
+
+def test_an_error_on_rank_0_while_rank_1_is_in_another_collective_does_not_hang(tmp_path):
+    # metrics.jsonl is a directory: rank 0 fails opening the run's records while rank 1 waits in the
+    # next all-reduce. A barrier in rank 0's teardown never paired with it: both hung until gloo's
+    # 30-minute timeout and rank 0's error line was never printed.
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)
+    r = train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", check=False)
+    assert r.returncode != 0
+    tail = r.stderr[-3000:]
+    assert f"error: Is a directory ({run / 'metrics.jsonl'})" in r.stderr, tail
+    assert "rank 1 stops because another rank of this job stopped first" in r.stderr, tail
+    assert "src/mamba3lite/" not in r.stderr, tail

@@ -13,6 +13,7 @@ it, everything here is a no-op for one process. The trainer then:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -83,8 +84,10 @@ left_process_group = False
 def teardown(after_error: bool = False) -> None:
     """Leave the process group. Every rank first waits for the others: a gloo group destroyed while a
     peer still talks to it aborts the process ("terminate called without an active exception").
-    `after_error`: this rank is already stopping on an error, which the barrier's own failure (a peer
-    that is gone) must not replace.
+    `after_error`: this rank is stopping on an error, and the others may be waiting in another
+    collective (an error of this rank alone: a metrics row on a full disk) that a barrier would never
+    pair with, hanging both until gloo's 30-minute timeout: leave without waiting; the others then fail
+    on the closed connection and stop with one line (`lost_a_peer`).
 
     Even after a clean barrier + destroy, interpreter finalization of a gloo worker aborts the same way
     now and then (seen ~1 run in 15 on a loaded 2-core machine, after every atexit handler had run):
@@ -93,12 +96,11 @@ def teardown(after_error: bool = False) -> None:
     global left_process_group
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.barrier()
-        except RuntimeError:
             if not after_error:
-                raise
+                dist.barrier()
         finally:
-            dist.destroy_process_group()
+            with contextlib.suppress(RuntimeError) if after_error else contextlib.nullcontext():
+                dist.destroy_process_group()
             left_process_group = True
 
 
