@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             if D.lost_a_peer(e, info):  # e.g. rank 0 could not write a checkpoint: its error says why
                 raise TrainingError(
                     f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
-                    "`error:` line says why"
+                    "`error:` line says why (torchrun's summary, if it was killed)"
                 ) from None
             advice = out_of_memory_advice(e, cfg, building=trainer is None)
             if advice is None:
