@@ -223,7 +223,7 @@ def test_streamed_text_keeps_the_spaces_of_a_sentencepiece_style_tokenizer(tmp_p
 
 def test_a_temperature_too_small_for_the_logits_is_greedy_not_a_crash(loaded, tok):
     greedy = generate_text(loaded.model, tok, "x", max_new_tokens=4, temperature=0)
-    tiny = generate_text(loaded.model, tok, "x", max_new_tokens=4, temperature=1e-39, seed=5)
+    tiny = generate_text(loaded.model, tok, "x", max_new_tokens=4, temperature=1e-30, seed=5)  # the smallest
     assert tiny.token_ids == greedy.token_ids
 
 
@@ -260,3 +260,9 @@ def test_a_run_whose_tokenizer_file_is_gone_says_to_put_it_back(tmp_path):
     with pytest.raises(CheckpointError, match="is not there any more; put it back at that path") as e:
         loaded.load_tokenizer()
     assert "--tokenizer" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 1e-300}, {"temperature": float("inf")}, {"top_p": 1e-300}])
+def test_sampling_values_that_are_zero_or_infinite_in_float32_are_refused(loaded, tok, kw):
+    with pytest.raises(ConfigError, match=r"--temperature|--top-p"):
+        generate_text(loaded.model, tok, "x", max_new_tokens=2, **kw)

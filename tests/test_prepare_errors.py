@@ -315,3 +315,24 @@ def test_a_source_that_is_a_pipe_is_not_reported_missing(tmp_path):
     with pytest.raises(DataError, match="is not a regular file or a directory; write it to a file first"):
         prepare([str(fifo)], tmp_path / "ds", workers=0)
     assert not (tmp_path / "ds").exists()
+
+
+def test_worker_counts_beyond_the_machine_and_huge_mixture_weights_are_usage_errors(tmp_path):
+    (tmp_path / "a.txt").write_text("text long enough to keep")
+    with pytest.raises(ConfigError, match="more than 4 per CPU"):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "ds", workers=10**12)
+    mixture = tmp_path / "mix.yaml"
+    mixture.write_text("sources:\n  - source: a.txt\n    weight: 1" + "0" * 400 + "\n")
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.weight is too large"):
+        prepare((), tmp_path / "ds", mixture=str(mixture))
+    assert not (tmp_path / "ds").exists()
+
+
+def test_a_staged_state_that_is_not_an_object_starts_afresh(tmp_path):
+    (tmp_path / "a.txt").write_text("text long enough to keep, and some more words")
+    stage = tmp_path / "ds" / ".prepare"
+    stage.mkdir(parents=True)
+    (stage / "state.json").write_text("[]")
+    (stage / "commit.json").write_text("null")
+    prepare([str(tmp_path / "a.txt")], tmp_path / "ds", workers=0, val_fraction=0.0, min_chars=1)
+    assert verify_dataset(tmp_path / "ds") == []

@@ -47,18 +47,24 @@ class GenerationResult:
         return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+# Below this a temperature or top-p is 0 in float32 (the logits' dtype): sampling would divide by zero.
+MIN_SAMPLING_VALUE = 1e-30
+
+
 def check_sampling_args(
     max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int = 0
 ) -> None:
     """ConfigError naming the flag for values `sample_next` (or the generator's seeding) would reject."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not (temperature == 0 or MIN_SAMPLING_VALUE <= temperature < float("inf")):
+        raise ConfigError(
+            f"--temperature must be 0 (greedy) or in [{MIN_SAMPLING_VALUE:g}, inf), got {temperature}"
+        )
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_p is not None and not MIN_SAMPLING_VALUE <= top_p <= 1:
+        raise ConfigError(f"--top-p must be in [{MIN_SAMPLING_VALUE:g}, 1], got {top_p}")
     # torch.Generator.manual_seed takes a 64-bit integer (beyond it: a traceback, "Overflow when unpacking
     # long long"); [0, 2**63) is also the range training.seed accepts.
     if not 0 <= seed < 2**63:

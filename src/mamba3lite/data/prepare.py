@@ -303,7 +303,10 @@ def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]
         weight = item.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise ConfigError(f"{where}.weight must be a number, got {weight!r}")
-        specs.append(SourceSpec(spec, float(weight)))
+        try:
+            specs.append(SourceSpec(spec, float(weight)))
+        except OverflowError:  # an integer of hundreds of digits
+            raise ConfigError(f"{where}.weight is too large for a number") from None
     target = doc.get("target_tokens")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 1):
         raise ConfigError(f"{path}: target_tokens must be an integer >= 1, got {target!r}")
@@ -492,6 +495,8 @@ def _check_args(
         raise ConfigError(f"--min-chars must be >= 0, got {min_chars}")
     if workers < 0:
         raise ConfigError(f"--workers must be >= 0 (0 = in this process), got {workers}")
+    if workers > (most := 4 * (os.cpu_count() or 1)):  # each is a process with its own tokenizer
+        raise ConfigError(f"--workers {workers} is more than 4 per CPU of this machine (at most {most})")
     if target_tokens is not None and target_tokens < 1:
         raise ConfigError(f"--target-tokens must be >= 1, got {target_tokens}")
     if max_docs is not None and max_docs < 1:
@@ -635,6 +640,8 @@ class _Run:
             commit = json.loads((self.stage / COMMIT_NAME).read_text(encoding="utf-8"))
         except (DataError, OSError, ValueError):
             return None
+        if not isinstance(commit, dict):
+            return None
         same_sources = commit.get("fingerprints") == self.fingerprints
         if manifest.extra.get("prepare") != self.args_record or not same_sources:
             return None
@@ -654,6 +661,8 @@ class _Run:
         try:
             state = json.loads((self.stage / STATE_NAME).read_text(encoding="utf-8"))
         except (OSError, ValueError):
+            return "no readable state"
+        if not isinstance(state, dict):
             return "no readable state"
         if state.get("args") != self.args_record:
             return "the arguments differ"

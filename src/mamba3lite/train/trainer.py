@@ -800,6 +800,8 @@ class Pretrainer:
             import json
 
             info = json.loads(info_path.read_text(encoding="utf-8"))
+        if not isinstance(info, dict):  # an edited or foreign run.json: rewritten as ours
+            info = {}
         starts = info.get("starts", []) if isinstance(info.get("starts"), list) else []
         starts.append(
             {
