@@ -77,6 +77,14 @@ def check_compatible(
         raise DataError(f"{where} uses EOS id {manifest.eos_id}, the model {model_eos_id}{eos_fix}")
 
 
+def short_val_split(n_tokens: int, max_seq_len: int) -> str:
+    """Why a val split of `n_tokens` holds no window (the trainer and `eval` say it alike)."""
+    return (
+        f"the val split ({n_tokens:,} tokens) is too short for one window of max_seq_len + 1 = "
+        f"{max_seq_len + 1} tokens"
+    )
+
+
 def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> str:
     """The split to evaluate: `split` if given (checked), else "val" when the dataset's val split holds
     at least one window (more than `max_seq_len` tokens, as the trainer and the quickstart decide), else
@@ -98,12 +106,8 @@ def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> st
         split = "val"
     else:
         split = "train"
-        why = (
-            f"the val split ({m.n_tokens('val'):,} tokens) is too short for one window of "
-            f"max_seq_len + 1 = {max_seq_len + 1} tokens"
-            if m.n_tokens("val") > 0
-            else "it has no val split"
-        )
+        n_val = m.n_tokens("val")
+        why = short_val_split(n_val, max_seq_len) if n_val else "it has no val split"
         warnings.warn(
             f"{root}: {why}; evaluating the train split (text the model may have trained on; "
             "prepare with a larger --val-fraction for held-out numbers)",

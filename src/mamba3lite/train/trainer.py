@@ -56,7 +56,7 @@ import torch
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.data.shards import MANIFEST_NAME
 from mamba3lite.errors import CheckpointError, ConfigError, DataError, DataNotFoundError, TrainingError
-from mamba3lite.evaluate import check_compatible, spread_picks, window_loss_sum
+from mamba3lite.evaluate import check_compatible, short_val_split, spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.train import distributed as D
 from mamba3lite.train.checkpoint import (
@@ -302,8 +302,7 @@ class Pretrainer:
             return PretrainDataset(dc.train_data_path, tc.max_seq_len, vocab, split="val")
         if manifest is not None and manifest.n_tokens("val"):
             self._no_val_reason = (
-                f"the val split of {dc.train_data_path} ({manifest.n_tokens('val'):,} tokens) is too short "
-                f"for one window of max_seq_len + 1 = {tc.max_seq_len + 1} tokens; lower "
+                f"{dc.train_data_path}: {short_val_split(manifest.n_tokens('val'), tc.max_seq_len)}; lower "
                 "training.max_seq_len, or prepare with a larger --val-fraction"
             )
         else:
