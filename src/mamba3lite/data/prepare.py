@@ -381,13 +381,7 @@ def prepare(
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
     out_existed = out.exists()
-    # Held until the manifest is written: a second prepare into `out` fails at once instead of sharing
-    # (and resuming from) this one's staging directory.
-    lock = DirLock(
-        out, LOCK_NAME, "another `mamba3lite prepare`", "wait for it to finish, or choose another --out",
-        DataError, remove=True,
-    )  # fmt: skip
-    with lock:
+    with _lock(out):
         record = opts.args_record(specs, tok)
         try:
             mixer = Mixer(
@@ -400,13 +394,7 @@ def prepare(
             if not out_existed:
                 shutil.rmtree(out, ignore_errors=True)
             raise
-        if (finished := stage.finished_manifest()) is not None:
-            print(
-                f"note: the previous run of this command finished its dataset but was interrupted while "
-                f"moving it into {out}; completing that move",
-                file=sys.stderr,
-            )
-            staging.commit(stage.dir, out, finished)
+        if (finished := _complete_interrupted_move(stage)) is not None:
             seconds = time.perf_counter() - t_start
             return PrepareSummary(out, finished, finished.extra["stats"], seconds, len(finished.shards))
         _check_out(out, record, opts.overwrite)
@@ -417,6 +405,29 @@ def prepare(
         stage.finalize(manifest)
         seconds = time.perf_counter() - t_start
         return PrepareSummary(out, manifest, manifest.extra["stats"], seconds, run.resumed_shards)
+
+
+def _lock(out: Path) -> DirLock:
+    """Held until the manifest is written: a second prepare into `out` fails at once instead of sharing
+    (and resuming from) this one's staging directory."""
+    return DirLock(
+        out, LOCK_NAME, "another `mamba3lite prepare`", "wait for it to finish, or choose another --out",
+        DataError, remove=True,
+    )  # fmt: skip
+
+
+def _complete_interrupted_move(stage: Stage) -> Manifest | None:
+    """The dataset of an earlier run of this same command that was complete but interrupted while being
+    moved into `out`, now moved; None when there is none."""
+    finished = stage.finished_manifest()
+    if finished is not None:
+        print(
+            f"note: the previous run of this command finished its dataset but was interrupted while "
+            f"moving it into {stage.dir.parent}; completing that move",
+            file=sys.stderr,
+        )
+        staging.commit(stage.dir, stage.dir.parent, finished)
+    return finished
 
 
 def _discard(stage: Stage, out_existed: bool) -> None:
