@@ -7,8 +7,6 @@ import math
 import os
 import sys
 
-from mamba3lite.errors import ConfigError
-
 HELP = "turn raw text into verified GPT-2 token shards (manifest.json + shard files)"
 
 EPILOG = """\
@@ -161,10 +159,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mamba3lite.data.prepare import PrepareOptions, prepare
 
-    if not args.sources and not args.mixture:
-        raise ConfigError(
-            "no sources; pass --source PATH (repeatable), --source stdlib or --mixture FILE.yaml"
-        )
     sources = [(spec, 1.0 if weight is None else weight) for spec, weight in args.sources]
     options = PrepareOptions(
         tokenizer=args.tokenizer,
