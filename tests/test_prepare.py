@@ -9,7 +9,9 @@ import unicodedata
 import numpy as np
 import pytest
 
-from mamba3lite.data.prepare import SourceSpec, clean_text, load_mixture, prepare
+from mamba3lite.data.clean import clean_text
+from mamba3lite.data.mixture import SourceSpec, load_mixture
+from mamba3lite.data.prepare import prepare
 from mamba3lite.data.shards import Manifest, verify_dataset
 from mamba3lite.errors import ConfigError
 from mamba3lite.tokenizer import load_tokenizer

@@ -199,7 +199,7 @@ def test_missing_path_among_good_sources_fails_before_any_work(existing, tmp_pat
     assert tree_hashes(out) == before
 
 
-def _die(items):  # runs in a forked worker in place of _process_batch
+def _die(items):  # runs in a forked worker in place of clean.process_batch
     import os
 
     os._exit(1)
@@ -207,11 +207,11 @@ def _die(items):  # runs in a forked worker in place of _process_batch
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="the patched worker is inherited by fork")
 def test_a_dying_worker_is_an_error_not_a_hang(tmp_path, monkeypatch):
-    from mamba3lite.data import prepare as P
+    from mamba3lite.data import clean
     from mamba3lite.errors import Mamba3LiteError
 
     src = _jsonl(tmp_path / "d.jsonl", _docs(20))
-    monkeypatch.setattr(P, "_process_batch", _die)
+    monkeypatch.setattr(clean, "process_batch", _die)
     with pytest.raises(Mamba3LiteError, match=r"worker process died.*re-run the same command to resume"):
         prepare([src], tmp_path / "ds", workers=2, min_chars=1)
     assert (tmp_path / "ds" / ".prepare").is_dir()  # kept for the resume

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from mamba3lite.data import prepare as P
+from mamba3lite.data import staging
 from mamba3lite.data.shards import verify_dataset
 from test_prepare_helpers import tree_hashes
 
@@ -57,9 +58,10 @@ def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatc
         _interrupt_after(m, n_snapshots)
         with pytest.raises(_Interrupt):
             P.prepare(sources, out, **KW)
-    assert (out / P.STAGE_DIRNAME / P.STATE_NAME).is_file() and not (out / "manifest.json").exists()
+    stage = out / staging.STAGE_DIRNAME
+    assert (stage / staging.STATE_NAME).is_file() and not (out / "manifest.json").exists()
     # What a write killed mid-way (SIGKILL, power loss) leaves behind; the finished dataset must not carry it.
-    (out / P.STAGE_DIRNAME / "train" / ".shard_99999.bin.x1y2z3.tmp").write_bytes(b"half a shard")
+    (out / staging.STAGE_DIRNAME / "train" / ".shard_99999.bin.x1y2z3.tmp").write_bytes(b"half a shard")
     resumed = P.prepare(sources, out, **KW)
     assert resumed.resumed_shards == n_snapshots
     assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
@@ -73,7 +75,7 @@ def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
         _interrupt_after(m, 4)
         with pytest.raises(_Interrupt):
             P.prepare(sources, out, **KW)
-    shard = out / P.STAGE_DIRNAME / "train" / "shard_00001.bin"
+    shard = out / staging.STAGE_DIRNAME / "train" / "shard_00001.bin"
     shard.write_bytes(shard.read_bytes()[:-2])  # a damaged shard: resuming would be wrong
     s = P.prepare(sources, out, **KW)
     assert s.resumed_shards == 0 and "does not verify" in capsys.readouterr().err
@@ -148,7 +150,7 @@ def test_resume_after_kill(tmp_path):
     out = tmp_path / "ds"
     env = {**os.environ, P.SLEEP_ENV: "0.3"}
     proc = subprocess.Popen(_prepare_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    state = out / P.STAGE_DIRNAME / P.STATE_NAME
+    state = out / staging.STAGE_DIRNAME / staging.STATE_NAME
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -196,7 +198,7 @@ def test_an_interrupted_final_move_is_completed_by_the_same_command(
     kw = dict(KW, overwrite=older)
     if older:
         P.prepare(sources[1:], out, **KW)
-    commit, real_replace = P._commit, os.replace
+    commit, real_replace = staging.commit, os.replace
 
     def interrupted_commit(stage, out_dir, manifest):
         calls = [0]
@@ -208,11 +210,11 @@ def test_an_interrupted_final_move_is_completed_by_the_same_command(
             real_replace(src, dst)
 
         with monkeypatch.context() as m:
-            m.setattr(P.os, "replace", replace)
+            m.setattr(staging.os, "replace", replace)
             commit(stage, out_dir, manifest)
 
     with monkeypatch.context() as m:
-        m.setattr(P, "_commit", interrupted_commit)
+        m.setattr(staging, "commit", interrupted_commit)
         with pytest.raises(_Interrupt):
             P.prepare(sources, out, **kw)
     assert not (out / "manifest.json").exists()

@@ -6,6 +6,10 @@ error as one line and exits non-zero without a traceback; library users catch it
 Internal invariants are `assert`s, not these (STYLE.md rule 6).
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class Mamba3LiteError(Exception):
     """Base class: a problem with the user's input, files or environment."""
@@ -38,3 +42,16 @@ class TransientError(Mamba3LiteError, RuntimeError):
 
 class TrainingError(Mamba3LiteError, RuntimeError):
     """Training cannot continue (e.g. non-finite losses with no checkpoint to roll back to)."""
+
+
+# How close a misspelt key must be to a known one to be suggested (difflib's similarity ratio).
+DID_YOU_MEAN_CUTOFF = 0.5
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str | None:
+    """The known word closest to `word` (a misspelt config key, preset or mixture field), or None when
+    none is close enough to be worth suggesting."""
+    import difflib
+
+    close = difflib.get_close_matches(word, [str(k) for k in known], n=1, cutoff=DID_YOU_MEAN_CUTOFF)
+    return close[0] if close else None

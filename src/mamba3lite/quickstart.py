@@ -205,63 +205,177 @@ def check_overrides(overrides: list[str]) -> None:
             )
 
 
-def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
-    """Prepare, train for the budget, evaluate, sample, plot (see the module docstring)."""
-    from mamba3lite.config import load_config
-    from mamba3lite.evaluate import evaluate_model
-    from mamba3lite.generation import generate_text
-    from mamba3lite.pretrained import load_pretrained
-    from mamba3lite.tokenizer import load_tokenizer
-    from mamba3lite.train.checkpoint import CheckpointManager
-    from mamba3lite.train.trainer import Pretrainer
+@dataclass(frozen=True)
+class Calibration:
+    """What the calibration measured on this machine, before training."""
 
-    if not 0 < opts.minutes <= MAX_MINUTES:  # also refuses nan and inf
-        raise ConfigError(f"--minutes must be > 0 and at most {MAX_MINUTES:,.0f}, got {opts.minutes}")
-    if opts.max_docs is not None and opts.max_docs < 1:
-        raise ConfigError(f"--max-docs must be >= 1, got {opts.max_docs}")
-    check_overrides(opts.overrides)
-    t_start = time.monotonic() - _process_age_s()  # the budget includes Python's and torch's start-up
-    deadline = t_start + 60.0 * opts.minutes
-    workdir = Path(opts.workdir)
-    if workdir.exists() and not workdir.is_dir():
-        raise ConfigError(f"--workdir {workdir} exists and is not a directory; choose another --workdir")
-    cfg = load_config(opts.config, opts.overrides)  # a bad config fails before anything is written
-    workdir.mkdir(parents=True, exist_ok=True)
-    data_path, reused = ensure_dataset(workdir / "data" / "stdlib", opts.max_docs, log)
-    run_dir = workdir / "run"
+    step_s: float  # seconds per optimizer step (see _time_steps)
+    eval_s: float  # seconds for one before/after evaluation
+    sample_s: float  # seconds the final sample will take
+    n_params: int
+    threads: str  # the thread count chosen on CPU and why, or ""
+    start_eval: dict  # the "before" evaluation
 
-    cfg = cfg.replace("data", train_data_path=str(data_path), val_data_path=None, dummy=False)
-    cfg = cfg.replace("training", checkpoint_dir=str(run_dir))
-    tc = cfg.training
 
-    from mamba3lite.data.shards import Manifest
+@dataclass(frozen=True)
+class Plan:
+    """How many optimizer steps to train, for a measured cost per step."""
 
-    manifest = Manifest.load(data_path)
-    split = "val" if manifest.n_tokens("val") > tc.max_seq_len else "train"
-    if split == "train":
-        log("note      the validation split is too small for one window; evaluating on the train split")
-    eval_batches = max(1, EVAL_WINDOWS // tc.micro_batch_size)
+    n_steps: int
+    s_per_step: float
 
-    def evaluate(model) -> dict:
+
+def plan_steps(measured_s_per_step: float, budget_s: float) -> Plan:
+    """Steps for `budget_s` seconds of training at `measured_s_per_step`: planned for PLAN_FRACTION of
+    the budget (the timer stops a run that still goes on when it is spent), and at least one step, even
+    with no time left."""
+    return Plan(max(1, int(PLAN_FRACTION * budget_s / measured_s_per_step)), measured_s_per_step)
+
+
+def checkpoint_s(n_params: int) -> float:
+    """A rough cost of writing one checkpoint: ~12 bytes/parameter (weights + AdamW moments) at 150 MB/s."""
+    return 1.0 + 12 * n_params / 150e6
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The time budget once calibrated: what remains before `deadline`, minus the final evaluation, the
+    sample and the plot (`reserve_s`), pays for steps, the periodic evaluations and the checkpoints
+    (`overhead_s`)."""
+
+    deadline: float  # time.monotonic() by which the quickstart should be done
+    reserve_s: float
+    overhead_s: float
+
+    @classmethod
+    def after(cls, cal: Calibration, deadline: float, minutes: float) -> Budget:
+        reserve = cal.eval_s + cal.sample_s + 5.0 + 0.03 * 60.0 * minutes
+        return cls(deadline, reserve, PERIODIC_EVALS * cal.eval_s / 2 + 3 * checkpoint_s(cal.n_params))
+
+    def steps_for(self, s_per_step: float) -> Plan:
+        """The plan for what is left of the budget now."""
+        return plan_steps(s_per_step, self.deadline - time.monotonic() - self.reserve_s - self.overhead_s)
+
+    def stop_in_s(self) -> float:
+        """Seconds until training must stop to leave `reserve_s`."""
+        return max(0.0, self.deadline - self.reserve_s - time.monotonic())
+
+
+def warmup_for(n_steps: int, warmup_steps: int, start_step: int) -> int:
+    """A fresh run warms up for at most a fifth of its planned steps; a resumed one keeps the config's."""
+    return min(warmup_steps, max(1, n_steps // 5)) if start_step == 0 else warmup_steps
+
+
+def probe_steps(warmup: int, start_step: int, n_steps: int) -> int:
+    """Steps of the probe (0: none). The throw-away trainer's steps can run slower (or faster) than the
+    real run's, so a fresh run's first `warmup` steps (its learning rate there does not depend on
+    max_steps) are timed to re-plan the rest, when the plan is long enough to be worth the extra
+    checkpoint written and read back."""
+    return warmup if start_step == 0 and n_steps >= 4 * warmup else 0
+
+
+def run_settings(
+    n_steps: int, *, probe: bool, start_step: int, warmup: int, log_every: int, eval_batches: int
+):
+    """The training fields of a run of `n_steps` more steps (the fields in CONTROLLED_FIELDS, warmup and
+    log cadence): periodic evaluations at most PERIODIC_EVALS, each half the windows of the before/after
+    one; a checkpoint halfway and at the end; a probe logs every step and does not evaluate."""
+    return {
+        "max_steps": start_step + n_steps,
+        "warmup_steps": warmup,
+        "eval_every": 0 if probe else max(1, math.ceil(n_steps / PERIODIC_EVALS)),
+        "eval_batches": max(1, eval_batches // 2),
+        "save_every": max(1, n_steps // 2),
+        "log_every": 1 if probe else max(1, min(log_every, n_steps // 20 or 1)),
+    }
+
+
+class BudgetTimer:
+    """Stops the trainer being run (`watch`) cleanly when the budget is spent (`Pretrainer.request_stop`:
+    the step finishes, a checkpoint is written); a trainer watched after that is stopped at once. Its
+    state is the trainer and whether it fired, shared with its timer thread under a lock."""
+
+    def __init__(self, delay_s: float) -> None:
+        self._fired = False
+        self._trainer = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(delay_s, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._fired = True
+            if self._trainer is not None:
+                self._trainer.request_stop("the time budget")
+
+    @property
+    def fired(self) -> bool:
+        with self._lock:
+            return self._fired
+
+    def watch(self, trainer):
+        """`trainer`, now the one to stop (stopped already when the time is up)."""
+        with self._lock:
+            self._trainer = trainer
+            if self._fired:
+                trainer.request_stop("the time budget")
+        return trainer
+
+    def __enter__(self) -> BudgetTimer:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
+def eval_split(manifest, max_seq_len: int) -> str:
+    """The split the before/after evaluations use: val when it holds more than one window's tokens."""
+    # val-split rule: the lead replaces this with the shared one
+    return "val" if manifest.n_tokens("val") > max_seq_len else "train"
+
+
+@dataclass(frozen=True)
+class _Evaluator:
+    """The before/after evaluation: EVAL_WINDOWS windows of `split` of the dataset."""
+
+    data_path: Path
+    split: str
+    max_seq_len: int
+    batch_size: int
+    max_batches: int
+    dtype: str
+    vocab_hash: str | None
+    tokenizer_name: str
+
+    def __call__(self, model) -> dict:
+        from mamba3lite.evaluate import evaluate_model
+
         r = evaluate_model(
             model,
-            data_path,
-            max_seq_len=tc.max_seq_len,
-            batch_size=tc.micro_batch_size,
-            max_batches=eval_batches,
-            split=split,
-            dtype=tc.dtype,
-            vocab_hash=manifest.tokenizer.get("vocab_hash"),
-            tokenizer_name=manifest.tokenizer.get("name", "gpt2"),
+            self.data_path,
+            max_seq_len=self.max_seq_len,
+            batch_size=self.batch_size,
+            max_batches=self.max_batches,
+            split=self.split,
+            dtype=self.dtype,
+            vocab_hash=self.vocab_hash,
+            tokenizer_name=self.tokenizer_name,
         )
         return r.to_dict()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a damaged newest checkpoint: the trainer reports its own choice
-        start_step = CheckpointManager(run_dir).latest_step() or 0
 
-    # Calibration: a throw-away trainer of the same config (nothing written to the run directory). Its
-    # untrained model is also what "before" means on a fresh start.
+def calibrate(
+    cfg, run_dir: Path, start_step: int, evaluate: _Evaluator, opts: QuickstartOptions
+) -> Calibration:
+    """Measure a step, an evaluation and the sample with a throw-away trainer of the same config (nothing
+    written to the run directory). Its untrained model is also what "before" means on a fresh start;
+    a resumed run's "before" is its newest checkpoint."""
+    from mamba3lite.generation import generate_text
+    from mamba3lite.pretrained import load_pretrained
+    from mamba3lite.tokenizer import load_tokenizer
+    from mamba3lite.train.trainer import Pretrainer
+
     with tempfile.TemporaryDirectory(prefix="mamba3lite-calibrate-") as scratch:
         calib = Pretrainer(cfg.replace("training", checkpoint_dir=scratch, progress=False), resume="none")
         t0 = time.monotonic()
@@ -273,98 +387,94 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
             start_eval = evaluate(calib.raw_model)
         eval_s = time.monotonic() - t0
         step_s, threads = _time_steps(calib, cpu=calib.device.type == "cpu")
-        tok = load_tokenizer(manifest.tokenizer.get("name", "gpt2"))
+        tok = load_tokenizer(evaluate.tokenizer_name)
         t0 = time.monotonic()
         generate_text(calib.raw_model, tok, opts.prompt, max_new_tokens=4, seed=opts.seed)
         sample_s = (time.monotonic() - t0) / 4 * opts.sample_tokens
         n_params = sum(p.numel() for p in calib.raw_model.parameters())
         del calib
-    if threads:
-        log(f"threads   {threads}")
-    log(
-        f"before    step {start_step}: {_fmt_eval(start_eval)}  (ln {cfg.model.vocab_size:,} = "
-        f"{math.log(cfg.model.vocab_size):.2f})"
-    )
+    return Calibration(step_s, eval_s, sample_s, n_params, threads, start_eval)
 
-    # Plan: what remains, minus the final evaluation, the sample and the plot (`reserve`), pays for
-    # steps, the periodic evaluations and the checkpoints (~12 bytes/parameter: weights + AdamW
-    # moments). Steps are planned for PLAN_FRACTION of it; a timer stops training cleanly (checkpoint
-    # written) if it still runs when only `reserve` is left.
-    save_s = 1.0 + 12 * n_params / 150e6
-    reserve = eval_s + sample_s + 5.0 + 0.03 * 60.0 * opts.minutes
 
-    def steps_for(seconds_per_step: float) -> int:
-        budget = deadline - time.monotonic() - reserve - PERIODIC_EVALS * eval_s / 2 - 3 * save_s
-        return max(1, int(PLAN_FRACTION * budget / seconds_per_step))
+def _train(
+    cfg, run_dir: Path, start_step: int, plan: Plan, budget: Budget, log
+) -> tuple[object, int, str | None]:
+    """Train for the plan (re-planned after the probe), stopped by the budget's timer when time is up.
+    Returns (the train result, the steps planned, "time" / "signal" when stopped short, else None)."""
+    from mamba3lite.train.trainer import Pretrainer
 
-    n_steps = steps_for(step_s)
-    log(
-        f"plan      {step_s:.2f} s/step measured -> {n_steps} steps "
-        f"({n_steps * tc.tokens_per_step():,} tokens)"
-    )
-    warmup = min(tc.warmup_steps, max(1, n_steps // 5)) if start_step == 0 else tc.warmup_steps
+    tc, n_steps = cfg.training, plan.n_steps
+    warmup = warmup_for(n_steps, tc.warmup_steps, start_step)
+    probe = probe_steps(warmup, start_step, n_steps)
+    eval_batches = max(1, EVAL_WINDOWS // tc.micro_batch_size)
 
-    def run_cfg(n: int, probe: bool):
-        return cfg.replace(
-            "training",
-            max_steps=start_step + n,
-            warmup_steps=warmup,
-            eval_every=0 if probe else max(1, math.ceil(n / PERIODIC_EVALS)),  # <= PERIODIC_EVALS
-            eval_batches=max(1, eval_batches // 2),
-            save_every=max(1, n // 2),
-            log_every=1 if probe else max(1, min(tc.log_every, n // 20 or 1)),
-        )
+    def trainer(n: int, is_probe: bool):
+        fields = run_settings(
+            n, probe=is_probe, start_step=start_step, warmup=warmup, log_every=tc.log_every,
+            eval_batches=eval_batches,
+        )  # fmt: skip
+        return timer.watch(Pretrainer(cfg.replace("training", **fields), resume="latest"))
 
-    timed_out = threading.Event()
-    current: list = []
-
-    def out_of_time() -> None:
-        timed_out.set()
-        if current:
-            current[-1].request_stop("the time budget")
-
-    def start_trainer(run_config) -> None:
-        current.append(Pretrainer(run_config, resume="latest"))
-        if timed_out.is_set():  # the timer fired before this trainer existed
-            current[-1].request_stop("the time budget")
-
-    timer = threading.Timer(max(0.0, deadline - reserve - time.monotonic()), out_of_time)
-    timer.daemon = True
-    timer.start()
-    try:
-        # The throw-away trainer's steps can run slower (or faster) than the real run's, so the first
-        # `warmup` steps (a fresh run's learning rate there does not depend on max_steps) are a probe:
-        # their logged step times re-plan the rest. The cost is one checkpoint written and read back.
+    with BudgetTimer(budget.stop_in_s()) as timer:
         # A probe stopped by a signal (Ctrl-C, SIGTERM) ends the training as the main run's stop would.
         result = None
-        probe = warmup if start_step == 0 and n_steps >= 4 * warmup else 0
         if probe:
-            start_trainer(run_cfg(n_steps, probe=True))
-            result = current[-1].train(until_step=start_step + probe)
+            result = trainer(n_steps, True).train(until_step=start_step + probe)
             measured = _logged_step_s(run_dir, start_step, start_step + probe)
-            if measured and not timed_out.is_set() and not result.stopped:
-                n_steps = probe + steps_for(measured)
+            if measured and not timer.fired and not result.stopped:
+                n_steps = probe + budget.steps_for(measured).n_steps
                 log(f"re-plan   {measured:.2f} s/step in the first {probe} steps -> {n_steps} steps in all")
-        if result is None or not (timed_out.is_set() or result.stopped):  # >= 1 step, even with no time
-            start_trainer(run_cfg(n_steps, probe=False))
-            result = current[-1].train()
-    except CheckpointError as e:
-        raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
-    finally:
-        timer.cancel()
+        if result is None or not (timer.fired or result.stopped):  # >= 1 step, even with no time
+            result = trainer(n_steps, False).train()
     stopped_by = None  # a run short of its plan without a signal (or a stop request) met the timer
     if result.stopped or result.step < start_step + n_steps:
-        stopped_by = "time" if timed_out.is_set() else "signal"
+        stopped_by = "time" if timer.fired else "signal"
+    return result, n_steps, stopped_by
+
+
+def _check_options(opts: QuickstartOptions) -> None:
+    if not 0 < opts.minutes <= MAX_MINUTES:  # also refuses nan and inf
+        raise ConfigError(f"--minutes must be > 0 and at most {MAX_MINUTES:,.0f}, got {opts.minutes}")
+    if opts.max_docs is not None and opts.max_docs < 1:
+        raise ConfigError(f"--max-docs must be >= 1, got {opts.max_docs}")
+    check_overrides(opts.overrides)
+    workdir = Path(opts.workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"--workdir {workdir} exists and is not a directory; choose another --workdir")
+
+
+def _evaluator(cfg, data_path: Path, log) -> _Evaluator:
+    from mamba3lite.data.shards import Manifest
+
+    tc, manifest = cfg.training, Manifest.load(data_path)
+    split = eval_split(manifest, tc.max_seq_len)
+    if split == "train":
+        log("note      the validation split is too small for one window; evaluating on the train split")
+    return _Evaluator(
+        data_path, split, tc.max_seq_len, tc.micro_batch_size, max(1, EVAL_WINDOWS // tc.micro_batch_size),
+        tc.dtype, manifest.tokenizer.get("vocab_hash"), manifest.tokenizer.get("name", "gpt2"),
+    )  # fmt: skip
+
+
+def _log_stop(stopped_by: str | None, step: int, planned: int, log) -> None:
     if stopped_by == "time":
         log(
-            f"note      the time budget ran out at step {result.step} of {start_step + n_steps} planned "
+            f"note      the time budget ran out at step {step} of {planned} planned "
             "(planned for 1.25x the time left): stopped cleanly, checkpoint written"
         )
     elif stopped_by == "signal":
         log(
-            f"note      stopped by signal at step {result.step} of {start_step + n_steps} planned: "
+            f"note      stopped by signal at step {step} of {planned} planned: "
             "checkpoint written; evaluating, sampling and plotting it (Ctrl-C again to quit now)"
         )
+
+
+def _finish(
+    run_dir: Path, evaluate: _Evaluator, opts: QuickstartOptions, log
+) -> tuple[dict, str, Path | None]:
+    """The "after" evaluation, the sample and the plot of the newest checkpoint."""
+    from mamba3lite.generation import generate_text
+    from mamba3lite.pretrained import load_pretrained
 
     loaded = load_pretrained(run_dir)
     end_eval = evaluate(loaded.model)
@@ -372,17 +482,11 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     tok = loaded.load_tokenizer()
     log(f"sample    (prompt {opts.prompt!r}, temperature 0.8, top-k 50, seed {opts.seed}):\n")
     sample = generate_text(
-        loaded.model,
-        tok,
-        opts.prompt,
-        max_new_tokens=opts.sample_tokens,
-        temperature=0.8,
-        top_k=50,
+        loaded.model, tok, opts.prompt, max_new_tokens=opts.sample_tokens, temperature=0.8, top_k=50,
         seed=opts.seed,
-    )
+    )  # fmt: skip
     log(opts.prompt + sample.text)
     log("")
-
     plot = None
     try:
         from mamba3lite.report.plot import plot_run
@@ -390,6 +494,45 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
         plot = plot_run(run_dir)
     except (ConfigError, DataError) as e:
         log(f"note      no plot: {e}")
+    return end_eval, sample.text, plot
+
+
+def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
+    """Prepare, train for the budget, evaluate, sample, plot (see the module docstring)."""
+    from mamba3lite.config import load_config
+    from mamba3lite.train.checkpoint import CheckpointManager
+
+    _check_options(opts)
+    t_start = time.monotonic() - _process_age_s()  # the budget includes Python's and torch's start-up
+    deadline = t_start + 60.0 * opts.minutes
+    cfg = load_config(opts.config, opts.overrides)  # a bad config fails before anything is written
+    workdir = Path(opts.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    data_path, reused = ensure_dataset(workdir / "data" / "stdlib", opts.max_docs, log)
+    run_dir = workdir / "run"
+    cfg = cfg.replace("data", train_data_path=str(data_path), val_data_path=None, dummy=False)
+    cfg = cfg.replace("training", checkpoint_dir=str(run_dir))
+    evaluate = _evaluator(cfg, data_path, log)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a damaged newest checkpoint: the trainer reports its own choice
+        start_step = CheckpointManager(run_dir).latest_step() or 0
+
+    cal = calibrate(cfg, run_dir, start_step, evaluate, opts)
+    if cal.threads:
+        log(f"threads   {cal.threads}")
+    vocab = cfg.model.vocab_size
+    log(f"before    step {start_step}: {_fmt_eval(cal.start_eval)}  (ln {vocab:,} = {math.log(vocab):.2f})")
+    budget = Budget.after(cal, deadline, opts.minutes)
+    plan = budget.steps_for(cal.step_s)
+    tokens = plan.n_steps * cfg.training.tokens_per_step()
+    log(f"plan      {cal.step_s:.2f} s/step measured -> {plan.n_steps} steps ({tokens:,} tokens)")
+    try:
+        result, n_steps, stopped_by = _train(cfg, run_dir, start_step, plan, budget, log)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
+    _log_stop(stopped_by, result.step, start_step + n_steps, log)
+
+    end_eval, sample, plot = _finish(run_dir, evaluate, opts, log)
     return QuickstartResult(
         data_path=data_path,
         run_dir=run_dir,
@@ -397,9 +540,9 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
         start_step=start_step,
         end_step=result.step,
         tokens_seen=result.tokens_seen,
-        start_eval=start_eval,
+        start_eval=cal.start_eval,
         end_eval=end_eval,
-        sample=sample.text,
+        sample=sample,
         plot=plot,
         seconds=time.monotonic() - t_start,
         steps_planned=n_steps,

@@ -7,8 +7,6 @@ import math
 import os
 import sys
 
-from mamba3lite.errors import ConfigError
-
 HELP = "turn raw text into verified GPT-2 token shards (manifest.json + shard files)"
 
 EPILOG = """\
@@ -159,17 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mamba3lite.data.prepare import prepare
+    from mamba3lite.data.prepare import PrepareOptions, prepare
 
-    if not args.sources and not args.mixture:
-        raise ConfigError(
-            "no sources; pass --source PATH (repeatable), --source stdlib or --mixture FILE.yaml"
-        )
     sources = [(spec, 1.0 if weight is None else weight) for spec, weight in args.sources]
-    summary = prepare(
-        sources,
-        args.out,
-        mixture=args.mixture,
+    options = PrepareOptions(
         tokenizer=args.tokenizer,
         workers=args.workers,
         shard_tokens=args.shard_tokens,
@@ -184,5 +175,6 @@ def run(args: argparse.Namespace) -> int:
         max_docs=args.max_docs,
         progress=sys.stderr.isatty() and not os.environ.get("MAMBA3LITE_NO_PROGRESS"),
     )
+    summary = prepare(sources, args.out, options, mixture=args.mixture)
     print(summary.table())
     return 0

@@ -364,12 +364,7 @@ class Source:
                 open(path, "rb") as raw,
                 gzip.GzipFile(fileobj=raw) if gz else contextlib.nullcontext(raw) as f,
             ):
-                count = 0
-                for line in f:
-                    if line.strip():
-                        count += 1
-                        if count == n:
-                            break
+                count = sum(1 for _ in itertools.islice((line for line in f if line.strip()), n))
                 return count, raw.tell()  # for .gz: the compressed bytes read so far (to a buffer's size)
         except (OSError, EOFError, zlib.error) as e:
             raise DataError(f"cannot read {path}: {e}") from e
@@ -400,21 +395,26 @@ class Source:
             if index >= start:
                 yield unit
 
+    @staticmethod
+    def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+        """(line number, raw line) of the non-blank lines of a .jsonl or .jsonl.gz file."""
+        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        try:
+            with opener(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield lineno, line
+        except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz
+            raise DataError(f"cannot read {path}: {e}") from e
+
     def _iter_files(self, start: int) -> Iterator[Unit | None]:
         index = 0
         for path in self.files:
             name = path.name.lower()
             if name.endswith((".jsonl", ".jsonl.gz")):
-                opener = gzip.open if name.endswith(".gz") else open
-                try:
-                    with opener(path, "rb") as f:
-                        for lineno, line in enumerate(f, 1):
-                            if not line.strip():
-                                continue
-                            yield None if index < start else (((str(path), lineno)), KIND_JSONL, line)
-                            index += 1
-                except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz
-                    raise DataError(f"cannot read {path}: {e}") from e
+                for lineno, line in self._jsonl_lines(path):
+                    yield None if index < start else (((str(path), lineno)), KIND_JSONL, line)
+                    index += 1
             elif name.endswith(".parquet"):
                 for row, text in enumerate(self._parquet_texts(path), 1):
                     yield None if index < start else ((str(path), row), KIND_STR, text)

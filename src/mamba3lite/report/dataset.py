@@ -1,4 +1,4 @@
-"""A dataset's per-split table, as `prepare` prints it at the end and `inspect` prints it on demand."""
+"""A dataset's per-split and per-source tables: `prepare` prints them at the end, `inspect` on demand."""
 
 from __future__ import annotations
 
@@ -13,5 +13,20 @@ def split_table(manifest) -> list[str]:
         lines.append(
             f"{split:<8}{len(sh):>8,}{sum(s.n_docs for s in sh):>12,}{manifest.n_tokens(split):>15,}"
             f"{manifest.n_bytes(split) / 1e6:>10.2f}"
+        )
+    return lines
+
+
+def source_table(sources: list) -> list[str]:
+    """One header line and one line per source of a manifest's `stats["sources"]`: spec (its tail when
+    long), weight, documents and tokens per split. Tolerant of missing fields (an older manifest)."""
+    lines = [f"{'source':<40}{'weight':>8}{'documents':>12}{'train tok':>14}{'val tok':>12}"]
+    for src in sources:
+        spec = str(src.get("spec", "?"))
+        spec = spec if len(spec) <= 38 else "…" + spec[-37:]
+        docs, toks = src.get("documents", {}), src.get("tokens", {})
+        lines.append(
+            f"{spec:<40}{src.get('weight', 1):>8g}{sum(docs.values()):>12,}"
+            f"{toks.get('train', 0):>14,}{toks.get('val', 0):>12,}"
         )
     return lines

@@ -1,0 +1,141 @@
+"""Which source the next document comes from: source specs with weights, mixture files, and the `Mixer`.
+
+The next document comes from the source with the fewest tokens taken per unit of rate (ties: lowest
+index). With a target token count, source i stops after weight_i / Σweights × target tokens and its rate
+is its weight; without one, every document of every source is used and the rate is the source's size on
+disk (when every source's is known). Either way the sources run out together, so every shard sees every
+source.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mamba3lite.config import strict_yaml_load, yaml_error_line
+from mamba3lite.errors import ConfigError, did_you_mean
+
+_MIXTURE_KEYS = ("sources", "target_tokens")
+_MIXTURE_SOURCE_KEYS = ("source", "weight")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A source spec (see `mamba3lite.data.sources`) and its mixing weight (> 0)."""
+
+    spec: str
+    weight: float = 1.0
+
+
+def as_spec(source: str | SourceSpec | tuple[str, float]) -> SourceSpec:
+    """A spec string, a (spec, weight) pair or a SourceSpec, as a SourceSpec."""
+    if isinstance(source, SourceSpec):
+        return source
+    return SourceSpec(source) if isinstance(source, str) else SourceSpec(*source)
+
+
+def _unknown_key(key: str, known: Sequence[str], where: str) -> ConfigError:
+    close = did_you_mean(key, known)
+    hint = f"; did you mean {close!r}?" if close else f"; known keys: {', '.join(known)}"
+    return ConfigError(f"{where}: unknown key {key!r}{hint}")
+
+
+def read_mixture_file(path: Path) -> Any:
+    """The parsed YAML document of a mixture file (the one place the file is read); ConfigError naming
+    the file when it is missing, a directory, not UTF-8 or not YAML."""
+    import yaml
+
+    try:
+        return strict_yaml_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"mixture file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--mixture {path} is a directory; pass the mixture YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.start}); a mixture file is YAML, see `prepare --help`"
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_error_line(e)})") from None
+
+
+def _source_of(item: Any, where: str, base: Path) -> SourceSpec:
+    """One entry of a mixture's `sources:` list (a spec string or {source, weight})."""
+    if isinstance(item, str):
+        item = {"source": item}
+    if not isinstance(item, dict) or "source" not in item:
+        raise ConfigError(f"{where} must be a mapping with a `source` key")
+    for key in item:
+        if key not in _MIXTURE_SOURCE_KEYS:
+            raise _unknown_key(str(key), _MIXTURE_SOURCE_KEYS, where)
+    spec = str(item["source"])
+    if spec != "stdlib" and not spec.startswith("hf:") and not os.path.isabs(spec):
+        spec = os.path.join(base, spec)
+    weight = item.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise ConfigError(f"{where}.weight must be a number, got {weight!r}")
+    try:
+        return SourceSpec(spec, float(weight))
+    except OverflowError:  # an integer of hundreds of digits
+        raise ConfigError(f"{where}.weight is too large for a number") from None
+
+
+def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]:
+    """Read a mixture YAML file:
+
+        target_tokens: 20_000_000        # optional
+        sources:
+          - source: data/web/*.jsonl     # any source spec; relative paths are relative to this file
+            weight: 0.7
+          - source: stdlib
+            weight: 0.3
+
+    Returns (sources, target_tokens). ConfigError naming the file and field on anything wrong."""
+    path = Path(path)
+    doc = read_mixture_file(path)
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping with `sources:` (and optionally `target_tokens:`)")
+    for key in doc:
+        if key not in _MIXTURE_KEYS:
+            raise _unknown_key(str(key), _MIXTURE_KEYS, str(path))
+    items = doc.get("sources")
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{path}: `sources` must be a non-empty list of {{source: ..., weight: ...}}")
+    specs = [_source_of(item, f"{path}: sources[{i}]", path.parent) for i, item in enumerate(items)]
+    target = doc.get("target_tokens")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 1):
+        raise ConfigError(f"{path}: target_tokens must be an integer >= 1, got {target!r}")
+    return specs, target
+
+
+class Mixer:
+    """The interleaving policy (see the module docstring): per-source budgets and rates, fixed by the
+    arguments. The state it decides on, the tokens taken from each source, is the caller's."""
+
+    def __init__(self, weights: Sequence[float], sizes: Sequence[int], target_tokens: int | None) -> None:
+        top = max(weights)  # relative weights: a sum of 1e308s must not overflow to inf
+        total_w = sum(w / top for w in weights)
+        self.budgets = [
+            None if target_tokens is None else target_tokens * (w / top) / total_w for w in weights
+        ]
+        # With a target every source reaches its budget at about the same time; without one every
+        # document is used, so sources are spread by size and all run out at about the same time.
+        if target_tokens is None and all(sizes):
+            self.rates = [float(n) for n in sizes]
+        else:
+            self.rates = list(weights)
+
+    def pick(self, taken: Sequence[int], active: Sequence[int]) -> int | None:
+        """The source of the next document among `active` (not exhausted), given the tokens `taken` from
+        each so far; None when none may give more (all exhausted, or at their budgets)."""
+        best = None
+        for i in active:
+            b = self.budgets[i]
+            if b is not None and taken[i] >= b:
+                continue
+            if best is None or taken[i] * self.rates[best] < taken[best] * self.rates[i]:
+                best = i
+        return best

@@ -1,0 +1,228 @@
+"""The crash-safe staging protocol of `prepare`: all work in OUT/.prepare/, snapshots, resume, commit.
+
+    OUT/.prepare.lock       held (mamba3lite.dirlock) from before a run looks at OUT until it ends
+    OUT/.prepare/           the staging directory: train/ val/ shards as they are written, and
+      state.json            the last snapshot: arguments, source fingerprints, cursors, counters, shards
+      pending.N.bin         both splits' partly filled shards at snapshot N (train's tokens, then val's)
+      seen.bin              the dedup digests, appended at each snapshot (state.json says how many count)
+      commit.json           written when the dataset is complete, before it is moved into OUT
+
+A snapshot is taken right after a shard is written. A re-run with the same arguments and unchanged
+source files re-verifies the snapshot's shards and restores it (`Stage.restore`). When the dataset is
+complete its manifest is validated and written into the stage (`Stage.finalize`), then moved into OUT
+split by split, manifest last (`commit`); an interrupted move is completed by the next run of the same
+command (`Stage.finished_manifest`), computing nothing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mamba3lite.data import shards
+from mamba3lite.data.clean import DIGEST_BYTES
+from mamba3lite.data.packing import Dedup, Packer
+from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, ShardInfo
+from mamba3lite.data.stats import PrepareStats
+from mamba3lite.errors import DataError
+
+STAGE_DIRNAME = ".prepare"
+LOCK_NAME = ".prepare.lock"  # exists while a prepare runs (mamba3lite.dirlock), or after one was killed
+STATE_NAME = "state.json"
+COMMIT_NAME = "commit.json"
+SEEN_NAME = "seen.bin"
+
+
+@dataclass
+class PipelineState:
+    """Everything a snapshot holds, besides the arguments: per-source cursors (units consumed) and tokens
+    taken, the counters, the dedup set, the shards written and both splits' partly filled shards."""
+
+    cursors: list[int]
+    taken: list[int]
+    stats: PrepareStats
+    dedup: Dedup
+    shards: list[ShardInfo]
+    packers: dict[str, Packer]
+
+    @classmethod
+    def fresh(cls, stats: PrepareStats) -> PipelineState:
+        n = len(stats.sources)
+        return cls([0] * n, [0] * n, stats, Dedup(), [], {s: Packer(s) for s in SPLITS})
+
+
+def _sha256(tokens: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(tokens).cast("B")).hexdigest()
+
+
+class Stage:
+    """The staging directory of one run: `args_record` and `fingerprints` say which run a snapshot
+    belongs to (a snapshot of other arguments or changed source files is never restored)."""
+
+    def __init__(self, out: Path, args_record: dict, fingerprints: list, dtype: np.dtype) -> None:
+        self.dir = out / STAGE_DIRNAME
+        self.args_record = args_record
+        self.fingerprints = fingerprints
+        self.dtype = dtype
+
+    def _pending_path(self, snap: int) -> Path:
+        return self.dir / f"pending.{snap}.bin"
+
+    def _save_pending(self, snap: int, packers: dict[str, Packer]) -> dict:
+        pending, parts = {}, []
+        for split in SPLITS:
+            p = packers[split]
+            tokens = p.tokens().astype(self.dtype, copy=False)
+            parts.append(tokens)
+            pending[split] = {"n_tokens": int(tokens.size), "n_docs": p.n_docs, "n_bytes": p.n_bytes}
+            pending[split]["next_index"] = p.next_index
+        both = np.concatenate(parts)
+        shards.atomic_write_bytes(self._pending_path(snap), both)
+        pending["sha256"] = _sha256(both)
+        return pending
+
+    def _save_seen(self, dedup: Dedup) -> None:
+        with open(self.dir / SEEN_NAME, "ab") as f:
+            f.write(b"".join(dedup.unsaved))
+            f.flush()
+            os.fsync(f.fileno())
+        dedup.saved()
+
+    def save(self, state: PipelineState) -> None:
+        """Persist `state`; called right after a shard is written (before the next unit)."""
+        snap = len(state.shards)
+        pending = self._save_pending(snap, state.packers)
+        self._save_seen(state.dedup)
+        record = {
+            "args": self.args_record,
+            "fingerprints": self.fingerprints,
+            "snapshot": snap,
+            "cursors": state.cursors,
+            "taken": state.taken,
+            "stats": state.stats.to_dict(public=False),
+            "n_seen": state.dedup.n_saved,
+            "pending": pending,
+            "shards": [s.__dict__ for s in state.shards],
+        }
+        shards.atomic_write_json(self.dir / STATE_NAME, record)
+        for p in self.dir.glob("pending.*.bin"):
+            if p.name != self._pending_path(snap).name:
+                p.unlink()
+
+    def _load_packers(self, record: dict) -> dict[str, Packer] | str:
+        both = np.fromfile(self._pending_path(record["snapshot"]), dtype=self.dtype)
+        if _sha256(both) != record["pending"]["sha256"]:
+            return "the partly filled shards do not verify"
+        packers, offset = {}, 0
+        for split in SPLITS:
+            meta = record["pending"][split]
+            tokens = both[offset : offset + meta["n_tokens"]]
+            offset += meta["n_tokens"]
+            packers[split] = Packer(
+                split, [tokens] if tokens.size else [], int(tokens.size), meta["n_docs"], meta["n_bytes"],
+                meta["next_index"],
+            )  # fmt: skip
+        return packers if offset == both.size else "the partly filled shards have the wrong size"
+
+    def _load(self, record: dict) -> PipelineState | str:
+        infos = [ShardInfo(**d) for d in record["shards"]]
+        for info in infos:
+            path = self.dir / info.path
+            if not path.is_file() or shards.sha256_file(path) != info.sha256:
+                return f"shard {info.path} does not verify"
+        packers = self._load_packers(record)
+        if isinstance(packers, str):
+            return packers
+        n_seen = record["n_seen"]
+        with open(self.dir / SEEN_NAME, "rb") as f:
+            blob = f.read(n_seen * DIGEST_BYTES)
+        if len(blob) != n_seen * DIGEST_BYTES:
+            return "the dedup record is short"
+        seen = {blob[i : i + DIGEST_BYTES] for i in range(0, len(blob), DIGEST_BYTES)}
+        stats = PrepareStats.from_dict(record["stats"])
+        return PipelineState(record["cursors"], record["taken"], stats, Dedup(seen, n_seen), infos, packers)
+
+    def restore(self) -> PipelineState | str:
+        """The snapshot in the staging dir if it matches these arguments and verifies, else why not (the
+        caller starts afresh)."""
+        try:
+            record = json.loads((self.dir / STATE_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return "no readable state"
+        if not isinstance(record, dict):
+            return "no readable state"
+        if record.get("args") != self.args_record:
+            return "the arguments differ"
+        if record.get("fingerprints") != self.fingerprints:
+            return "the source files changed"
+        try:
+            state = self._load(record)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            return f"the state is unreadable ({e})"
+        if isinstance(state, PipelineState):
+            with open(self.dir / SEEN_NAME, "r+b") as f:  # drop digests appended after the snapshot
+                f.truncate(state.dedup.n_saved * DIGEST_BYTES)
+        return state
+
+    def finished_manifest(self) -> Manifest | None:
+        """The staged manifest when an earlier run of these same arguments, on the same source files,
+        completed its dataset and was interrupted while moving it into `out` (`commit`), and every shard
+        it lists verifies, in the stage or already in `out`; else None."""
+        try:
+            manifest = Manifest.load(self.dir)
+            record = json.loads((self.dir / COMMIT_NAME).read_text(encoding="utf-8"))
+        except (DataError, OSError, ValueError):
+            return None
+        if not isinstance(record, dict):
+            return None
+        same_sources = record.get("fingerprints") == self.fingerprints
+        if manifest.extra.get("prepare") != self.args_record or not same_sources:
+            return None
+        for info in manifest.shards:
+            path = self.dir / info.path
+            if not path.is_file():
+                path = self.dir.parent / info.path
+            if not path.is_file() or shards.sha256_file(path) != info.sha256:
+                return None
+        return manifest
+
+    def finalize(self, manifest: Manifest) -> None:
+        """Move the staged shards into `out` and put the manifest in place last. The manifest is
+        validated and written into the staging dir first, so a manifest that cannot be written (invalid,
+        disk full) fails before anything in `out`, an older dataset included, is touched. From then on an
+        interrupted move is completed by the next run of the same command (`finished_manifest`, `commit`)."""
+        for split in SPLITS:  # temp files of writes killed mid-way in an earlier, resumed run
+            for tmp in (self.dir / split).glob(".*.tmp"):
+                tmp.unlink()
+        shards.atomic_write_json(self.dir / COMMIT_NAME, {"fingerprints": self.fingerprints})
+        manifest.save(self.dir)
+        commit(self.dir, self.dir.parent, manifest)
+
+
+def commit(stage: Path, out: Path, manifest: Manifest) -> None:
+    """The move itself; idempotent, so it can be run again after an interruption at any point: a split
+    still in the stage is moved into `out`, one the manifest lists that the stage lacks is there already,
+    and a split of an older dataset that the new one does not have is removed."""
+    old = out / MANIFEST_NAME
+    if old.exists():
+        old.unlink()  # from here on `out` is not a dataset until the new manifest lands
+        shards.fsync_dir(out)
+    listed = {s.split for s in manifest.shards}
+    for split in SPLITS:
+        dst = out / split
+        if (stage / split).is_dir():
+            if dst.exists():
+                shutil.rmtree(dst)
+            os.replace(stage / split, dst)
+        elif split not in listed and dst.exists():
+            shutil.rmtree(dst)
+    shards.fsync_dir(out)
+    os.replace(stage / MANIFEST_NAME, old)
+    shards.fsync_dir(out)
+    shutil.rmtree(stage)

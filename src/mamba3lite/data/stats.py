@@ -1,0 +1,113 @@
+"""What `prepare` counted: documents read, kept and dropped (by reason), per source and split.
+
+`PrepareStats.to_dict()` is the manifest's `extra["stats"]` (a contract: its keys and their order do not
+change) and, with the internal `exhausted` flags, part of the resume snapshot; `from_dict` reads the
+snapshot's form back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mamba3lite.data.shards import SPLITS
+
+DROP_REASONS = ("too_short", "duplicate", "binary", "empty", "bad_lines")
+
+
+def _per_split() -> dict[str, int]:
+    return dict.fromkeys(SPLITS, 0)
+
+
+@dataclass
+class SourceStats:
+    """One source's contribution; `documents`, `tokens` and `bytes` are per split."""
+
+    spec: str
+    weight: float
+    documents_in: int = 0
+    documents: dict[str, int] = field(default_factory=_per_split)
+    tokens: dict[str, int] = field(default_factory=_per_split)
+    bytes: dict[str, int] = field(default_factory=_per_split)
+    exhausted: bool = False  # read to its end (internal: not in the manifest)
+
+    def to_dict(self, public: bool) -> dict:
+        d = {
+            "spec": self.spec,
+            "weight": self.weight,
+            "documents_in": self.documents_in,
+            "documents": dict(self.documents),
+            "tokens": dict(self.tokens),
+            "bytes": dict(self.bytes),
+        }
+        return d if public else {**d, "exhausted": self.exhausted}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SourceStats:
+        counts = {k: {s: int(d[k][s]) for s in SPLITS} for k in ("documents", "tokens", "bytes")}
+        return cls(
+            d["spec"], float(d["weight"]), int(d["documents_in"]), **counts, exhausted=bool(d["exhausted"])
+        )
+
+
+@dataclass
+class PrepareStats:
+    """The counters of one prepare run (all of it goes into the resume snapshot)."""
+
+    sources: list[SourceStats]
+    documents_in: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    replaced_bytes: int = 0  # characters replaced by U+FFFD (undecodable bytes, lone surrogates)
+    special_tokens_removed: int = 0  # EOS ids a tokenizer produced inside a document
+
+    @classmethod
+    def new(cls, specs: Sequence[Any]) -> PrepareStats:
+        """Zero counts for sources with `.spec` and `.weight` (SourceSpec)."""
+        return cls([SourceStats(s.spec, s.weight) for s in specs])
+
+    def read(self, i: int, n_replaced: int) -> None:
+        """A unit of source i was read (whatever becomes of it)."""
+        self.documents_in += 1
+        self.sources[i].documents_in += 1
+        self.replaced_bytes += n_replaced
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+
+    def keep(self, i: int, split: str, n_tokens: int, n_bytes: int, n_special: int) -> None:
+        """A document of source i went into `split`."""
+        self.kept += 1
+        self.special_tokens_removed += n_special
+        src = self.sources[i]
+        src.documents[split] += 1
+        src.tokens[split] += n_tokens
+        src.bytes[split] += n_bytes
+
+    def dropped_text(self, sep: str = ", ") -> str:
+        """The non-zero drop counts, "reason n" each."""
+        return sep.join(f"{k} {v}" for k, v in self.dropped.items() if v)
+
+    def to_dict(self, public: bool = True) -> dict:
+        """The JSON form: the manifest's (public) or the snapshot's (with each source's `exhausted`)."""
+        return {
+            "documents_in": self.documents_in,
+            "kept": self.kept,
+            "dropped": dict(self.dropped),
+            "replaced_bytes": self.replaced_bytes,
+            "special_tokens_removed": self.special_tokens_removed,
+            "sources": [s.to_dict(public) for s in self.sources],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PrepareStats:
+        """The snapshot form back; KeyError / TypeError / ValueError when it is not one."""
+        return cls(
+            sources=[SourceStats.from_dict(s) for s in d["sources"]],
+            documents_in=int(d["documents_in"]),
+            kept=int(d["kept"]),
+            dropped={k: int(d["dropped"][k]) for k in DROP_REASONS},
+            replaced_bytes=int(d["replaced_bytes"]),
+            special_tokens_removed=int(d["special_tokens_removed"]),
+        )
