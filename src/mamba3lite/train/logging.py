@@ -15,9 +15,9 @@ when `step % log_every == 0` (or on `flush()`), emits one "train" row:
     warmup_window true for the first window after start/resume/rollback: it includes start-up costs
                   (compile, data open, checkpoint load) and is excluded from `steady_tokens_per_s()`
 
-This fixes the seed's logger (its "TrainingLogger" Pitfalls): its window held one loss (1), its tps
-assumed a token count instead of counting (2), its first window was not marked (5), and W&B failures
-other than ImportError crashed training (4).
+Differences from the seed's logger: a window averages every loss in it (the seed's held one), tokens/s
+counts the tokens processed (the seed assumed a count), the first window after a start is marked, and
+a W&B failure of any kind is a warning (the seed crashed on any but ImportError).
 
 Sinks (STYLE rule 11: "off" is a sink that does nothing, not an `if` in the loop):
 - ConsoleSink: the seed's line `step= … | loss= … | ppl= … | lr= … | tps= …` plus the new fields;
