@@ -60,3 +60,13 @@ def test_one_protocol_for_shards_and_checkpoints():
     assert shards.atomic_write_bytes is atomicfile.atomic_write_bytes
     assert shards.atomic_write_json is atomicfile.atomic_write_json
     assert checkpoint.HashingAtomicFile is atomicfile.HashingAtomicFile
+
+
+def test_every_public_checkpoint_name_is_importable_from_the_package():
+    """Other modules import these from mamba3lite.train.checkpoint; the package resolves them lazily."""
+    import mamba3lite.train.checkpoint as checkpoint
+
+    for name in checkpoint.__all__:
+        assert getattr(checkpoint, name) is not None, name
+    with pytest.raises(AttributeError):
+        checkpoint.no_such_name  # noqa: B018

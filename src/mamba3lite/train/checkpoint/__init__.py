@@ -28,7 +28,24 @@ The package's names are imported lazily, so that `files.py` (the file names) cos
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
+    from mamba3lite.atomicfile import HashingAtomicFile
+    from mamba3lite.train.checkpoint.files import checkpoint_files, finished_save, steps_in
+    from mamba3lite.train.checkpoint.lock import LOCK_NAME, RunLock
+    from mamba3lite.train.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
+    from mamba3lite.train.checkpoint.meta import META_FORMAT
+    from mamba3lite.train.checkpoint.meta import meta_digest as _meta_digest
+    from mamba3lite.train.checkpoint.optim_state import (
+        OPTIM_FORMAT,
+        load_optimizer_state_by_name,
+        optimizer_state_by_name,
+        param_names,
+    )
+    from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
+    from mamba3lite.train.checkpoint.rng import capture_rng_state, restore_rng_state
+    from mamba3lite.train.checkpoint.weights import load_model_file, split_tied, write_safetensors
 
 _WHERE = {
     "CheckpointManager": "mamba3lite.train.checkpoint.manager",
