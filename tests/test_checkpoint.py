@@ -305,7 +305,7 @@ def test_older_meta_without_digest_with_a_badly_typed_field_is_not_loadable(tmp_
 
 def test_move_aside_keeps_every_abandoned_timeline(tmp_path, monkeypatch):
     # Resuming step 1 twice abandons two different step-2 checkpoints: both must survive.
-    import mamba3lite.train.checkpoint as ckpt_module
+    import mamba3lite.train.checkpoint.manager as ckpt_module
 
     frozen = time.gmtime(1_700_000_000)
     monkeypatch.setattr(ckpt_module.time, "gmtime", lambda *a: frozen)  # both moves in the same second

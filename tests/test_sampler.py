@@ -200,3 +200,19 @@ def test_bad_arguments(kwargs, message):
 def test_bad_state(state, message):
     with pytest.raises(CheckpointError, match=message):
         WindowSampler(50, 8).load_state_dict(state)
+
+
+def test_next_batch_hands_out_what_iteration_yields_across_epochs():
+    """The trainer draws with next_batch() (no iterator to keep in sync with load_state_dict)."""
+    from itertools import islice
+
+    from mamba3lite.data.sampler import WindowSampler
+
+    drawn = WindowSampler(10, 4, seed=3)
+    iterated = WindowSampler(10, 4, seed=3)
+    batches = [drawn.next_batch() for _ in range(7)]  # 2 batches per epoch: into epoch 3
+    assert batches == list(islice(iter(iterated), 7))
+    assert drawn.state_dict() == iterated.state_dict() == {"seed": 3, "epoch": 3, "consumed": 4}
+    resumed = WindowSampler(10, 4, seed=3)
+    resumed.load_state_dict(drawn.state_dict())
+    assert resumed.next_batch() == drawn.next_batch()

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mamba3lite.data import shards
+from mamba3lite import atomicfile
 from mamba3lite.data.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -138,7 +138,7 @@ def test_atomic_write_failure_keeps_old_file_and_leaves_no_temp(tmp_path, monkey
     def boom(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(shards.os, "fsync", boom)
+    monkeypatch.setattr(atomicfile.os, "fsync", boom)
     with pytest.raises(OSError, match="disk full"):
         atomic_write_bytes(target, b"new contents")
     monkeypatch.undo()
@@ -164,7 +164,7 @@ def test_atomic_write_json_sorted_indented(tmp_path):
 def test_sha256_file_matches_hashlib(tmp_path, monkeypatch):
     data = os.urandom(10_000)
     (tmp_path / "x").write_bytes(data)
-    monkeypatch.setattr(shards, "_CHUNK_BYTES", 64)  # exercise the chunk loop
+    monkeypatch.setattr(atomicfile, "HASH_CHUNK_BYTES", 64)  # exercise the chunk loop
     assert sha256_file(tmp_path / "x") == hashlib.sha256(data).hexdigest()
 
 

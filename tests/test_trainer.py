@@ -105,7 +105,7 @@ def test_nan_skip_leaves_optimizer_untouched_and_is_logged(tmp_path, monkeypatch
     t = Pretrainer(tiny_config(tmp_path, gradient_accumulation_steps=1))
     result = t.train()
     # step 2's only micro-step was skipped: 6 optimizer steps still happen, from 7 batches
-    assert result.step == 6 and t.micro_count == 7
+    assert result.step == 6 and t.faults.micro_count == 7
     state = t.optimizer.state[t.params[0]]
     assert int(state["step"]) == 6
     assert all(torch.isfinite(p).all() for p in t.raw_model.parameters())

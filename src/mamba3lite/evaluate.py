@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
+from mamba3lite.data.splits import dataset_dir, short_val_split, val_split_holds_window
 from mamba3lite.errors import ConfigError, DataError
+
+__all__ = ["check_compatible", "evaluate_model", "pick_split", "short_val_split", "spread_picks"]
 
 
 @dataclass
@@ -77,14 +80,6 @@ def check_compatible(
         raise DataError(f"{where} uses EOS id {manifest.eos_id}, the model {model_eos_id}{eos_fix}")
 
 
-def short_val_split(n_tokens: int, max_seq_len: int) -> str:
-    """Why a val split of `n_tokens` holds no window (the trainer and `eval` say it alike)."""
-    return (
-        f"the val split ({n_tokens:,} tokens) is too short for one window of max_seq_len + 1 = "
-        f"{max_seq_len + 1} tokens"
-    )
-
-
 def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> str:
     """The split to evaluate: `split` if given (checked), else "val" when the dataset's val split holds
     at least one window (more than `max_seq_len` tokens, as the trainer and the quickstart decide), else
@@ -92,8 +87,7 @@ def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> st
     the split chosen holds no window."""
     from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest
 
-    p = Path(data_path)
-    root = p.parent if p.name == MANIFEST_NAME else p
+    root = dataset_dir(data_path)
     if not (root / MANIFEST_NAME).is_file():
         return split or "train"  # seed-format token files have no splits
     m = Manifest.load(root)
@@ -102,7 +96,7 @@ def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> st
             raise ConfigError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not m.split_shards(split):
             raise DataError(f"{root} has no {split} split (its splits: {', '.join(_splits(m))})")
-    elif m.n_tokens("val") > max_seq_len:
+    elif val_split_holds_window(m, max_seq_len):
         split = "val"
     else:
         split = "train"

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import re
 import stat
 import sys
 from pathlib import Path
 
 from mamba3lite.config import TOKEN_DTYPES
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+from mamba3lite.train.checkpoint.files import looks_like_checkpoint_file  # (no torch: a cheap module)
 
 HELP = "describe (and --verify) a dataset directory, a checkpoint directory or a shard file"
 
@@ -40,9 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# Checkpoint files (and the temp files of their atomic writes), as train/checkpoint.py names them; kept
-# here so that a wrong PATH is refused without importing torch.
-_CHECKPOINT_FILE_RE = re.compile(r"^\.?(model|optim|meta)_step_\d+\.(safetensors|pt|json)")
 # Suffixes of files that are text for people (a file named so that decodes as UTF-8 is not token data)
 # and of token files (never taken for text, whatever their bytes).
 _TEXT_SUFFIXES = frozenset(
@@ -89,7 +86,7 @@ def _is_text_file(path: Path) -> bool:
 def _run_dir_of(path: Path) -> Path | None:
     """The directory holding `path` when it is a checkpoint (run) directory, else None."""
     parent = path.parent
-    if any(_CHECKPOINT_FILE_RE.match(p.name) for p in parent.glob("*_step_*")):
+    if any(looks_like_checkpoint_file(p.name) for p in parent.glob("*_step_*")):
         return parent
     return None
 
@@ -104,7 +101,7 @@ def detect_kind(path: Path) -> str:
     if path.is_file():
         if path.name == MANIFEST_NAME:
             return DATASET
-        if _CHECKPOINT_FILE_RE.match(path.name):
+        if looks_like_checkpoint_file(path.name):
             raise ConfigError(
                 f"{path} is a checkpoint file; inspect its run directory: mamba3lite inspect {path.parent}"
             )

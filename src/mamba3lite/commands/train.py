@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 from pathlib import Path
 
 from mamba3lite.commands.options import add_override_option
@@ -179,56 +178,54 @@ def run(args: argparse.Namespace) -> int:
             )
         resume = "none"
     from mamba3lite.train import distributed as D
-    from mamba3lite.train.trainer import Pretrainer
+    from mamba3lite.train.stop import StopFlag
 
     info = D.init_distributed(cfg.training.device)
-    # SIGTERM outside Pretrainer.train() must not kill the process either: while the data and model are
-    # built it is handed to the trainer (which then stops after one step, with a checkpoint); after the
-    # run there is nothing left to save. train() installs its own handlers and restores this one.
-    trainer = None
-    pending: list[int] = []
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        if trainer is not None:
-            trainer.request_stop()
-        else:
-            pending.append(signum)
-
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # One stop flag for the whole command: a SIGTERM while the data and model are built, or while a
+    # checkpoint is verified and restored, stops the run after its first step (with a checkpoint)
+    # instead of killing the process; train() adds SIGINT for the loop. After the run, in the CLI's own
+    # process, SIGTERM is ignored: the run is over and saved, and from here to the exit (slow, after
+    # torch) a SIGTERM must not turn it into exit -15. An in-process caller gets its handler back.
+    stop = StopFlag(announce=info.is_main)
+    after = signal.SIG_IGN if getattr(args, "own_process", False) else None
     finished = False
-    try:
+    with stop.installed(signal.SIGTERM, on_exit=after):
         try:
-            trainer = Pretrainer(cfg, resume=resume, dist=info)
-            if pending:
-                print("received SIGTERM while starting: stopping after the first step", flush=True)
-                trainer.request_stop()
-            result = trainer.train()
-        except RuntimeError as e:
-            if D.lost_a_peer(e, info):  # e.g. rank 0 could not write a checkpoint: its error says why
-                raise TrainingError(
-                    f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
-                    "`error:` line says why (torchrun's summary, if it was killed)"
-                ) from None
-            advice = out_of_memory_advice(e, cfg, building=trainer is None)
-            if advice is None:
-                raise
-            raise TrainingError(advice) from None
-        if info.is_main:
-            what = "stopped" if result.stopped else "done"
-            tps = f", steady {result.steady_tokens_per_s:,.0f} tokens/s" if result.steady_tokens_per_s else ""
-            print(
-                f"{what}: step {result.step}, {result.tokens_seen:,} tokens{tps}; run directory "
-                f"{cfg.training.checkpoint_dir}",
-                flush=True,
-            )
-        finished = True
-    finally:
-        D.teardown(after_error=not finished)
-        if previous is not None:
-            # In the CLI's own process the run is over and saved: from here to the exit (slow, after
-            # torch) a SIGTERM must not turn it into exit -15. An in-process caller gets its handler back.
-            own = getattr(args, "own_process", False)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN if own else previous)
+            result = _train(cfg, resume, info, stop)
+            if info.is_main:
+                what = "stopped" if result.stopped else "done"
+                tps = (
+                    f", steady {result.steady_tokens_per_s:,.0f} tokens/s"
+                    if result.steady_tokens_per_s
+                    else ""
+                )
+                print(
+                    f"{what}: step {result.step}, {result.tokens_seen:,} tokens{tps}; run directory "
+                    f"{cfg.training.checkpoint_dir}",
+                    flush=True,
+                )
+            finished = True
+        finally:
+            D.teardown(after_error=not finished)
     return 0
+
+
+def _train(cfg, resume: str | int, info, stop):
+    """Build the trainer and run it; errors a user can act on become TrainingError."""
+    from mamba3lite.train import distributed as D
+    from mamba3lite.train.trainer import Pretrainer
+
+    trainer = None
+    try:
+        trainer = Pretrainer(cfg, resume=resume, dist=info, stop=stop)
+        return trainer.train()
+    except RuntimeError as e:
+        if D.lost_a_peer(e, info):  # e.g. rank 0 could not write a checkpoint: its error says why
+            raise TrainingError(
+                f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
+                "`error:` line says why (torchrun's summary, if it was killed)"
+            ) from None
+        advice = out_of_memory_advice(e, cfg, building=trainer is None)
+        if advice is None:
+            raise
+        raise TrainingError(advice) from None

@@ -47,8 +47,9 @@ def _check_int(value: object, name: str, minimum: int) -> int:
 
 
 class WindowSampler:
-    """Yields, for each successive global batch, this rank's list of window indices (G / world_size
-    of them), forever across epochs. See the module docstring for the order and the state.
+    """Hands out (`next_batch()`) or yields, for each successive global batch, this rank's list of
+    window indices (G / world_size of them), forever across epochs. See the module docstring for the
+    order and the state.
 
     Iterate one iterator at a time: iteration advances the sampler's own state, so `state_dict()` taken
     after the trainer has consumed k batches resumes at batch k + 1. (Used as a DataLoader batch_sampler
@@ -131,18 +132,22 @@ class WindowSampler:
                 self.global_batch_size,
             )
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def next_batch(self) -> list[int]:
+        """This rank's windows of the next global batch; advances the state (into the next epoch when
+        this one's full batches are used up). `state_dict()` taken after it resumes at the batch after."""
         G = self.global_batch_size
+        if self.consumed + G > self.n_windows:  # the epoch's full batches are used up
+            self.epoch, self.consumed = self.epoch + 1, 0
+        self._start_epoch_report()
+        batch = self._order(self.epoch)[self.consumed : self.consumed + G]
+        self.consumed += G
+        # Read rank/world at every batch so set_world() between batches takes effect.
+        k = self.local_batch_size
+        return batch[self.rank * k : (self.rank + 1) * k].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
         while True:
-            if self.consumed + G > self.n_windows:  # the epoch's full batches are used up
-                self.epoch, self.consumed = self.epoch + 1, 0
-                continue
-            self._start_epoch_report()
-            batch = self._order(self.epoch)[self.consumed : self.consumed + G]
-            self.consumed += G  # before yielding: state_dict() taken now resumes at the next batch
-            # Read rank/world at every batch so set_world() between batches takes effect.
-            k = self.local_batch_size
-            yield batch[self.rank * k : (self.rank + 1) * k].tolist()
+            yield self.next_batch()
 
     def global_batch(self, epoch: int, index: int) -> list[int]:
         """Global batch `index` of `epoch` (all ranks' windows), without touching the state."""

@@ -12,21 +12,18 @@ shard, its relative path, split, n_tokens, n_docs, max_token_id, sha256 and the 
 source text (for bits per byte). It is always written LAST, so a directory with shards but no manifest
 is an unfinished write, never a dataset.
 
-Every write is atomic (temp file in the same directory, fsync, rename, fsync of the directory): a crash
-leaves either the old file or the new one, never half of one. `write_shard` re-reads what it wrote and
-checks its hash, so a shard the manifest describes is a shard that is on disk. `verify_dataset` re-hashes
-everything and re-counts sizes, max ids and EOS tokens.
+Every write is atomic (mamba3lite/atomicfile.py: temp file in the same directory, fsync, rename, fsync
+of the directory): a crash leaves either the old file or the new one, never half of one. `write_shard`
+re-reads what it wrote and checks its hash, so a shard the manifest describes is a shard that is on disk.
+`verify_dataset` re-hashes everything and re-counts sizes, max ids and EOS tokens.
 
 Everything that reads or writes token files goes through this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
@@ -34,13 +31,17 @@ from typing import Any
 
 import numpy as np
 
+# The atomic-file protocol lives in its own module, shared with checkpoints; its names stay importable
+# from here, where every reader and writer of token files looks for them.
+from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json, sha256_file
+from mamba3lite.atomicfile import fsync_dir as fsync_dir  # (re-exported: prepare.py calls shards.fsync_dir)
 from mamba3lite.errors import DataError, DataNotFoundError
 
 FORMAT_VERSION: int = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-# Tokens are hashed and scanned in chunks of this many bytes: big enough to be fast, small enough that
+# Tokens are scanned in chunks of this many bytes: big enough to be fast, small enough that
 # verifying a multi-GB shard never needs more than a few MiB of memory.
 _CHUNK_BYTES = 1 << 24
 
@@ -56,61 +57,6 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 def _dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).newbyteorder("=").name
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that a rename inside it survives a crash (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # e.g. Windows cannot open directories; its renames are durable enough for us
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems (and Windows) refuse fsync on directories; nothing more we can do
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes | memoryview | np.ndarray) -> None:
-    """Write `data` to `path` atomically: temp file in the same directory, write, flush, fsync, rename,
-    fsync the directory. On any failure the temp file is removed and an existing `path` is untouched.
-    Parent directories are created. An ndarray is written as its raw (C-order) bytes."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates 0600; a dataset or checkpoint file should be readable like any other file.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Atomically write `obj` as JSON (indent=2, sorted keys, trailing newline)."""
-    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks (constant memory)."""
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 @dataclass

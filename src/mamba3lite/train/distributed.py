@@ -94,14 +94,15 @@ def teardown(after_error: bool = False) -> None:
     torch's C++ objects are torn down with a thread still joinable. `cli.main` therefore ends a process
     that has left a group with `os._exit` once everything is written and flushed."""
     global left_process_group
-    if dist.is_available() and dist.is_initialized():
-        try:
-            if not after_error:
-                dist.barrier()
-        finally:
-            with contextlib.suppress(RuntimeError) if after_error else contextlib.nullcontext():
-                dist.destroy_process_group()
-            left_process_group = True
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if not after_error:
+            dist.barrier()
+    finally:
+        with contextlib.suppress(RuntimeError) if after_error else contextlib.nullcontext():
+            dist.destroy_process_group()
+        left_process_group = True
 
 
 # What a collective raises on a rank whose peer has gone (it stopped on an error of its own, or was

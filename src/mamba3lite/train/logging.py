@@ -15,9 +15,9 @@ when `step % log_every == 0` (or on `flush()`), emits one "train" row:
     warmup_window true for the first window after start/resume/rollback: it includes start-up costs
                   (compile, data open, checkpoint load) and is excluded from `steady_tokens_per_s()`
 
-This fixes the seed's logger (its "TrainingLogger" Pitfalls): its window held one loss (1), its tps
-assumed a token count instead of counting (2), its first window was not marked (5), and W&B failures
-other than ImportError crashed training (4).
+Differences from the seed's logger: a window averages every loss in it (the seed's held one), tokens/s
+counts the tokens processed (the seed assumed a count), the first window after a start is marked, and
+a W&B failure of any kind is a warning (the seed crashed on any but ImportError).
 
 Sinks (STYLE rule 11: "off" is a sink that does nothing, not an `if` in the loop):
 - ConsoleSink: the seed's line `step= … | loss= … | ppl= … | lr= … | tps= …` plus the new fields;
@@ -39,6 +39,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -321,6 +322,22 @@ def peak_flops(device: Any, override_tflops: float = 0.0) -> float | None:
     return next((v for k, v in _PEAK_BF16.items() if k in name), None)
 
 
+@dataclass
+class _Window:
+    """The steps since the last train row: what the row averages."""
+
+    t0: float  # when the window started (clock seconds; moved forward by excluded time)
+    warmup: bool  # the first window after a start, resume or rollback: start-up costs inside
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    tokens: int = 0  # processed in the window
+    skipped: int = 0  # micro-steps skipped in the window
+    steps: int = 0
+    lr: float = float("nan")  # of the last step
+    last_step: int | None = None
+    tokens_total: int = 0  # cumulative, at the last step
+
+
 class TrainingLogger:
     """Window accumulator + sinks. Call `log_step` after every optimizer step, `log_eval` after each
     evaluation and `event` for resume/rollback/NaN skips/stop. Rank 0 only: other ranks use
@@ -363,15 +380,7 @@ class TrainingLogger:
         the step training continues from: the progress bar counts from there)."""
         if step is not None and self.progress is not None:
             self.progress.restart(step)
-        self._losses: list[float] = []
-        self._grad_norms: list[float] = []
-        self._tokens = 0
-        self._skipped = 0
-        self._steps = 0
-        self._lr = float("nan")
-        self._last_step = None
-        self._t0 = self.clock()
-        self._warmup = True
+        self._window = _Window(t0=self.clock(), warmup=True)
 
     def log_step(
         self,
@@ -386,17 +395,18 @@ class TrainingLogger:
     ) -> dict | None:
         """Record one optimizer step (`step` = steps completed). loss None: every micro-step of the step
         was skipped. Emits and returns the train row when the window closes, else None."""
+        w = self._window
         if loss is not None:
             assert math.isfinite(loss), "non-finite losses are skipped before they reach the logger"
-            self._losses.append(float(loss))
+            w.losses.append(float(loss))
         if grad_norm is not None and math.isfinite(grad_norm):
-            self._grad_norms.append(float(grad_norm))
-        self._tokens += int(tokens_processed)
-        self._skipped += int(skipped)
-        self._steps += 1
-        self._lr = float(lr)
-        self._last_step = step
-        self._tokens_total = int(tokens_total)
+            w.grad_norms.append(float(grad_norm))
+        w.tokens += int(tokens_processed)
+        w.skipped += int(skipped)
+        w.steps += 1
+        w.lr = float(lr)
+        w.last_step = step
+        w.tokens_total = int(tokens_total)
         if self.progress is not None:
             self.progress.update(step, loss)
         if step % self.log_every == 0:
@@ -405,50 +415,48 @@ class TrainingLogger:
 
     def flush(self) -> dict | None:
         """Close the current window now (also used for a final partial window). None if it is empty."""
-        if self._steps == 0:
+        w = self._window
+        if w.steps == 0:
             return None
         now = self.clock()
-        elapsed = max(now - self._t0, 1e-9)
-        tps = self._tokens / elapsed
-        avg = sum(self._losses) / len(self._losses) if self._losses else None
+        elapsed = max(now - w.t0, 1e-9)
+        tps = w.tokens / elapsed
+        avg = sum(w.losses) / len(w.losses) if w.losses else None
         row: dict[str, Any] = {
             "kind": "train",
-            "step": self._last_step,
+            "step": w.last_step,
             "time": now,
-            "tokens": self._tokens_total,
+            "tokens": w.tokens_total,
             "loss": avg,
             "ppl": math.exp(min(avg, 700.0)) if avg is not None else None,
-            "lr": self._lr,
-            "grad_norm": sum(self._grad_norms) / len(self._grad_norms) if self._grad_norms else None,
-            "grad_norm_max": max(self._grad_norms) if self._grad_norms else None,
+            "lr": w.lr,
+            "grad_norm": sum(w.grad_norms) / len(w.grad_norms) if w.grad_norms else None,
+            "grad_norm_max": max(w.grad_norms) if w.grad_norms else None,
             "tokens_per_s": tps,
-            "window_steps": self._steps,
+            "window_steps": w.steps,
             "window_seconds": elapsed,
-            "skipped": self._skipped,
+            "skipped": w.skipped,
             "mfu": (self.flops_per_token * tps / self.peak_flops_per_s)
             if self.flops_per_token and self.peak_flops_per_s
             else None,
             "peak_mem_mb": peak_memory_mb(self.device),
         }
-        if self._warmup:
+        if w.warmup:
             row["warmup_window"] = True
         else:
-            self._steady_tokens += self._tokens
+            self._steady_tokens += w.tokens
             self._steady_seconds += elapsed
         row = {k: v for k, v in row.items() if v is not None}
         self._write(row)
         self.last_row = row
         # next window
-        self._losses, self._grad_norms = [], []
-        self._tokens = self._skipped = self._steps = 0
-        self._t0 = now
-        self._warmup = False
+        self._window = _Window(t0=now, warmup=False)
         return row
 
     def exclude_time(self, seconds: float) -> None:
         """Leave `seconds` (an evaluation, a checkpoint save) out of the current window's wall time, so
         tokens/s measures training only."""
-        self._t0 += max(0.0, seconds)
+        self._window.t0 += max(0.0, seconds)
 
     def steady_tokens_per_s(self) -> float | None:
         """Tokens/s over all closed windows except start-up ones (None if there were none)."""

@@ -91,3 +91,24 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
+
+
+def apply_optimizer_settings(
+    optimizer: torch.optim.Optimizer, *, weight_decay: float, betas: tuple[float, float], eps: float
+) -> list[str]:
+    """Set the config's AdamW settings on every param group; returns the changes ("eps 1e-08 -> 1e-06").
+
+    AdamW keeps weight_decay, betas and eps in its param groups, so loading a checkpoint's optimizer
+    state brings back the settings it was saved with; the run's config (what config.yaml records)
+    wins. Groups as `param_groups`: [decayed, not decayed]. (lr is set every step from the schedule.)
+    """
+    changed = []
+    for i, g in enumerate(optimizer.param_groups):
+        want = {"weight_decay": weight_decay if i == 0 else 0.0, "betas": tuple(betas), "eps": eps}
+        for key, value in want.items():
+            have = tuple(g[key]) if key == "betas" else g[key]
+            if have != value:
+                g[key] = value
+                if i == 0 or key != "weight_decay":
+                    changed.append(f"{key} {have} -> {value}")
+    return list(dict.fromkeys(changed))

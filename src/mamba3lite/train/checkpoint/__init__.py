@@ -1,0 +1,109 @@
+"""Checkpoints: three files per step, written atomically and verified on load.
+
+    DIR/model_step_N.safetensors   weights; tied tensors stored ONCE (aliases listed in meta and in the
+                                   safetensors header), re-tied on load                 weights.py
+    DIR/optim_step_N.pt            optimizer state keyed by PARAMETER NAME (torch.save, weights_only
+                                   load)                                                optim_state.py
+    DIR/meta_step_N.json           written LAST: step, config, counters, scheduler/sampler/RNG states
+                                   (rng.py), dataset identity, last metrics, W&B run id, and the size
+                                   and sha256 of the other two files and of itself      meta.py
+
+The modules, read in this order:
+
+    files.py        the file names and the one pattern that matches them
+    manager.py      CheckpointManager: save, verify (status), find, load, prune, move aside
+    resume.py       plan_resume: which step a starting run continues from, and what to tidy first;
+                    compatibility of a checkpoint with the run that loads it
+    seed_format.py  the seed system's checkpoints (no hashes, index-keyed optimizer), accepted
+                    as "unverified"
+    lock.py         RunLock, the run directory's lock
+
+Every file is written atomically (mamba3lite/atomicfile.py: temp file, fsync, rename, directory
+fsync): the meta through `atomic_write_json`, the two big files streamed through `HashingAtomicFile`
+(sha256 read back during the fsync, no in-memory copy of the state).
+
+The package's names are imported lazily, so that `files.py` (the file names) costs no torch import:
+`mamba3lite inspect` refuses a wrong path before loading anything heavy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
+    from mamba3lite.atomicfile import HashingAtomicFile
+    from mamba3lite.train.checkpoint.files import checkpoint_files, finished_save, steps_in
+    from mamba3lite.train.checkpoint.lock import LOCK_NAME, RunLock
+    from mamba3lite.train.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
+    from mamba3lite.train.checkpoint.meta import META_FORMAT
+    from mamba3lite.train.checkpoint.meta import meta_digest as _meta_digest
+    from mamba3lite.train.checkpoint.optim_state import (
+        OPTIM_FORMAT,
+        load_optimizer_state_by_name,
+        optimizer_state_by_name,
+        param_names,
+    )
+    from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
+    from mamba3lite.train.checkpoint.rng import capture_rng_state, restore_rng_state
+    from mamba3lite.train.checkpoint.weights import load_model_file, split_tied, write_safetensors
+
+_WHERE = {
+    "CheckpointManager": "mamba3lite.train.checkpoint.manager",
+    "CheckpointStatus": "mamba3lite.train.checkpoint.manager",
+    "HashingAtomicFile": "mamba3lite.atomicfile",
+    "LOCK_NAME": "mamba3lite.train.checkpoint.lock",
+    "META_FORMAT": "mamba3lite.train.checkpoint.meta",
+    "OPTIM_FORMAT": "mamba3lite.train.checkpoint.optim_state",
+    "ResumePlan": "mamba3lite.train.checkpoint.resume",
+    "RunLock": "mamba3lite.train.checkpoint.lock",
+    "SLOW_SAVE_ENV": "mamba3lite.train.checkpoint.manager",
+    "capture_rng_state": "mamba3lite.train.checkpoint.rng",
+    "checkpoint_files": "mamba3lite.train.checkpoint.files",
+    "finished_save": "mamba3lite.train.checkpoint.files",
+    "load_model_file": "mamba3lite.train.checkpoint.weights",
+    "load_optimizer_state_by_name": "mamba3lite.train.checkpoint.optim_state",
+    "optimizer_state_by_name": "mamba3lite.train.checkpoint.optim_state",
+    "param_names": "mamba3lite.train.checkpoint.optim_state",
+    "plan_resume": "mamba3lite.train.checkpoint.resume",
+    "restore_rng_state": "mamba3lite.train.checkpoint.rng",
+    "resume_warnings": "mamba3lite.train.checkpoint.resume",
+    "split_tied": "mamba3lite.train.checkpoint.weights",
+    "steps_in": "mamba3lite.train.checkpoint.files",
+    "write_safetensors": "mamba3lite.train.checkpoint.weights",
+    "_meta_digest": "mamba3lite.train.checkpoint.meta",
+}
+_RENAMED = {"_meta_digest": "meta_digest"}
+
+__all__ = [
+    "LOCK_NAME",
+    "META_FORMAT",
+    "OPTIM_FORMAT",
+    "SLOW_SAVE_ENV",
+    "CheckpointManager",
+    "CheckpointStatus",
+    "HashingAtomicFile",
+    "ResumePlan",
+    "RunLock",
+    "_meta_digest",
+    "capture_rng_state",
+    "checkpoint_files",
+    "finished_save",
+    "load_model_file",
+    "load_optimizer_state_by_name",
+    "optimizer_state_by_name",
+    "param_names",
+    "plan_resume",
+    "restore_rng_state",
+    "resume_warnings",
+    "split_tied",
+    "steps_in",
+    "write_safetensors",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name]), _RENAMED.get(name, name))
+    raise AttributeError(f"module 'mamba3lite.train.checkpoint' has no attribute {name!r}")

@@ -1,0 +1,58 @@
+"""The checkpoint file names: three files per step, and the one pattern every reader matches.
+
+    DIR/model_step_N.safetensors   weights
+    DIR/optim_step_N.pt            optimizer state
+    DIR/meta_step_N.json           everything else, written last
+
+The atomic writers' temp files are `.NAME.XXXX.tmp` (mamba3lite/atomicfile.py).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# kind -> extension: the one definition of the layout; the patterns below are built from it.
+EXTENSIONS = {"model": "safetensors", "optim": "pt", "meta": "json"}
+_KIND = "|".join(EXTENSIONS)
+_EXT = "|".join(EXTENSIONS.values())
+_NAME_RE = re.compile(rf"^({_KIND})_step_(\d+)\.({_EXT})$")
+_TEMP_RE = re.compile(rf"^\.({_KIND})_step_\d+\.({_EXT})\..+\.tmp$")
+_ANY_RE = re.compile(rf"^\.?({_KIND})_step_\d+\.({_EXT})")
+
+
+def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
+    """The three paths of one step: {"model": ..., "optim": ..., "meta": ...}."""
+    return {kind: Path(directory) / f"{kind}_step_{step}.{ext}" for kind, ext in EXTENSIONS.items()}
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint file name belongs to (`model_step_7.safetensors` -> 7), else None."""
+    m = _NAME_RE.match(name)
+    if m is None or EXTENSIONS[m.group(1)] != m.group(3):
+        return None
+    return int(m.group(2))
+
+
+def is_temp_file(name: str) -> bool:
+    """Whether `name` is an unfinished atomic write of a checkpoint file."""
+    return _TEMP_RE.match(name) is not None
+
+
+def looks_like_checkpoint_file(name: str) -> bool:
+    """Whether `name` is a checkpoint file or the temp file of one (a run directory's content)."""
+    return _ANY_RE.match(name) is not None
+
+
+def steps_in(directory: Path) -> list[int]:
+    """Every step with at least one of its files in `directory`, ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted({s for p in directory.iterdir() if (s := step_of(p.name)) is not None})
+
+
+def finished_save(directory: Path, step: int) -> bool:
+    """Whether the save of `step` got to its meta (written last): without one, the files are a save
+    killed mid-way (kill -9, disk full), never a checkpoint."""
+    return checkpoint_files(directory, step)["meta"].exists()

@@ -1,0 +1,364 @@
+"""CheckpointManager: saves, verifies, finds, loads and prunes the checkpoints of one run directory.
+
+A step counts only when its meta parses and both other files match the recorded sizes and hashes, so
+a torn-but-complete triple is detected; `latest_step()` skips a bad step with a warning naming the
+bad file and returns the newest VERIFIED step. `load(N)` loads exactly N or raises `CheckpointError`
+naming the file. Loading uses weights_only=True throughout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mamba3lite.atomicfile import HashingAtomicFile, atomic_write_json, fsync_dir, sha256_file
+from mamba3lite.errors import CheckpointError
+from mamba3lite.train.checkpoint.files import checkpoint_files, is_temp_file, steps_in
+from mamba3lite.train.checkpoint.meta import META_FORMAT, meta_digest, meta_problems, read_meta_file
+from mamba3lite.train.checkpoint.optim_state import (
+    OPTIM_FORMAT,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+)
+from mamba3lite.train.checkpoint.seed_format import is_seed_meta, load_seed_optimizer, seed_file_problems
+from mamba3lite.train.checkpoint.weights import load_model_file, split_tied, write_safetensors
+
+# Test-only fault injection: seconds to sleep after each data file of a save (before the meta), so that
+# a test can kill or signal a process inside the save window reliably. Unset (the default): no pause.
+SLOW_SAVE_ENV = "MAMBA3LITE_TEST_SLOW_SAVE"
+
+
+def _test_pause() -> None:
+    delay = os.environ.get(SLOW_SAVE_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
+@dataclass
+class CheckpointStatus:
+    """What is on disk for one step and whether it can be trusted."""
+
+    step: int
+    verified: bool  # meta parses and both other files match their recorded size and sha256
+    loadable: bool  # verified, or a whole seed-format triple (no checksums to check)
+    format: str | None  # META_FORMAT, "seed", or None when the meta is missing/unreadable/of unknown format
+    problems: list[str] = field(default_factory=list)  # one line per bad/missing file, naming it
+    sizes: dict[str, int | None] = field(default_factory=dict)
+
+
+def _write_optimizer_file(path: Path, optim_state: dict) -> dict:
+    """torch.save the optimizer state atomically; returns {"size", "sha256"} of the file."""
+    out = HashingAtomicFile(path)
+    try:
+        torch.save(optim_state, out)
+        return {"size": out.size, "sha256": out.commit()}
+    except BaseException as e:
+        out.abort()
+        if out.error is not None and not isinstance(e, OSError):
+            # torch.save's zip writer turns a failed write (disk full) into RuntimeError
+            # "unexpected pos": re-raise the OSError, which names the cause.
+            raise out.error from None
+        raise
+
+
+class CheckpointManager:
+    """Saves, verifies, finds, loads and prunes the checkpoints of one run directory."""
+
+    def __init__(self, directory: str | Path, keep_last_n: int = 0) -> None:
+        """keep_last_n: verified checkpoints kept after each save (0 = keep all)."""
+        assert keep_last_n >= 0
+        self.dir = Path(directory)
+        self.keep_last_n = keep_last_n
+        # (path, size, mtime_ns) -> sha256: latest_step() then load() hashes each file once.
+        self._hash_cache: dict[tuple[str, int, int], str] = {}
+
+    # ----------------------------------------------------------------------------------- writing
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        meta: dict | None = None,
+    ) -> Path:
+        """Write the triple for `step` (model, optimizer, then meta last), each atomically; then apply
+        retention. `meta` must be JSON-serialisable (no tensors): it is merged into the meta file.
+        Returns the meta path."""
+        assert step >= 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.remove_stale_temp_files()
+        paths = checkpoint_files(self.dir, step)
+        # An older triple of the same step (re-saved after a rollback) stops counting before anything
+        # of the new one is written.
+        with contextlib.suppress(FileNotFoundError):
+            paths["meta"].unlink()
+        unique, aliases = split_tied(model.state_dict())
+        if optimizer is not None:
+            optim_state = optimizer_state_by_name(optimizer, model)
+        else:
+            optim_state = {"format": OPTIM_FORMAT, "state": {}, "param_groups": []}
+        files = self._write_data_files(paths, unique, aliases, optim_state)
+        record = {
+            **(meta or {}),
+            "format": META_FORMAT,
+            "step": step,
+            "saved_at": time.time(),
+            "tied": aliases,
+            "has_optimizer": optimizer is not None,
+            "files": {k: {"name": paths[k].name, **files[k]} for k in ("model", "optim")},
+        }
+        try:
+            json.dumps(record)
+        except TypeError as e:
+            raise AssertionError(f"checkpoint meta must be JSON-serialisable: {e}") from None
+        # The meta checks the other two files; this checks the meta itself, so a flipped byte that
+        # still parses (a digit of the sampler position, say) is detected instead of silently resumed.
+        record["meta_sha256"] = meta_digest(record)
+        atomic_write_json(paths["meta"], record)
+        fsync_dir(self.dir)
+        for kind in ("model", "optim"):  # what we just wrote needs no re-hash when loaded
+            st = paths[kind].stat()
+            self._hash_cache[(str(paths[kind]), st.st_size, st.st_mtime_ns)] = files[kind]["sha256"]
+        self.prune()
+        return paths["meta"]
+
+    @staticmethod
+    def _write_data_files(
+        paths: dict[str, Path], unique: dict[str, torch.Tensor], aliases: dict[str, str], optim_state: dict
+    ) -> dict[str, dict]:
+        """The weights and optimizer files, each atomically: {"model"/"optim": {"size", "sha256"}}. The
+        model file's fsync + read-back hash runs on a worker while the optimizer file is written."""
+        model_out = HashingAtomicFile(paths["model"])
+        try:
+            tied = json.dumps(aliases, sort_keys=True)
+            write_safetensors(model_out, unique, {"format": "pt", "mamba3lite_tied": tied})
+        except BaseException:
+            model_out.abort()
+            raise
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            model_commit = pool.submit(model_out.commit)
+            try:
+                _test_pause()
+                optim_file = _write_optimizer_file(paths["optim"], optim_state)
+                _test_pause()
+            finally:
+                try:
+                    model_digest = model_commit.result()
+                except BaseException:
+                    model_out.abort()
+                    raise
+        return {
+            "model": {"size": model_out.size, "sha256": model_digest},
+            "optim": optim_file,
+        }
+
+    def remove_stale_temp_files(self) -> list[str]:
+        """Delete the temp files of saves that never finished: a process killed mid-write leaves
+        `.model_step_N.safetensors.XXXX.tmp`, as big as the file it was becoming, and repeated
+        preemptions would fill the disk. Call only when no save can be running (the trainer holds the
+        run lock; `save` calls it first). Returns the removed names."""
+        removed = []
+        if self.dir.is_dir():
+            for p in self.dir.iterdir():
+                if is_temp_file(p.name):
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+                        removed.append(p.name)
+        return removed
+
+    # ---------------------------------------------------------------------------------- discovery
+    def list_steps(self) -> list[int]:
+        """Every step with at least one of its files in the directory, ascending."""
+        return steps_in(self.dir)
+
+    def read_meta(self, step: int) -> dict:
+        """The parsed meta of a step (CheckpointError naming the file if missing or unreadable)."""
+        return read_meta_file(checkpoint_files(self.dir, step)["meta"], step)
+
+    def forget_hashes(self) -> None:
+        """Hash every file again from now on: corruption after a save changes neither size nor mtime,
+        so a manager that hashed (or wrote) a file long ago must not vouch for it now (a rollback)."""
+        self._hash_cache.clear()
+
+    def _cached_sha(self, path: Path) -> str:
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in self._hash_cache:
+            self._hash_cache[key] = sha256_file(path)
+        return self._hash_cache[key]
+
+    def status(self, step: int, *, need_optimizer: bool = True) -> CheckpointStatus:
+        """Check one step's files against its meta (sizes, then hashes). Never raises for bad files.
+        `need_optimizer=False`: the weights alone (generate, eval), so a step whose optimizer file was
+        deleted to save space still counts."""
+        paths = checkpoint_files(self.dir, step)
+        kinds = ("model", "optim") if need_optimizer else ("model",)
+        sizes = {k: (p.stat().st_size if p.exists() else None) for k, p in paths.items()}
+        try:
+            meta = self.read_meta(step)
+        except CheckpointError as e:
+            missing = [f"{paths[kind]} is missing" for kind in kinds if sizes[kind] is None]
+            return CheckpointStatus(step, False, False, None, [str(e), *missing], sizes)
+        if is_seed_meta(meta):
+            problems = seed_file_problems(paths, kinds)
+            return CheckpointStatus(step, False, not problems, "seed", problems, sizes)
+        fmt, problems = meta_problems(meta, paths["meta"])
+        if not problems:  # an edited or damaged meta: its other fields cannot be trusted to have any shape
+            problems = self._data_file_problems(meta, paths, sizes, kinds)
+        ok = not problems
+        return CheckpointStatus(step, ok, ok, fmt, problems, sizes)
+
+    def _data_file_problems(
+        self, meta: dict, paths: dict[str, Path], sizes: dict[str, int | None], kinds: tuple[str, ...]
+    ) -> list[str]:
+        """Each data file `kinds` against the size and sha256 its (trusted) meta records."""
+        problems = []
+        for kind in kinds:
+            want = meta.get("files", {}).get(kind)
+            want = want if isinstance(want, dict) else {}
+            path = paths[kind]
+            if sizes[kind] is None:
+                problems.append(f"{path} is missing")
+            elif sizes[kind] != want.get("size"):
+                problems.append(f"{path} has {sizes[kind]} bytes, its meta records {want.get('size')}")
+            elif self._cached_sha(path) != want.get("sha256"):
+                problems.append(f"{path}: sha256 differs from its meta (corrupt file)")
+        return problems
+
+    def verified_steps(self, *, warn: bool = False, need_optimizer: bool = True) -> list[int]:
+        """Steps that can be loaded (verified, or complete seed-format), ascending."""
+        good = []
+        for step in self.list_steps():
+            st = self.status(step, need_optimizer=need_optimizer)
+            if st.loadable:
+                good.append(step)
+            elif warn:
+                warnings.warn(f"skipping checkpoint step {step}: {'; '.join(st.problems)}", stacklevel=2)
+        return good
+
+    def latest_step(self, *, need_optimizer: bool = True) -> int | None:
+        """The newest loadable step, or None. Each newer bad step is skipped with a warning naming the
+        bad file(s); older steps are not checked once a good one is found."""
+        steps = self.list_steps()
+        for i, step in reversed(list(enumerate(steps))):
+            st = self.status(step, need_optimizer=need_optimizer)
+            if st.loadable:
+                return step
+            then = "trying an older one" if i else "and there is no older one"
+            warnings.warn(
+                f"checkpoint step {step} is not usable, {then}: {'; '.join(st.problems)}", stacklevel=2
+            )
+        return None
+
+    # ----------------------------------------------------------------------------------- loading
+    def load(
+        self,
+        step: int,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        map_location: str | torch.device = "cpu",
+    ) -> dict:
+        """Verify step `step`, load its weights into `model` and its state into `optimizer` (either may
+        be None), and return the meta dict. CheckpointError naming the file if anything is wrong. The
+        optimizer file is checked only when `optimizer` is given."""
+        need_optimizer = optimizer is not None
+        st = self.status(step, need_optimizer=need_optimizer)
+        if not st.loadable:
+            available = self.verified_steps(need_optimizer=need_optimizer)
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.dir} cannot be loaded: {'; '.join(st.problems)}. "
+                f"Loadable steps: {available or 'none'}"
+            )
+        meta = self.read_meta(step)
+        paths = checkpoint_files(self.dir, step)
+        if model is not None:
+            load_model_file(paths["model"], model, meta.get("tied") if st.format == META_FORMAT else {})
+        if optimizer is not None:
+            if model is None:
+                raise AssertionError("loading optimizer state needs the model (names -> parameters)")
+            self._load_optimizer(optimizer, model, meta, paths["optim"], map_location)
+        return meta
+
+    @staticmethod
+    def _load_optimizer(
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        meta: dict,
+        path: Path,
+        map_location: str | torch.device,
+    ) -> None:
+        try:
+            saved = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read optimizer state ({e})") from None
+        if not (isinstance(saved, dict) and saved.get("format") == OPTIM_FORMAT):
+            load_seed_optimizer(optimizer, model, saved, path)
+            return
+        if not meta.get("has_optimizer", True):
+            raise CheckpointError(f"{path}: this checkpoint holds no optimizer state")
+        load_optimizer_state_by_name(optimizer, model, saved, str(path))
+
+    # --------------------------------------------------------------------------------- retention
+    def delete(self, step: int) -> None:
+        """Remove a step's files, meta first (so a half-deleted triple is never 'verified')."""
+        paths = checkpoint_files(self.dir, step)
+        for kind in ("meta", "model", "optim"):
+            with contextlib.suppress(FileNotFoundError):
+                paths[kind].unlink()
+
+    def prune(self) -> list[int]:
+        """Keep the newest keep_last_n verified steps; delete older steps (verified or not). Steps newer
+        than the newest verified one (a save in progress elsewhere, or torn) are never touched, and the
+        newest verified step is never deleted. Returns the deleted steps."""
+        if self.keep_last_n == 0:
+            return []
+        good = self.verified_steps()
+        if not good:
+            return []
+        keep = set(good[-self.keep_last_n :])
+        oldest_kept = min(keep)
+        deleted = [s for s in self.list_steps() if s < oldest_kept and s not in keep]
+        for s in deleted:
+            self.delete(s)
+        return deleted
+
+    def move_aside(
+        self, steps: list[int], subdir: str = "superseded", *, from_step: int | None = None
+    ) -> Path:
+        """Move whole triples into a new folder of their own, DIR/subdir/<UTC time>-from-step-<from_step>/
+        (or ...-steps-<first>-<last>/ when `from_step`, the step resumed from, is not given), and return
+        it. Used when resuming an older step: the newer ones would otherwise be resumed after a crash.
+        Nothing is deleted or overwritten: each abandoned timeline gets its own folder (a counter suffix
+        if the name is taken), so resuming the same older step twice keeps both abandoned timelines."""
+        assert steps, "nothing to move aside"
+        parent = self.dir / subdir
+        parent.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        what = f"from-step-{from_step}" if from_step is not None else f"steps-{min(steps)}-{max(steps)}"
+        for n in itertools.count(1):
+            target = parent / (f"{stamp}-{what}" if n == 1 else f"{stamp}-{what}-{n}")
+            try:
+                target.mkdir()  # exclusive: never shares a folder with an earlier timeline
+                break
+            except FileExistsError:
+                continue
+        for s in steps:
+            for p in checkpoint_files(self.dir, s).values():
+                if p.exists():
+                    os.replace(p, target / p.name)
+        fsync_dir(target)
+        fsync_dir(parent)
+        fsync_dir(self.dir)
+        return target
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.list_steps())

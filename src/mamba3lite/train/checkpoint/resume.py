@@ -1,0 +1,125 @@
+"""Resuming a run: which step it continues from, what to tidy first, and whether the checkpoint fits.
+
+`plan_resume` reads the run directory once (on rank 0) and returns a `ResumePlan`: the step to load
+(-1: a fresh start), or the refusal to raise, and the newer steps that an older resume abandons.
+`resume="latest"` picks the newest VERIFIED checkpoint; an explicit step N loads exactly N (never a
+newer one in its place); newer checkpoints are then moved to DIR/superseded/<UTC time>-from-step-N/
+(one folder per abandoned timeline, never overwritten) so that a later crash cannot resume the
+abandoned timeline, and saves cut short before their meta (never checkpoints) are deleted. If no
+checkpoint in DIR verifies, `resume="latest"` is refused, not a fresh start over them.
+
+`resume_warnings` compares a checkpoint's meta with the run that loads it: a pure function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mamba3lite.errors import CheckpointError
+from mamba3lite.train.checkpoint.files import finished_save
+from mamba3lite.train.checkpoint.manager import CheckpointManager
+
+
+@dataclass
+class ResumePlan:
+    """What a starting run does with its directory."""
+
+    target: int = -1  # the step to load; -1: a fresh start
+    refusal: str | None = None  # why the run must not start (raised as CheckpointError)
+    torn: list[int] = field(default_factory=list)  # newer saves without a meta: deleted
+    newer: list[int] = field(default_factory=list)  # newer checkpoints: moved aside
+
+
+def plan_resume(ckpt: CheckpointManager, resume: str | int) -> ResumePlan:
+    """The plan for `resume` ("latest", "none" or a step) over the checkpoints of `ckpt`."""
+    if resume not in ("none", "latest"):
+        plan = _plan_exact(ckpt, int(resume))
+    elif not (steps := ckpt.list_steps()):
+        return ResumePlan()
+    elif resume == "none":
+        return ResumePlan(
+            refusal=f"{ckpt.dir} already holds checkpoints (steps {steps}); use --resume latest to "
+            "continue, or another --checkpoint-dir for a fresh run"
+        )
+    elif (latest := ckpt.latest_step()) is not None:
+        plan = ResumePlan(target=latest)
+    else:
+        return ResumePlan(refusal=_none_verifies(ckpt, steps))
+    if plan.refusal is None:
+        newer = [s for s in ckpt.list_steps() if s > plan.target]
+        # A save cut short before its meta (kill -9, disk full) was never a checkpoint: its files are
+        # deleted, not kept aside, or every preemption would leave them for good.
+        plan.torn = [s for s in newer if not finished_save(ckpt.dir, s)]
+        plan.newer = [s for s in newer if s not in plan.torn]
+    return plan
+
+
+def _plan_exact(ckpt: CheckpointManager, step: int) -> ResumePlan:
+    # Refused before the run's records are opened: a typo'd step must not log an error into a healthy
+    # run's metrics.
+    if (st := ckpt.status(step)).loadable:
+        return ResumePlan(target=step)
+    if step not in ckpt.list_steps():
+        why = f"there is no checkpoint of step {step} in {ckpt.dir}"
+    else:
+        why = f"checkpoint step {step} in {ckpt.dir} cannot be loaded: {'; '.join(st.problems)}"
+    return ResumePlan(target=step, refusal=f"{why}. Loadable steps: {ckpt.verified_steps() or 'none'}")
+
+
+def _none_verifies(ckpt: CheckpointManager, steps: list[int]) -> str | None:
+    """The refusal when no step verifies, if some save finished (its meta, written last, is there):
+    starting afresh would overwrite those, and retention would delete them. (Steps without a meta are
+    saves killed mid-way, never a checkpoint: a fresh start is right for those.)"""
+    damaged = [s for s in steps if finished_save(ckpt.dir, s)]
+    if not damaged:
+        return None
+    problems = "; ".join(f"step {s}: {', '.join(ckpt.status(s).problems)}" for s in damaged)
+    return (
+        f"none of the checkpoints in {ckpt.dir} verifies ({problems}); nothing was changed: restore "
+        "them from a copy, or move them away to start this run afresh"
+    )
+
+
+def resume_warnings(meta: dict, run: dict) -> list[str]:
+    """What makes checkpoint `meta` unfit for the run described by `run`, or its continuation inexact.
+
+    `run`: {"model": the run's model config dict, "data": its data identity dict or None, "data_path",
+    "max_seq_len", "run_dir"}. Raises CheckpointError for another model config or another tokenizer;
+    returns warnings for changed data and a changed max_seq_len (both allowed).
+    """
+    step, out = meta.get("step"), []
+    saved_cfg = meta.get("config") or {}
+    if "model" in saved_cfg:
+        mine = run["model"]
+        diff = sorted(
+            k for k in set(mine) | set(saved_cfg["model"]) if mine.get(k) != saved_cfg["model"].get(k)
+        )
+        if diff:
+            raise CheckpointError(
+                f"checkpoint step {step} in {run['run_dir']} was trained with another model config "
+                f"(differs in model.{', model.'.join(diff)}); use its config or another --checkpoint-dir"
+            )
+    saved, mine = meta.get("data") or {}, run["data"] or {}
+    if saved.get("vocab_hash") and mine.get("vocab_hash") and saved["vocab_hash"] != mine["vocab_hash"]:
+        raise CheckpointError(
+            f"checkpoint step {step} was trained on tokenizer {saved.get('tokenizer')} (vocab hash "
+            f"{saved['vocab_hash'][:12]}), the data at {run['data_path']} uses "
+            f"{mine.get('tokenizer')} ({mine['vocab_hash'][:12]})"
+        )
+    saved_sha, mine_sha = saved.get("manifest_sha256"), mine.get("manifest_sha256")
+    if saved_sha and mine_sha and saved_sha != mine_sha:
+        # Same tokenizer, other data (re-prepared, grown): allowed, but the resume is no longer exact.
+        out.append(
+            f"the training data at {run['data_path']} changed since checkpoint step {step} (its manifest "
+            "differs): training goes on over the new data from the saved position, no longer an exact "
+            "continuation of the run"
+        )
+    saved_len = (saved_cfg.get("training") or {}).get("max_seq_len")
+    if saved_len not in (None, run["max_seq_len"]):
+        # The sampler's position counts windows of the old length in the old permutation.
+        out.append(
+            f"training.max_seq_len changed from {saved_len} (checkpoint step {step}) to "
+            f"{run['max_seq_len']}: the windows and their order differ, so the data from here is not a "
+            "continuation of the run's (some text comes again, some is skipped this epoch)"
+        )
+    return out
