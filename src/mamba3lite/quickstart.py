@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mamba3lite.data.splits import val_split_holds_window
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 
 DEFAULT_WORKDIR = "mamba3lite-quickstart"
@@ -331,8 +332,7 @@ class BudgetTimer:
 
 def eval_split(manifest, max_seq_len: int) -> str:
     """The split the before/after evaluations use: val when it holds more than one window's tokens."""
-    # val-split rule: the lead replaces this with the shared one
-    return "val" if manifest.n_tokens("val") > max_seq_len else "train"
+    return "val" if val_split_holds_window(manifest, max_seq_len) else "train"
 
 
 @dataclass(frozen=True)
