@@ -192,6 +192,10 @@ class Pretrainer:
 
             model = Mamba3Transformer(config.model)
         self.raw_model = model.to(self.device)
+        if hasattr(self.raw_model, "set_scan_impl"):
+            # The scan backend is chosen here, where the device is known: a `triton` that cannot run
+            # on it is one ConfigError now, before anything is written or compiled.
+            self.raw_model.set_scan_impl(config.model.scan_impl, self.device)
         if hasattr(self.raw_model, "grad_checkpointing"):
             self.raw_model.grad_checkpointing = tc.grad_checkpointing
         self.model = D.wrap_ddp(self.raw_model, self.dist)
@@ -377,9 +381,13 @@ class Pretrainer:
         meta = self.ckpt.load(step, self.raw_model, self.optimizer, map_location=self.device)
         saved_cfg = meta.get("config") or {}
         if "model" in saved_cfg:
+            from mamba3lite.model.config import EXECUTION_FIELDS
+
             mine = self.cfg.to_dict()["model"]
             diff = sorted(
-                k for k in set(mine) | set(saved_cfg["model"]) if mine.get(k) != saved_cfg["model"].get(k)
+                k
+                for k in (set(mine) | set(saved_cfg["model"])) - EXECUTION_FIELDS
+                if mine.get(k) != saved_cfg["model"].get(k)
             )
             if diff:
                 raise CheckpointError(
