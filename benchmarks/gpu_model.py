@@ -4,8 +4,8 @@ Mamba-3 kernels, forward + backward of the LM loss.
 One prepared run on one accelerator, everything in one process:
 
 1. The device's bf16 matmul rate (mean of timed 8192³ products after warm-ups): the MFU denominator.
-2. For each run shape (--runs PRESET:BxT; default mamba3_180m and mamba3_440m at 16 x 2048, and
-   mamba3_440m at 4 x 8192), bf16 autocast over fp32 weights, as the trainer:
+2. For each run shape (--runs PRESET:BxT; default mamba3_440m at 16 x 2048 and 4 x 8192, and
+   mamba3_180m at 16 x 2048), bf16 autocast over fp32 weights, as the trainer:
    - mamba3 with each scan backend of --scan-impls (`triton`: the fused kernels; `chunked`: the pure
      PyTorch scan), each eager and compiled (--modes). "compiled" wraps every layer in `torch.compile`
      (regional compilation: one graph, reused by all the identical layers); embedding and the fused
@@ -68,7 +68,7 @@ from mamba3lite.model import Mamba3Transformer, ModelConfig, count_parameters, m
 from mamba3lite.model.memory import activation_bytes_per_token
 
 START = time.perf_counter()
-DEFAULT_RUNS = ["mamba3_180m:16x2048", "mamba3_440m:16x2048", "mamba3_440m:4x8192"]
+DEFAULT_RUNS = ["mamba3_440m:16x2048", "mamba3_440m:4x8192", "mamba3_180m:16x2048"]
 # Issue 16's targets, per (preset, B x T): triton / Transformer tokens/s, and for 440M at 16 x 2048 also
 # MFU, triton / official and memory triton / Transformer.
 TARGETS = {
@@ -103,16 +103,18 @@ def parse_run(text: str) -> tuple[str, int, int]:
 
 
 def plan(args: argparse.Namespace) -> list[Case]:
-    """Every case of the run, in the order run and printed: per run shape, the mamba3 backends, then the
-    Transformer, then the official layer (so --budget-s cuts the least important last)."""
+    """Every case of the run, in the order run and printed, most informative first so that --budget-s
+    cuts the least: per run shape (in --runs order), the first of --scan-impls (triton), the
+    Transformer, the official layer, then the other backends (chunked, measured in earlier sessions)."""
     cases = []
-    for preset, batch, seq_len in args.runs:
-        for scan in args.scan_impls:
-            cases += [Case("mamba3", scan, preset, mode, batch, seq_len) for mode in args.modes]
+    for shape in args.runs:
+        cases += [Case("mamba3", args.scan_impls[0], shape[0], mode, *shape[1:]) for mode in args.modes]
         if args.baseline:
-            cases += [Case("transformer", "sdpa", preset, m, batch, seq_len) for m in args.baseline_modes]
+            cases += [Case("transformer", "sdpa", shape[0], m, *shape[1:]) for m in args.baseline_modes]
         if args.official:
-            cases.append(Case("official", "mamba_ssm", preset, "eager", batch, seq_len))
+            cases.append(Case("official", "mamba_ssm", shape[0], "eager", *shape[1:]))
+        for scan in args.scan_impls[1:]:
+            cases += [Case("mamba3", scan, shape[0], mode, *shape[1:]) for mode in args.modes]
     return cases
 
 
