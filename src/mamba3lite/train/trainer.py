@@ -867,13 +867,16 @@ class Pretrainer:
                 self._write_run_records()
             if self.dist.is_main:
                 what = "resumed" if self.step else "start"
+                # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
+                scan = getattr(self.raw_model, "scan_impl", None)
                 self.logger.event(
                     self.step,
                     "start",
                     f"{what} at step {self.step} -> {target} on "
                     f"{self.dist.world_size} x {self.device}; {self._tokens_per_step:,} tokens/step; "
-                    f"{self._epoch_summary()}",
+                    f"{self._epoch_summary()}" + (f"; {scan} scan" if scan else ""),
                     tokens_total=self.tokens_seen,
+                    **({"scan_impl": scan} if scan else {}),
                 )
                 for warning in self._start_warnings():
                     self.logger.event(self.step, "warning", warning, tokens_total=self.tokens_seen)
