@@ -173,6 +173,18 @@ def test_the_mixer_resolves_at_its_first_forward_and_dispatches_to_the_triton_sc
     assert fake.calls == [8, 8]  # resolved once, reused
 
 
+def test_the_mixer_resolves_again_when_its_input_moves_to_another_device_type(monkeypatch):
+    """Bound on one device type (here: as if on cuda, where auto might mean triton), a forward on another
+    resolves afresh for the new one instead of running the old choice there."""
+    monkeypatch.setattr(sb, "AUTO_PREFERS_TRITON", True)
+    fake = fake_triton(monkeypatch)
+    layer = Mamba3(32, d_state=16, headdim=8, chunk_size=8)  # auto
+    layer.set_scan_impl("auto", CUDA)
+    assert layer.scan_impl == "triton"
+    layer(torch.randn(1, 5, 32))  # a CPU input
+    assert layer.scan_impl == "chunked" and fake.calls == []
+
+
 def test_set_scan_impl_with_a_device_resolves_now_and_fails_early(monkeypatch):
     fake_triton(monkeypatch, reason="no CUDA here")
     model = make_model()
