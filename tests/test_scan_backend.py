@@ -188,8 +188,11 @@ def test_the_mixer_resolves_again_when_its_input_moves_to_another_device_type(mo
 def test_set_scan_impl_with_a_device_resolves_now_and_fails_early(monkeypatch):
     fake_triton(monkeypatch, reason="no CUDA here")
     model = make_model()
+    model.set_scan_impl("sequential", CPU)
     with pytest.raises(ConfigError, match="cannot run on cpu: no CUDA here"):
         model.set_scan_impl("triton", CPU)
+    mixer = model.layers[0].mixer  # a refused choice leaves the layer as it was
+    assert (mixer.scan_impl_requested, mixer.scan_impl) == ("sequential", "sequential")
     model.set_scan_impl("auto", CPU)
     assert model.scan_impl == "chunked"
     assert all(b.mixer.scan_impl == "chunked" for b in model.layers)

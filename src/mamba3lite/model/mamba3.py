@@ -16,6 +16,7 @@ split halves (i, i + N/2), as the official kernels (a wrong pairing does not mat
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -312,20 +313,25 @@ class Mamba3(nn.Module):
         Without, it is resolved at the first forward, for the device of its input, and again whenever
         the input moves to another device type. `scan_impl` is the backend in use (None until resolved).
         """
-        self.scan_impl_requested = check_scan_impl(name, where="scan_impl")
-        self.scan_impl: str | None = None
-        self._scan_device_type: str | None = None
-        self._scan = None
-        if device is not None:
-            self._bind_scan(torch.device(device))
+        check_scan_impl(name, where="scan_impl")
+        # Resolved before anything is assigned: a refused choice leaves the layer as it was.
+        bound = self._resolve_scan(name, torch.device(device)) if device is not None else (None, None, None)
+        self.scan_impl_requested = name
+        self.scan_impl, self._scan, self._scan_device_type = bound
 
-    def _bind_scan(self, device: torch.device):
-        """Resolve the requested backend for `device`, keep its scan callable, and return it."""
-        name = resolve_scan_impl(
-            self.scan_impl_requested, device, self.mimo_rank, self.d_state, self.headdim, self.chunk_size
+    def _resolve_scan(self, name: str, device: torch.device) -> tuple[str, Callable, str]:
+        """(backend, its scan callable, device type) for the requested `name` on `device`."""
+        resolved = resolve_scan_impl(
+            name, device, self.mimo_rank, self.d_state, self.headdim, self.chunk_size
         )
-        self._scan = scan_function(name, self.chunk_size)
-        self.scan_impl, self._scan_device_type = name, device.type
+        return resolved, scan_function(resolved, self.chunk_size), device.type
+
+    def _bind_scan(self, device: torch.device) -> Callable:
+        """Resolve the requested backend for `device` (a forward on a new device type), keep and return
+        its scan callable."""
+        self.scan_impl, self._scan, self._scan_device_type = self._resolve_scan(
+            self.scan_impl_requested, device
+        )
         return self._scan
 
     # ---- pieces shared by forward and step; head-major layout (B, H, T, ...) as the scan wants ----

@@ -10,7 +10,8 @@ Every backend implements `scan.chunked_scan`'s contract (same inputs, outputs an
                  but only once AUTO_PREFERS_TRITON is on (below)
 
 The choice depends on the device, known only once the model is where it will run, so it is made by
-`resolve_scan_impl(requested, device, R, N, P, chunk_size)`, a pure function of those arguments, called
+`resolve_scan_impl(requested, device, R, N, P, chunk_size)`, a function of those arguments and of what
+is installed (triton, TRITON_INTERPRET), called
 when the mixer is bound to a device (`Mamba3.set_scan_impl(name, device)`, the trainer does it right after
 moving the model) or at the first forward on a new device type. `triton` where it cannot run is one
 `ConfigError` that names the fix, raised there, never a traceback from inside triton.
