@@ -7,6 +7,8 @@ machine's business, never a test's.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -134,23 +136,46 @@ def test_parity_rejects_an_unknown_variant():
 
 
 @pytest.mark.slow
-def test_gpu_model_runs_on_the_cpu_and_prints_its_table(tmp_path):
-    """The GPU check falls back to the CPU (tiny preset, short T): one row per model and mode, and JSON."""
+def test_gpu_model_runs_on_the_cpu_and_prints_its_table(tmp_path, monkeypatch):
+    """The GPU check falls back to the CPU (tiny preset, short T): one row per case, and JSON; a backend or
+    package that cannot run here (triton without the interpreter, mamba_ssm absent) is a row saying why."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out_json = tmp_path / "rows.json"
     out = run_script(
-        "gpu_model.py", "--presets", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "1",
-        "--warmup", "0", "--modes", "eager", "--baseline", "--json", str(out_json),
+        "gpu_model.py", "--runs", "tiny:2x32", "--steps", "1", "--warmup", "0", "--modes", "eager",
+        "--scan-impls", "triton", "chunked", "--baseline", "--baseline-modes", "eager", "--official",
+        "--json", str(out_json),
     )  # fmt: skip
     assert "CPU (no CUDA" in out
-    for kind in ("mamba3", "transformer"):
-        assert re.search(rf"^\| {kind} \| tiny \| eager \| [\d.]+ M \| 2 \| [\d,]+ \|", out, re.M), out
-    assert re.search(r"^\| mamba3 \| tiny \| eager \|( [^|]+ \|){5} [\d.]+ \|", out, re.M), out  # est GiB
-    assert re.search(r"^\| tiny \| eager \| \d+\.\d\dx \|$", out, re.M), out  # the ratio table
+    for kind, scan in (("mamba3", "chunked"), ("transformer", "sdpa")):
+        assert re.search(
+            rf"^\| {kind} \| {scan} \| tiny \| eager \| 2 x 32 \| [\d.]+ M \| [\d,]+ \|", out, re.M
+        ), out
+    assert re.search(r"^\| mamba3 \| chunked \| tiny \| eager \|( [^|]+ \|){5} [\d.]+ \|", out, re.M), (
+        out
+    )  # est GiB
+    assert re.search(
+        r"^\| mamba3 \| triton \| tiny \| eager \| 2 x 32 \| ConfigError: model.scan_impl=triton", out, re.M
+    )
+    assert re.search(
+        r"^\| official \| mamba_ssm \| tiny \| eager \| 2 x 32 \| (ImportError|RuntimeError): ", out, re.M
+    )
     import json
 
     rows = json.loads(out_json.read_text())["rows"]
-    assert [(r["model"], r["mode"]) for r in rows] == [("mamba3", "eager"), ("transformer", "eager")]
-    assert all(r["tokens_per_s"] > 0 and "error" not in r for r in rows)
+    assert [(r["model"], r["scan"]) for r in rows] == [
+        ("mamba3", "triton"), ("transformer", "sdpa"), ("official", "mamba_ssm"), ("mamba3", "chunked")
+    ]  # fmt: skip
+    assert [("error" in r) for r in rows] == [True, False, True, False]
+    assert all(r["tokens_per_s"] > 0 for r in rows if "error" not in r)
+    assert all(len(line.split("|")) == 16 for line in out.splitlines() if line.startswith("| mamba3"))
+
+
+def _gpu_model(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gpu_model
+
+    return gpu_model
 
 
 def test_gpu_model_halves_the_batch_after_out_of_memory(monkeypatch):
@@ -158,29 +183,120 @@ def test_gpu_model_halves_the_batch_after_out_of_memory(monkeypatch):
 
     import torch
 
-    monkeypatch.syspath_prepend(str(BENCH))
-    import gpu_model
-
+    gpu_model = _gpu_model(monkeypatch)
     calls = []
 
-    def fake_case(kind, preset, mode, args, dev, peak):
-        calls.append(args.batch)
-        if args.batch > 2:
+    def fake_case(case, args, dev, peak):
+        calls.append(case.batch)
+        if case.batch > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
-        return {"batch": args.batch}
+        return {"batch": case.batch}
 
     monkeypatch.setattr(gpu_model, "run_case", fake_case)
-    args = argparse.Namespace(batch=8)
-    row = gpu_model.guarded_case("mamba3", "p", "eager", args, torch.device("cpu"), 1.0, {})
+    case = gpu_model.Case("mamba3", "triton", "p", "eager", 8, 2048)
+    cpu = torch.device("cpu")
+    row = gpu_model.guarded_case(case, argparse.Namespace(), cpu, 1.0)
     assert calls == [8, 4, 2] and row == {"batch": 2, "note": "batch 8 ran out of memory"}
 
-    def broken(kind, preset, mode, args, dev, peak):
-        raise ValueError("a compile failure")
+    def broken(case, args, dev, peak):
+        raise ValueError("a compile failure\nsecond line")
 
     monkeypatch.setattr(gpu_model, "run_case", broken)
-    cpu = torch.device("cpu")
-    row = gpu_model.guarded_case("mamba3", "p", "compiled", args, cpu, 1.0, {"mode": "compiled"})
-    assert row == {"mode": "compiled", "error": "ValueError: a compile failure"}
+    row = gpu_model.guarded_case(case, argparse.Namespace(), cpu, 1.0)
+    assert row == {**case.base_row(), "error": "ValueError: a compile failure second line"}
+
+
+def test_gpu_model_plans_the_issue_16_runs_and_rejects_a_bad_run_shape(monkeypatch, capsys):
+    gpu_model = _gpu_model(monkeypatch)
+    args = gpu_model.parse_args(["--baseline", "--official"])
+    assert args.runs == [("mamba3_440m", 16, 2048), ("mamba3_440m", 4, 8192), ("mamba3_180m", 16, 2048)]
+    cases = gpu_model.plan(args)
+    per_shape = [
+        (c.model, c.scan, c.mode) for c in cases if (c.preset, c.batch, c.seq_len) == ("mamba3_440m", 4, 8192)
+    ]
+    assert per_shape == [
+        ("mamba3", "triton", "eager"), ("mamba3", "triton", "compiled"),
+        ("transformer", "sdpa", "compiled"), ("official", "mamba_ssm", "eager"),
+        ("mamba3", "chunked", "eager"), ("mamba3", "chunked", "compiled"),
+    ]  # fmt: skip
+    assert len(cases) == 18
+    with pytest.raises(SystemExit):
+        gpu_model.parse_args(["--runs", "mamba3_440m:16by2048"])
+    assert "expected PRESET:BxT" in capsys.readouterr().err
+
+
+def test_gpu_model_ratios_and_targets(monkeypatch):
+    gpu_model = _gpu_model(monkeypatch)
+
+    def row(model, scan, mode, tps, mem, batch=16, mfu=0.2):
+        shape = {"preset": "mamba3_440m", "batch": batch, "requested_batch": 16, "seq_len": 2048}
+        return {
+            "model": model,
+            "scan": scan,
+            "mode": mode,
+            **shape,
+            "tokens_per_s": tps,
+            "peak_mem_gib": mem,
+            "mfu": mfu,
+        }
+
+    rows = [
+        row("mamba3", "triton", "eager", 90_000, 40.0, mfu=0.25),
+        row("mamba3", "triton", "compiled", 120_000, 36.0, mfu=0.33),
+        row("mamba3", "chunked", "compiled", 60_000, 118.0),
+        {**row("mamba3", "chunked", "eager", 0, 0), "error": "out of memory at batch 1"},
+        row("transformer", "sdpa", "eager", 100_000, 35.0),
+        row("transformer", "sdpa", "compiled", 110_000, 30.0),
+        row("official", "mamba_ssm", "eager", 100_000, 33.0, batch=8),
+    ]
+    rows[3].pop("tokens_per_s")
+    rs = gpu_model.ratios(rows)
+    assert [q["mode"] for q in rs] == ["eager", "compiled"]
+    eager, compiled = rs
+    assert eager["vs_transformer"] == pytest.approx(90 / 110) and eager["transformer_mode"] == "compiled"
+    assert eager["vs_chunked"] is None  # chunked eager did not run
+    assert compiled["vs_chunked"] == pytest.approx(2.0) and compiled["vs_official"] == pytest.approx(1.2)
+    assert compiled["mem_ratio"] == pytest.approx(36 / 30)
+    table = gpu_model.ratio_table(rs)
+    assert "| mamba3_440m | 16 x 2048 | compiled | 1.09x (compiled) | 1.20x | 2.00x | 1.20x |" in table
+    lines = gpu_model.target_lines(rs, [("mamba3_440m", 16, 2048), ("mamba3_440m", 4, 8192)])
+    assert lines == [
+        "target mamba3_440m 16 x 2048: triton / Transformer tokens/s >= 1x: 1.09x, met",
+        "target mamba3_440m 16 x 2048: triton MFU >= 30%: 33.0%, met",
+        "target mamba3_440m 16 x 2048: triton / official tokens/s >= 1x: 1.20x, met",
+        "target mamba3_440m 16 x 2048: peak memory triton / Transformer <= 1.25x: 1.20x, met",
+        "target mamba3_440m 4 x 8192: triton / Transformer tokens/s >= 2x: not measured",
+    ]
+    slow = [dict(r, tokens_per_s=r["tokens_per_s"] / 2) if r["scan"] == "triton" else r for r in rows]
+    assert (
+        "1x: 0.55x, MISSED" in gpu_model.target_lines(gpu_model.ratios(slow), [("mamba3_440m", 16, 2048)])[0]
+    )
+
+
+def test_gpu_model_imports_the_official_layer_without_its_packages_cuda_init(tmp_path, monkeypatch):
+    """mamba_ssm installed with MAMBA_SKIP_CUDA_BUILD=TRUE: its __init__ fails on the missing extension;
+    the Mamba-3 module is imported without it. Not installed at all: an ImportError naming the fix."""
+    gpu_model = _gpu_model(monkeypatch)
+    for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if importlib.util.find_spec("mamba_ssm") is None:
+        with pytest.raises(ImportError, match=r"mamba_ssm is not installed \(pip install mamba-ssm\)"):
+            gpu_model.official_mamba3_class()
+    pkg = tmp_path / "mamba_ssm"
+    (pkg / "modules").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import selective_scan_cuda  # the compiled extension, absent\n")
+    (pkg / "modules" / "__init__.py").write_text("")
+    (pkg / "modules" / "mamba3.py").write_text("class Mamba3:\n    stand_in = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    cls = gpu_model.official_mamba3_class()
+    assert cls.__name__ == "Mamba3" and cls.stand_in
+    for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    (pkg / "modules" / "mamba3.py").write_text("import tilelang_missing\n")
+    importlib.invalidate_caches()
+    with pytest.raises(ImportError, match=r"selective_scan_cuda.*without its __init__: ModuleNotFoundError"):
+        gpu_model.official_mamba3_class()
 
 
 @pytest.mark.slow

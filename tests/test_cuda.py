@@ -1,8 +1,12 @@
 """The model on a CUDA device: the same contracts as the CPU tests, on the GPU code paths (the eager scan's
 custom autograd Functions, bf16 autocast on CUDA, a compiled layer, decode and seeded sampling with a
-generator on the device). Every test here needs CUDA and is skipped without it: the CPU suite proves
-the same contracts on the CPU (tests/test_scan.py, tests/test_transformer.py); these are run on a lent
-GPU machine (`pytest -m gpu`) and their last results are in benchmarks/RESULTS.md, GPU section."""
+generator on the device), and the Triton scan == the chunked scan in fp32 and bf16, values and every
+gradient, alone and through the LM (eager, compiled, checkpointed); those skip until
+mamba3lite/model/scan_triton.py exists. Every test here needs CUDA and is skipped without it: the CPU
+suite proves the same contracts on the CPU (tests/test_scan.py, tests/test_transformer.py, the Triton
+kernels under TRITON_INTERPRET=1 in tests/test_scan_triton.py); these are run on a lent GPU machine
+(`pytest -m gpu`, benchmarks/gpu_check.sh) and their last results are in benchmarks/RESULTS.md, GPU
+section."""
 
 from __future__ import annotations
 
@@ -145,3 +149,141 @@ def test_compiled_layers_on_cuda_match_eager(kw):
     loss_bf16.backward()
     assert abs(loss_bf16.item() - eager_bf16.item()) < 0.02
     assert all(torch.isfinite(p.grad).all() for p in params)
+
+
+# ---- the Triton scan (mamba3lite/model/scan_triton.py) on the GPU: == the chunked scan ----
+def triton_scan():
+    """The kernels' entry point, or a skip until the module (and its function) exists."""
+    module = pytest.importorskip("mamba3lite.model.scan_triton")
+    if not hasattr(module, "triton_chunked_scan"):
+        pytest.skip("mamba3lite.model.scan_triton has no triton_chunked_scan")
+    reason = module.triton_unavailable_reason(CUDA)
+    if reason is not None:
+        pytest.fail(f"the Triton scan cannot run on this CUDA device: {reason}")
+    return module
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |b|: an error relative to the tensor's scale (bf16 and TF32 round relatively)."""
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def scan_inputs(B, H, T, R, N, P, dtype, seed=0):
+    """Inputs as the mixer hands them to the scan: q, k RMS-normed (unit scale) in `dtype`, v in `dtype`,
+    adt, dt, λ in fp32; a state, and resets for packed documents."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, H, T, R, N, generator=g) for _ in range(2))
+    v = torch.randn(B, H, T, R, P, generator=g)
+    dt = torch.rand(B, H, T, generator=g) * 0.1 + 1e-3
+    adt = -(torch.rand(B, H, T, generator=g) * 2 + 0.01) * dt
+    lam = torch.rand(B, H, T, generator=g)
+    state = {
+        "h0_BHPN": torch.randn(B, H, P, N, generator=g),
+        "k_prev_BRHN": torch.randn(B, R, H, N, generator=g).to(dtype),
+        "v_prev_BRHP": torch.randn(B, R, H, P, generator=g).to(dtype),
+    }
+    reset = torch.rand(B, T, generator=g) < 0.01
+    tensors = [q.to(dtype), k.to(dtype), v.to(dtype), adt, dt, lam]
+    return [t.to(CUDA) for t in tensors], {n: s.to(CUDA) for n, s in state.items()}, reset.to(CUDA)
+
+
+def values_and_grads(scan, tensors, state, reset, chunk, autocast):
+    """y, h and the gradients of every input and state under fixed random cotangents."""
+    inputs = [t.detach().clone().requires_grad_() for t in tensors]
+    st = {n: s.detach().clone().requires_grad_() for n, s in state.items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y, h = scan(*inputs, chunk_size=chunk, reset_BT=reset, **st)
+    g = torch.Generator(device=CUDA).manual_seed(7)
+    gy = torch.randn(y.shape, generator=g, device=CUDA, dtype=torch.float32)
+    gh = torch.randn(h.shape, generator=g, device=CUDA, dtype=torch.float32)
+    grads = torch.autograd.grad((y.float() * gy).sum() + (h.float() * gh).sum(), inputs + list(st.values()))
+    return [y, h, *grads]
+
+
+NAMES = ["y", "h", "dq", "dk", "dv", "dadt", "ddt", "dlam", "dh0", "dk_prev", "dv_prev"]
+
+
+@pytest.mark.parametrize(
+    ("R", "N", "P", "chunk", "T"),
+    [(1, 128, 64, 64, 1000), (1, 64, 64, 64, 256), (2, 128, 64, 32, 333), (4, 64, 32, 16, 200)],
+)
+def test_triton_equals_chunked_on_cuda_fp32_values_and_gradients(R, N, P, chunk, T):
+    """fp32 (TF32 off here; the kernels may still round their dots to TF32): y, the final state and every
+    gradient within 2e-3 of the chunked scan, relative to each tensor's scale; SISO and MIMO, a ragged
+    last chunk, from a state, with resets."""
+    module = triton_scan()
+    if not module.triton_supports(R, N, P, chunk):
+        pytest.skip(f"triton_supports({R}, {N}, {P}, {chunk}) is false")
+    tensors, state, reset = scan_inputs(2, 4, T, R, N, P, torch.float32)
+    want = values_and_grads(chunked_scan, tensors, state, reset, chunk, autocast=False)
+    got = values_and_grads(module.triton_chunked_scan, tensors, state, reset, chunk, autocast=False)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a, b) < 2e-3, f"{name}: relative error {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize(("R", "N", "P", "chunk"), [(1, 128, 64, 64), (2, 128, 64, 32)])
+def test_triton_bf16_is_as_accurate_as_chunked_bf16_on_cuda(R, N, P, chunk):
+    """bf16 autocast, as the trainer runs: against the fp64 chunked scan of the same (bf16-rounded)
+    inputs, the Triton scan's outputs and gradients are no more than 2x the chunked scan's bf16 error
+    (+1e-3), and both are under 5%. Output dtypes match the chunked path's."""
+    module = triton_scan()
+    if not module.triton_supports(R, N, P, chunk):
+        pytest.skip(f"triton_supports({R}, {N}, {P}, {chunk}) is false")
+    tensors, state, reset = scan_inputs(2, 4, 777, R, N, P, torch.bfloat16)
+    exact = values_and_grads(
+        chunked_scan,
+        [t.double() for t in tensors],
+        {n: s.double() for n, s in state.items()},
+        reset,
+        chunk,
+        False,
+    )
+    chunked = values_and_grads(chunked_scan, tensors, state, reset, chunk, autocast=True)
+    got = values_and_grads(module.triton_chunked_scan, tensors, state, reset, chunk, autocast=True)
+    for name, a, c, e in zip(NAMES, got, chunked, exact):
+        assert a.dtype == c.dtype, f"{name}: {a.dtype} != chunked's {c.dtype}"
+        err, ref = rel_err(a, e), rel_err(c, e)
+        assert err <= 2 * ref + 1e-3 and err < 0.05, f"{name}: triton {err:.2e}, chunked {ref:.2e}"
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_mimo": True, "mimo_rank": 2, "chunk_size": 8}, {"ngroups": 2}])
+def test_lm_with_triton_equals_chunked_on_cuda(kw):
+    """The tiny LM on the GPU with scan_impl=triton: loss and every parameter's gradient == the chunked
+    path (fp32), eager, compiled layers, and with (non-reentrant) gradient checkpointing; bf16 autocast
+    close and finite."""
+    module = triton_scan()
+    torch.manual_seed(0)
+    model = Mamba3Transformer(tiny_cfg(d_model=64, d_state=32, headdim=16, chunk_size=16, **kw)).to(CUDA)
+    mixer = model.layers[0].mixer
+    if not module.triton_supports(mixer.mimo_rank, mixer.d_state, mixer.headdim, mixer.chunk_size):
+        pytest.skip("the Triton scan does not support the tiny test shape")
+    x, y = ids(T=40).to(CUDA), ids(T=40, seed=2).to(CUDA)
+    params = list(model.parameters())
+    model.set_scan_impl("chunked", CUDA)
+    want_loss = model(x, y)
+    want = torch.autograd.grad(want_loss, params)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want_bf16 = model(x, y)
+    model.set_scan_impl("triton", CUDA)
+    assert model.scan_impl == "triton"
+
+    def check(what):
+        loss = model(x, y)
+        got = torch.autograd.grad(loss, params)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+        for (name, _), a, b in zip(model.named_parameters(), got, want):
+            assert rel_err(a, b) < 2e-3, f"{what} {name}: relative error {rel_err(a, b):.2e}"
+
+    check("eager")
+    model.grad_checkpointing = True
+    check("checkpointed")
+    model.grad_checkpointing = False
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_bf16 = model(x, y)
+    loss_bf16.backward()
+    assert abs(loss_bf16.item() - want_bf16.item()) < 0.02
+    assert all(torch.isfinite(p.grad).all() for p in params)
+    for block in model.layers:
+        block.compile()
+    check("compiled")

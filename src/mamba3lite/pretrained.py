@@ -91,6 +91,18 @@ def resolve_device(text: str) -> torch.device:
     return torch.device(text)
 
 
+def bind_scan(model: torch.nn.Module, scan_impl: str, device: torch.device) -> list[str]:
+    """Bind the run's scan backend to `device`; returns notes. The backend is how the model is computed,
+    not what, so a run trained with `triton` (on a GPU) that cannot use it here (a CPU) runs `chunked`,
+    with a note saying so, rather than refusing to generate or evaluate."""
+    try:
+        model.set_scan_impl(scan_impl, device)
+    except ConfigError as e:
+        model.set_scan_impl("chunked", device)
+        return [f"{e}; this command uses the chunked scan (same results)"]
+    return []
+
+
 def list_loadable_steps(run_dir: str | Path) -> list[int]:
     """Steps of `run_dir` whose checkpoint verifies (ascending); [] when there are none."""
     from mamba3lite.train.checkpoint import CheckpointManager
@@ -161,6 +173,7 @@ def load_pretrained(
                     raise
                 notes.append(f"step {step} was removed while loading it (a running training's retention?)")
     model.to(device).eval()
+    notes += bind_scan(model, config.model.scan_impl, torch.device(device))
     data = meta.get("data") or {}
     return Pretrained(
         model=model,

@@ -10,12 +10,27 @@ vocabulary of this project (50,257 tokens, eos 50,256): 126,946,368 parameters w
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields
 
 from mamba3lite.errors import ConfigError
 
 A_ACTIVATIONS = ("heavy_tail", "softplus")
+# Scan backends (model/scan_backend.py): all compute the same function, so these are how, not what.
+SCAN_IMPLS = ("auto", "chunked", "sequential", "triton")
+# Fields that choose how the model is computed, not what it computes: a checkpoint resumes and loads
+# under another value (a run trained with the Triton scan on a GPU evaluates with the chunked one on a CPU).
+EXECUTION_FIELDS = frozenset({"scan_impl"})
+
+
+def check_scan_impl(name: object, where: str = "model.scan_impl") -> str:
+    """`name` if it is a scan backend, else a ConfigError naming `where`, the choices and the closest one."""
+    if isinstance(name, str) and name in SCAN_IMPLS:
+        return name
+    close = difflib.get_close_matches(str(name), SCAN_IMPLS, n=1, cutoff=0.5)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    raise ConfigError(f"{where} must be one of {', '.join(SCAN_IMPLS)}, got {name!r}{hint}")
 
 
 @dataclass
@@ -84,6 +99,14 @@ class ModelConfig:
     rope: bool = field(
         default=True, metadata={"help": "data-dependent rotation of B and C; false = no rotation (ablation)"}
     )
+    scan_impl: str = field(
+        default="auto",
+        metadata={
+            "help": "scan backend, all computing the same function: 'chunked' (pure PyTorch, any "
+            "device), 'sequential' (the reference recurrence, slow), 'triton' (fused kernels: CUDA, "
+            "or CPU under TRITON_INTERPRET=1), 'auto' (today 'chunked' everywhere, see the README)"
+        },
+    )
     tie_embeddings: bool = field(
         default=True, metadata={"help": "LM head shares its weight with the token embedding"}
     )
@@ -136,6 +159,7 @@ class ModelConfig:
             raise bad("d_state", "must be even (the rotation turns channels in pairs)")
         if self.a_activation not in A_ACTIVATIONS:
             raise bad("a_activation", f"must be one of {', '.join(A_ACTIVATIONS)}")
+        check_scan_impl(self.scan_impl)
         if not self.A_floor >= 0:
             raise bad("A_floor", "must be >= 0")
         if not 0 < self.dt_min <= self.dt_max:

@@ -15,18 +15,17 @@ split halves (i, i + N/2), as the official kernels (a wrong pairing does not mat
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
-from mamba3lite.model.scan import autocast_dtype, chunked_scan, eager_or_traced, scan_step, sequential_scan
-
-SCAN_IMPLS = ("chunked", "sequential")
+from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig, check_scan_impl
+from mamba3lite.model.scan import autocast_dtype, eager_or_traced, scan_step
+from mamba3lite.model.scan_backend import resolve_scan_impl, scan_function
 
 
 class RMSNorm(nn.Module):
@@ -211,8 +210,9 @@ class Mamba3Cache:
 class Mamba3(nn.Module):
     """Mamba-3 mixer with the official layer's constructor arguments and parameter names.
 
-    forward(u_BTD, cache=None, reset_BT=None) -> out_BTD: chunked scan (or the sequential reference if
-    `scan_impl="sequential"`). With a cache, the scan starts from it and writes the final state back.
+    forward(u_BTD, cache=None, reset_BT=None) -> out_BTD: the scan backend `scan_impl` names ("auto",
+    "chunked", "sequential", "triton"; model/scan_backend.py), resolved for the device the input is on.
+    With a cache, the scan starts from it and writes the final state back.
     step(u_BD, cache, reset_B=None) -> out_BD: one token in O(1), cache updated in place.
     `reset_BT[b, t]` true: token t starts a fresh state (packed documents; the LM computes it).
 
@@ -241,7 +241,7 @@ class Mamba3(nn.Module):
         a_activation: str = "heavy_tail",
         trapezoid: bool = True,
         rope: bool = True,
-        scan_impl: str = "chunked",
+        scan_impl: str = "auto",
         device=None,
         dtype=None,
     ) -> None:
@@ -252,6 +252,7 @@ class Mamba3(nn.Module):
             rope_fraction=rope_fraction, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor,
             A_floor=A_floor, is_outproj_norm=is_outproj_norm, is_mimo=is_mimo, mimo_rank=mimo_rank,
             chunk_size=chunk_size, a_activation=a_activation, trapezoid=trapezoid, rope=rope,
+            scan_impl=scan_impl,
         )  # fmt: skip
         assert a_activation in A_ACTIVATIONS
         fk = {"device": device, "dtype": dtype}
@@ -294,7 +295,7 @@ class Mamba3(nn.Module):
             cfg.d_model, cfg.d_state, cfg.expand, cfg.headdim, cfg.ngroups, cfg.rope_fraction,
             cfg.dt_min, cfg.dt_max, cfg.dt_init_floor, cfg.A_floor, cfg.is_outproj_norm, cfg.is_mimo,
             cfg.mimo_rank, cfg.chunk_size, a_activation=cfg.a_activation, trapezoid=cfg.trapezoid,
-            rope=cfg.rope, device=device, dtype=dtype,
+            rope=cfg.rope, scan_impl=cfg.scan_impl, device=device, dtype=dtype,
         )  # fmt: skip
 
     @torch.no_grad()
@@ -304,15 +305,34 @@ class Mamba3(nn.Module):
         dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def set_scan_impl(self, name: str) -> None:
-        """Choose the scan used by forward: "chunked" (default, fast) or "sequential" (the reference)."""
-        if name not in SCAN_IMPLS:
-            raise ValueError(f"scan_impl must be one of {SCAN_IMPLS}, got {name!r}")
-        self.scan_impl = name
-        if name == "chunked":
-            self._scan = functools.partial(chunked_scan, chunk_size=self.chunk_size)
-        else:
-            self._scan = sequential_scan
+    def set_scan_impl(self, name: str, device: torch.device | str | None = None) -> None:
+        """Choose the scan backend of forward: "auto", "chunked", "sequential" or "triton".
+
+        With `device`, the name is resolved for it now (`scan_backend.resolve_scan_impl`: a ConfigError
+        here when "triton" cannot run there), as the trainer does once the model is on its device.
+        Without, it is resolved at the first forward, for the device of its input, and again whenever
+        the input moves to another device type. `scan_impl` is the backend in use (None until resolved).
+        """
+        check_scan_impl(name, where="scan_impl")
+        # Resolved before anything is assigned: a refused choice leaves the layer as it was.
+        bound = self._resolve_scan(name, torch.device(device)) if device is not None else (None, None, None)
+        self.scan_impl_requested = name
+        self.scan_impl, self._scan, self._scan_device_type = bound
+
+    def _resolve_scan(self, name: str, device: torch.device) -> tuple[str, Callable, str]:
+        """(backend, its scan callable, device type) for the requested `name` on `device`."""
+        resolved = resolve_scan_impl(
+            name, device, self.mimo_rank, self.d_state, self.headdim, self.chunk_size
+        )
+        return resolved, scan_function(resolved, self.chunk_size), device.type
+
+    def _bind_scan(self, device: torch.device) -> Callable:
+        """Resolve the requested backend for `device` (a forward on a new device type), keep and return
+        its scan callable."""
+        self.scan_impl, self._scan, self._scan_device_type = self._resolve_scan(
+            self.scan_impl_requested, device
+        )
+        return self._scan
 
     # ---- pieces shared by forward and step; head-major layout (B, H, T, ...) as the scan wants ----
     def _project(self, u_BTD: Tensor):
@@ -388,7 +408,9 @@ class Mamba3(nn.Module):
         if cache is not None:
             v_prev = self._cache_values(cache.v_BHP)
             init = {"h0_BHPN": cache.ssm_BHPN, "k_prev_BRHN": cache.k_BRHN, "v_prev_BRHP": v_prev}
-        y, h_BHPN = self._scan(q, k, v, A * dt, dt, lam, reset_BT=reset_BT, **init)
+        # The backend is resolved once per device type (the first forward there, or set_scan_impl).
+        scan = self._scan if self._scan_device_type == q.device.type else self._bind_scan(q.device)
+        y, h_BHPN = scan(q, k, v, A * dt, dt, lam, reset_BT=reset_BT, **init)
         if cache is not None and u_BTD.shape[1] > 0:
             with torch.no_grad():
                 if theta_BHTS is not None:

@@ -200,10 +200,16 @@ class Mamba3Transformer(nn.Module):
             if block.mlp is not None:
                 block.mlp.fc2.weight.div_(math.sqrt(self.cfg.n_layers))
 
-    def set_scan_impl(self, name: str) -> None:
-        """Use the "chunked" (default) or the "sequential" reference scan in every layer's forward."""
+    def set_scan_impl(self, name: str, device: torch.device | str | None = None) -> None:
+        """Choose every layer's scan backend ("auto", "chunked", "sequential", "triton"), resolved for
+        `device` now when given, else at the first forward (see `Mamba3.set_scan_impl`)."""
         for block in self.layers:
-            block.mixer.set_scan_impl(name)
+            block.mixer.set_scan_impl(name, device)
+
+    @property
+    def scan_impl(self) -> str | None:
+        """The scan backend the layers run (None until resolved for a device)."""
+        return self.layers[0].mixer.scan_impl if len(self.layers) else None
 
     def _resets(self, input_ids_BT: Tensor, last_token_B: Tensor | None) -> Tensor | None:
         """reset[b, t] = the previous input token is EOS (token 0 looks at the cache's last token)."""

@@ -201,6 +201,10 @@ class Pretrainer:
 
             model = Mamba3Transformer(self.cfg.model)
         raw = model.to(self.device)
+        if hasattr(raw, "set_scan_impl"):
+            # The scan backend is chosen here, where the device is known: a `triton` that cannot run
+            # on it is one ConfigError now, before anything is written or compiled.
+            raw.set_scan_impl(self.cfg.model.scan_impl, self.device)
         if hasattr(raw, "grad_checkpointing"):
             raw.grad_checkpointing = tc.grad_checkpointing
         wrapped = D.wrap_ddp(raw, self.dist)
@@ -318,10 +322,16 @@ class Pretrainer:
             start = {"world_size": self.dist.world_size, "resume": self.resume, "device": str(self.device)}
             self._code_version = write_run_records(self.cfg, self.run_dir, start, self._data_identity())
         what = "resumed" if self.step else "start"
-        self._event(
+        # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
+        scan = getattr(self.raw_model, "scan_impl", None)
+        self.logger.event(
+            self.step,
             "start",
             f"{what} at step {self.step} -> {target} on {self.dist.world_size} x {self.device}; "
-            f"{self.tc.tokens_per_step(self.dist.world_size):,} tokens/step; {self._epoch_summary()}",
+            f"{self.tc.tokens_per_step(self.dist.world_size):,} tokens/step; {self._epoch_summary()}"
+            + (f"; {scan} scan" if scan else ""),
+            tokens_total=self.tokens_seen,
+            **({"scan_impl": scan} if scan else {}),
         )
         for warning in self._start_warnings(target, until_step):
             self._event("warning", warning)

@@ -90,9 +90,13 @@ def resume_warnings(meta: dict, run: dict) -> list[str]:
     step, out = meta.get("step"), []
     saved_cfg = meta.get("config") or {}
     if "model" in saved_cfg:
+        from mamba3lite.model.config import EXECUTION_FIELDS
+
         mine = run["model"]
         diff = sorted(
-            k for k in set(mine) | set(saved_cfg["model"]) if mine.get(k) != saved_cfg["model"].get(k)
+            k
+            for k in (set(mine) | set(saved_cfg["model"])) - EXECUTION_FIELDS
+            if mine.get(k) != saved_cfg["model"].get(k)
         )
         if diff:
             raise CheckpointError(
