@@ -337,7 +337,8 @@ def test_export_refuses_what_the_official_model_cannot_do(tmp_path):
 
 
 # --------------------------------------------------------------------------- the run dir in use
-def test_imported_run_works_with_generate_inspect_and_export_cli(tmp_path, capsys):
+@pytest.mark.slow
+def test_imported_run_works_with_generate_eval_inspect_and_export_cli(tmp_path, capsys):
     src = write_official(tmp_path / "official", BASE, official_state_dict(BASE), "bin")
     assert main(["import", str(src), "--out", str(tmp_path / "run"), "--a-activation", "softplus"]) == 0
     out = capsys.readouterr().out
@@ -345,6 +346,11 @@ def test_imported_run_works_with_generate_inspect_and_export_cli(tmp_path, capsy
     assert main(["generate", "--checkpoint-dir", str(tmp_path / "run"), "--prompt", "w1 w2",
                  "--max-new-tokens", "5", "--device", "cpu"]) == 0  # fmt: skip
     assert capsys.readouterr().out.startswith("w1 w2")
+    # an imported run's max_seq_len is 2048 (the released models' context): eval windows that long
+    data = _word_dataset(tmp_path / "data", tmp_path / "run" / "tokenizer.json", n_train=2100, n_val=2100)
+    assert main(["eval", "--checkpoint-dir", str(tmp_path / "run"), "--data-path", str(data), "--json",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["loss"] > 0
     assert main(["inspect", str(tmp_path / "run")]) == 0
     shown = capsys.readouterr().out
     assert "A softplus" in shown and "imported from" in shown
@@ -353,14 +359,14 @@ def test_imported_run_works_with_generate_inspect_and_export_cli(tmp_path, capsy
     assert "softplus" in (tmp_path / "exported" / "README.md").read_text()
 
 
-def _word_dataset(root: Path, tokenizer: Path) -> Path:
+def _word_dataset(root: Path, tokenizer: Path, n_train: int = 600, n_val: int = 80) -> Path:
     from mamba3lite.data.shards import write_dataset
     from mamba3lite.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tokenizer))
     rng = np.random.default_rng(0)
     parts = []
-    for split, n in (("train", 600), ("val", 80)):
+    for split, n in (("train", n_train), ("val", n_val)):
         ids = rng.integers(1, len(WORDS), n)
         ids[::17] = tok.eos_id
         parts.append((split, ids, int((ids == tok.eos_id).sum()), 3 * n))
@@ -429,3 +435,29 @@ def test_init_from_an_official_directory_translates_it_as_import_does(tmp_path):
         assert torch.equal(a.to(F64), b.to(torch.float32).to(F64)), k
     with pytest.raises(CheckpointError, match="neither a run directory"):
         load_init_source(str(tmp_path))
+
+
+def test_bf16_weights_keep_their_dtype_and_load_widened(tmp_path):
+    from mamba3lite.pretrained import load_pretrained
+
+    sd = official_state_dict(BASE, dtype=torch.bfloat16)
+    sd["backbone.layers.0.mixer.dt_bias"] = sd[
+        "backbone.layers.0.mixer.dt_bias"
+    ].float()  # mixed, as official
+    src = write_official(tmp_path / "official", BASE, sd, "safetensors")
+    import_official(str(src), tmp_path / "run")
+    loaded = load_pretrained(tmp_path / "run")
+    assert loaded.model.embed.weight.dtype == torch.float32
+    assert torch.equal(loaded.model.embed.weight, sd["backbone.embedding.weight"][: len(WORDS)].float())
+    export_run(tmp_path / "run", tmp_path / "out")
+    back = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    for name, t in sd.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+def test_import_command_choices_are_the_model_s():
+    from mamba3lite.commands import import_ as cmd
+    from mamba3lite.interop import import_
+    from mamba3lite.model.config import A_ACTIVATIONS
+
+    assert cmd.A_ACTIVATIONS == A_ACTIVATIONS and cmd.DEFAULT_A_ACTIVATION == import_.DEFAULT_A_ACTIVATION
