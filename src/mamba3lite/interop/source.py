@@ -83,7 +83,9 @@ def open_source(src: str) -> OfficialSource:
             raise CheckpointError(f"{root / INDEX_NAME}: no weight_map (tensor name -> shard file)")
         files = [root / f for f in dict.fromkeys(wm.values())]
         for f in files:
-            if Path(f.name) != Path(f).relative_to(root) or not f.is_file():
+            if f.parent != root:
+                raise CheckpointError(f"{root / INDEX_NAME}: shard {f.relative_to(root)} is not in {root}")
+            if not f.is_file():
                 raise CheckpointError(f"{f}: a shard named by {INDEX_NAME} is missing; fetch it again")
     elif (root / SAFETENSORS_NAME).is_file():
         files = [root / SAFETENSORS_NAME]
