@@ -461,3 +461,15 @@ def test_import_command_choices_are_the_model_s():
     from mamba3lite.model.config import A_ACTIVATIONS
 
     assert cmd.A_ACTIVATIONS == A_ACTIVATIONS and cmd.DEFAULT_A_ACTIVATION == import_.DEFAULT_A_ACTIVATION
+
+
+def test_export_of_an_import_refuses_changed_padding_rows(tmp_path):
+    src = write_official(tmp_path / "official", BASE, official_state_dict(BASE), "bin")
+    import_official(str(src), tmp_path / "run")
+    pad = tmp_path / "run" / "official_padding.safetensors"
+    data = bytearray(pad.read_bytes())
+    data[-1] ^= 0xFF
+    pad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="padded embedding rows"):
+        export_run(tmp_path / "run", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

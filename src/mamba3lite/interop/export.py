@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mamba3lite.data.shards import sha256_file
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
 from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
@@ -69,28 +70,34 @@ def _pick_step(ckpt, p: Path, step: int | None, notes: list[str]) -> int:
 
 
 def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> tuple[OfficialVocab, dict]:
-    """The official vocabulary and padding rows of an imported run (its kept-aside rows), else none."""
+    """The official vocabulary of an imported run and its kept-aside padding rows (official name ->
+    rows); for any other run (or one whose vocabulary changed since), exactly its rows, no padding."""
     info = meta.get("imported_from") or {}
     official = info.get("official_config") or {}
-    name, sha = info.get("padding_file"), info.get("padding_sha256")
-    if not (isinstance(name, str) and isinstance(official.get("vocab_size"), int)):
-        return OfficialVocab(vocab_size, 1), {}
-    path = p / Path(name).name
-    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != sha:
-        raise CheckpointError(
-            f"{path}: the padded embedding rows of the imported model are missing or changed (sha256 differs "
-            "from the meta); restore the file, or import the model again"
-        )
-    from safetensors.torch import load_file
-
-    rows = load_file(str(path))
+    own = OfficialVocab(vocab_size, 1), {}
+    if not isinstance(official.get("vocab_size"), int):
+        return own
     vocab = OfficialVocab(official["vocab_size"], int(official.get("pad_vocab_size_multiple", 8)))
-    n = rows[EMBED_OFFICIAL].shape[0]
-    want = {EMBED_OFFICIAL} | (set() if tied else {HEAD})
-    fits = all(t.shape == (n, d_model) for t in rows.values())
-    if vocab.padded != vocab_size + n or set(rows) != want or not fits:
-        # The model changed shape since the import (trained with another vocabulary?): no padding.
-        return OfficialVocab(vocab_size, 1), {}
+    rows: dict = {}
+    name = info.get("padding_file")
+    if isinstance(name, str):
+        path = p / Path(name).name
+        if not path.is_file() or sha256_file(path) != info.get("padding_sha256"):
+            raise CheckpointError(
+                f"{path}: the padded embedding rows of the imported model are missing or changed (sha256 "
+                "differs from the meta); restore the file, or import the model again"
+            )
+        from safetensors.torch import load_file
+
+        rows = load_file(str(path))
+    n = rows[EMBED_OFFICIAL].shape[0] if rows else 0
+    want = ({EMBED_OFFICIAL} | (set() if tied else {HEAD})) if n else set()
+    if (
+        vocab.padded != vocab_size + n
+        or set(rows) != want
+        or any(t.shape != (n, d_model) for t in rows.values())
+    ):
+        return own  # the model changed shape since the import
     return vocab, rows
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.names import EMBED_OURS, HEAD, official_name, our_name
-from mamba3lite.interop.official_config import OfficialVocab, model_config_from_official
+from mamba3lite.interop.official_config import KERNEL_ONLY_SSM_KEYS, OfficialVocab, model_config_from_official
 from mamba3lite.interop.source import TOKENIZER_NAME, OfficialSource, open_source
 from mamba3lite.interop.weights import read_official_weights
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
@@ -148,7 +148,7 @@ def translate(source: OfficialSource, tok: TokenizerIdentity, a_activation: str)
     notes = [f"A activation: {a_activation} (the official format does not record it; --a-activation chooses)"]
     if vocab.padded > V:
         notes.append(f"{vocab.padded - V} padded embedding rows beyond the tokenizer's {V:,} ids kept aside")
-    ignored = sorted(set(source.config.get("ssm_cfg") or {}) & {"fuse_pregate_headwise_norm", "dropout"})
+    ignored = sorted(set(source.config.get("ssm_cfg") or {}) & set(KERNEL_ONLY_SSM_KEYS))
     if ignored:
         notes.append(f"kernel-only ssm_cfg keys ignored: {', '.join(ignored)}")
     return OfficialWeights(cfg, vocab, state, padding, notes)
