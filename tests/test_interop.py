@@ -473,3 +473,24 @@ def test_export_of_an_import_refuses_changed_padding_rows(tmp_path):
     with pytest.raises(CheckpointError, match="padded embedding rows"):
         export_run(tmp_path / "run", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_run_without_a_usable_tokenizer(tmp_path):
+    src = write_official(tmp_path / "official", BASE, official_state_dict(BASE), "bin")
+    import_official(str(src), tmp_path / "run")
+    (tmp_path / "run" / "tokenizer.json").write_text("{}")  # edited after the import
+    with pytest.raises(CheckpointError, match="changed since the model was trained"):
+        export_run(tmp_path / "run", tmp_path / "out")
+    (tmp_path / "run" / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="not there any more"):
+        export_run(tmp_path / "run", tmp_path / "out")
+    # a --dummy run of another vocabulary records no tokenizer: nothing to ship with it
+    cfg = tiny_config(tmp_path / "dummy").model.__class__(
+        **{**tiny_config("x").model.__dict__, "vocab_size": 300, "eos_id": 0}
+    )
+    CheckpointManager(tmp_path / "dummy").save(
+        1, Mamba3Transformer(cfg), None, {"config": Config(model=cfg).to_dict()}
+    )
+    with pytest.raises(CheckpointError, match="records no tokenizer"):
+        export_run(tmp_path / "dummy", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

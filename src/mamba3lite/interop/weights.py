@@ -35,7 +35,10 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
 
 def _read_bin(path: Path) -> dict[str, Tensor]:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:  # memory-mapped: a large model is not read into memory before it is written out again
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (pre-zip) file cannot be mapped: read it whole
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a pickle with code in it, ...
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise CheckpointError(
