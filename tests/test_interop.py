@@ -129,7 +129,7 @@ def test_official_dir_imports_to_the_independent_lm_and_exports_back_unchanged(t
 
     export_run(tmp_path / "run", tmp_path / "exported")
     back = torch.load(tmp_path / "exported" / "pytorch_model.bin", weights_only=True)
-    assert list(back) == list(official_shapes(config)) or set(back) == set(official_shapes(config))
+    assert set(back) == set(official_shapes(config))  # what MambaLMHeadModel.load_state_dict(strict) needs
     for name, t in sd.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     if resolved(config)[0]["tie_embeddings"]:  # the .bin ties the head as the official state_dict does
@@ -145,10 +145,9 @@ def test_official_dir_imports_to_the_independent_lm_and_exports_back_unchanged(t
     assert {k: v for k, v in c_got.items() if k != "ssm_cfg"} == {
         k: v for k, v in c_want.items() if k != "ssm_cfg"
     }
-    assert s_got == {
-        **s_got,
-        **{k: v for k, v in s_want.items() if k not in ("fuse_pregate_headwise_norm", "dropout")},
-    }
+    kernel_only = ("fuse_pregate_headwise_norm", "dropout")  # accepted on import, not written back
+    assert all(s_got[k] == v for k, v in s_want.items() if k not in kernel_only), (s_got, s_want)
+    assert got_cfg["ssm_cfg"]["layer"] == "Mamba3"
 
 
 def test_our_run_exports_for_the_official_lm_and_imports_back_bit_identical(tmp_path):
