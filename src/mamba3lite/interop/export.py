@@ -127,7 +127,7 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
             f"the tokenizer file {path} changed since the model was trained on it (its sha256 differs from "
             "the checkpoint's record); put the original back"
         )
-    return raw, f"{path.name} (Hugging Face tokenizers)"
+    return raw, "the run's own (Hugging Face tokenizers)"
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> ExportResult:

@@ -51,7 +51,7 @@ def model_card(
         f"{official_config['d_model']}, d_state {ssm['d_state']}, headdim {ssm['headdim']}, "
         f"expand {ssm['expand']}, ngroups {ssm['ngroups']}, rope_fraction {ssm['rope_fraction']}, "
         f"LM head {head} |",
-        f"| parameters | {n_params:,} |",
+        f"| parameters | {n_params:,} (padding rows of the embedding included) |",
         f"| A activation | {act} |",
         f"| tokenizer | {tokenizer} (`tokenizer.json`) |",
         f"| vocabulary | {official_config['vocab_size']:,} ids (embedding padded to a multiple of "
