@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import keyword
 import os
 import signal
 import sys
@@ -26,7 +27,9 @@ from mamba3lite.errors import Mamba3LiteError
 from mamba3lite.malloc import keep_freed_memory
 
 # The subcommands, in the order of the pipeline. Each module's HELP is its line in `--help`.
-COMMANDS: tuple[str, ...] = ("quickstart", "prepare", "train", "eval", "generate", "inspect", "plot")
+COMMANDS: tuple[str, ...] = (
+    "quickstart", "prepare", "train", "eval", "generate", "inspect", "plot", "import", "export",
+)  # fmt: skip
 # Commands whose work must not end when their console output can no longer be written (`train | head`):
 # the run goes on, its rows are in RUN/metrics.jsonl. `generate | head` stops, as a reader expects.
 KEEP_RUNNING_WITHOUT_STDOUT = ("quickstart", "prepare", "train")
@@ -69,8 +72,9 @@ class _StdoutThatMayClose:
 
 
 def command_module(name: str):
-    """`mamba3lite.commands.<name>`: cheap to import (heavy imports live inside its `run`)."""
-    return importlib.import_module(f"mamba3lite.commands.{name}")
+    """`mamba3lite.commands.<name>` (`<name>_` for a Python keyword: `import_`): cheap to import (heavy
+    imports live inside its `run`)."""
+    return importlib.import_module(f"mamba3lite.commands.{name}{'_' if keyword.iskeyword(name) else ''}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,9 +7,12 @@ Flags override the config file; `--set section.key=value` overrides anything, ty
 (`--checkpoint-dir`, default `training.checkpoint_dir`) holds config.yaml, run.json, metrics.jsonl and
 the checkpoints. `--resume latest` (default) continues from the newest verified checkpoint there;
 `--resume N` from exactly step N; `--resume none` starts fresh (and refuses a directory with
-checkpoints). `--dry-run` trains 2 steps end to end, evaluates, and writes a checkpoint (the seed's
-smoke test), always as a fresh run in a directory without checkpoints. SIGTERM / Ctrl-C: the current
-step finishes, a checkpoint is written, exit code 0.
+checkpoints). `--init-from SRC` starts a new run (step 0, fresh optimizer and schedule) from the weights
+of a run directory or an official mamba_ssm directory, with that model's config (`--set model.*` may
+change what does not change a parameter's shape); data tokenized with another tokenizer is refused.
+`--dry-run` trains 2 steps end to end, evaluates, and writes a checkpoint (the seed's smoke test),
+always as a fresh run in a directory without checkpoints. SIGTERM / Ctrl-C: the current step
+finishes, a checkpoint is written, exit code 0.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="latest verified checkpoint (default), none (fresh run), or exactly step N",
     )
     parser.add_argument("--max-steps", type=int, metavar="N", help="overrides training.max_steps")
+    parser.add_argument(
+        "--init-from",
+        metavar="RUN_DIR|OFFICIAL_DIR",
+        help="start a new run from these weights (a run directory, an official mamba_ssm directory, or "
+        "hf:NAME); the model config is theirs",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -158,9 +167,34 @@ def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str
     )
 
 
+def resolve_init_from(args: argparse.Namespace, cfg):
+    """(cfg with the source's model config and the run's `--set model.*` on top, the model holding the
+    source's weights); DataError when the training data was tokenized with another tokenizer."""
+    from dataclasses import asdict
+
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+    from mamba3lite.evaluate import check_compatible
+    from mamba3lite.interop.init_from import load_init_source
+
+    source = load_init_source(args.init_from)
+    cfg = cfg.replace("model", **asdict(source.config))
+    cfg = cfg.with_overrides([o for o in args.overrides if o.strip().startswith("model.")])
+    data = Path(cfg.data.train_data_path)
+    if not cfg.data.dummy and (data / MANIFEST_NAME).is_file():
+        check_compatible(
+            Manifest.load(data), cfg.model.vocab_size, cfg.model.eos_id, source.vocab_hash,
+            source.tokenizer_name, where=f"the training data ({data})", reference="the --init-from model",
+        )  # fmt: skip
+    print(f"init-from {source.description}: its weights and model config; optimizer and schedule fresh")
+    return cfg, source.build_model(cfg.model)
+
+
 def run(args: argparse.Namespace) -> int:
     resume = parse_resume(args.resume)
     cfg = build_config(args)
+    init_model = None
+    if args.init_from is not None:
+        cfg, init_model = resolve_init_from(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
@@ -191,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     finished = False
     with stop.installed(signal.SIGTERM, on_exit=after):
         try:
-            result = _train(cfg, resume, info, stop)
+            result = _train(cfg, resume, info, stop, init_model)
             if info.is_main:
                 what = "stopped" if result.stopped else "done"
                 tps = (
@@ -210,14 +244,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(cfg, resume: str | int, info, stop):
-    """Build the trainer and run it; errors a user can act on become TrainingError."""
+def _train(cfg, resume: str | int, info, stop, init_model=None):
+    """Build the trainer and run it; errors a user can act on become TrainingError. `init_model`
+    (--init-from) arrives holding the source's weights; a resumed run's checkpoint replaces them, so a
+    re-run of the same command after a preemption continues the run."""
     from mamba3lite.train import distributed as D
     from mamba3lite.train.trainer import Pretrainer
 
     trainer = None
     try:
-        trainer = Pretrainer(cfg, resume=resume, dist=info, stop=stop)
+        trainer = Pretrainer(cfg, resume=resume, dist=info, model=init_model, stop=stop)
         return trainer.train()
     except RuntimeError as e:
         if D.lost_a_peer(e, info):  # e.g. rank 0 could not write a checkpoint: its error says why

@@ -93,7 +93,8 @@ def _describe_meta(meta: dict) -> list[str]:
             kind = f"MIMO rank {m.mimo_rank}" if m.is_mimo else "SISO"
             lines += [
                 f"model          {m.n_layers} layers, d_model {m.d_model}, d_state {m.d_state}, "
-                f"headdim {m.headdim}, expand {m.expand}, {kind}, vocab {m.vocab_size:,}",
+                f"headdim {m.headdim}, expand {m.expand}, {kind}, vocab {m.vocab_size:,}, "
+                f"A {m.a_activation}",
                 f"parameters     {count_parameters(m):,}",
                 f"training       max_seq_len {t.max_seq_len}, {t.windows_per_step()} windows/step "
                 "per process "
@@ -106,6 +107,12 @@ def _describe_meta(meta: dict) -> list[str]:
     tokens = meta.get("tokens_seen")
     if tokens is not None:
         lines.append(f"tokens seen    {int(tokens):,}")
+    imported = meta.get("imported_from")
+    if isinstance(imported, dict):
+        lines.append(
+            f"imported from  {imported.get('source')} ({imported.get('format')}; A activation "
+            f"{imported.get('a_activation')} chosen at import: the format does not record it)"
+        )
     data = meta.get("data") or {}
     if data.get("tokenizer"):
         lines.append(f"tokenizer      {data['tokenizer']} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")

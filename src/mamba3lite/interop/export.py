@@ -1,0 +1,214 @@
+"""`mamba3lite export`: a run's checkpoint -> a directory in the official mamba_ssm format.
+
+    result = export_run("runs/tiny", "exported/tiny")            # newest verified step
+    # then, with mamba_ssm:  MambaLMHeadModel.from_pretrained("exported/tiny")
+
+The directory holds `config.json` (exactly MambaConfig's fields), `pytorch_model.bin` and
+`model.safetensors` (official names, the checkpoint's dtypes), `tokenizer.json` (GPT-2 built offline
+from the packaged vocabulary, or the run's own tokenizer file) and a `README.md` model card.
+
+Vocabulary: a run trained here has exactly its tokenizer's rows and is written with
+`pad_vocab_size_multiple: 1` (no padding rows, none needed). A run imported from an official model
+gets its kept-aside padding rows back (`official_padding.safetensors`, checked against the sha256 its
+meta records), so import -> export reproduces the official tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mamba3lite.data.shards import sha256_file
+from mamba3lite.errors import CheckpointError
+from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
+from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
+
+_WIDEST_FIRST = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    step: int
+    n_params: int
+    notes: list[str]
+
+
+def _stored_dtypes(path: Path) -> dict[str, torch.dtype]:
+    """name -> dtype of each tensor in a safetensors file (its header only)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {k: _ST_DTYPES[f.get_slice(k).get_dtype()] for k in f.keys()}  # noqa: SIM118
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read weights ({e})") from None
+
+
+def _pick_step(ckpt, p: Path, step: int | None, notes: list[str]) -> int:
+    if step is not None:
+        if step not in ckpt.list_steps():
+            raise CheckpointError(
+                f"there is no checkpoint of step {step} in {p}; loadable steps: "
+                f"{ckpt.verified_steps(need_optimizer=False) or 'none'}"
+            )
+        return step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest = ckpt.latest_step(need_optimizer=False)
+    notes += [str(w.message) for w in caught]
+    if latest is None:
+        raise CheckpointError(f"no checkpoint in {p} verifies; nothing to export")
+    return latest
+
+
+def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> tuple[OfficialVocab, dict]:
+    """The official vocabulary of an imported run and its kept-aside padding rows (official name ->
+    rows); for any other run (or one whose vocabulary changed since), exactly its rows, no padding."""
+    info = meta.get("imported_from") or {}
+    official = info.get("official_config") or {}
+    own = OfficialVocab(vocab_size, 1), {}
+    if not isinstance(official.get("vocab_size"), int):
+        return own
+    vocab = OfficialVocab(official["vocab_size"], int(official.get("pad_vocab_size_multiple", 8)))
+    rows: dict = {}
+    name = info.get("padding_file")
+    if isinstance(name, str):
+        path = p / Path(name).name
+        if not path.is_file() or sha256_file(path) != info.get("padding_sha256"):
+            raise CheckpointError(
+                f"{path}: the padded embedding rows of the imported model are missing or changed (sha256 "
+                "differs from the meta); restore the file, or import the model again"
+            )
+        from safetensors.torch import load_file
+
+        rows = load_file(str(path))
+    n = rows[EMBED_OFFICIAL].shape[0] if rows else 0
+    want = ({EMBED_OFFICIAL} | (set() if tied else {HEAD})) if n else set()
+    if (
+        vocab.padded != vocab_size + n
+        or set(rows) != want
+        or any(t.shape != (n, d_model) for t in rows.values())
+    ):
+        return own  # the model changed shape since the import
+    return vocab, rows
+
+
+def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
+    """(tokenizer.json bytes, a description) for the run's tokenizer."""
+    from mamba3lite.interop.gpt2_tokenizer import gpt2_tokenizer_json
+    from mamba3lite.tokenizer import GPT2_VOCAB_SIZE
+
+    data = meta.get("data") or {}
+    name = str(data.get("tokenizer") or "gpt2")
+    if name == "gpt2":
+        if vocab_size != GPT2_VOCAB_SIZE:
+            raise CheckpointError(
+                f"the model in {p} has vocab_size {vocab_size}, not GPT-2's {GPT2_VOCAB_SIZE} (trained on "
+                "--dummy data?) and records no tokenizer: there is no tokenizer.json to ship with it"
+            )
+        return gpt2_tokenizer_json().encode("utf-8"), "GPT-2 BPE (50,257 ids, EOS 50,256)"
+    path = Path(name)
+    if not path.is_file():
+        raise CheckpointError(
+            f"the model in {p} was trained with the tokenizer file {path}, which is not there any more; "
+            "put it back at that path"
+        )
+    raw = path.read_bytes()
+    if data.get("vocab_hash") and hashlib.sha256(raw).hexdigest() != data["vocab_hash"]:
+        raise CheckpointError(
+            f"the tokenizer file {path} changed since the model was trained on it (its sha256 differs from "
+            "the checkpoint's record); put the original back"
+        )
+    return raw, "the run's own (Hugging Face tokenizers)"
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> ExportResult:
+    """Write the official-format directory `out` (absent or empty) for checkpoint `step` (default:
+    the newest verified one) of run `run_dir`."""
+    from mamba3lite.config import Config
+    from mamba3lite.errors import ConfigError
+    from mamba3lite.interop.model_card import model_card
+    from mamba3lite.interop.outdir import check_out_dir, staged_dir
+    from mamba3lite.interop.weights import write_official_weights
+    from mamba3lite.model import Mamba3Transformer, count_parameters
+    from mamba3lite.pretrained import check_run_dir
+    from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
+
+    out = Path(out)
+    check_out_dir(out)
+    p = check_run_dir(run_dir)
+    ckpt = CheckpointManager(p)
+    notes: list[str] = []
+    step = _pick_step(ckpt, p, step, notes)
+    st = ckpt.status(step, need_optimizer=False)
+    if not st.loadable:
+        raise CheckpointError(f"checkpoint step {step} in {p} cannot be loaded: {'; '.join(st.problems)}")
+    meta = ckpt.read_meta(step)
+    try:
+        cfg = Config.from_dict(meta.get("config"), source=f"{p}/meta_step_{step}.json").model
+    except ConfigError as e:
+        raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
+    vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
+    official_cfg = official_config_from_model(cfg, vocab)
+    tok_bytes, tok_desc = _tokenizer_json(p, meta, cfg.vocab_size)
+
+    # Load through the manager (sizes and sha256 verified, strict) into a model of the widest stored
+    # dtype, then give every tensor its stored dtype back: no value is rounded on the way.
+    dtypes = _stored_dtypes(checkpoint_files(p, step)["model"])
+    widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
+    model = Mamba3Transformer(cfg).to(widest)
+    ckpt.load(step, model, None, map_location="cpu")
+    ours = model.state_dict()
+    state = {}
+    for name, t in ours.items():
+        dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)
+        state[name] = t.to(dt)
+    state = to_official(state)
+    for name, rows in padding.items():
+        state[name] = torch.cat([state[name], rows.to(state[name].dtype)])
+    if cfg.tie_embeddings:
+        state.pop(HEAD)
+
+    a_act = cfg.a_activation
+    if a_act != "heavy_tail":
+        notes.append(
+            f"the model uses the {a_act} A activation; the official code since mid-2026 computes A with "
+            "heavy-tail, so it gives other outputs for these weights (the model card says so)"
+        )
+    if cfg.reset_at_eos:
+        notes.append(
+            "the model was trained with reset_at_eos (state reset after each EOS); mamba_ssm does not "
+            "reset, so text spanning documents gives other outputs there (one document gives the same)"
+        )
+    last_eval = meta.get("last_eval") if isinstance(meta.get("last_eval"), dict) else {}
+    val_loss = last_eval.get("val_loss")
+    n_params = count_parameters(cfg)
+    card = model_card(
+        title=f"{p.resolve().name} (step {step})",
+        official_config=official_cfg,
+        n_params=n_params + sum(t.numel() for t in padding.values()),
+        a_activation=a_act,
+        tokenizer=tok_desc,
+        step=step,
+        tokens_seen=int(meta.get("tokens_seen", 0)),
+        manifest_sha256=(meta.get("data") or {}).get("manifest_sha256"),
+        val_loss=float(val_loss) if isinstance(val_loss, (int, float)) and math.isfinite(val_loss) else None,
+        notes=[
+            *notes,
+            *([(meta.get("imported_from") or {}).get("note")] if meta.get("imported_from") else []),
+        ],
+    )
+    with staged_dir(out) as tmp:
+        (tmp / "config.json").write_text(json.dumps(official_cfg, indent=2) + "\n", encoding="utf-8")
+        write_official_weights(tmp, state, cfg.tie_embeddings)
+        (tmp / "tokenizer.json").write_bytes(tok_bytes)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+    return ExportResult(out, step, n_params, notes)

@@ -1,0 +1,238 @@
+"""`mamba3lite import`: an official mamba_ssm Mamba-3 model -> a run directory like any other.
+
+    result = import_official("path/or/hf:NAME", "runs/mamba3-187m")
+
+The run directory gets one verified checkpoint (step 0: `model_step_0.safetensors`, an empty optimizer
+file, `meta_step_0.json`), `config.yaml`, and the tokenizer: `generate`, `eval`, `inspect` and
+`train --init-from` take it as they take a trained run. The meta records the source and its config.json
+(`imported_from`), tokens_seen 0 (the official format does not say how many the model saw), and the
+tokenizer's identity, as `prepare` records it in a dataset (so data prepared with
+`--tokenizer RUN/tokenizer.json` is recognised as the model's).
+
+Vocabulary: the model keeps the tokenizer's ids only. The official embedding is padded to a multiple
+of `pad_vocab_size_multiple` with rows no token id reaches; those rows are kept aside in
+`official_padding.safetensors`, so that `export` writes the official tensors back unchanged. A tokenizer
+JSON that is our GPT-2 (an exported mamba3lite model) is recorded as "gpt2", so GPT-2 datasets match.
+
+Tensors keep the dtypes of the file (bf16 stays bf16 on disk; `load_pretrained` widens to fp32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mamba3lite.errors import CheckpointError, ConfigError
+from mamba3lite.interop.names import EMBED_OURS, HEAD, official_name, our_name
+from mamba3lite.interop.official_config import KERNEL_ONLY_SSM_KEYS, OfficialVocab, model_config_from_official
+from mamba3lite.interop.source import TOKENIZER_NAME, OfficialSource, open_source
+from mamba3lite.interop.weights import read_official_weights
+from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
+
+DEFAULT_A_ACTIVATION = "heavy_tail"  # the official code's since mid-2026 (MAMBA3.md §1.3)
+PADDING_NAME = "official_padding.safetensors"
+TOKENS_SEEN_NOTE = (
+    "tokens_seen is 0 because the official format does not record how many tokens the model was trained on"
+)
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What a dataset's manifest records of its tokenizer: `name` ("gpt2" or a tokenizer.json path),
+    `vocab_hash`, `vocab_size`, `eos_id`; `path`: the tokenizer.json to copy (None for "gpt2")."""
+
+    name: str
+    vocab_hash: str
+    vocab_size: int
+    eos_id: int
+    path: Path | None
+
+
+def tokenizer_identity(name_or_path: str) -> TokenizerIdentity:
+    """The identity of tokenizer "gpt2" or of a tokenizer.json (recognised as GPT-2 when it is ours)."""
+    from mamba3lite.interop.gpt2_tokenizer import is_gpt2_tokenizer_json
+    from mamba3lite.tokenizer import load_tokenizer
+
+    path = None
+    if name_or_path != "gpt2":
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ConfigError(
+                f"tokenizer file not found: {path}; pass --tokenizer PATH/tokenizer.json or gpt2"
+            )
+        if is_gpt2_tokenizer_json(path.read_text(encoding="utf-8", errors="replace")):
+            name_or_path, path = "gpt2", None
+    tok = load_tokenizer(name_or_path if path is None else str(path))
+    return TokenizerIdentity(tok.name, tok.vocab_hash, tok.vocab_size, tok.eos_id, path)
+
+
+@dataclass
+class OfficialWeights:
+    """An official model translated: `config` (ours), `state` (our names, the tokenizer's rows only,
+    the file's dtypes), `padding` (official name -> the embedding/head rows beyond them)."""
+
+    config: ModelConfig
+    vocab: OfficialVocab
+    state: dict[str, Tensor]
+    padding: dict[str, Tensor]
+    notes: list[str] = field(default_factory=list)
+
+
+def _expected_shapes(cfg: ModelConfig, rows: int) -> dict[str, tuple[int, ...]]:
+    """Our model's parameter shapes (no memory: built on the meta device), with `rows` embedding rows."""
+    from mamba3lite.model import Mamba3Transformer
+
+    with torch.device("meta"):
+        model = Mamba3Transformer(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for k in (EMBED_OURS, HEAD):
+        shapes[k] = (rows, *shapes[k][1:])
+    return shapes
+
+
+def translate(source: OfficialSource, tok: TokenizerIdentity, a_activation: str) -> OfficialWeights:
+    """The official model at `source`, for tokenizer `tok`, in our names and config. CheckpointError
+    naming the tensor (or key) when the weights and config.json disagree."""
+    if a_activation not in A_ACTIVATIONS:
+        raise ConfigError(f"--a-activation must be one of {', '.join(A_ACTIVATIONS)}, got {a_activation!r}")
+    where = str(source.root / "config.json")
+    cfg, vocab = model_config_from_official(
+        source.config, vocab_size=tok.vocab_size, eos_id=tok.eos_id, a_activation=a_activation, where=where
+    )
+    raw = read_official_weights(source.weight_files, source.index)
+    files = ", ".join(p.name for p in source.weight_files)
+    state: dict[str, Tensor] = {}
+    for name, t in raw.items():
+        ours = our_name(name)
+        if ours is None:
+            raise CheckpointError(f"{files}: tensor {name!r} is not part of a MambaLMHeadModel")
+        state[ours] = t
+    want = _expected_shapes(cfg, vocab.padded)
+    tied_head = state.pop(HEAD, None) if cfg.tie_embeddings else None
+    if cfg.tie_embeddings:
+        del want[HEAD]
+    for name in want:
+        if name not in state:
+            raise CheckpointError(
+                f"{files}: tensor {official_name(name)!r} is missing; the weights and {where} disagree "
+                "(another model's config?)"
+            )
+        if tuple(state[name].shape) != want[name]:
+            raise CheckpointError(
+                f"{files}: tensor {official_name(name)!r} has shape {tuple(state[name].shape)}, but {where} "
+                f"implies {want[name]}; the weights and the config disagree"
+            )
+    extra = sorted(set(state) - set(want))
+    if extra:
+        raise CheckpointError(
+            f"{files}: tensor {official_name(extra[0])!r} has no place in the model that {where} describes "
+            "(the weights and the config disagree)"
+        )
+    if tied_head is not None and not (
+        tied_head.shape == state[EMBED_OURS].shape and torch.equal(tied_head, state[EMBED_OURS])
+    ):
+        raise CheckpointError(
+            f"{files}: lm_head.weight differs from the embedding, but config.json says tie_embeddings: "
+            "true; the weights and the config disagree"
+        )
+    V = cfg.vocab_size
+    padding = {}
+    for name in (EMBED_OURS, HEAD):
+        if name in state:
+            padding[official_name(name)] = state[name][V:].clone()
+            state[name] = state[name][:V].clone()
+    notes = [f"A activation: {a_activation} (the official format does not record it; --a-activation chooses)"]
+    if vocab.padded > V:
+        notes.append(f"{vocab.padded - V} padded embedding rows beyond the tokenizer's {V:,} ids kept aside")
+    ignored = sorted(set(source.config.get("ssm_cfg") or {}) & set(KERNEL_ONLY_SSM_KEYS))
+    if ignored:
+        notes.append(f"kernel-only ssm_cfg keys ignored: {', '.join(ignored)}")
+    return OfficialWeights(cfg, vocab, state, padding, notes)
+
+
+def build_model(w: OfficialWeights):
+    """A `Mamba3Transformer` holding exactly the translated tensors (dtypes kept; no init computed)."""
+    from mamba3lite.model import Mamba3Transformer
+
+    with torch.device("meta"):
+        model = Mamba3Transformer(w.config)
+    state = dict(w.state)
+    if w.config.tie_embeddings:
+        state[HEAD] = state[EMBED_OURS]
+    model.load_state_dict(state, strict=True, assign=True)
+    if w.config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model
+
+
+@dataclass
+class ImportResult:
+    out: Path
+    config: ModelConfig
+    tokenizer: str
+    notes: list[str]
+
+
+def import_official(
+    src: str, out: str | Path, *, a_activation: str = DEFAULT_A_ACTIVATION, tokenizer: str | None = None
+) -> ImportResult:
+    """Write the run directory `out` (absent or empty) for the official model `src` (a directory or
+    hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
+    from safetensors.torch import save_file
+
+    from mamba3lite.config import Config, write_resolved_config
+    from mamba3lite.data.shards import sha256_file
+    from mamba3lite.interop.outdir import check_out_dir, staged_dir
+    from mamba3lite.train.checkpoint import CheckpointManager
+
+    out = Path(out)
+    check_out_dir(out)  # before a download
+    source = open_source(src)
+    if tokenizer is None:
+        if source.tokenizer is None:
+            raise CheckpointError(
+                f"{source.root} has no {TOKENIZER_NAME}; pass the model's tokenizer with --tokenizer "
+                "PATH/tokenizer.json (or gpt2)"
+            )
+        tokenizer = str(source.tokenizer)
+    tok = tokenizer_identity(tokenizer)
+    w = translate(source, tok, a_activation)
+    model = build_model(w)
+    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
+    cfg = Config(model=w.config).replace("training", checkpoint_dir=str(out))
+    with staged_dir(out) as tmp:
+        if tok.path is not None:
+            data = tok.path.read_bytes()
+            assert hashlib.sha256(data).hexdigest() == tok.vocab_hash
+            (tmp / TOKENIZER_NAME).write_bytes(data)
+        if any(t.numel() for t in w.padding.values()):
+            save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
+        write_resolved_config(cfg, tmp / "config.yaml")
+        meta = {
+            "config": cfg.to_dict(),
+            "tokens_seen": 0,
+            "data": {
+                "tokenizer": final_tok,
+                "vocab_hash": tok.vocab_hash,
+                "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id,
+                "manifest_sha256": None,
+            },
+            "metrics": None,
+            "last_eval": None,
+            "imported_from": {
+                "source": src,
+                "format": "mamba_ssm MambaLMHeadModel",
+                "official_config": source.config,
+                "a_activation": a_activation,
+                "padding_file": PADDING_NAME if (tmp / PADDING_NAME).exists() else None,
+                "padding_sha256": sha256_file(tmp / PADDING_NAME) if (tmp / PADDING_NAME).exists() else None,
+                "note": TOKENS_SEEN_NOTE,
+            },
+        }
+        CheckpointManager(tmp).save(0, model, None, meta)
+    return ImportResult(out, w.config, final_tok, [*w.notes, TOKENS_SEEN_NOTE])
