@@ -45,6 +45,15 @@ def _exp_nonpos(x):
 
 
 @triton.jit
+def _sum(x, axis: tl.constexpr):
+    """tl.sum spelled as the reduction it is (the same combine function, so the same code on a GPU).
+    Triton's own @jit helpers (tl.sum, tl.zeros_like, ...) are decorated when triton is imported, and
+    under an interpreter enabled after that import (as the tests do) they cannot be called; the
+    interpreter runs this reduction with numpy (it recognises the combine function) instead."""
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
 def _tile_offsets(base, t0, rows, cols, T, L: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
     """Offsets and mask of the (L·R, D) tile of chunk rows starting at token t0 in a contiguous
     (T, R, D) slab at `base`; rows past the chunk or past T are masked (they read 0)."""
@@ -79,8 +88,9 @@ def _chunk_scalars(
         to_end = (seg == seg_last).to(tl.float32)
         open_chunk = (seg_last == 0).to(tl.float32)
     else:
-        from_start = tl.zeros_like(cs) + 1.0
-        to_end = tl.zeros_like(cs) + 1.0
+        # cs·0 + 1, not tl.zeros_like (a triton @jit helper: see _sum)
+        from_start = cs * 0.0 + 1.0
+        to_end = cs * 0.0 + 1.0
         open_chunk = 1.0
     decay = tl.where(strict, _exp_nonpos(cs[:, None] - cs[None, :]), 0.0)
     W = decay * scale[None, :] + tl.where(same_tok, gamma[:, None], 0.0)
@@ -177,16 +187,16 @@ def scan_bwd_kernel(
 
         # Scalar gradients, per row (the wrapper sums the R rows of a token).
         QS = tl.dot(Q, S_c, input_precision=PRECISION)
-        d_w_start = tl.sum(dY.to(tl.float32) * QS, axis=1)
-        d_w_vw = tl.sum(V.to(tl.float32) * Kg, axis=1)
+        d_w_start = _sum(dY.to(tl.float32) * QS, 1)
+        d_w_vw = _sum(V.to(tl.float32) * Kg, 1)
         dW = dYV * scores
-        d_gamma = tl.sum(tl.where((rows[:, None] // R == rows[None, :] // R), dW, 0.0), axis=1)
+        d_gamma = _sum(tl.where(rows[:, None] // R == rows[None, :] // R, dW, 0.0), 1)
         M = dW * decay  # ∂ of the e^{cs_i − cs_j}·scale_j entries
-        M_col = tl.sum(M, axis=0)
+        M_col = _sum(M, 0)
         d_scale = M_col + d_w_vw * to_end
-        d_cs = tl.sum(M * scale[None, :], axis=1) - M_col * scale + d_w_start * w_start - d_w_vw * w_vw
-        d_decay_c = tl.sum(tl.sum(g * S_c.to(tl.float32), axis=1), axis=0)
-        d_cs_last = tl.sum(d_w_vw * w_vw, axis=0) + d_decay_c * decay_c
+        d_cs = _sum(M * scale[None, :], 1) - M_col * scale + d_w_start * w_start - d_w_vw * w_vw
+        d_decay_c = _sum(_sum(g * S_c.to(tl.float32), 1), 0)
+        d_cs_last = _sum(d_w_vw * w_vw, 0) + d_decay_c * decay_c
         d_cs += tl.where(rows == (L - 1) * R, d_cs_last, 0.0)
         row_offs = pid * Tp * R + t0 * R + rows
         tl.store(dcs_ptr + row_offs, d_cs, mask=row_in)
