@@ -143,6 +143,21 @@ def test_strong_decay_and_fp32_inputs():
     close(h.double(), h64, "h", rel=1e-5)
 
 
+def test_bf16_autocast_dtypes_and_values():
+    """Under autocast y leaves in the autocast dtype and the state in fp32 (chunked_scan's contract);
+    the interpreter computes in fp32 (numpy has no bf16), so y is the fp32 result rounded to bf16."""
+    (q, k, v, adt, dt, lam), reset = make_inputs(T=50, R=2, resets=True)
+    args = [x.float() for x in (q, k, v, adt, dt, lam)]
+    y32, h32 = triton_chunked_scan(*args, chunk_size=16, reset_BT=reset)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, h = triton_chunked_scan(*args, chunk_size=16, reset_BT=reset)
+        y_ref, h_ref = chunked_scan(*args, chunk_size=16, reset_BT=reset)
+    assert y.dtype == y_ref.dtype == torch.bfloat16 and h.dtype == h_ref.dtype == torch.float32
+    torch.testing.assert_close(y, y32.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(h, h32, rtol=0, atol=0)
+    assert (y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max() < 0.03  # bf16 matmuls there
+
+
 def test_empty_and_single_token():
     state = make_state()
     (q, k, v, adt, dt, lam), _ = make_inputs(T=0)

@@ -15,9 +15,11 @@ through ctx.save_for_backward, so it works under non-reentrant gradient checkpoi
 
 Where it runs: CUDA with `triton` installed, or the CPU under the Triton interpreter (TRITON_INTERPRET=1
 set before the first use: triton reads it when the kernels are built; fp32 only, slow, for tests).
-Accumulation is fp32; matmul operands are in the matmul dtype of chunked_scan (the autocast dtype, else
-fp32). float64 inputs are computed at fp32 precision (Triton's kernels have no float64 matmul on most
-GPUs) and returned as float64, so the float64 reference checks this path to fp32 tolerance.
+Accumulation is fp32; on a GPU the matmul operands are in the matmul dtype of chunked_scan (the
+autocast dtype, else fp32). The outputs always have chunked_scan's dtypes, but float64 inputs are
+computed at fp32 precision (Triton has no float64 matmul on most GPUs), so the float64 reference checks
+this path to fp32 tolerance, and under the interpreter the kernels compute in fp32 whatever the
+autocast dtype (numpy has no bf16), casting y to it at the end.
 """
 
 from __future__ import annotations
@@ -238,7 +240,10 @@ def triton_chunked_scan(
     mm_dtype = autocast_dtype(dev.type) or torch.promote_types(
         torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd
     )
-    kernel_dtype = mm_dtype if mm_dtype in _KERNEL_DTYPES else torch.float32
+    # The operands' dtype in the kernels: the matmul dtype on a GPU; fp32 under the interpreter, which
+    # computes in numpy (no bf16: it would return garbage, silently), and for float64 inputs.
+    on_gpu = dev.type == "cuda"
+    kernel_dtype = mm_dtype if on_gpu and mm_dtype in _KERNEL_DTYPES else torch.float32
 
     # Per-token scalars, as chunked_scan forms them, padded to whole chunks (padded tokens: ΔA = 0 and
     # zero weights, so the cumulative ΔA stays flat and they change nothing).
