@@ -296,5 +296,27 @@ def test_op_under_torch_compile():
         results.append((y, h, *torch.autograd.grad(y.square().sum() + h.sum(), args)))
     for a, b in zip(*results):
         close(a, b, rel=1e-6)
-    assert hasattr(torch.ops.mamba3lite, "triton_scan")
-    assert scan_triton._triton_scan._opoverload is torch.ops.mamba3lite.triton_scan.default
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: the ops' schemas, fake implementations (the shapes, dtypes and strides
+    torch.compile plans with) and autograd registration agree with the real kernels."""
+    B, H, T, R, N, P, L = 1, 2, 21, 2, 16, 16, 8
+    nc = 3
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, H, T, R, N, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(B, H, T, R, P, generator=g).requires_grad_()
+    cs = -torch.rand(B, H, nc, L, generator=g).cumsum(-1).reshape(B, H, nc * L)
+    scale, gamma = (torch.rand(B, H, nc * L, generator=g).requires_grad_() for _ in range(2))
+    seg = torch.zeros(B, nc * L, dtype=torch.int32)
+    seg[:, 10:16] = 1
+    S0 = torch.randn(B, H, N, P, generator=g).requires_grad_()
+    args = (q, k, v, cs.requires_grad_(), scale, gamma, seg, S0, L)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(scan_triton._triton_scan, args, test_utils=tests)
+    _, _, starts = scan_triton._triton_scan(*args)
+    dy, dh = torch.randn(B, H, T, R, P, generator=g), torch.randn(B, H, P, N, generator=g)
+    bwd_args = (*(x.detach() for x in args[:6]), seg, starts.detach(), dy, dh, L)
+    torch.library.opcheck(
+        scan_triton._triton_scan_backward, bwd_args, test_utils=("test_schema", "test_faketensor")
+    )
