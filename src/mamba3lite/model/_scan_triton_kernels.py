@@ -204,3 +204,18 @@ def scan_bwd_kernel(
         tl.store(dgamma_ptr + row_offs, d_gamma, mask=row_in)
         g = decay_c * g + tl.dot(tl.trans((Q * w_start[:, None]).to(Q.dtype)), dY, input_precision=PRECISION)
     tl.store(ds0_ptr + pid * N * P + np_offs, g, mask=np_mask)
+
+
+def _tuned(kernel):
+    """The kernel with a small explicit autotune list on a GPU (warps × software-pipeline stages of the
+    chunk loop; chosen once per shape and dtype, at the first call); under the interpreter, which has
+    no timing to choose by, the kernel itself at 4 warps. Re-running a launch is harmless (every output
+    is overwritten, nothing accumulates), so the tuner needs no reset between its trials."""
+    if triton.knobs.runtime.interpret:
+        return kernel
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+    return triton.autotune(configs=configs, key=["L", "R", "N", "P", "HAS_RESET", "PRECISION"])(kernel)
+
+
+scan_fwd = _tuned(scan_fwd_kernel)
+scan_bwd = _tuned(scan_bwd_kernel)

@@ -96,7 +96,6 @@ def _launch_meta(q: Tensor, v: Tensor, chunk_size: int) -> dict:
         "BLOCK_LR": _block(chunk_size * R), "BLOCK_N": _block(N), "BLOCK_P": _block(P),
         # fp32 operands at full precision (chunked_scan's fp32 matmuls do not use TF32 either)
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        "num_warps": 4 if chunk_size * R * max(N, P) <= 64 * 64 else 8,
     }  # fmt: skip
 
 
@@ -122,7 +121,7 @@ def _triton_scan(
     y = torch.empty(Bsz, H, T, R, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
     h_T = torch.empty(Bsz, H, P, N, dtype=torch.float32, device=q_BHTRN.device)
     starts = torch.empty(Bsz, H, nc, N, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
-    _kernels().scan_fwd_kernel[(Bsz * H,)](
+    _kernels().scan_fwd[(Bsz * H,)](
         q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
         cs_BHT if seg_BT is None else seg_BT, S0_BHNP, y, starts, h_T,
         T, Tp, nc, H, HAS_RESET=seg_BT is not None, **_launch_meta(q_BHTRN, v_BHTRP, chunk_size),
@@ -160,7 +159,7 @@ def _triton_scan_backward(
     dq, dk, dv = torch.empty_like(q_BHTRN), torch.empty_like(k_BHTRN), torch.empty_like(v_BHTRP)
     rows = [torch.empty(Bsz, H, Tp, R, dtype=torch.float32, device=q_BHTRN.device) for _ in range(3)]
     dS0 = torch.empty(Bsz, H, N, v_BHTRP.shape[-1], dtype=torch.float32, device=q_BHTRN.device)
-    _kernels().scan_bwd_kernel[(Bsz * H,)](
+    _kernels().scan_bwd[(Bsz * H,)](
         q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
         cs_BHT if seg_BT is None else seg_BT, starts, dy_BHTRP.contiguous(), dh_BHPN.contiguous(),
         dq, dk, dv, *rows, dS0,
