@@ -186,7 +186,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dy, dh, _d_starts):
     q, k, v, cs, scale, gamma, seg, starts = ctx.saved_tensors
     # an unused output's gradient may arrive as None
-    dy = torch.zeros_like(q[..., :1].expand(*q.shape[:4], v.shape[-1])) if dy is None else dy.to(q.dtype)
+    dy = q.new_zeros(*q.shape[:4], v.shape[-1]) if dy is None else dy.to(q.dtype)
     dh = torch.zeros(*q.shape[:2], v.shape[-1], q.shape[-1], device=q.device) if dh is None else dh.float()
     dq, dk, dv, d_cs, d_scale, d_gamma, dS0 = _triton_scan_backward(
         q, k, v, cs, scale, gamma, seg, starts, dy, dh, ctx.chunk_size
