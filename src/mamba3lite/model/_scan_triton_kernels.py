@@ -172,29 +172,31 @@ def scan_bwd_kernel(
         )
         w_vw = scale * to_end
         g_mm = g.to(Q.dtype)
+        # Ordered so that each (L·R, ·) block dies soon after it is made (register pressure).
         scores = tl.dot(Q, tl.trans(K), input_precision=PRECISION)
-        dYV = tl.dot(dY, tl.trans(V), input_precision=PRECISION)
+        dV = tl.dot(tl.trans((scores * W).to(Q.dtype)), dY, input_precision=PRECISION)
         Kg = tl.dot(K, g_mm, input_precision=PRECISION)  # (L·R, P)
-        dV = tl.dot(tl.trans((scores * W).to(Q.dtype)), dY, input_precision=PRECISION) + w_vw[:, None] * Kg
-        d_scores = (dYV * W).to(Q.dtype)
-        dQ = tl.dot(d_scores, K, input_precision=PRECISION)
-        dQ += w_start[:, None] * tl.dot(dY, tl.trans(S_c), input_precision=PRECISION)
-        dK = tl.dot(tl.trans(d_scores), Q, input_precision=PRECISION)
-        dK += w_vw[:, None] * tl.dot(V, tl.trans(g_mm), input_precision=PRECISION)
-        tl.store(dq_ptr + qk_offs, dQ.to(dq_ptr.dtype.element_ty), mask=qk_mask)
-        tl.store(dk_ptr + qk_offs, dK.to(dk_ptr.dtype.element_ty), mask=qk_mask)
+        dV += w_vw[:, None] * Kg
         tl.store(dv_ptr + v_offs, dV.to(dv_ptr.dtype.element_ty), mask=v_mask)
-
-        # Scalar gradients, per row (the wrapper sums the R rows of a token).
-        QS = tl.dot(Q, S_c, input_precision=PRECISION)
-        d_w_start = _sum(dY.to(tl.float32) * QS, 1)
         d_w_vw = _sum(V.to(tl.float32) * Kg, 1)
+        dYV = tl.dot(dY, tl.trans(V), input_precision=PRECISION)
+        # Scalar gradients, per row (the wrapper sums the R rows of a token).
         dW = dYV * scores
         d_gamma = _sum(tl.where(rows[:, None] // R == rows[None, :] // R, dW, 0.0), 1)
         M = dW * decay  # ∂ of the e^{cs_i − cs_j}·scale_j entries
         M_col = _sum(M, 0)
+        d_cs = _sum(M * scale[None, :], 1) - M_col * scale - d_w_vw * w_vw
         d_scale = M_col + d_w_vw * to_end
-        d_cs = _sum(M * scale[None, :], 1) - M_col * scale + d_w_start * w_start - d_w_vw * w_vw
+        d_scores = (dYV * W).to(Q.dtype)
+        dQ = tl.dot(d_scores, K, input_precision=PRECISION)
+        dQ += w_start[:, None] * tl.dot(dY, tl.trans(S_c), input_precision=PRECISION)
+        tl.store(dq_ptr + qk_offs, dQ.to(dq_ptr.dtype.element_ty), mask=qk_mask)
+        dK = tl.dot(tl.trans(d_scores), Q, input_precision=PRECISION)
+        dK += w_vw[:, None] * tl.dot(V, tl.trans(g_mm), input_precision=PRECISION)
+        tl.store(dk_ptr + qk_offs, dK.to(dk_ptr.dtype.element_ty), mask=qk_mask)
+        QS = tl.dot(Q, S_c, input_precision=PRECISION)
+        d_w_start = _sum(dY.to(tl.float32) * QS, 1)
+        d_cs += d_w_start * w_start
         d_decay_c = _sum(_sum(g * S_c.to(tl.float32), 1), 0)
         d_cs_last = _sum(d_w_vw * w_vw, 0) + d_decay_c * decay_c
         d_cs += tl.where(rows == (L - 1) * R, d_cs_last, 0.0)
