@@ -276,9 +276,14 @@ def test_lm_loss_and_gradients_equal_the_chunked_path(checkpointing):
     model = tiny_lm(reset_at_eos=True)
     loss_ref, grads_ref = lm_loss_and_grads(model, ids_BT)
     use_triton(model)
+    calls = []
+    for m in model.modules():  # count the kernel launches: checkpointing runs each layer's twice
+        if isinstance(m, Mamba3):
+            m._scan = lambda *a, _scan=m._scan, **kw: calls.append(1) or _scan(*a, **kw)
     model.grad_checkpointing = checkpointing
     model.train()
     loss, grads = lm_loss_and_grads(model, ids_BT)
+    assert len(calls) == 2 * (2 if checkpointing else 1)  # 2 layers
     close(loss, loss_ref)
     for name in grads_ref:
         close(grads[name], grads_ref[name], name)
