@@ -327,3 +327,16 @@ def test_chaos_smallest_campaign_survives():
     )
     assert re.search(r"^\| kill -9 at random moments, then resume\s+\|\s+1 \|\s+1 \|\s+0 \|$", out, re.M), out
     assert re.search(r"^\| SIGTERM .*\|\s+1 \|\s+1 \|\s+0 \|$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_gpu_scan_runs_under_the_triton_interpreter():
+    """benchmarks/gpu_scan.py on the CPU: the Triton kernels under the interpreter at its quick shapes,
+    equal to the chunked scan (its exit status) and both tables printed."""
+    pytest.importorskip("triton")
+    out = run_script("gpu_scan.py", "--quick")
+    for case in ("quick_siso", "quick_mimo"):
+        err = re.search(rf"^\| {case} \| [^|]+ \|(?: \d+ \|){{5}} ([\d.e+-]+) \|", out, re.M)
+        assert err and float(err.group(1)) < 1e-4, out
+        for impl in ("chunked eager", "triton"):
+            assert re.search(rf"^\| {case} \| {impl} \| [\d.]+ \| [\d.]+x \|", out, re.M), out

@@ -1,0 +1,198 @@
+"""The scan alone on a GPU: the Triton kernels (model/scan_triton.py) beside the PyTorch chunked scan, at
+the layer shapes of the presets, checked for equality and timed, in one run.
+
+For each case (the scan inputs of one layer: batch B, heads H, length T, state N, head dim P, MIMO
+rank R, chunk L; packed documents, i.e. resets, unless the case says otherwise):
+
+1. Equality. fp32: triton vs chunked, y, the final state and the gradients of all six inputs, as the
+   largest difference over the largest value (both compute in fp32: expect ~1e-6). bf16 autocast:
+   triton and chunked each against the fp32 chunked result (bf16 matmuls: expect ~1e-2, triton no worse
+   than chunked).
+2. Speed and memory. Forward + backward (a weighted sum of y and h as the loss) under bf16 autocast,
+   median ms over --steps timed runs after warm-ups, and the peak memory above the inputs
+   (torch.cuda.max_memory_allocated): chunked eager, chunked compiled (torch.compile of the function),
+   triton; ratios against chunked eager.
+
+    python benchmarks/gpu_scan.py [--cases siso_440m mimo_440m ...] [--steps 10] [--budget-s 240]
+
+Without CUDA it runs under the Triton interpreter (TRITON_INTERPRET=1, set here) at --quick shapes, for
+a smoke test only; its numbers say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from mamba3lite.model.scan import chunked_scan
+from mamba3lite.model.scan_triton import triton_chunked_scan, triton_unavailable_reason
+
+START = time.perf_counter()
+if not torch.cuda.is_available():  # the interpreter is chosen when the kernels are first built
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# name: (B, H, T, N, P, R, L, resets)
+CASES = {
+    "siso_180m": (16, 24, 2048, 128, 64, 1, 64, True),
+    "siso_440m": (16, 32, 2048, 128, 64, 1, 64, True),
+    "siso_440m_8k": (4, 32, 8192, 128, 64, 1, 64, True),
+    "mimo_440m": (16, 32, 2048, 128, 64, 4, 16, True),
+    "siso_440m_nodocs": (16, 32, 2048, 128, 64, 1, 64, False),
+    "quick_siso": (2, 2, 70, 16, 16, 1, 16, True),  # CPU smoke shapes
+    "quick_mimo": (2, 2, 37, 16, 16, 2, 8, True),
+}
+
+
+def make_inputs(
+    case: tuple, dev: torch.device, seed: int = 0
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    B, H, T, N, P, R, _, resets = case
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, device=dev)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=dev)
+
+    q, k = randn(B, H, T, R, N) / N**0.5, randn(B, H, T, R, N)  # roughly the mixer's normed scale
+    v = randn(B, H, T, R, P)
+    dt = rand(B, H, T) * 0.1 + 0.001
+    adt = -(rand(B, H, T) * 2 + 0.01) * dt
+    lam = rand(B, H, T)
+    reset = (rand(B, T) < 1 / 512) if resets else None  # documents of ~512 tokens
+    return [x.requires_grad_() for x in (q, k, v, adt, dt, lam)], reset
+
+
+def run(fn, inputs, reset, weights):
+    y, h = fn(*inputs, reset_BT=reset)
+    loss = (y.float() * weights[0]).sum() + (h * weights[1]).sum()
+    return y, h, torch.autograd.grad(loss, inputs)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def check(case: tuple, dev: torch.device) -> dict:
+    inputs, reset = make_inputs(case, dev)
+    L = case[6]
+    g = torch.Generator(device=dev).manual_seed(1)
+    B, H, T, N, P, R = case[:6]
+    weights = (
+        torch.randn(B, H, T, R, P, generator=g, device=dev),
+        torch.randn(B, H, P, N, generator=g, device=dev),
+    )
+    chunked = functools.partial(chunked_scan, chunk_size=L)
+    triton = functools.partial(triton_chunked_scan, chunk_size=L)
+    ref = run(chunked, inputs, reset, weights)
+    got = run(triton, inputs, reset, weights)
+    out = {"fp32": max(rel_err(a, b) for a, b in zip((got[0], got[1], *got[2]), (ref[0], ref[1], *ref[2])))}
+    if dev.type == "cuda":  # the interpreter computes in fp32 whatever the autocast dtype
+        for name, fn in (("bf16 chunked", chunked), ("bf16 triton", triton)):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                res = run(fn, inputs, reset, weights)
+            out[name] = max(
+                rel_err(a, b) for a, b in zip((res[0], res[1], *res[2]), (ref[0], ref[1], *ref[2]))
+            )
+    return out
+
+
+def time_impl(fn, case: tuple, dev: torch.device, steps: int) -> tuple[float, float]:
+    """(median ms of forward + backward under bf16 autocast on a GPU, peak MiB above the inputs)."""
+    inputs, reset = make_inputs(case, dev)
+    B, H, T, N, P, R = case[:6]
+    weights = (torch.ones(B, H, T, R, P, device=dev), torch.ones(B, H, P, N, device=dev))
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if dev.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
+
+    def step():
+        with amp:
+            run(fn, inputs, reset, weights)
+
+    for _ in range(2 if dev.type == "cuda" else 0):
+        step()
+    times = []
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=None)
+    ap.add_argument("--quick", action="store_true", help="the CPU smoke shapes")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=240, help="skip cases that would start after this")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = triton_unavailable_reason(dev)
+    if reason is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    quick = args.quick or dev.type != "cuda"
+    names = args.cases or (
+        ["quick_siso", "quick_mimo"] if quick else [n for n in CASES if not n.startswith("quick")]
+    )
+    print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu (Triton interpreter)'}")
+    print("\n| case | B×T | H | N | P | R | L | fp32 err | bf16 err chunked | bf16 err triton |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    speed_rows, failed = [], False
+    for name in names:
+        case = CASES[name]
+        B, H, T, N, P, R, L, _ = case
+        if time.perf_counter() - START > args.budget_s:
+            print(f"| {name} | skipped: over --budget-s |")
+            continue
+        try:
+            errs = check(case, dev)
+            cols = [f"{errs['fp32']:.1e}"] + [
+                f"{errs[k]:.1e}" if k in errs else "-" for k in ("bf16 chunked", "bf16 triton")
+            ]
+            print(f"| {name} | {B}×{T} | {H} | {N} | {P} | {R} | {L} | " + " | ".join(cols) + " |")
+            failed |= errs["fp32"] > 1e-3
+            timings = {}
+            for impl, fn in (
+                ("chunked eager", functools.partial(chunked_scan, chunk_size=L)),
+                ("chunked compiled", torch.compile(functools.partial(chunked_scan, chunk_size=L))),
+                ("triton", functools.partial(triton_chunked_scan, chunk_size=L)),
+            ):
+                if quick and impl == "chunked compiled":
+                    continue  # compile time would dominate a smoke run
+                timings[impl] = time_impl(fn, case, dev, 1 if quick else args.steps)
+            speed_rows.append((name, timings))
+        except Exception:  # an out-of-memory or compile failure is recorded, and the run goes on
+            failed = True
+            print(f"| {name} | failed: {traceback.format_exc().strip().splitlines()[-1]} |")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print("\n| case | impl | fwd+bwd ms | speed-up vs chunked eager | peak MiB | memory vs chunked eager |")
+    print("|---|---|---|---|---|---|")
+    for name, timings in speed_rows:
+        ms0, mem0 = timings["chunked eager"]
+        for impl, (ms, mem) in timings.items():
+            memory = f"{mem:.0f} | {mem / mem0:.2f}x" if dev.type == "cuda" else "- | -"
+            print(f"| {name} | {impl} | {ms:.2f} | {ms0 / ms:.2f}x | {memory} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

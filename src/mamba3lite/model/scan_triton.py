@@ -1,0 +1,277 @@
+"""The chunked scan as fused Triton kernels: `triton_chunked_scan` has exactly the contract of
+`scan.chunked_scan` (same arguments, outputs and dtypes), computed by one forward and one backward
+kernel (model/_scan_triton_kernels.py, whose docstring has the math).
+
+Split of the work. The per-token scalars, O(B·H·T), are prepared here in plain PyTorch (autograd
+differentiates them): γ = λΔ, scale_s = γ_s + (1 − λ_{s+1})Δ_{s+1} (the next token's β without its α,
+as in chunked_scan), the chunk-local cumulative ΔA, the chunk-local reset count and the starting state
+(h0ᵀ plus the k_prev/v_prev term of the first token). Everything of size O(T·L·R²·(N+P)) — the masked
+quadratic form within chunks and the state passing between them — runs in the kernels, wrapped in one
+custom op (`mamba3lite::triton_scan`) with a registered autograd formula: the forward saves only its
+inputs and the state at each chunk start; the backward kernel recomputes the rest, never an (L, L) block.
+
+The custom op is opaque to torch.compile (a fake implementation gives its shapes) and saves tensors
+through ctx.save_for_backward, so it works under non-reentrant gradient checkpointing.
+
+Where it runs: CUDA with `triton` installed, or the CPU under the Triton interpreter (TRITON_INTERPRET=1
+set before the first use: triton reads it when the kernels are built; fp32 only, slow, for tests).
+Accumulation is fp32; on a GPU the matmul operands are in the matmul dtype of chunked_scan (the
+autocast dtype, else fp32). The outputs always have chunked_scan's dtypes, but float64 inputs are
+computed at fp32 precision (Triton has no float64 matmul on most GPUs), so the float64 reference checks
+this path to fp32 tolerance, and under the interpreter the kernels compute in fp32 whatever the
+autocast dtype (numpy has no bf16), casting y to it at the end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from mamba3lite.errors import ConfigError
+from mamba3lite.model.scan import _state_dtype, autocast_dtype, sequential_scan
+
+# The largest shapes the kernels are built for: one program holds the (N, P) state, (L·R, N) and
+# (L·R, P) tiles and (L·R, L·R) score blocks in registers / shared memory.
+MAX_RANK = 4
+MAX_CHUNK_ROWS = 64  # L·R: the official chunk sizes (64 SISO, 64/R MIMO)
+MAX_STATE = 256  # N
+MAX_HEADDIM = 128  # P
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_kernels_interpreted: bool | None = None  # the TRITON_INTERPRET the kernels were built under
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None when the Triton scan can run on `device`, else one line naming the fix."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the Triton scan needs the `triton` package; fix: pip install triton"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if _kernels_interpreted:
+            return "the Triton kernels were built for the interpreter (TRITON_INTERPRET=1); unset it, restart"
+        return None
+    if device.type == "cpu":
+        if not _interpret_requested():
+            return "set TRITON_INTERPRET=1 to run the Triton kernels on the CPU (slow; for tests)"
+        if _kernels_interpreted is False:
+            return "TRITON_INTERPRET=1 was set after the Triton kernels were built; set it before first use"
+        return None
+    return f"the Triton scan runs on CUDA (or the CPU with TRITON_INTERPRET=1), not on {device.type}"
+
+
+def triton_supports(R: int, N: int, P: int, chunk_size: int) -> bool:
+    """Whether the kernels are built for this shape: MIMO rank ≤ 4, chunk_size·R ≤ 64 rows per chunk,
+    state N ≤ 256, head dim P ≤ 128 (a shorter sequence only shrinks the chunk)."""
+    rows = chunk_size * R
+    return 1 <= R <= MAX_RANK and 1 <= rows <= MAX_CHUNK_ROWS and N <= MAX_STATE and P <= MAX_HEADDIM
+
+
+def _kernels() -> ModuleType:
+    """The kernel module, imported (and so decorated by triton) on first use."""
+    global _kernels_interpreted
+    module = importlib.import_module("mamba3lite.model._scan_triton_kernels")
+    if _kernels_interpreted is None:
+        _kernels_interpreted = _interpret_requested()
+    return module
+
+
+def _block(n: int) -> int:
+    """A tl.dot block dimension: a power of two ≥ 16."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _launch_meta(q: Tensor, v: Tensor, chunk_size: int) -> dict:
+    R, N, P = q.shape[3], q.shape[4], v.shape[4]
+    return {
+        "L": chunk_size, "R": R, "N": N, "P": P,
+        "BLOCK_LR": _block(chunk_size * R), "BLOCK_N": _block(N), "BLOCK_P": _block(P),
+        # fp32 operands at full precision (chunked_scan's fp32 matmuls do not use TF32 either)
+        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+    }  # fmt: skip
+
+
+@torch.library.custom_op("mamba3lite::triton_scan", mutates_args=())
+def _triton_scan(
+    q_BHTRN: Tensor,
+    k_BHTRN: Tensor,
+    v_BHTRP: Tensor,
+    cs_BHT: Tensor,
+    scale_BHT: Tensor,
+    gamma_BHT: Tensor,
+    seg_BT: Tensor | None,
+    S0_BHNP: Tensor,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused forward. cs/scale/γ (fp32) and seg (int32, or None without resets) are padded to
+    whole chunks (Tp = nc·L); q, k, v are not. Returns (y (B, H, T, R, P) in q's dtype, h_T (B, H, P, N)
+    fp32, starts (B, H, nc, N, P) in q's dtype: the state at each chunk start, for the backward)."""
+    Bsz, H, T, R, N = q_BHTRN.shape
+    P = v_BHTRP.shape[-1]
+    Tp = cs_BHT.shape[-1]
+    nc = Tp // chunk_size
+    y = torch.empty(Bsz, H, T, R, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
+    h_T = torch.empty(Bsz, H, P, N, dtype=torch.float32, device=q_BHTRN.device)
+    starts = torch.empty(Bsz, H, nc, N, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
+    _kernels().scan_fwd[(Bsz * H,)](
+        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
+        cs_BHT if seg_BT is None else seg_BT, S0_BHNP, y, starts, h_T,
+        T, Tp, nc, H, HAS_RESET=seg_BT is not None, **_launch_meta(q_BHTRN, v_BHTRP, chunk_size),
+    )  # fmt: skip
+    return y, h_T, starts
+
+
+@_triton_scan.register_fake
+def _(q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, chunk_size):
+    Bsz, H, T, R, N = q_BHTRN.shape
+    P = v_BHTRP.shape[-1]
+    nc = cs_BHT.shape[-1] // chunk_size
+    y = q_BHTRN.new_empty(Bsz, H, T, R, P)
+    return y, q_BHTRN.new_empty(Bsz, H, P, N, dtype=torch.float32), q_BHTRN.new_empty(Bsz, H, nc, N, P)
+
+
+@torch.library.custom_op("mamba3lite::triton_scan_backward", mutates_args=())
+def _triton_scan_backward(
+    q_BHTRN: Tensor,
+    k_BHTRN: Tensor,
+    v_BHTRP: Tensor,
+    cs_BHT: Tensor,
+    scale_BHT: Tensor,
+    gamma_BHT: Tensor,
+    seg_BT: Tensor | None,
+    starts: Tensor,
+    dy_BHTRP: Tensor,
+    dh_BHPN: Tensor,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused backward: (dq, dk, dv in the inputs' dtypes, d_cs, d_scale, d_γ (B, H, Tp) fp32, dS0)."""
+    Bsz, H, T, R, N = q_BHTRN.shape
+    Tp = cs_BHT.shape[-1]
+    nc = Tp // chunk_size
+    dq, dk, dv = torch.empty_like(q_BHTRN), torch.empty_like(k_BHTRN), torch.empty_like(v_BHTRP)
+    rows = [torch.empty(Bsz, H, Tp, R, dtype=torch.float32, device=q_BHTRN.device) for _ in range(3)]
+    dS0 = torch.empty(Bsz, H, N, v_BHTRP.shape[-1], dtype=torch.float32, device=q_BHTRN.device)
+    _kernels().scan_bwd[(Bsz * H,)](
+        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
+        cs_BHT if seg_BT is None else seg_BT, starts, dy_BHTRP.contiguous(), dh_BHPN.contiguous(),
+        dq, dk, dv, *rows, dS0,
+        T, Tp, nc, H, HAS_RESET=seg_BT is not None, **_launch_meta(q_BHTRN, v_BHTRP, chunk_size),
+    )  # fmt: skip
+    d_cs, d_scale, d_gamma = (r.sum(-1) for r in rows)  # the R rows of each token
+    return dq, dk, dv, d_cs, d_scale, d_gamma, dS0
+
+
+@_triton_scan_backward.register_fake
+def _(q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, starts, dy_BHTRP, dh_BHPN, chunk_size):
+    N, P = q_BHTRN.shape[-1], v_BHTRP.shape[-1]
+    per_token = [torch.empty_like(cs_BHT) for _ in range(3)]
+    dS0 = q_BHTRN.new_empty(*q_BHTRN.shape[:2], N, P, dtype=torch.float32)
+    return torch.empty_like(q_BHTRN), torch.empty_like(k_BHTRN), torch.empty_like(v_BHTRP), *per_token, dS0
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cs, scale, gamma, seg, _, chunk_size = inputs
+    ctx.save_for_backward(q, k, v, cs, scale, gamma, seg, output[2])
+    ctx.chunk_size = chunk_size
+
+
+def _backward(ctx, dy, dh, _d_starts):
+    q, k, v, cs, scale, gamma, seg, starts = ctx.saved_tensors
+    # an unused output's gradient may arrive as None
+    dy = q.new_zeros(*q.shape[:4], v.shape[-1]) if dy is None else dy.to(q.dtype)
+    dh = torch.zeros(*q.shape[:2], v.shape[-1], q.shape[-1], device=q.device) if dh is None else dh.float()
+    dq, dk, dv, d_cs, d_scale, d_gamma, dS0 = _triton_scan_backward(
+        q, k, v, cs, scale, gamma, seg, starts, dy, dh, ctx.chunk_size
+    )
+    return dq, dk, dv, d_cs, d_scale, d_gamma, None, dS0, None
+
+
+_triton_scan.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_chunked_scan(
+    q_BHTRN: Tensor,
+    k_BHTRN: Tensor,
+    v_BHTRP: Tensor,
+    adt_BHT: Tensor,
+    dt_BHT: Tensor,
+    lam_BHT: Tensor,
+    *,
+    chunk_size: int,
+    h0_BHPN: Tensor | None = None,
+    k_prev_BRHN: Tensor | None = None,
+    v_prev_BRHP: Tensor | None = None,
+    reset_BT: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`scan.chunked_scan` on the Triton kernels: (y_BHTRP in the matmul dtype — the autocast dtype
+    under autocast, else the inputs' promoted to ≥ fp32 — and the final state h_BHPN in the state dtype).
+
+    Raises ConfigError when the kernels cannot run on the inputs' device (no triton; a CPU tensor
+    without TRITON_INTERPRET=1) or the shape is beyond `triton_supports`.
+    """
+    Bsz, H, T, R, N = q_BHTRN.shape
+    P = v_BHTRP.shape[-1]
+    dev = q_BHTRN.device
+    init = {"h0_BHPN": h0_BHPN, "k_prev_BRHN": k_prev_BRHN, "v_prev_BRHP": v_prev_BRHP}
+    if T == 0:  # nothing to scan: the state is returned unchanged
+        return sequential_scan(q_BHTRN, k_BHTRN, v_BHTRP, adt_BHT, dt_BHT, lam_BHT, reset_BT=reset_BT, **init)
+    reason = triton_unavailable_reason(dev)
+    if reason is not None:
+        raise ConfigError(f"scan_impl 'triton': {reason}")
+    L = max(1, min(chunk_size, T))
+    if not triton_supports(R, N, P, L):
+        raise ConfigError(
+            f"scan_impl 'triton' does not support MIMO rank {R}, d_state {N}, headdim {P}, chunk_size {L} "
+            f"(limits: rank ≤ {MAX_RANK}, chunk_size·rank ≤ {MAX_CHUNK_ROWS}, d_state ≤ {MAX_STATE}, "
+            f"headdim ≤ {MAX_HEADDIM}); fix: a smaller chunk_size, or scan_impl 'chunked'"
+        )
+    nc = -(-T // L)
+    pad = nc * L - T
+    sd = _state_dtype(adt_BHT.dtype)
+    mm_dtype = autocast_dtype(dev.type) or torch.promote_types(
+        torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd
+    )
+    # The operands' dtype in the kernels: the matmul dtype on a GPU; fp32 under the interpreter, which
+    # computes in numpy (no bf16: it would return garbage, silently), and for float64 inputs.
+    on_gpu = dev.type == "cuda"
+    kernel_dtype = mm_dtype if on_gpu and mm_dtype in _KERNEL_DTYPES else torch.float32
+
+    # Per-token scalars, as chunked_scan forms them, padded to whole chunks (padded tokens: ΔA = 0 and
+    # zero weights, so the cumulative ΔA stays flat and they change nothing).
+    lam, dt = lam_BHT.to(sd), dt_BHT.to(sd)
+    gamma = lam * dt
+    boa = (1 - lam) * dt  # β/α = (1 − λ)Δ
+    if reset_BT is not None:
+        boa = boa * (~reset_BT).to(sd)[:, None, :]
+    scale = gamma + torch.nn.functional.pad(boa[:, :, 1:], (0, 1))
+    cs = torch.cumsum(torch.nn.functional.pad(adt_BHT.to(sd), (0, pad)).view(Bsz, H, nc, L), -1)
+    seg = None
+    if reset_BT is not None:
+        rs = torch.nn.functional.pad(reset_BT, (0, pad)).view(Bsz, nc, L).to(torch.int32)
+        seg = torch.cumsum(rs, dim=-1, dtype=torch.int32).view(Bsz, nc * L)
+    S0 = torch.zeros(Bsz, H, N, P, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd).mT
+    if k_prev_BRHN is not None:
+        assert v_prev_BRHP is not None
+        # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
+        prev_BHNP = torch.einsum("brhp,brhn->bhnp", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
+        S0 = S0 + boa[:, :, 0, None, None] * prev_BHNP
+
+    def f32(x: Tensor) -> Tensor:  # (B, H, T or nc·L) -> (B, H, nc·L) fp32, zero-padded
+        x = x.reshape(Bsz, H, -1)
+        return torch.nn.functional.pad(x, (0, nc * L - x.shape[-1])).to(torch.float32).contiguous()
+
+    with torch.autocast(dev.type, enabled=False):
+        y, h_T, _ = _triton_scan(
+            *(x.to(kernel_dtype).contiguous() for x in (q_BHTRN, k_BHTRN, v_BHTRP)),
+            f32(cs), f32(scale), f32(gamma),
+            seg, S0.to(torch.float32).contiguous(), L,
+        )  # fmt: skip
+    return y.to(mm_dtype), h_T.to(sd)

@@ -1,0 +1,348 @@
+"""The Triton scan (model/scan_triton.py) under the Triton interpreter on the CPU: forward, final state
+and every gradient == the sequential reference (the spec), for SISO and MIMO, several chunk sizes,
+ragged T, from a state, with resets, ngroups-2 inputs; through the mixer and the whole LM; under
+gradient checkpointing and torch.compile. The compiled kernels on a GPU are tests/test_cuda.py's.
+
+Tolerance. The kernels compute in fp32 (the interpreter has no other float), the reference in float64,
+so results agree to fp32 rounding: each output is a sum of at most L·R·(N + P) products, which gives
+relative errors around 1e-7..1e-6 of the largest value (measured). `close` asks for 2e-5 of the
+largest value elementwise: 20x margin over that, while any missing or wrong term (a dropped decay, a
+mask off by one token, a gradient through one path only) is off by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mamba3lite.errors import ConfigError
+from mamba3lite.model import (
+    Mamba3Transformer,
+    ModelConfig,
+    scan_triton,
+)
+from mamba3lite.model.mamba3 import Mamba3
+from mamba3lite.model.scan import chunked_scan, sequential_scan
+from mamba3lite.model.scan_triton import triton_chunked_scan, triton_supports, triton_unavailable_reason
+from test_scan import make_inputs, make_state
+
+F64 = torch.float64
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter():
+    """TRITON_INTERPRET=1 for this module's tests only (triton reads it when the kernels are first
+    built). With CUDA present the kernels are the compiled ones (test_cuda.py); one process cannot hold
+    both, so these tests skip there."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter tests run on CPU-only machines; tests/test_cuda.py checks the GPU kernels")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        reason = triton_unavailable_reason(CPU)
+        if reason is not None:
+            pytest.skip(reason)
+        yield
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str = "", rel: float = 2e-5) -> None:
+    """Equal to fp32 rounding (module docstring): elementwise within `rel` of the largest |expected|."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=rel * max(scale, 1e-30), msg=lambda m: f"{what}: {m}"
+    )
+
+
+def scan_and_grads(fn, R, T, resets, from_state, H=3, **kw):
+    (q, k, v, adt, dt, lam), reset = make_inputs(R=R, T=T, H=H, resets=resets, requires_grad=True)
+    if resets:
+        reset[0, 0] = True  # a reset on the very first token drops the given state (row 0)
+        reset[1, :3] = False  # row 1 uses it
+    state = make_state(R=R, H=H) if from_state else {}
+    state = {name: t.requires_grad_() for name, t in state.items()}
+    leaves = [q, k, v, adt, dt, lam, *state.values()]
+    g = torch.Generator().manual_seed(3)
+    w_y = torch.randn(2, H, T, R, 4, generator=g, dtype=F64)
+    w_h = torch.randn(2, H, 4, 8, generator=g, dtype=F64)
+    y, h = fn(q, k, v, adt, dt, lam, reset_BT=reset, **state, **kw)
+    grads = torch.autograd.grad((y * w_y).sum() + (h * w_h).sum(), leaves)
+    return y, h, grads
+
+
+CASES = [  # (R, chunk, T, resets, from_state)
+    (1, 8, 29, False, False),
+    (1, 16, 37, True, True),
+    (1, 64, 70, True, True),
+    (1, 64, 20, False, True),  # one chunk, shorter than chunk_size
+    (2, 8, 23, True, True),
+    (2, 32, 45, False, False),  # the official MIMO chunk 64/R
+    (4, 16, 40, True, True),
+]
+
+
+@pytest.mark.parametrize("R, chunk, T, resets, from_state", CASES)
+def test_forward_state_and_every_gradient_equal_sequential(R, chunk, T, resets, from_state):
+    y, h, grads = scan_and_grads(
+        functools.partial(triton_chunked_scan, chunk_size=chunk), R, T, resets, from_state
+    )
+    y_ref, h_ref, grads_ref = scan_and_grads(sequential_scan, R, T, resets, from_state)
+    close(y, y_ref)
+    close(h, h_ref)
+    names = ["q", "k", "v", "adt", "dt", "lam", "h0", "k_prev", "v_prev"]
+    for name, a, b in zip(names, grads, grads_ref):
+        assert b.abs().max() > 1e-3, name  # every input matters, else its check would be vacuous
+        close(a, b, name)
+
+
+def test_ngroups_2_inputs_equal_sequential():
+    """q, k shared by the heads of a group (the mixer expands them per head before the scan): the
+    gradients of the group tensors sum over their heads in both paths."""
+    (_, _, v, adt, dt, lam), reset = make_inputs(H=4, T=27, resets=True)
+    g = torch.Generator().manual_seed(4)
+    qg, kg = (torch.randn(2, 2, 27, 1, 8, generator=g, dtype=F64).requires_grad_() for _ in range(2))
+    results = []
+    for fn in (functools.partial(triton_chunked_scan, chunk_size=8), sequential_scan):
+        q, k = (x.repeat_interleave(2, dim=1) for x in (qg, kg))  # group G -> heads 2G, 2G+1
+        y, h = fn(q, k, v, adt, dt, lam, reset_BT=reset)
+        loss = (y * torch.linspace(-1, 1, y.numel(), dtype=F64).view_as(y)).sum() + h.square().sum()
+        results.append((y, h, *torch.autograd.grad(loss, (qg, kg))))
+    for a, b in zip(*results):
+        close(a, b)
+
+
+@pytest.mark.parametrize("use", ["y", "h"])
+def test_one_output_unused(use):
+    """When the loss uses only y or only h, autograd hands the op no gradient for the other."""
+    (q, k, v, adt, dt, lam), _ = make_inputs(T=19, requires_grad=True)
+    results = []
+    for fn in (functools.partial(triton_chunked_scan, chunk_size=8), sequential_scan):
+        y, h = fn(q, k, v, adt, dt, lam)
+        out = y if use == "y" else h
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v, adt, dt, lam), allow_unused=True)
+        results.append([torch.zeros_like(q) if gr is None else gr for gr in grads])  # h needs no q
+    for a, b in zip(*results):
+        close(a, b)
+
+
+def test_strong_decay_and_fp32_inputs():
+    """fp32 inputs give fp32 outputs (chunked_scan's dtypes); ΔA of −hundreds (α ≈ 0) gives no NaN."""
+    (q, k, v, adt, dt, lam), reset = make_inputs(T=50, R=2, resets=True)
+    adt = adt * 200
+    args = [x.float() for x in (q, k, v, adt, dt, lam)]
+    y, h = triton_chunked_scan(*args, chunk_size=16, reset_BT=reset)
+    y_ref, h_ref = chunked_scan(*args, chunk_size=16, reset_BT=reset)
+    assert y.dtype == y_ref.dtype == torch.float32 and h.dtype == h_ref.dtype == torch.float32
+    assert torch.isfinite(y).all() and torch.isfinite(h).all()
+    y64, h64 = sequential_scan(q, k, v, adt, dt, lam, reset_BT=reset)
+    close(y.double(), y64, "y", rel=1e-5)
+    close(h.double(), h64, "h", rel=1e-5)
+
+
+def test_bf16_autocast_dtypes_and_values():
+    """Under autocast y leaves in the autocast dtype and the state in fp32 (chunked_scan's contract);
+    the interpreter computes in fp32 (numpy has no bf16), so y is the fp32 result rounded to bf16."""
+    (q, k, v, adt, dt, lam), reset = make_inputs(T=50, R=2, resets=True)
+    args = [x.float() for x in (q, k, v, adt, dt, lam)]
+    y32, h32 = triton_chunked_scan(*args, chunk_size=16, reset_BT=reset)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, h = triton_chunked_scan(*args, chunk_size=16, reset_BT=reset)
+        y_ref, h_ref = chunked_scan(*args, chunk_size=16, reset_BT=reset)
+    assert y.dtype == y_ref.dtype == torch.bfloat16 and h.dtype == h_ref.dtype == torch.float32
+    torch.testing.assert_close(y, y32.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(h, h32, rtol=0, atol=0)
+    assert (y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max() < 0.03  # bf16 matmuls there
+
+
+def test_empty_and_single_token():
+    state = make_state()
+    (q, k, v, adt, dt, lam), _ = make_inputs(T=0)
+    y, h = triton_chunked_scan(q, k, v, adt, dt, lam, chunk_size=8, **state)
+    assert y.shape == (2, 3, 0, 1, 4)
+    torch.testing.assert_close(h, state["h0_BHPN"])  # nothing scanned: the state comes back
+    (q, k, v, adt, dt, lam), _ = make_inputs(T=1)
+    y, h = triton_chunked_scan(q, k, v, adt, dt, lam, chunk_size=8, **state)
+    y_ref, h_ref = sequential_scan(q, k, v, adt, dt, lam, **state)
+    close(y, y_ref)
+    close(h, h_ref)
+
+
+def test_availability_and_supported_shapes(monkeypatch):
+    assert triton_unavailable_reason(CPU) is None  # the fixture set TRITON_INTERPRET=1
+    monkeypatch.delenv("TRITON_INTERPRET")
+    reason = triton_unavailable_reason(CPU)
+    assert reason is not None and "TRITON_INTERPRET=1" in reason
+    (q, k, v, adt, dt, lam), _ = make_inputs(T=5)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        triton_chunked_scan(q, k, v, adt, dt, lam, chunk_size=8)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_supports(1, 128, 64, 64) and triton_supports(4, 128, 64, 16)
+    assert not triton_supports(4, 128, 64, 64)  # 256 rows per chunk
+    assert not triton_supports(5, 16, 16, 8) and not triton_supports(1, 512, 64, 64)
+    (q, k, v, adt, dt, lam), _ = make_inputs(T=40, R=2)
+    with pytest.raises(ConfigError, match="chunk_size"):
+        triton_chunked_scan(q, k, v, adt, dt, lam, chunk_size=64)
+
+
+def test_device_reasons(monkeypatch):
+    assert "CUDA" in triton_unavailable_reason(torch.device("meta"))
+    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # as if not installed
+    assert "pip install triton" in triton_unavailable_reason(CPU)
+
+
+# ---- through the mixer and the LM ----
+
+
+def use_triton(model: torch.nn.Module) -> None:
+    """Route every mixer's scan to the Triton kernels (as Mamba3.set_scan_impl sets `_scan`; the
+    `scan_impl="triton"` switch itself lives on the plumbing branch)."""
+    for m in model.modules():
+        if isinstance(m, Mamba3):
+            m._scan = functools.partial(triton_chunked_scan, chunk_size=m.chunk_size)
+
+
+MIXERS = [
+    {},
+    {"is_outproj_norm": True},
+    {"is_mimo": True, "mimo_rank": 2, "chunk_size": 8},
+    {"is_mimo": True, "mimo_rank": 4, "is_outproj_norm": True, "chunk_size": 4},
+    {"ngroups": 2},
+]
+
+
+@pytest.mark.parametrize("kw", MIXERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "siso")
+def test_mixer_output_and_every_parameter_gradient_equal_sequential(kw):
+    torch.manual_seed(0)
+    layer = Mamba3(32, **{"d_state": 16, "headdim": 8, "chunk_size": 8, **kw}).to(F64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    u = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
+    reset = torch.zeros(2, 21, dtype=torch.bool)
+    reset[0, 6] = reset[1, 15] = True
+    w = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(2), dtype=F64)
+    results = []
+    for impl in ("triton", "sequential"):
+        if impl == "triton":
+            use_triton(layer)
+        else:
+            layer.set_scan_impl("sequential")
+        out = layer(u, reset_BT=reset)
+        params = dict(layer.named_parameters())
+        grads = torch.autograd.grad((out * w).sum(), list(params.values()))
+        with torch.no_grad():  # from a state, as after a prefill (the cache is updated in place)
+            cache = layer.allocate_cache(2, dtype=F64)
+            layer(u[:, :5], cache=cache)
+            resumed = layer(u[:, 5:], cache=cache, reset_BT=reset[:, 5:])
+        results.append((out, resumed, cache.ssm_BHPN, dict(zip(params, grads))))
+    (out, resumed, h, grads), (out_ref, resumed_ref, h_ref, grads_ref) = results
+    close(out, out_ref, "out")
+    close(resumed, resumed_ref, "out from a cache")
+    close(h, h_ref, "final state")
+    for name in grads_ref:
+        close(grads[name], grads_ref[name], name)
+
+
+def tiny_lm(**kw) -> Mamba3Transformer:
+    cfg = {
+        "vocab_size": 61, "d_model": 32, "n_layers": 2, "d_intermediate": 40, "mlp_multiple_of": 8,
+        "d_state": 16, "headdim": 8, "chunk_size": 8, "eos_id": 3, **kw,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    model = Mamba3Transformer(ModelConfig(**cfg)).to(F64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def lm_loss_and_grads(model, ids_BT):
+    loss = model(ids_BT[:, :-1], ids_BT[:, 1:])
+    names, params = zip(*model.named_parameters())
+    return loss, dict(zip(names, torch.autograd.grad(loss, params)))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lm_loss_and_gradients_equal_the_chunked_path(checkpointing):
+    """The whole LM with packed documents (EOS resets): loss and every gradient, triton == chunked;
+    also with non-reentrant gradient checkpointing (each layer's scan runs again in the backward)."""
+    ids_BT = torch.randint(4, 61, (2, 31), generator=torch.Generator().manual_seed(1))
+    ids_BT[0, 9] = ids_BT[1, 20] = 3  # EOS: the next token starts a fresh state
+    model = tiny_lm(reset_at_eos=True)
+    loss_ref, grads_ref = lm_loss_and_grads(model, ids_BT)
+    use_triton(model)
+    calls = []
+    for m in model.modules():  # count the kernel launches: checkpointing runs each layer's twice
+        if isinstance(m, Mamba3):
+            m._scan = lambda *a, _scan=m._scan, **kw: calls.append(1) or _scan(*a, **kw)
+    model.grad_checkpointing = checkpointing
+    model.train()
+    loss, grads = lm_loss_and_grads(model, ids_BT)
+    assert len(calls) == 2 * (2 if checkpointing else 1)  # 2 layers
+    close(loss, loss_ref)
+    for name in grads_ref:
+        close(grads[name], grads_ref[name], name)
+
+
+def test_op_under_torch_compile():
+    """torch.compile traces through the wrapper; the kernels are one opaque custom op (its fake
+    implementation gives the shapes), forward and backward. aot_eager: no C++ compiler needed."""
+    (q, k, v, adt, dt, lam), reset = make_inputs(T=21, R=2, resets=True, requires_grad=True)
+    args = [x.detach().float().requires_grad_() for x in (q, k, v, adt, dt, lam)]
+    fn = functools.partial(triton_chunked_scan, chunk_size=8, reset_BT=reset)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        y, h = f(*args)
+        results.append((y, h, *torch.autograd.grad(y.square().sum() + h.sum(), args)))
+    for a, b in zip(*results):
+        close(a, b, rel=1e-6)
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: the ops' schemas, fake implementations (the shapes, dtypes and strides
+    torch.compile plans with) and autograd registration agree with the real kernels."""
+    B, H, T, R, N, P, L = 1, 2, 21, 2, 16, 16, 8
+    nc = 3
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, H, T, R, N, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(B, H, T, R, P, generator=g).requires_grad_()
+    cs = -torch.rand(B, H, nc, L, generator=g).cumsum(-1).reshape(B, H, nc * L)
+    scale, gamma = (torch.rand(B, H, nc * L, generator=g).requires_grad_() for _ in range(2))
+    seg = torch.zeros(B, nc * L, dtype=torch.int32)
+    seg[:, 10:16] = 1
+    S0 = torch.randn(B, H, N, P, generator=g).requires_grad_()
+    args = (q, k, v, cs.requires_grad_(), scale, gamma, seg, S0, L)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(scan_triton._triton_scan, args, test_utils=tests)
+    _, _, starts = scan_triton._triton_scan(*args)
+    dy, dh = torch.randn(B, H, T, R, P, generator=g), torch.randn(B, H, P, N, generator=g)
+    bwd_args = (*(x.detach() for x in args[:6]), seg, starts.detach(), dy, dh, L)
+    torch.library.opcheck(
+        scan_triton._triton_scan_backward, bwd_args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu():
+    """The kernels compile for sm_90 (H100/H200) with the ptxas bundled with triton, no GPU needed:
+    the interpreter alone would accept code the GPU compiler rejects. A subprocess, since this process
+    built them for the interpreter (tests/triton_aot.py; it prints registers and spills per kernel)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("triton_aot.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": ok,") == 6, proc.stdout
+    # and each fits the H100/H200's 227 KiB of shared memory per block at one pipeline stage
+    shared = [int(n) for n in re.findall(r"shared (\d+) B", proc.stdout)]
+    assert len(shared) == 6 and max(shared) <= 227 * 1024, proc.stdout

@@ -1,0 +1,101 @@
+"""Compile the Triton scan kernels for a GPU on a machine without one: `python tests/triton_aot.py`.
+
+The interpreter runs kernels the compiler may still reject (block shapes, layouts, dtypes); this builds
+the real thing — Triton IR, PTX, and a cubin by the ptxas that ships with triton — for a CUDA target
+(default sm_90, the H100/H200), at the presets' shapes, and prints one line per kernel with its
+registers, spill stack and shared memory (from cuobjdump, also bundled). Exit status 1 if any failed.
+Run by tests/test_scan_triton.py in a subprocess, since a process that has built the kernels for the
+interpreter cannot build them for a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mamba3lite.model import _scan_triton_kernels as kernels
+
+MM_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "y_ptr", "starts_ptr", "dy_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
+
+
+def signature(kernel, dtype: str, has_reset: bool, constexprs: dict) -> dict:
+    """Triton's argument types: the matmul operands in `dtype`, scalars and states fp32, seg int32."""
+    out = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            out[name] = "constexpr"
+        elif name in MM_POINTERS:
+            out[name] = f"*{dtype}"
+        elif name == "seg_ptr":
+            out[name] = "*i32" if has_reset else "*fp32"
+        else:
+            out[name] = "*fp32" if name.endswith("_ptr") else "i32"
+    return out
+
+
+def compile_one(
+    which: str, dtype: str, R: int, L: int, N: int, P: int, warps: int, stages: int, arch: int
+) -> str:
+    kernel = {"fwd": kernels.scan_fwd_kernel, "bwd": kernels.scan_bwd_kernel}[which]
+    block = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731 (as scan_triton._block)
+    constexprs = {
+        "L": L, "R": R, "N": N, "P": P, "BLOCK_LR": block(L * R), "BLOCK_N": block(N), "BLOCK_P": block(P),
+        "HAS_RESET": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+    }  # fmt: skip
+    src = ASTSource(kernel, signature(kernel, dtype, True, constexprs), constexprs)
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = "?"
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            out = subprocess.run(
+                [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
+            ).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+        usage = f"registers {m.group(1)}, spill stack {m.group(2)} B" if m else "?"
+    return f"{usage}, shared {compiled.metadata.shared} B"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90: H100/H200)")
+    ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument(
+        "--stages", type=int, default=1, help="software-pipeline stages (the autotune list has 1, 2)"
+    )
+    args = ap.parse_args(argv)
+    cases = [  # (dtype, R, L, N, P): the 440M presets' layer shapes, SISO and MIMO, and fp32 SISO
+        ("bf16", 1, 64, 128, 64),
+        ("bf16", 4, 16, 128, 64),
+        ("fp32", 1, 64, 128, 64),
+    ]
+    failed = False
+    for dtype, R, L, N, P in cases:
+        for which in ("fwd", "bwd"):
+            name = f"{which} {dtype} R={R} L={L} N={N} P={P} sm_{args.arch} warps={args.warps}"
+            name += f" stages={args.stages}"
+            try:
+                usage = compile_one(which, dtype, R, L, N, P, args.warps, args.stages, args.arch)
+                print(f"{name}: ok, {usage}", flush=True)
+            except Exception as e:  # a compile error: report it, go on with the rest
+                failed = True
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
