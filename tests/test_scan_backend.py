@@ -3,7 +3,7 @@ paths, and the plumbing from `model.scan_impl` through the mixer, the LM, the tr
 
 The Triton kernels themselves are tests/test_scan_triton.py's. Here a stand-in module with the same three
 functions (`triton_chunked_scan` delegating to the chunked scan) proves the dispatch on any machine; the
-last tests use the real module and skip until it is present and runnable (TRITON_INTERPRET=1 on CPU).
+real kernels through `set_scan_impl("triton")` are tests/test_scan_triton.py's (under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -267,35 +267,3 @@ def test_cli_train_with_triton_on_a_cpu_is_one_error_line(cli, tmp_path, monkeyp
     assert errors[0].startswith("error: model.scan_impl=triton cannot run on cpu: ")
     assert "model.scan_impl=auto or chunked" in errors[0]
     assert not run.exists()
-
-
-# ---- with the real kernels (skipped until mamba3lite/model/scan_triton.py is present and runnable) ----
-def real_triton():
-    module = pytest.importorskip(sb.TRITON_MODULE)
-    for name in ("triton_chunked_scan", "triton_unavailable_reason", "triton_supports"):
-        if not hasattr(module, name):
-            pytest.skip(f"{sb.TRITON_MODULE} has no {name}")
-    reason = sb.triton_unavailable_reason(CPU)
-    if reason is not None:
-        pytest.skip(f"the Triton scan cannot run on the CPU here: {reason}")
-    return module
-
-
-def test_real_triton_lm_loss_and_gradients_equal_the_chunked_path():
-    module = real_triton()
-    model = make_model(dtype=torch.float32)
-    mixer = model.layers[0].mixer
-    if not module.triton_supports(mixer.mimo_rank, mixer.d_state, mixer.headdim, mixer.chunk_size):
-        pytest.skip("the Triton scan does not support the tiny test shape")
-    x, y = ids(T=21), ids(T=21, seed=2)
-    params = list(model.parameters())
-    model.set_scan_impl("chunked", CPU)
-    want_loss = model(x, y)
-    want = torch.autograd.grad(want_loss, params)
-    model.set_scan_impl("triton", CPU)
-    assert model.scan_impl == "triton"
-    loss = model(x, y)
-    got = torch.autograd.grad(loss, params)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
-    for (name, _), a, b in zip(model.named_parameters(), got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

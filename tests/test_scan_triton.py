@@ -199,11 +199,11 @@ def test_device_reasons(monkeypatch):
 
 
 def use_triton(model: torch.nn.Module) -> None:
-    """Route every mixer's scan to the Triton kernels (as Mamba3.set_scan_impl sets `_scan`; the
-    `scan_impl="triton"` switch itself lives on the plumbing branch)."""
-    for m in model.modules():
-        if isinstance(m, Mamba3):
-            m._scan = functools.partial(triton_chunked_scan, chunk_size=m.chunk_size)
+    """Put every mixer on the Triton backend, bound for the CPU now (set_scan_impl with a device), so
+    that no first forward can re-resolve it to another backend; and check that it took."""
+    model.set_scan_impl("triton", torch.device("cpu"))
+    mixers = [m for m in model.modules() if isinstance(m, Mamba3)]
+    assert mixers and all(m.scan_impl == "triton" for m in mixers)
 
 
 MIXERS = [
