@@ -256,6 +256,17 @@ class Mamba3Transformer(nn.Module):
         return linear_in_own_dtype(self.lm_head, h_BTD[:, -1]), cache
 
     @torch.no_grad()
+    def extend(self, input_ids_BT: Tensor, cache: ModelCache) -> Tensor:
+        """`prefill` returning the logits of every position (B, T, V): continue a sequence from `cache`
+        (updated in place) and score all of it, e.g. several continuations of one shared context."""
+        if input_ids_BT.shape[1] == 0:
+            raise ValueError("extend needs at least one token per row")
+        reset_BT = self._resets(input_ids_BT, cache.last_token_B)
+        h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
+        cache.last_token_B.copy_(input_ids_BT[:, -1])
+        return linear_in_own_dtype(self.lm_head, h_BTD)
+
+    @torch.no_grad()
     def step(self, token_B: Tensor, cache: ModelCache) -> Tensor:
         """Feed one token per row; O(1) in the context length. Updates `cache` in place; returns (B, V)."""
         reset_B = (cache.last_token_B == self.cfg.eos_id) if self.cfg.reset_at_eos else None
