@@ -72,7 +72,7 @@ class Mamba3LiteLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> Mamba3LiteLM:
-        """`lm_eval --model mamba3lite --model_args checkpoint_dir=RUN[,step=N][,device=D][,state_reuse=False]`."""
+        """`lm_eval --model mamba3lite --model_args checkpoint_dir=RUN[,step=N][,device=D]`."""
         from lm_eval.utils import simple_parse_args_string
 
         args = simple_parse_args_string(arg_string)
@@ -214,7 +214,7 @@ def run_tasks(
     bootstrap_iters: int = 100_000,
     quiet: bool = True,
 ) -> dict[str, dict]:
-    """lm-eval's `simple_evaluate` over tasks `names`: {task: {metric: value, metric_stderr: ..., "n": items}}.
+    """lm-eval's `simple_evaluate` over tasks `names`: {task: {metric: value, metric_stderr: .., "n": items}}.
 
     limit: at most this many items per task (lm-eval's first N); num_fewshot: lm-eval's (default 0).
     bootstrap_iters: lm-eval's resamples for the standard errors of non-mean metrics (LAMBADA's

