@@ -23,8 +23,10 @@ Both give the same numbers. Contexts are not truncated: the model is recurrent a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 from typing import Any
 
 import torch
@@ -69,6 +71,7 @@ class Mamba3LiteLM(TemplateLM):
         self.max_length = max_length
         self.bf16 = bf16
         self.state_reuse = state_reuse
+        self.loaded = None  # the `Pretrained` it came from (`from_run`), for the report
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> Mamba3LiteLM:
@@ -99,13 +102,14 @@ class Mamba3LiteLM(TemplateLM):
         batch_size: int | None = None,
         **kw,
     ) -> Mamba3LiteLM:
-        """The newest verified checkpoint of `run_dir` (or `step`) with the run's own tokenizer."""
+        """The newest verified checkpoint of `run_dir` (or `step`) with the run's own tokenizer; scored in
+        the run's dtype on CUDA (bf16 autocast when it trained so), in fp32 on the CPU."""
         from mamba3lite.pretrained import load_pretrained, resolve_device
 
         loaded = load_pretrained(run_dir, None if step is None else int(step), device=resolve_device(device))
         tc = loaded.config.training
         dev = next(loaded.model.parameters()).device
-        return cls(
+        lm = cls(
             loaded.model,
             loaded.load_tokenizer(),
             batch_size=tc.micro_batch_size if batch_size is None else batch_size,
@@ -113,6 +117,8 @@ class Mamba3LiteLM(TemplateLM):
             bf16=tc.dtype == "bf16" and dev.type == "cuda",
             **kw,
         )
+        lm.loaded = loaded
+        return lm
 
     # ---- what TemplateLM needs ----
     @property
@@ -230,16 +236,19 @@ def run_tasks(
     level = logging.getLogger("lm_eval").level
     if quiet:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    # lm-eval prints progress ("bootstrapping for stddev") on stdout: keep stdout for our own report
+    # (`eval --json` prints one object and nothing else).
     try:
-        results = simple_evaluate(
-            model=lm,
-            tasks=specs,
-            task_manager=manager,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            bootstrap_iters=bootstrap_iters,
-            log_samples=False,
-        )
+        with contextlib.redirect_stdout(sys.stderr):
+            results = simple_evaluate(
+                model=lm,
+                tasks=specs,
+                task_manager=manager,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                bootstrap_iters=bootstrap_iters,
+                log_samples=False,
+            )
     except (ConnectionError, OSError, FileNotFoundError) as e:
         remote = [n for n in names if isinstance(n, str) and n in {s for s in specs if isinstance(s, str)}]
         raise DataError(
