@@ -55,6 +55,7 @@ import torch
 
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.data.shards import MANIFEST_NAME
+from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError, DataNotFoundError, TrainingError
 from mamba3lite.evaluate import check_compatible, short_val_split, spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
@@ -223,6 +224,10 @@ class Pretrainer:
         self._epoch_seen = self.sampler.epoch  # an "epoch" event when the sampler moves past it
         self.ckpt = CheckpointManager(self.run_dir, keep_last_n=tc.keep_last_n)
         self.autocast_dtype = torch.bfloat16 if tc.dtype == "bf16" else None
+        # Downstream benchmarks (training.eval_tasks): everything they need is checked now, not at step 4,000.
+        manifest = getattr(self.train_data, "manifest", None)
+        tok_name = (manifest.tokenizer or {}).get("name") if manifest is not None else None
+        self.downstream = in_loop_evaluator(config, tok_name, bf16=self.autocast_dtype is not None)
 
         self.step = 0
         self.tokens_seen = 0
@@ -893,6 +898,10 @@ class Pretrainer:
                         # evaluation (its meta's last_eval, what `inspect` and a resume report).
                         if tc.eval_every and self.step % tc.eval_every == 0:
                             self.evaluate()
+                        if self.dist.is_main:
+                            self.downstream.maybe_evaluate(
+                                self.step, self.raw_model, self.logger, self.tokens_seen
+                            )
                         if self.step % tc.save_every == 0:
                             self.save_checkpoint()
                         self.logger.exclude_time(time.time() - t0)
