@@ -77,7 +77,7 @@ def test_a_tokenizer_that_does_not_fit_fails_at_start(tmp_path):
 
 
 def test_config_is_validated():
-    with pytest.raises(ConfigError, match="training.eval_tasks is empty"):
+    with pytest.raises(ConfigError, match=r"training\.eval_tasks is empty"):
         Config().replace("training", eval_tasks_every=10)
     with pytest.raises(ConfigError, match="distinct task names"):
         Config().replace("training", eval_tasks=["piqa", "piqa"])
