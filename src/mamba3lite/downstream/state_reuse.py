@@ -13,7 +13,9 @@ read from the logits. A multiple-choice item of k choices reads its shared conte
 
 `score_with_state_reuse` uses the recurrence: a Mamba model's state after the context summarises it
 whole, so the context runs once (`prefill`: its last logits score every choice's first token) and each
-choice continues from a copy of that state (`extend`, the choices of several items batched together).
+choice continues from a copy of that state (`extend`). Contexts of several items are prefilled in one
+batch, left-padded, each row starting from a fresh state at its first real token; their choices are then
+scored in one batch too.
 A HellaSwag item (context ~2x a choice, 4 choices) then costs about 1 + 4/2 context-lengths of tokens
 instead of 4 x 1.5. Same numbers as the plain path (float64 test): the chunked scan started from a state
 is the same recurrence as the one run over the whole sequence.
@@ -27,21 +29,41 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from mamba3lite.model.mamba3 import linear_in_own_dtype
 from mamba3lite.model.transformer import ModelCache
 
 Pair = tuple[Sequence[int], Sequence[int]]
+# Positions whose logits are computed and scored at once by the state-reuse path: 128 x 50,257 fp32
+# logits are 26 MB, as the loss's chunks (model/transformer.py LOSS_CHUNK_ROWS).
+HEAD_ROWS = 128
 
 
 def _autocast(device: torch.device, bf16: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
+def _token_scores(logits_NV: Tensor, targets_N: Tensor) -> tuple[Tensor, Tensor]:
+    """(log p(target) (N,), target is the argmax (N,) bool) per row, in at least fp32.
+
+    log p = logit[target] − logsumexp(logits): two reductions, no (N, V) log-softmax written out (on the
+    CPU that write and the argmax over V cost as much as a small model's forward). Greedy is the argmax
+    test lm-eval makes: logit[target] ≥ max, confirmed by an argmax on those rows only (first index wins a
+    tie, as in lm-eval)."""
+    x = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
+    tgt_logit_N = x.gather(1, targets_N[:, None])[:, 0]
+    lp_N = tgt_logit_N - torch.logsumexp(x, dim=-1)
+    greedy_N = tgt_logit_N >= x.amax(dim=-1)
+    if bool(greedy_N.any()):
+        rows = greedy_N.nonzero()[:, 0]
+        greedy_N[rows] = x[rows].argmax(-1) == targets_N[rows]
+    return lp_N, greedy_N
+
+
 def _score_rows(logits_TV: Tensor, targets: Sequence[int]) -> tuple[float, bool]:
-    """(Σ log-softmax at `targets`, all targets greedy) of logits (len(targets), V)."""
-    logp_TV = torch.log_softmax(logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32)), dim=-1)
-    tgt_T = torch.tensor(list(targets), dtype=torch.long, device=logp_TV.device)
-    lp = float(logp_TV.gather(1, tgt_T[:, None]).sum())
-    return lp, bool((logp_TV.argmax(-1) == tgt_T).all())
+    """(Σ log p at `targets`, all targets greedy) of logits (len(targets), V)."""
+    tgt_T = torch.tensor(list(targets), dtype=torch.long, device=logits_TV.device)
+    lp_T, greedy_T = _token_scores(logits_TV, tgt_T)
+    return float(lp_T.sum()), bool(greedy_T.all())
 
 
 def _pad(rows: list[Sequence[int]], device: torch.device) -> Tensor:
@@ -75,22 +97,31 @@ def score_plain(
     return out  # type: ignore[return-value]
 
 
-def _repeat_cache(cache: ModelCache, n: int) -> list[ModelCache]:
-    """n independent copies of a one-row cache (each `extend` writes its own rows in place)."""
-    return [ModelCache(
-        layers=[type(lc)(**{k: v.clone() for k, v in vars(lc).items()}) for lc in cache.layers],
-        last_token_B=cache.last_token_B.clone(),
-    ) for _ in range(n)]  # fmt: skip
+def _select_rows(cache: ModelCache, rows_R: Tensor) -> ModelCache:
+    """A new cache whose row r is a copy of `cache`'s row rows_R[r] (each choice its own state)."""
+    return ModelCache(
+        layers=[
+            type(lc)(**{k: v.index_select(0, rows_R) for k, v in vars(lc).items()}) for lc in cache.layers
+        ],
+        last_token_B=cache.last_token_B.index_select(0, rows_R),
+    )
 
 
-def _cat_caches(caches: list[ModelCache]) -> ModelCache:
-    """One cache whose row b is `caches[b]`'s (one row each)."""
-    first = caches[0]
-    layers = []
-    for li, lc in enumerate(first.layers):
-        fields = {k: torch.cat([vars(c.layers[li])[k] for c in caches]) for k in vars(lc)}
-        layers.append(type(lc)(**fields))
-    return ModelCache(layers=layers, last_token_B=torch.cat([c.last_token_B for c in caches]))
+def _prefill_left_padded(
+    model, contexts: list[tuple[int, ...]], device: torch.device
+) -> tuple[Tensor, ModelCache]:
+    """(last-position logits (G, V), the state after each context (G rows)) of `contexts`, in one batch:
+    left-padded so that all end at the last column, each row's first real token starting from a fresh
+    state (the pads before it are forgotten, exactly: the reset of packed documents)."""
+    width = max(len(c) for c in contexts)
+    ids_GT = torch.zeros(len(contexts), width, dtype=torch.long)
+    fresh_GT = torch.zeros(len(contexts), width, dtype=torch.bool)
+    for g, c in enumerate(contexts):
+        ids_GT[g, width - len(c) :] = torch.tensor(c, dtype=torch.long)
+        fresh_GT[g, width - len(c)] = True
+    cache = model.allocate_cache(len(contexts), device=device)
+    last_GV, cache = model.prefill(ids_GT.to(device), cache, fresh_BT=fresh_GT.to(device))
+    return last_GV, cache
 
 
 @torch.no_grad()
@@ -100,8 +131,9 @@ def score_with_state_reuse(
     """The same numbers as `score_plain`, each distinct context run once (see the module docstring).
 
     Pairs with the same context ids form a group; groups are taken in order until their continuations
-    fill `batch_size` rows; each group's context is prefilled (one row), then every continuation that
-    has more than one token continues from its own copy of that state, all rows in one `extend`.
+    fill `batch_size` rows. Their contexts are prefilled together (left-padded, one row each); every
+    continuation longer than one token then continues from its own copy of its context's state, all
+    rows in one `extend`.
     """
     assert batch_size >= 1 and all(len(c) > 0 and len(t) > 0 for c, t in pairs)
     device = next(model.parameters()).device
@@ -109,42 +141,57 @@ def score_with_state_reuse(
     for i, (ctx, _) in enumerate(pairs):
         groups.setdefault(tuple(ctx), []).append(i)
     out: list[tuple[float, bool] | None] = [None] * len(pairs)
-    pending: list[tuple[tuple[int, ...], list[int]]] = []
-
-    def flush() -> None:
-        caches: list[ModelCache] = []
-        rows: list[list[int]] = []
-        members: list[tuple[int, float, bool]] = []
-        for ctx, idx in pending:
-            cache = model.allocate_cache(1, device=device)
-            with _autocast(device, bf16):
-                last_1V, _ = model.prefill(torch.tensor([ctx], dtype=torch.long, device=device), cache)
-            longer = [i for i in idx if len(pairs[i][1]) > 1]
-            caches += _repeat_cache(cache, len(longer))
-            for i in idx:
-                cont = list(pairs[i][1])
-                lp0, greedy0 = _score_rows(last_1V, cont[:1])
-                if len(cont) == 1:
-                    out[i] = (lp0, greedy0)
-                else:
-                    rows.append(cont[:-1])
-                    members.append((i, lp0, greedy0))
-        if rows:
-            with _autocast(device, bf16):
-                logits_BTV = model.extend(_pad(rows, device), _cat_caches(caches))
-            for r, (i, lp0, greedy0) in enumerate(members):
-                cont = list(pairs[i][1])
-                lp, greedy = _score_rows(logits_BTV[r, : len(cont) - 1], cont[1:])
-                out[i] = (lp0 + lp, greedy0 and greedy)
-        pending.clear()
-
+    # Groups of similar continuation lengths share a batch (less padding); the order changes no number.
+    order = sorted(groups.items(), key=lambda kv: -max(len(pairs[i][1]) for i in kv[1]))
+    chunks: list[list[tuple[tuple[int, ...], list[int]]]] = [[]]
     n_rows = 0
-    for ctx, idx in groups.items():
-        if pending and n_rows + len(idx) > batch_size:
-            flush()
+    for ctx, idx in order:
+        if chunks[-1] and n_rows + len(idx) > batch_size:
+            chunks.append([])
             n_rows = 0
-        pending.append((ctx, idx))
+        chunks[-1].append((ctx, idx))
         n_rows += len(idx)
-    if pending:
-        flush()
+    for chunk in chunks:
+        with _autocast(device, bf16):
+            last_GV, cache = _prefill_left_padded(model, [ctx for ctx, _ in chunk], device)
+        firsts = [[pairs[i][1][0] for i in idx] for _, idx in chunk]
+        g_M = torch.tensor([g for g, f in enumerate(firsts) for _ in f], dtype=torch.long, device=device)
+        lp0_M, greedy0_M = _token_scores(
+            last_GV.index_select(0, g_M), torch.tensor([t for f in firsts for t in f], device=device)
+        )
+        longer: list[tuple[int, int]] = []  # (pair index, its group's row)
+        m = 0
+        for g, (_, idx) in enumerate(chunk):
+            for i in idx:
+                out[i] = (float(lp0_M[m]), bool(greedy0_M[m]))
+                m += 1
+                if len(pairs[i][1]) > 1:
+                    longer.append((i, g))
+        if not longer:
+            continue
+        rows_R = torch.tensor([g for _, g in longer], dtype=torch.long, device=device)
+        inputs = [list(pairs[i][1][:-1]) for i, _ in longer]
+        with _autocast(device, bf16):
+            h_RTD = model.extend_hidden(_pad(inputs, device), _select_rows(cache, rows_R))
+            # The head on the real positions only (no padding), in blocks of HEAD_ROWS rows: each block
+            # reads the (V, D) head once and its (rows, V) logits stay in cache for the scoring.
+            mask_RT = _pad([[1] * (len(pairs[i][1]) - 1) for i, _ in longer], device).bool()
+            h_ND = h_RTD[mask_RT]
+            targets_N = torch.tensor([t for i, _ in longer for t in pairs[i][1][1:]], device=device)
+            scores = [
+                _token_scores(
+                    linear_in_own_dtype(model.lm_head, h_ND[a : a + HEAD_ROWS]), targets_N[a : a + HEAD_ROWS]
+                )
+                for a in range(0, h_ND.shape[0], HEAD_ROWS)
+            ]
+        lp_N = torch.cat([lp for lp, _ in scores])
+        greedy_N = torch.cat([g for _, g in scores])
+        row_N = torch.arange(len(longer), device=device)[:, None].expand_as(mask_RT)[mask_RT]
+        lp_R = torch.zeros(len(longer), dtype=lp_N.dtype, device=device).index_add_(0, row_N, lp_N)
+        miss_R = torch.zeros(len(longer), dtype=torch.long, device=device).index_add_(
+            0, row_N, (~greedy_N).long()
+        )
+        for r, (i, _) in enumerate(longer):
+            lp0, greedy0 = out[i]  # type: ignore[misc]
+            out[i] = (lp0 + float(lp_R[r]), greedy0 and int(miss_R[r]) == 0)
     return out  # type: ignore[return-value]
