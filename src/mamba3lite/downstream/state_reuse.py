@@ -124,74 +124,67 @@ def _prefill_left_padded(
     return last_GV, cache
 
 
+def _score_positions(model, h_ND: Tensor, targets_N: Tensor) -> tuple[Tensor, Tensor]:
+    """`_token_scores` of hidden states h (N, D) through the head, in blocks of HEAD_ROWS rows: each
+    block reads the (V, D) head once and its (rows, V) logits stay in cache for the scoring."""
+    scores = [
+        _token_scores(
+            linear_in_own_dtype(model.lm_head, h_ND[a : a + HEAD_ROWS]), targets_N[a : a + HEAD_ROWS]
+        )
+        for a in range(0, h_ND.shape[0], HEAD_ROWS)
+    ]
+    return torch.cat([lp for lp, _ in scores]), torch.cat([g for _, g in scores])
+
+
 @torch.no_grad()
 def score_with_state_reuse(
     model, pairs: Sequence[Pair], batch_size: int, bf16: bool = False
 ) -> list[tuple[float, bool]]:
     """The same numbers as `score_plain`, each distinct context run once (see the module docstring).
 
-    Pairs with the same context ids form a group; groups are taken in order until their continuations
-    fill `batch_size` rows. Their contexts are prefilled together (left-padded, one row each); every
-    continuation longer than one token then continues from its own copy of its context's state, all
-    rows in one `extend`.
+    Pairs with the same context ids form a group. Up to `batch_size` distinct contexts (similar lengths
+    together) are prefilled in one batch, left-padded; their last logits score every first continuation
+    token. The continuations longer than one token then continue, `batch_size` rows at a time (similar
+    lengths together), each from its own copy of its context's state; the head runs on the positions
+    scored only. No order changes a number.
     """
     assert batch_size >= 1 and all(len(c) > 0 and len(t) > 0 for c, t in pairs)
     device = next(model.parameters()).device
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(pairs):
         groups.setdefault(tuple(ctx), []).append(i)
-    out: list[tuple[float, bool] | None] = [None] * len(pairs)
-    # Groups of similar continuation lengths share a batch (less padding); the order changes no number.
-    order = sorted(groups.items(), key=lambda kv: -max(len(pairs[i][1]) for i in kv[1]))
-    chunks: list[list[tuple[tuple[int, ...], list[int]]]] = [[]]
-    n_rows = 0
-    for ctx, idx in order:
-        if chunks[-1] and n_rows + len(idx) > batch_size:
-            chunks.append([])
-            n_rows = 0
-        chunks[-1].append((ctx, idx))
-        n_rows += len(idx)
-    for chunk in chunks:
+    contexts = sorted(groups, key=len, reverse=True)
+    lp_P = torch.zeros(len(pairs), dtype=torch.float64)
+    greedy_P = torch.ones(len(pairs), dtype=torch.bool)
+    for c0 in range(0, len(contexts), batch_size):
+        block = contexts[c0 : c0 + batch_size]
         with _autocast(device, bf16):
-            last_GV, cache = _prefill_left_padded(model, [ctx for ctx, _ in chunk], device)
-        firsts = [[pairs[i][1][0] for i in idx] for _, idx in chunk]
-        g_M = torch.tensor([g for g, f in enumerate(firsts) for _ in f], dtype=torch.long, device=device)
-        lp0_M, greedy0_M = _token_scores(
-            last_GV.index_select(0, g_M), torch.tensor([t for f in firsts for t in f], device=device)
-        )
-        longer: list[tuple[int, int]] = []  # (pair index, its group's row)
-        m = 0
-        for g, (_, idx) in enumerate(chunk):
-            for i in idx:
-                out[i] = (float(lp0_M[m]), bool(greedy0_M[m]))
-                m += 1
-                if len(pairs[i][1]) > 1:
-                    longer.append((i, g))
-        if not longer:
-            continue
-        rows_R = torch.tensor([g for _, g in longer], dtype=torch.long, device=device)
-        inputs = [list(pairs[i][1][:-1]) for i, _ in longer]
+            last_GV, cache = _prefill_left_padded(model, block, device)
+        members = [(i, g) for g, ctx in enumerate(block) for i in groups[ctx]]  # (pair, its context's row)
+        g_M = torch.tensor([g for _, g in members], dtype=torch.long, device=device)
+        first_M = torch.tensor([pairs[i][1][0] for i, _ in members], dtype=torch.long, device=device)
         with _autocast(device, bf16):
-            h_RTD = model.extend_hidden(_pad(inputs, device), _select_rows(cache, rows_R))
-            # The head on the real positions only (no padding), in blocks of HEAD_ROWS rows: each block
-            # reads the (V, D) head once and its (rows, V) logits stay in cache for the scoring.
-            mask_RT = _pad([[1] * (len(pairs[i][1]) - 1) for i, _ in longer], device).bool()
-            h_ND = h_RTD[mask_RT]
-            targets_N = torch.tensor([t for i, _ in longer for t in pairs[i][1][1:]], device=device)
-            scores = [
-                _token_scores(
-                    linear_in_own_dtype(model.lm_head, h_ND[a : a + HEAD_ROWS]), targets_N[a : a + HEAD_ROWS]
+            lp_M, greedy_M = _token_scores(last_GV.index_select(0, g_M), first_M)
+        idx_M = torch.tensor([i for i, _ in members], dtype=torch.long)
+        lp_P[idx_M] += lp_M.double().cpu()
+        greedy_P[idx_M] &= greedy_M.cpu()
+        longer = sorted((m for m in members if len(pairs[m[0]][1]) > 1), key=lambda m: -len(pairs[m[0]][1]))
+        for r0 in range(0, len(longer), batch_size):
+            rows = longer[r0 : r0 + batch_size]
+            rows_R = torch.tensor([g for _, g in rows], dtype=torch.long, device=device)
+            mask_RT = _pad([[1] * (len(pairs[i][1]) - 1) for i, _ in rows], device).bool()
+            targets_N = torch.tensor([t for i, _ in rows for t in pairs[i][1][1:]], device=device)
+            with _autocast(device, bf16):
+                h_RTD = model.extend_hidden(
+                    _pad([pairs[i][1][:-1] for i, _ in rows], device), _select_rows(cache, rows_R)
                 )
-                for a in range(0, h_ND.shape[0], HEAD_ROWS)
-            ]
-        lp_N = torch.cat([lp for lp, _ in scores])
-        greedy_N = torch.cat([g for _, g in scores])
-        row_N = torch.arange(len(longer), device=device)[:, None].expand_as(mask_RT)[mask_RT]
-        lp_R = torch.zeros(len(longer), dtype=lp_N.dtype, device=device).index_add_(0, row_N, lp_N)
-        miss_R = torch.zeros(len(longer), dtype=torch.long, device=device).index_add_(
-            0, row_N, (~greedy_N).long()
-        )
-        for r, (i, _) in enumerate(longer):
-            lp0, greedy0 = out[i]  # type: ignore[misc]
-            out[i] = (lp0 + float(lp_R[r]), greedy0 and int(miss_R[r]) == 0)
-    return out  # type: ignore[return-value]
+                lp_N, greedy_N = _score_positions(model, h_RTD[mask_RT], targets_N)
+            row_N = torch.arange(len(rows), device=device)[:, None].expand_as(mask_RT)[mask_RT]
+            lp_R = torch.zeros(len(rows), dtype=lp_N.dtype, device=device).index_add_(0, row_N, lp_N)
+            miss_R = torch.zeros(len(rows), dtype=torch.long, device=device).index_add_(
+                0, row_N, (~greedy_N).long()
+            )
+            idx_R = torch.tensor([i for i, _ in rows], dtype=torch.long)
+            lp_P[idx_R] += lp_R.double().cpu()
+            greedy_P[idx_R] &= (miss_R == 0).cpu()
+    return [(float(lp), bool(g)) for lp, g in zip(lp_P, greedy_P)]
