@@ -211,3 +211,16 @@ def test_chaos_smallest_campaign_survives():
     )
     assert re.search(r"^\| kill -9 at random moments, then resume\s+\|\s+1 \|\s+1 \|\s+0 \|$", out, re.M), out
     assert re.search(r"^\| SIGTERM .*\|\s+1 \|\s+1 \|\s+0 \|$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_eval_tiny_budget_prints_its_table():
+    pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
+    out = run_script("bench_eval.py", "--tasks", "hellaswag,piqa", "--items", "3", "--repeat", "1")
+    for task in ("hellaswag", "piqa"):
+        row = re.search(
+            rf"^\| {task} \| 3 \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|.*\| (\S+) \|$",
+            out,
+            re.M,
+        )
+        assert row and float(row.group(1)) < 1e-3, out  # the two paths agree

@@ -2,6 +2,7 @@
 
     lm = Mamba3LiteLM(model, tokenizer, max_length=2048)          # a model in memory (in-loop eval)
     lm = Mamba3LiteLM.create_from_arg_string("checkpoint_dir=runs/x,step=400,device=cpu")
+    # imported, this module registers the model: simple_evaluate(model="mamba3lite", model_args=...)
     results = run_tasks(lm, ["piqa", "lambada"], limit=200)     # {"piqa": {"acc": ..., "n": 200, ...}}
 
 lm-eval asks three kinds of question; the metrics (acc, acc_norm, LAMBADA's perplexity and accuracy,
