@@ -296,3 +296,67 @@ def test_cli_json_is_one_object(run_dir, capsys):
     out = json.loads(capsys.readouterr().out)
     lam = out["tasks"]["lambada"]
     assert out["step"] == 5 and lam["n"] == 3 and {"acc", "perplexity", "perplexity_stderr"} <= lam.keys()
+
+
+# ---- the model contracts state reuse stands on, and the other ways in
+def test_left_padded_prefill_with_fresh_rows_equals_each_row_alone():
+    """prefill(fresh_BT) on left-padded rows: each row's last logits and state are those of the row run
+    alone (float64), and extend from the batched state equals extend from the row's own."""
+    from mamba3lite.model import Mamba3Transformer
+    from userside_helpers import tiny_config
+
+    torch.manual_seed(1)
+    model = Mamba3Transformer(tiny_config("unused").model).double().eval()
+    rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    fresh = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :] = torch.tensor(r)
+        fresh[b, width - len(r)] = True
+    cache = model.allocate_cache(len(rows))
+    last, _ = model.prefill(ids, cache, fresh_BT=fresh)
+    more = torch.tensor([[20, 21, 22]] * len(rows))
+    ext = model.extend(more, cache)
+    for b, r in enumerate(rows):
+        alone = model.allocate_cache(1)
+        last_1, _ = model.prefill(torch.tensor([r]), alone)
+        torch.testing.assert_close(last[b], last_1[0], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(ext[b], model.extend(more[:1], alone)[0], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            ext[b], model(torch.tensor([[*r, 20, 21, 22]]))[0, len(r) :], rtol=1e-10, atol=1e-10
+        )
+
+
+def test_bf16_scoring_is_close_to_fp32(lm):
+    from mamba3lite.downstream.state_reuse import score_plain, score_with_state_reuse
+
+    tok = lm.tokenizer
+    pairs = [
+        (tok.encode("Question: what is up?\nAnswer:"), tok.encode(c)) for c in (" the sky", " down", " no")
+    ]
+    exact = score_plain(lm.model, pairs, 4)
+    for score in (score_plain, score_with_state_reuse):
+        approx = score(lm.model, pairs, 4, bf16=True)
+        for (a, _), (b, _) in zip(exact, approx):
+            assert b == pytest.approx(a, rel=0.05)
+
+
+def test_lm_eval_finds_the_model_by_name(run_dir):
+    """Once the harness module is imported, lm-eval's own entry point builds our LM from model_args."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from mamba3lite.downstream.harness import Mamba3LiteLM
+    from mamba3lite.downstream.tasks import local_task_config
+
+    res = lm_eval.simple_evaluate(
+        model="mamba3lite",
+        model_args=f"checkpoint_dir={run_dir},device=cpu",
+        tasks=[local_task_config("piqa")],
+        task_manager=TaskManager(include_defaults=False),
+        limit=2,
+    )
+    assert res["results"]["piqa"]["sample_len"] == 2
+    lm = Mamba3LiteLM.create_from_arg_string(f"checkpoint_dir={run_dir},step=5,batch_size=3")
+    assert lm.batch_size == 3 and lm.loaded.step == 5
