@@ -233,10 +233,14 @@ def run_tasks(
         raise ConfigError(f"--limit must be >= 1 (items per task), got {limit}")
     if num_fewshot is not None and num_fewshot < 0:
         raise ConfigError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    import datasets
+
     specs, manager = task_configs(names)
     level = logging.getLogger("lm_eval").level
-    if quiet:
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    if quiet:  # lm-eval's warnings and the progress bars of its dataset maps (HellaSwag maps 10k docs)
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
+        datasets.utils.logging.disable_progress_bar()
     # lm-eval prints progress ("bootstrapping for stddev") on stdout: keep stdout for our own report
     # (`eval --json` prints one object and nothing else).
     try:
@@ -258,6 +262,8 @@ def run_tasks(
         ) from None
     finally:
         logging.getLogger("lm_eval").setLevel(level)
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
     return summarise(results, names)
 
 
