@@ -13,12 +13,17 @@ read from the logits. A multiple-choice item of k choices reads its shared conte
 
 `score_with_state_reuse` uses the recurrence: a Mamba model's state after the context summarises it
 whole, so the context runs once (`prefill`: its last logits score every choice's first token) and each
-choice continues from a copy of that state (`extend`). Contexts of several items are prefilled in one
-batch, left-padded, each row starting from a fresh state at its first real token; their choices are then
-scored in one batch too.
-A HellaSwag item (context ~2x a choice, 4 choices) then costs about 1 + 4/2 context-lengths of tokens
+choice continues from a copy of that state (`extend_hidden`, then the head on the scored positions
+only). Contexts of several items are prefilled in one batch, left-padded, each row starting from a
+fresh state at its first real token (`fresh_BT`: the pads before it are forgotten exactly, as packed
+documents are at EOS); the choices of those items are then scored in batches of their own. A HellaSwag
+item (a context about twice a choice, 4 choices) then costs about 1 + 4/2 context-lengths of tokens
 instead of 4 x 1.5. Same numbers as the plain path (float64 test): the chunked scan started from a state
 is the same recurrence as the one run over the whole sequence.
+
+Both score a token as log p = logit − logsumexp(logits) (`_token_scores`), the same arithmetic. The
+plain path, as lm-eval's, runs the head on every position of its rows; the reuse path on the scored
+positions only, which is part of its gain (benchmarks/RESULTS.md says how much).
 """
 
 from __future__ import annotations
