@@ -90,8 +90,13 @@ def run(args: argparse.Namespace) -> int:
         return _run_tasks(args)
     if args.data_path is None:
         raise ConfigError("eval needs --data-path P (loss on a dataset) or --tasks T1,T2 (benchmarks)")
-    for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
-        if value is not None:
+    task_only = {
+        "--limit": args.limit,
+        "--num-fewshot": args.num_fewshot,
+        "--no-state-reuse": args.no_state_reuse,
+    }
+    for flag, value in task_only.items():
+        if value is not None and value is not False:  # (`0 in (None, False)` is true: not `in`)
             raise ConfigError(f"{flag} applies to --tasks only")
     loaded = load_pretrained(args.checkpoint_dir, args.step, device=resolve_device(args.device))
     for note in loaded.notes:
@@ -128,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_tasks(args: argparse.Namespace) -> int:
     """`eval --tasks`: lm-eval's metrics of the checkpoint on each task, as a table or one JSON object."""
-    from mamba3lite.downstream.tasks import parse_tasks, require_lm_eval
+    from mamba3lite.downstream.tasks import LOCAL_TASKS, parse_tasks, require_lm_eval
     from mamba3lite.errors import ConfigError
 
     names = parse_tasks(args.tasks)
@@ -152,14 +157,16 @@ def _run_tasks(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     results = run_tasks(lm, names, limit=args.limit, num_fewshot=args.num_fewshot)
     step = lm.loaded.step
+    # The split each task was scored on: the local copies' (see mamba3lite.downstream.tasks), else lm-eval's.
+    splits = {n: LOCAL_TASKS[n].split if n in LOCAL_TASKS else "lm-eval's default" for n in names}
     if args.json:
         out = {"checkpoint_dir": str(lm.loaded.run_dir), "step": step, "limit": args.limit,
-               "num_fewshot": args.num_fewshot or 0, "tasks": results}  # fmt: skip
+               "num_fewshot": args.num_fewshot or 0, "splits": splits, "tasks": results}  # fmt: skip
         print(json.dumps(out))
         return 0
     print(f"checkpoint  {lm.loaded.run_dir} step {step} ({lm.loaded.tokens_seen:,} tokens seen)")
     for name, metrics in results.items():
-        print(f"\n{name} ({metrics['n']:,} items, {args.num_fewshot or 0}-shot)")
+        print(f"\n{name} ({splits[name]} split, {metrics['n']:,} items, {args.num_fewshot or 0}-shot)")
         print(f"  {'metric':<12} {'value':>12} {'stderr':>10} {'items':>7}")
         for key, value in metrics.items():
             if key == "n" or key.endswith("_stderr"):
