@@ -288,6 +288,8 @@ def test_tasks_and_data_path_are_exclusive(run_dir, capsys):
     assert "--tasks and --data-path" in _err(capsys)
     assert main(["eval", "--checkpoint-dir", str(run_dir)]) == 2
     assert "--data-path P" in _err(capsys)
+    assert main(["eval", "--checkpoint-dir", str(run_dir), "--data-path", "x", "--limit", "0"]) == 2
+    assert "--limit applies to --tasks only" in _err(capsys)
 
 
 def test_cli_json_is_one_object(run_dir, capsys):
@@ -295,6 +297,7 @@ def test_cli_json_is_one_object(run_dir, capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     lam = out["tasks"]["lambada"]
+    assert out["splits"] == {"lambada": "test"}
     assert out["step"] == 5 and lam["n"] == 3 and {"acc", "perplexity", "perplexity_stderr"} <= lam.keys()
 
 
