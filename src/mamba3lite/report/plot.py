@@ -22,8 +22,9 @@ def _pyplot():
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw loss (raw, smoothed, validation), learning rate and tokens/s against step; mark resume and
-    rollback events. Returns the PNG's path (default: RUN_DIR/metrics.png)."""
+    """Draw loss (raw, smoothed, validation), learning rate, tokens/s and, when the run scored downstream
+    tasks, their accuracy against step; mark resume and rollback events. Returns the PNG's path
+    (default: RUN_DIR/metrics.png)."""
     run_dir = Path(run_dir)
     m = read_metrics(run_dir)
     if not m.train and not m.eval:
@@ -33,9 +34,24 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ConfigError(f"plot output must be a .png file, got {out}")
     plt = _pyplot()
 
-    fig, (ax_loss, ax_lr, ax_tps) = plt.subplots(
-        3, 1, figsize=(9, 9), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1]}
+    # Downstream benchmark rows (training.eval_tasks: "<task>/acc" keys) get a panel of their own.
+    task_acc = sorted({k for r in m.eval if "val_loss" not in r for k in r if k.endswith("/acc")})
+    heights = [3, 1, 1] + ([2] if task_acc else [])
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        figsize=(9, 9 + 2 * bool(task_acc)),
+        sharex=True,
+        gridspec_kw={"height_ratios": heights},
     )
+    ax_loss, ax_lr, ax_tps = axes[:3]
+    if task_acc:
+        for key in task_acc:
+            pts = [(r["step"], r[key]) for r in m.eval if isinstance(r.get(key), (int, float))]
+            axes[3].plot(*zip(*pts), "o-", lw=1.5, label=key.split("/")[0])
+        axes[3].set_ylabel("accuracy")
+        axes[3].grid(alpha=0.3)
+        axes[3].legend(loc="upper left", fontsize="small")
     steps = [r["step"] for r in m.train if "loss" in r]
     losses = [r["loss"] for r in m.train if "loss" in r]
     if steps:
@@ -61,7 +77,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if tps:
         ax_tps.plot(*zip(*tps), color="tab:green")
     ax_tps.set_ylabel("tokens/s")
-    ax_tps.set_xlabel("step")
+    axes[-1].set_xlabel("step")
     ax_tps.grid(alpha=0.3)
 
     seen = set()
@@ -70,7 +86,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if style is None:
             continue
         color, name = style
-        for ax in (ax_loss, ax_lr, ax_tps):
+        for ax in axes:
             ax.axvline(
                 e["step"],
                 color=color,

@@ -86,6 +86,8 @@ def format_console(row: dict) -> str:
         if row.get("warmup_window"):
             parts.append("(start-up window)")
         return " | ".join(parts)
+    if kind == "eval" and "val_loss" not in row:  # downstream tasks: "<task>/<metric>" keys
+        return f"eval step={row['step']:>7} | " + downstream_summary(row)
     if kind == "eval":
         parts = [
             f"eval step={row['step']:>7}",
@@ -96,6 +98,19 @@ def format_console(row: dict) -> str:
             parts.append(f"val_bpb={row['val_bpb']:.4f}")
         return " | ".join(parts)
     return f"[{row.get('event', 'event')}] step={row['step']}: {row.get('message', '')}"
+
+
+def downstream_summary(row: dict) -> str:
+    """ "piqa acc=0.5400 acc_norm=0.5500 | lambada acc=0.0100 perplexity=4021" from a row's
+    "<task>/<metric>" keys (items, "<task>/n", left out)."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in row.items():
+        task, sep, metric = key.partition("/")
+        if sep and metric != "n" and isinstance(value, (int, float)):
+            tasks.setdefault(task, []).append(
+                f"{metric}={value:.4f}" if abs(value) < 1e4 else f"{metric}={value:.4g}"
+            )
+    return " | ".join(f"{task} {' '.join(parts)}" for task, parts in tasks.items())
 
 
 class ConsoleSink:

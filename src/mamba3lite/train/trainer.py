@@ -43,6 +43,7 @@ import torch
 
 from mamba3lite.config import Config
 from mamba3lite.data.shards import MANIFEST_NAME
+from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.evaluate import spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
@@ -142,6 +143,10 @@ class Pretrainer:
         self.data = self._build_data(train_data, val_data)
         self.raw_model, self.model, self.optimizer = self._build_model(model)
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
+        # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
+        manifest = getattr(self.data.train, "manifest", None)
+        tok_name = (manifest.tokenizer or {}).get("name") if manifest is not None else None
+        self.downstream = in_loop_evaluator(config, tok_name, bf16=self.autocast_dtype is not None)
         from mamba3lite.data import WindowSampler
 
         self.sampler = WindowSampler(
@@ -292,6 +297,8 @@ class Pretrainer:
         # last_eval, what `inspect` and a resume report).
         if tc.eval_every and self.step % tc.eval_every == 0:
             self.evaluate()
+        if self.dist.is_main:  # one process scores the benchmarks; the others wait at the next collective
+            self.downstream.maybe_evaluate(self.step, self.raw_model, self.logger, self.tokens_seen)
         if self.step % tc.save_every == 0:
             self.save_checkpoint()
         self.logger.exclude_time(time.time() - t0)

@@ -1,0 +1,108 @@
+"""Downstream benchmarks during training, as OLMo-core runs them: `training.eval_tasks` every
+`training.eval_tasks_every` optimizer steps, on the first `training.eval_tasks_limit` items of each task.
+
+    downstream = in_loop_evaluator(config, tokenizer_name)   # at start: checks everything, once
+    downstream.maybe_evaluate(step, model, logger, tokens)    # after each optimizer step; does the rest
+
+Each evaluation is one metrics row of kind "eval" whose keys are "<task>/<metric>" (lm-eval's metrics:
+acc, acc_norm where the task defines it, LAMBADA's perplexity; "<task>/n" items), so every sink (JSONL,
+TensorBoard, W&B) and `plot` / `inspect` show them next to the validation loss. Standard errors are not
+recorded (lm-eval's bootstrap for perplexity would cost more than the evaluation).
+
+Everything that could fail later fails at the start, in `in_loop_evaluator`: lm-eval missing, a task
+name it does not know, task data missing offline, a tokenizer that does not fit the model. With
+`eval_tasks_every` 0 the evaluator is `NoDownstream`, which does nothing (and imports nothing).
+The main process evaluates (the model's weights are the same on every rank); the others wait at
+their next collective.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mamba3lite.errors import ConfigError
+
+
+class NoDownstream:
+    """Downstream evaluation off (training.eval_tasks_every 0): nothing to do."""
+
+    def maybe_evaluate(self, step: int, model: Any, logger: Any, tokens: int) -> dict | None:
+        return None
+
+
+class DownstreamEvaluator:
+    """Scores `tasks` through lm-eval every `every` steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        tasks: list[str],
+        every: int,
+        limit: int | None,
+        tokenizer: Any,
+        *,
+        max_length: int,
+        batch_size: int,
+        bf16: bool,
+    ) -> None:
+        assert every > 0 and tasks
+        self.tasks, self.every, self.limit = list(tasks), every, limit
+        self.tokenizer = tokenizer
+        self.max_length, self.batch_size, self.bf16 = max_length, batch_size, bf16
+
+    def maybe_evaluate(self, step: int, model: Any, logger: Any, tokens: int) -> dict | None:
+        """At a multiple of `every`: evaluate `model` (left in the mode it was in), write the row through
+        `logger.log_eval` and return its values; else None."""
+        if step <= 0 or step % self.every:
+            return None
+        from mamba3lite.downstream.harness import Mamba3LiteLM, run_tasks
+
+        t0 = time.time()
+        lm = Mamba3LiteLM(
+            model, self.tokenizer, batch_size=self.batch_size, max_length=self.max_length, bf16=self.bf16
+        )
+        results = run_tasks(lm, self.tasks, limit=self.limit, bootstrap_iters=0)
+        values: dict[str, float | int] = {}
+        for task, metrics in results.items():
+            for key, value in metrics.items():
+                if value is not None and not key.endswith("_stderr"):
+                    values[f"{task}/{key}"] = value
+        values["downstream_s"] = round(time.time() - t0, 3)
+        logger.log_eval(step, tokens, values)
+        return values
+
+
+def in_loop_evaluator(config: Any, tokenizer_name: str | None, *, bf16: bool = False):
+    """The run's downstream evaluator, checked now: `NoDownstream` when training.eval_tasks_every is 0,
+    else a `DownstreamEvaluator` whose tasks, data, lm-eval and tokenizer have been verified
+    (ConfigError / DataError otherwise, before the first step). `tokenizer_name`: the training data's
+    tokenizer (None for dummy data: GPT-2 when the vocabulary is GPT-2's)."""
+    tc, mc = config.training, config.model
+    if not tc.eval_tasks_every:
+        return NoDownstream()
+    from mamba3lite.downstream.tasks import task_configs
+    from mamba3lite.tokenizer import GPT2_VOCAB_SIZE, load_tokenizer
+
+    task_configs(tc.eval_tasks)  # lm-eval installed, names known, local data present
+    if tokenizer_name is None:
+        if mc.vocab_size != GPT2_VOCAB_SIZE:
+            raise ConfigError(
+                f"training.eval_tasks needs the text tokenizer of the model; the run trains on data without "
+                f"one (dummy data) and model.vocab_size {mc.vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE}"
+            )
+        tokenizer_name = "gpt2"
+    tok = load_tokenizer(tokenizer_name)
+    if tok.vocab_size != mc.vocab_size or tok.eos_id != mc.eos_id:
+        raise ConfigError(
+            f"training.eval_tasks: the tokenizer {tokenizer_name} (vocab {tok.vocab_size}, EOS {tok.eos_id}) "
+            f"does not fit the model (model.vocab_size {mc.vocab_size}, model.eos_id {mc.eos_id})"
+        )
+    return DownstreamEvaluator(
+        tc.eval_tasks,
+        tc.eval_tasks_every,
+        tc.eval_tasks_limit or None,
+        tok,
+        max_length=tc.max_seq_len,
+        batch_size=tc.micro_batch_size,
+        bf16=bf16,
+    )
