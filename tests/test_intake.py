@@ -28,7 +28,7 @@ BAD_JSON = {
     "nan": ('{"a": NaN}', "NaN is not a finite number"),
     "infinity": ('{"a": -Infinity}', "-Infinity"),
     "overflowing-float": ('{"a": 1e400}', "too large"),
-    "not-utf8": (b'{"a": "\xff"}', "not UTF-8"),
+    "not-utf8": (b'{"a": "\xff"}', "not a UTF-8 text file"),
     "wrong-top-type": ("[1, 2]", "must be an object"),
     "empty": ("", "Expecting value"),
 }
@@ -105,11 +105,11 @@ def test_the_size_cap_refuses_before_reading(tmp_path):
 
 
 BAD_YAML = {
-    "syntax": ("model: [1, 2\n", "not a valid YAML config"),
+    "syntax": ("model: [1, 2\n", "not valid YAML"),
     "huge-int": ("model:\n  d_model: " + "9" * 5000 + "\n", "integer too long"),
     "deep": ("a: " + "[" * 100_000, "nested too deeply"),
     "duplicate-key": ("a: 1\na: 2\n", "a"),
-    "not-utf8": (b"a: \xff\n", "not UTF-8"),
+    "not-utf8": (b"a: \xff\n", "not a UTF-8 text file"),
 }
 
 

@@ -6,7 +6,8 @@ blocks until a writer appears, and SIGTERM cannot interrupt that read), `/dev/ze
 (RecursionError), `NaN` in JSON, bytes that are not UTF-8, or valid JSON of the wrong shape. Each of
 those becomes one error here, of the class that fits the kind of file, in the project's usual form
 
-    FILE is not valid <what>: <problem, where>; <fix>
+    FILE is not valid JSON (<problem, where>); expected a <kind of file>; <fix>
+    FILE is not a valid <kind of file>: <field> must be <type>, got <value>; <fix>
 
 so the CLI prints one line and no caller needs its own `except` list.
 
@@ -172,7 +173,7 @@ def decode_utf8(data: bytes, where: str, kind: FileKind) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise kind.fail(
-            f"{where} is not a valid {kind.what}: not UTF-8 text ({e.reason} at byte {e.start})"
+            f"{where} is not a UTF-8 text file ({e.reason} at byte {e.start}); expected a {kind.what}"
         ) from None
 
 
@@ -221,7 +222,7 @@ def parse_json(text: str, where: str, kind: FileKind) -> Any:
         problem = " ".join(str(e).split())[:120]
     except RecursionError:
         problem = "nested too deeply"
-    raise kind.fail(f"{where} is not a valid {kind.what}: {problem}") from None
+    raise kind.fail(f"{where} is not valid JSON ({problem}); expected a {kind.what}") from None
 
 
 def read_json(path: str | os.PathLike, kind: FileKind, *, top: type | None = dict) -> Any:
@@ -288,7 +289,7 @@ def parse_yaml(text: str, where: str, kind: FileKind) -> Any:
         problem = "an integer too long to read" if "digits" in str(e) else " ".join(str(e).split())[:120]
     except RecursionError:
         problem = "nested too deeply"
-    raise kind.fail(f"{where} is not a valid {kind.what}: {problem}") from None
+    raise kind.fail(f"{where} is not valid YAML ({problem}); expected a {kind.what}") from None
 
 
 def read_yaml(path: str | os.PathLike, kind: FileKind) -> Any:

@@ -15,3 +15,45 @@ def split_table(manifest) -> list[str]:
             f"{manifest.n_bytes(split) / 1e6:>10.2f}"
         )
     return lines
+
+
+def stats_lines(stats: object, where: str) -> list[str]:
+    """The lines that describe a manifest's `extra.stats` (what `prepare` read, kept and dropped), after
+    checking its types: the manifest is a file the user may have edited, and a string where a count
+    belongs is a DataError naming the field, not a TypeError inside a format string."""
+    from mamba3lite import intake
+
+    kind = intake.MANIFEST
+    counts = {"documents_in": int, "kept": int, "replaced_bytes": int, "sources": list, "dropped": dict}
+    intake.expect(stats, counts, where=where, kind=kind, optional=tuple(counts), prefix="extra.stats.")
+    lines = []
+    sources = stats.get("sources") or []
+    if sources:
+        lines += ["", f"{'source':<40}{'weight':>8}{'documents':>12}{'train tok':>14}{'val tok':>12}"]
+    for i, src in enumerate(sources):
+        at = f"extra.stats.sources[{i}]."
+        intake.expect(
+            src, {"weight": float, "documents": dict, "tokens": dict}, where=where, kind=kind,
+            optional=("weight", "documents", "tokens"), prefix=at,
+        )  # fmt: skip
+        docs, toks = src.get("documents", {}), src.get("tokens", {})
+        for name, value in docs.items():
+            intake.expect_type(value, int, where=where, kind=kind, what=f"{at}documents.{name}")
+        for name in ("train", "val"):
+            intake.expect_type(toks.get(name, 0), int, where=where, kind=kind, what=f"{at}tokens.{name}")
+        spec = str(src.get("spec", "?"))
+        spec = spec if len(spec) <= 38 else "…" + spec[-37:]
+        lines.append(
+            f"{spec:<40}{src.get('weight', 1):>8g}{sum(docs.values()):>12,}"
+            f"{toks.get('train', 0):>14,}{toks.get('val', 0):>12,}"
+        )
+    dropped = stats.get("dropped") or {}
+    for name, value in dropped.items():
+        intake.expect_type(value, int, where=where, kind=kind, what=f"extra.stats.dropped.{name}")
+    lines += [
+        "",
+        f"documents   read {stats.get('documents_in', 0):,}, kept {stats.get('kept', 0):,}; dropped: "
+        + (", ".join(f"{k} {v:,}" for k, v in dropped.items()) or "none"),
+        f"replaced    {stats.get('replaced_bytes', 0):,} undecodable bytes / bad characters",
+    ]
+    return lines
