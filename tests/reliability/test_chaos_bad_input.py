@@ -115,6 +115,33 @@ def _empty_corpus(w: Path) -> list[str]:
     return _train("--data-path", "tiny_data", "--checkpoint-dir", "run2")
 
 
+def _fifo(path: Path) -> str:
+    os.mkfifo(path)
+    return str(path)
+
+
+def _edit_manifest(w: Path, first_field: str) -> list[str]:
+    """train on data/ whose manifest.json starts with `first_field` (the rest as written)."""
+    p = w / "data" / "manifest.json"
+    text = p.read_text(encoding="utf-8")
+    p.write_text("{" + first_field + text.split("{", 1)[1], encoding="utf-8")
+    return _train("--checkpoint-dir", "run2")
+
+
+def _link_manifest(w: Path, target: str) -> list[str]:
+    p = w / "data" / "manifest.json"
+    p.unlink()
+    p.symlink_to(target)
+    return _train("--checkpoint-dir", "run2")
+
+
+def _edit_stats(w: Path) -> None:
+    p = w / "data" / "manifest.json"
+    d = json.loads(p.read_text(encoding="utf-8"))
+    d["extra"]["stats"] = {"kept": "many"}
+    p.write_text(json.dumps(d), encoding="utf-8")
+
+
 def _unwritable(w: Path) -> str:
     """A directory nobody may create: under /sys (read-only even for root) or a 0o500 directory."""
     if os.geteuid() == 0:
@@ -210,6 +237,35 @@ CASES = {
     "manifest-not-utf8": (
         lambda w: _write(w / "data" / "manifest.json", b"\xff\xfe{}") and _train("--checkpoint-dir", "run2"),
         "manifest.json",
+    ),
+    # files that are not what they claim (the border reader, mamba3lite/intake.py)
+    "data-path-fifo": (
+        lambda w: _train("--data-path", _fifo(w / "pipe"), "--checkpoint-dir", "run2"),
+        "named pipe",
+    ),
+    "data-path-split-dir": (
+        lambda w: _train("--data-path", "data/train", "--checkpoint-dir", "run2"),
+        "is the train split of the prepared dataset",
+    ),
+    "manifest-huge-int": (
+        lambda w: _edit_manifest(w, '"vocab_size": ' + "9" * 5000 + ","),
+        "5,000 digits",
+    ),
+    "manifest-deeply-nested": (
+        lambda w: _edit_manifest(w, '"extra": ' + "[" * 100_000 + ","),
+        "nested too deeply",
+    ),
+    "manifest-nan": (lambda w: _edit_manifest(w, '"eos_id": NaN,'), "NaN"),
+    "manifest-is-dev-zero": (lambda w: _link_manifest(w, "/dev/zero"), "character device"),
+    "manifest-is-a-fifo": (lambda w: _link_manifest(w, _fifo(w / "mpipe")), "named pipe"),
+    "yaml-huge-int": (_config_file("model:\n  d_model: " + "9" * 5000 + "\n"), "integer too long"),
+    "yaml-deeply-nested": (_config_file("model: " + "[" * 100_000 + "\n"), "nested too deeply"),
+    "yaml-is-a-fifo": (lambda w: ["train", "--config", _fifo(w / "c.yaml")], "named pipe"),
+    "set-huge-int": (lambda w: _train("--set", "model.d_model=" + "9" * 5000), "model.d_model"),
+    "set-deeply-nested": (lambda w: _train("--set", "training.betas=" + "[" * 100_000), "training.betas"),
+    "inspect-manifest-stats-wrong-type": (
+        lambda w: _edit_stats(w) or ["inspect", "data"],
+        "extra.stats.kept must be an integer",
     ),
     # prepare and inspect
     "prepare-binary-only": (
