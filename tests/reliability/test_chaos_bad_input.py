@@ -115,6 +115,14 @@ def _empty_corpus(w: Path) -> list[str]:
     return _train("--data-path", "tiny_data", "--checkpoint-dir", "run2")
 
 
+def _users_dir(w: Path) -> bool:
+    """A directory of the user's own files, one named like the config.yaml a run writes."""
+    (w / "mine").mkdir()
+    _write(w / "mine" / "config.yaml", "model:\n  d_model: 32  # my own notes\n")
+    _write(w / "mine" / "notes.txt", "keep me")
+    return True
+
+
 def _fifo(path: Path) -> str:
     os.mkfifo(path)
     return str(path)
@@ -174,7 +182,11 @@ CASES = {
     ),
     "checkpoint-dir-is-a-file": (
         lambda w: _train("--checkpoint-dir", _write(w / "afile", "x")),
-        "afile",
+        "afile is a file, not a directory",
+    ),
+    "checkpoint-dir-holds-the-users-files": (
+        lambda w: _users_dir(w) and _train("--checkpoint-dir", "mine"),
+        "mine is not empty (config.yaml, notes.txt) and is not a run directory",
     ),
     "checkpoint-dir-unwritable": (lambda w: _train("--checkpoint-dir", _unwritable(w)), "mamba3lite-chaos"),
     # config files
