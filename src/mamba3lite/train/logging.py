@@ -172,24 +172,41 @@ def _json_default(x: Any) -> Any:
 
 
 class TensorBoardSink:
-    """Scalars to DIR/tb when `tensorboard` is installed (else a warning and nothing)."""
+    """Scalars to DIR/tb when `tensorboard` is installed (else a warning and nothing).
+
+    The event file is opened at the first train or eval row, not when the sink is built: a `train` that
+    is refused after its logger exists (a checkpoint that does not fit the model, say) leaves no
+    `tb/events...` file in the run directory."""
 
     def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(log_dir)
         self._w = None
+        self._failed = False
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._w = SummaryWriter(log_dir=str(log_dir))
+            self._writer_cls = SummaryWriter
         except Exception as e:  # ImportError (no tensorboard) or a broken install: never fatal
+            self._failed = True
             warnings.warn(f"TensorBoard disabled ({e}); `pip install tensorboard` to enable", stacklevel=2)
 
+    def _writer(self):
+        if self._w is None and not self._failed:
+            try:
+                self._w = self._writer_cls(log_dir=str(self.log_dir))
+            except Exception as e:  # an unwritable tb/: the run goes on without TensorBoard
+                self._failed = True
+                warnings.warn(f"TensorBoard disabled ({type(e).__name__}: {e})", stacklevel=3)
+        return self._w
+
     def write(self, row: dict) -> None:
-        if self._w is None or row.get("kind") == "event":
+        if row.get("kind") == "event" or (w := self._writer()) is None:
             return
         prefix = "train" if row["kind"] == "train" else "eval"
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
-                self._w.add_scalar(f"{prefix}/{k}", v, row["step"])
+                w.add_scalar(f"{prefix}/{k}", v, row["step"])
+        w.flush()  # a row is on disk when it is written, as in metrics.jsonl
 
     def close(self) -> None:
         if self._w is not None:
