@@ -75,7 +75,7 @@ MANIFEST = FileKind("dataset manifest", 256 * MiB, DataError, _PREPARE, missing=
 META = FileKind("checkpoint meta file", 64 * MiB, CheckpointError, _RESTORE, finite_only=False)
 RUN_INFO = FileKind("run record (run.json)", 16 * MiB, CheckpointError, "delete it to start a fresh record")
 METRICS = FileKind(
-    "metrics log (metrics.jsonl)", 2048 * MiB, DataError, "it is a run's log; pass a run directory"
+    "metrics log (metrics.jsonl)", 2048 * MiB, DataError, "metrics.jsonl is the log `mamba3lite train` writes"
 )
 CONFIG = FileKind("YAML config", 4 * MiB, ConfigError, "fix the file or use a preset name")
 MIXTURE = FileKind("mixture file", 16 * MiB, ConfigError, "see `mamba3lite prepare --help` for its format")
