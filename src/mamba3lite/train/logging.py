@@ -127,18 +127,17 @@ class JsonlSink:
     def supersede_after(self, step: int) -> int:
         """Mark every row with step > `step` as superseded (an abandoned timeline after a resume or
         rollback to `step`); the file is rewritten atomically. Returns how many rows were marked."""
+        from mamba3lite import intake
         from mamba3lite.data.shards import atomic_write_bytes
 
         self._f.close()
-        text = self.path.read_text(encoding="utf-8", errors="replace") if self.path.exists() else ""
-        lines = text.splitlines()
+        # Through the border reader: a line of damaged bytes, a 5,000-digit number or deep nesting is a
+        # bad line (dropped, like a torn last line from a crash), never a ValueError or RecursionError.
+        lines = list(intake.iter_jsonl(self.path, intake.METRICS)) if self.path.exists() else []
         out, marked = [], 0
         for line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from a crash, or damaged bytes: drop it
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            row = line.value
+            if line.problem is not None or not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 continue
             if row["step"] > step and not row.get("superseded"):
                 row["superseded"] = True
