@@ -140,7 +140,7 @@ def test_yaml_roundtrip_and_unknown_section(tmp_path):
     p.write_text(
         "training:\n  lr: 1.0e-2\n  max_steps: 50\nmodel:\n  n_layers: 2\ntraining:\n  log_every: 5\n"
     )
-    with pytest.raises(ConfigError, match=r"key 'training' is given twice.*\(line 6, column 1\)$") as e:
+    with pytest.raises(ConfigError, match=r"key 'training' is given twice.*\(line 6, column 1\)") as e:
         load_config(p)
     assert "\n" not in str(e.value)
     p.write_text("training:\n  lr: 1.0e-2\n  lr: 2.0e-2\n")

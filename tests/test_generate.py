@@ -266,3 +266,34 @@ def test_a_run_whose_tokenizer_file_is_gone_says_to_put_it_back(tmp_path):
 def test_sampling_values_that_are_zero_or_infinite_in_float32_are_refused(loaded, tok, kw):
     with pytest.raises(ConfigError, match=r"--temperature|--top-p"):
         generate_text(loaded.model, tok, "x", max_new_tokens=2, **kw)
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_checkpoint_whose_weights_are_nan_is_one_error_line(tmp_path, capsys, command):
+    """A run saved after it diverged verifies (its sha256 is of what was written) but holds NaN: eval
+    used to report loss nan with exit 0 and generate a traceback; both now refuse it in one line."""
+    from mamba3lite.data.shards import write_dataset
+    from mamba3lite.model import Mamba3Transformer
+    from userside_helpers import tiny_config
+
+    model = Mamba3Transformer(tiny_config("unused").model)
+    with torch.no_grad():
+        model.layers[0].mlp.fc2.weight.fill_(float("nan"))
+    run = save_tiny_checkpoint(tmp_path / "run", step=3, model=model)
+    gpt2 = {"name": "gpt2", "vocab_hash": load_tokenizer("gpt2").vocab_hash}
+    write_dataset(
+        tmp_path / "data",
+        [("val", list(range(1, 200)), 1, 0)],
+        vocab_size=50257,
+        eos_id=50256,
+        tokenizer=gpt2,
+    )
+    argv = {
+        "generate": ["generate", "--checkpoint-dir", str(run), "--prompt", "hi", "--max-new-tokens", "2"],
+        "eval": ["eval", "--checkpoint-dir", str(run), "--data-path", str(tmp_path / "data")],
+    }[command]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0 and "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "non-finite weights" in lines[0] and "layers.0.mlp.fc2.weight" in lines[0], err

@@ -258,3 +258,22 @@ def test_the_progress_bar_counts_from_the_step_a_run_resumes_at(monkeypatch, tmp
     logger.log_step(461, loss=3.0, lr=1e-3, grad_norm=1.0, tokens_processed=64, tokens_total=64)
     assert bar.n == 461 and bar.format_dict["n"] - bar.format_dict["initial"] == 1
     logger.close()
+
+
+def test_supersede_drops_lines_of_huge_numbers_or_deep_nesting_instead_of_raising(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = [{"kind": "train", "step": s, "loss": 2.0} for s in (1, 2)]
+    lines = [
+        json.dumps(good[0]),
+        '{"kind": "train", "step": ' + "9" * 5000 + "}",
+        "[" * 100_000,
+        json.dumps(good[1]),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    sink = JsonlSink(path)
+    assert sink.supersede_after(1) == 1
+    sink.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        good[0],
+        {**good[1], "superseded": True},
+    ]

@@ -120,3 +120,45 @@ def test_ema_weighs_rows_by_the_steps_they_average():
     steps = [1] * 20 + [10] * 8
     assert ema(losses, steps=steps)[-1] < 3.75 < ema(losses)[-1]
     assert ema(losses, steps=[10] * 28) == pytest.approx(ema(losses))  # equal windows: the row EMA
+
+
+def test_plot_into_a_directory_writes_inside_it_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from mamba3lite.report.plot import plot_run
+
+    _write_metrics(tmp_path)
+    d = tmp_path / "plots.png"  # a directory, even named like the file
+    d.mkdir()
+    assert plot_run(tmp_path, d) == d / "metrics.png" and (d / "metrics.png").stat().st_size > 20_000
+
+    def refuse(self, target):
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr(Path, "replace", refuse)  # the rename fails (a read-only target, say)
+    with pytest.raises(PermissionError):
+        plot_run(tmp_path, tmp_path / "other.png")
+    assert not list(tmp_path.rglob(".*tmp*")) and not (tmp_path / "other.png").exists()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"loss": None}, {"loss": 1e308}, {"tokens_per_s": 1e308}, {"window_steps": 1e308}]
+)
+def test_rows_with_null_or_huge_values_are_skipped_with_one_warning(tmp_path, bad):
+    """A hand-edited or damaged row used to crash `plot` (None in the EMA; matplotlib's axis arithmetic
+    overflowing at 1e308) and `inspect RUN`; it is now a bad line, named in one warning."""
+    from pathlib import Path
+
+    from mamba3lite.report.inspect_run import last_metrics_rows
+    from mamba3lite.report.plot import plot_run
+
+    _write_metrics(tmp_path)
+    row = {"kind": "train", "step": 41, "time": 41.0, "tokens": 41000, "loss": 1.0, "lr": 1e-3, **bad}
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    with pytest.warns(UserWarning, match=f"line 49 is not a valid metrics .*: {next(iter(bad))}") as record:
+        m = read_metrics(tmp_path)
+        assert plot_run(tmp_path) == tmp_path / "metrics.png"
+        lines = last_metrics_rows(Path(tmp_path))
+    assert m.bad_lines == 1 and len(m.train) == 40 and "step 40" in lines[0]
+    assert len([w for w in record if "not a valid metrics" in str(w.message)]) == 3  # one per read

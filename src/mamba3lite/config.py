@@ -336,7 +336,9 @@ def _parse_text(text: str) -> Any:
 
     try:
         return yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):
+        # Not YAML, an integer past Python's int-string limit, or nesting past the recursion limit:
+        # the field's coercion then says what it expected, naming the field.
         return text
 
 
@@ -455,7 +457,7 @@ def _short(value: Any) -> str:
 def resolve_preset(name_or_path: str | Path) -> Path:
     """A config file path, or a packaged preset's bare name ("tiny" -> configs/tiny.yaml)."""
     p = Path(name_or_path)
-    if p.is_file():
+    if p.is_file() or (p.exists() and not p.is_dir()):  # a pipe or device: intake's error names it
         return p
     if p.suffix in ("", ".yaml", ".yml") and len(p.parts) == 1:
         packaged = PRESET_DIR / (p.name if p.suffix else f"{p.name}.yaml")
@@ -476,17 +478,10 @@ def available_presets() -> list[str]:
 
 def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a preset/YAML file, then apply `section.key=value` overrides in order."""
-    import yaml
+    from mamba3lite import intake
 
     path = resolve_preset(name_or_path)
-    try:
-        raw = strict_yaml_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
-    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
-        raise ConfigError(
-            f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); expected a YAML config"
-        ) from None
+    raw = intake.read_yaml(path, intake.CONFIG)
     if raw is None:  # an empty file (or only comments) would silently be every default
         raise ConfigError(
             f"{path} is empty; a config holds model:, training: and/or data: sections (or use a preset "

@@ -210,4 +210,12 @@ def _load_step(ckpt, p: Path, step: int):
         raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
     model = Mamba3Transformer(config.model)
     ckpt.load(step, model, None, map_location="cpu")  # verifies sizes and sha256 first
+    # The sha256 proves the file is what training wrote, not that training wrote numbers: a run saved
+    # after it diverged gives `eval` a loss of nan and `generate` a sampling error, so refuse it here.
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"{p}/model_step_{step}.safetensors holds non-finite weights (NaN or inf, first in {name}): "
+                "the run diverged before this step was saved; load an earlier step with --step N"
+            )
     return meta, config, model

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Protocol
 
-from mamba3lite.errors import ConfigError
+from mamba3lite.errors import ConfigError, Mamba3LiteError
 
 GPT2_VOCAB_SIZE = 50_257
 GPT2_EOS_ID = 50_256
@@ -77,8 +76,10 @@ class GPT2Tokenizer:
     def __init__(self) -> None:
         import tiktoken
 
+        from mamba3lite import intake
+
         path = gpt2_vocab_dir() / "encoder.json"
-        encoder = json.loads(path.read_text(encoding="utf-8"))
+        encoder = intake.read_json(path, intake.TOKENIZER)
         u2b = {u: b for b, u in _bytes_to_unicode().items()}
         ranks = {bytes(u2b[c] for c in tok): i for tok, i in encoder.items() if tok != "<|endoftext|>"}
         self._enc = tiktoken.Encoding(
@@ -127,8 +128,15 @@ class HFTokenizer:
             raise ConfigError(
                 f"tokenizer {path!r} needs the `tokenizers` package; fix: pip install 'mamba3lite[hf]'"
             ) from e
+        from mamba3lite import intake
+
+        # One read through the border (a regular file, capped, UTF-8): the same bytes are parsed and
+        # hashed, so the hash is of what was loaded.
+        raw = intake.read_bytes_capped(path, intake.TOKENIZER)
         try:
-            self._tok = _HF.from_file(path)
+            self._tok = _HF.from_str(intake.decode_utf8(raw, str(path), intake.TOKENIZER))
+        except Mamba3LiteError:
+            raise
         except Exception as e:
             raise ConfigError(f"cannot read tokenizer file {path}: {e}") from e
         self.name = str(Path(path).resolve())
@@ -144,7 +152,7 @@ class HFTokenizer:
                 "add one to its added_tokens"
             )
         self.eos_id = eos
-        self.vocab_hash = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        self.vocab_hash = hashlib.sha256(raw).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -172,3 +180,18 @@ def load_tokenizer(name: str = "gpt2") -> Tokenizer:
         f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
         "or a path to a Hugging Face tokenizer.json"
     )
+
+
+def tokenizer_problem(recorded: dict) -> str | None:
+    """Why the tokenizer a dataset's manifest records ({"name", "vocab_hash"}) cannot be loaded here,
+    or None when it loads with that vocabulary: `generate` and `eval` need it to turn the trained
+    model's ids into text."""
+    name = str(recorded.get("name", ""))
+    try:
+        tok = load_tokenizer(name)
+    except Mamba3LiteError as e:
+        return str(e)
+    want = recorded.get("vocab_hash")
+    if want and tok.vocab_hash != want:
+        return f"the tokenizer {name} here has vocab hash {tok.vocab_hash[:12]}, the data's {str(want)[:12]}"
+    return None

@@ -115,6 +115,41 @@ def _empty_corpus(w: Path) -> list[str]:
     return _train("--data-path", "tiny_data", "--checkpoint-dir", "run2")
 
 
+def _users_dir(w: Path) -> bool:
+    """A directory of the user's own files, one named like the config.yaml a run writes."""
+    (w / "mine").mkdir()
+    _write(w / "mine" / "config.yaml", "model:\n  d_model: 32  # my own notes\n")
+    _write(w / "mine" / "notes.txt", "keep me")
+    return True
+
+
+def _fifo(path: Path) -> str:
+    os.mkfifo(path)
+    return str(path)
+
+
+def _edit_manifest(w: Path, first_field: str) -> list[str]:
+    """train on data/ whose manifest.json starts with `first_field` (the rest as written)."""
+    p = w / "data" / "manifest.json"
+    text = p.read_text(encoding="utf-8")
+    p.write_text("{" + first_field + text.split("{", 1)[1], encoding="utf-8")
+    return _train("--checkpoint-dir", "run2")
+
+
+def _link_manifest(w: Path, target: str) -> list[str]:
+    p = w / "data" / "manifest.json"
+    p.unlink()
+    p.symlink_to(target)
+    return _train("--checkpoint-dir", "run2")
+
+
+def _edit_stats(w: Path) -> None:
+    p = w / "data" / "manifest.json"
+    d = json.loads(p.read_text(encoding="utf-8"))
+    d["extra"]["stats"] = {"kept": "many"}
+    p.write_text(json.dumps(d), encoding="utf-8")
+
+
 def _unwritable(w: Path) -> str:
     """A directory nobody may create: under /sys (read-only even for root) or a 0o500 directory."""
     if os.geteuid() == 0:
@@ -147,7 +182,11 @@ CASES = {
     ),
     "checkpoint-dir-is-a-file": (
         lambda w: _train("--checkpoint-dir", _write(w / "afile", "x")),
-        "afile",
+        "afile is a file, not a directory",
+    ),
+    "checkpoint-dir-holds-the-users-files": (
+        lambda w: _users_dir(w) and _train("--checkpoint-dir", "mine"),
+        "mine is not empty (config.yaml, notes.txt) and is not a run directory",
     ),
     "checkpoint-dir-unwritable": (lambda w: _train("--checkpoint-dir", _unwritable(w)), "mamba3lite-chaos"),
     # config files
@@ -211,6 +250,35 @@ CASES = {
         lambda w: _write(w / "data" / "manifest.json", b"\xff\xfe{}") and _train("--checkpoint-dir", "run2"),
         "manifest.json",
     ),
+    # files that are not what they claim (the border reader, mamba3lite/intake.py)
+    "data-path-fifo": (
+        lambda w: _train("--data-path", _fifo(w / "pipe"), "--checkpoint-dir", "run2"),
+        "named pipe",
+    ),
+    "data-path-split-dir": (
+        lambda w: _train("--data-path", "data/train", "--checkpoint-dir", "run2"),
+        "is the train split of the prepared dataset",
+    ),
+    "manifest-huge-int": (
+        lambda w: _edit_manifest(w, '"vocab_size": ' + "9" * 5000 + ","),
+        "5,000 digits",
+    ),
+    "manifest-deeply-nested": (
+        lambda w: _edit_manifest(w, '"extra": ' + "[" * 100_000 + ","),
+        "nested too deeply",
+    ),
+    "manifest-nan": (lambda w: _edit_manifest(w, '"eos_id": NaN,'), "NaN"),
+    "manifest-is-dev-zero": (lambda w: _link_manifest(w, "/dev/zero"), "character device"),
+    "manifest-is-a-fifo": (lambda w: _link_manifest(w, _fifo(w / "mpipe")), "named pipe"),
+    "yaml-huge-int": (_config_file("model:\n  d_model: " + "9" * 5000 + "\n"), "integer too long"),
+    "yaml-deeply-nested": (_config_file("model: " + "[" * 100_000 + "\n"), "nested too deeply"),
+    "yaml-is-a-fifo": (lambda w: ["train", "--config", _fifo(w / "c.yaml")], "named pipe"),
+    "set-huge-int": (lambda w: _train("--set", "model.d_model=" + "9" * 5000), "model.d_model"),
+    "set-deeply-nested": (lambda w: _train("--set", "training.betas=" + "[" * 100_000), "training.betas"),
+    "inspect-manifest-stats-wrong-type": (
+        lambda w: _edit_stats(w) or ["inspect", "data"],
+        "extra.stats.kept must be an integer",
+    ),
     # prepare and inspect
     "prepare-binary-only": (
         lambda w: (
@@ -268,6 +336,81 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(world, capsys, name):
     assert len(err_lines) == 1, captured.err
     assert expected in err_lines[0], err_lines[0]
     assert _same(before, _hash(world)), f"{name} changed files on disk"
+
+
+def _edit_meta(w: Path, first_field: str) -> list[str]:
+    """resume run/ whose meta_step_2.json starts with `first_field` (the rest as written)."""
+    p = w / "run" / "meta_step_2.json"
+    p.write_text("{" + first_field + p.read_text(encoding="utf-8").split("{", 1)[1], encoding="utf-8")
+    return _train("--max-steps", "4")
+
+
+def _link_meta(w: Path, target: str) -> list[str]:
+    p = w / "run" / "meta_step_2.json"
+    p.unlink()
+    p.symlink_to(target)
+    return _train("--max-steps", "4")
+
+
+def _mixture(w: Path, content: str | None) -> list[str]:
+    """prepare --mixture m.yaml (a FIFO when content is None)."""
+    m = w / "m.yaml"
+    _fifo(m) if content is None else _write(m, content)
+    return ["prepare", "--mixture", str(m), "--out", "mixout", "--workers", "0", "--min-chars", "1"]
+
+
+# Sites inside the four files that issue 20 is splitting (train/checkpoint.py, train/trainer.py,
+# data/prepare.py, quickstart.py): phase 2 routes them through mamba3lite/intake.py; strict xfail, so
+# each flips to a failure (to be un-marked) the moment it is fixed.
+PHASE2 = {
+    "meta-huge-int": (lambda w: _edit_meta(w, '"tokens_seen": ' + "9" * 5000 + ","), "meta_step_2.json"),
+    "meta-deeply-nested": (lambda w: _edit_meta(w, '"x": ' + "[" * 100_000 + ","), "meta_step_2.json"),
+    "meta-is-dev-zero": (lambda w: _link_meta(w, "/dev/zero"), "character device"),
+    "mixture-is-a-fifo": (lambda w: _mixture(w, None), "named pipe"),
+    "mixture-huge-int": (
+        lambda w: _mixture(w, "sources:\n  - source: text\n    weight: " + "9" * 5000 + "\n"),
+        "m.yaml",
+    ),
+    "mixture-deeply-nested": (lambda w: _mixture(w, "sources: " + "[" * 100_000 + "\n"), "m.yaml"),
+}
+
+
+# Today these two do not fail, they hang (a blocking open of the pipe) or read /dev/zero until memory
+# runs out: skipped, not xfailed, so that the suite cannot hang; phase 2 drops the skip.
+_PHASE2_WOULD_HANG = {"meta-is-dev-zero", "mixture-is-a-fifo"}
+
+
+@pytest.mark.xfail(strict=True, reason="phase 2: the site is in train/checkpoint.py or data/prepare.py")
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.skip(reason="phase 2: hangs or exhausts memory today"))
+        if n in _PHASE2_WOULD_HANG
+        else n
+        for n in sorted(PHASE2)
+    ],
+)
+def test_phase2_bad_input_is_one_clear_line(world, capsys, name):
+    build, expected = PHASE2[name]
+    argv = build(world)
+    before = _hash(world)
+    try:
+        rc = _in(world, main, argv)
+    except BaseException as e:  # today: a traceback (ValueError, RecursionError, MemoryError)
+        pytest.fail(f"{type(e).__name__} escaped the CLI")
+    captured = capsys.readouterr()
+    err_lines = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
+    assert rc != 0 and "Traceback" not in captured.err and len(err_lines) == 1, captured.err
+    assert expected in err_lines[0], err_lines[0]
+    assert _same(before, _hash(world))
+
+
+@pytest.mark.xfail(
+    strict=True, reason="phase 2: load_mixture (data/prepare.py) must coerce with intake.as_number"
+)
+def test_phase2_mixture_accepts_exponent_weights_as_the_flags_do(world):
+    argv = _mixture(world, "sources:\n  - source: text\n    weight: 5e-1\ntarget_tokens: 1e6\n")
+    assert _in(world, main, argv) == 0
 
 
 def test_enough_distinct_bad_inputs():

@@ -164,7 +164,7 @@ def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
 def describe_dataset(path: Path) -> str:
     """The human-readable description of a dataset directory (its manifest)."""
     from mamba3lite.data.shards import Manifest
-    from mamba3lite.report.dataset import source_table, split_table
+    from mamba3lite.report.dataset import split_table, stats_lines
 
     if path.is_file():
         path = path.parent
@@ -176,18 +176,8 @@ def describe_dataset(path: Path) -> str:
         "",
         *split_table(m),
     ]
-    stats = m.extra.get("stats")
-    if isinstance(stats, dict):
-        sources = stats.get("sources") or []
-        if sources:
-            lines += ["", *source_table(sources)]
-        dropped = stats.get("dropped") or {}
-        lines += [
-            "",
-            f"documents   read {stats.get('documents_in', 0):,}, kept {stats.get('kept', 0):,}; dropped: "
-            + (", ".join(f"{k} {v:,}" for k, v in dropped.items()) or "none"),
-            f"replaced    {stats.get('replaced_bytes', 0):,} undecodable bytes / bad characters",
-        ]
+    if "stats" in m.extra:
+        lines += stats_lines(m.extra["stats"], where=str(path / "manifest.json"))
     return "\n".join(lines)
 
 

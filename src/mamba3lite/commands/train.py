@@ -21,8 +21,10 @@ import argparse
 import signal
 from pathlib import Path
 
+from mamba3lite import intake
 from mamba3lite.commands.options import add_override_option
 from mamba3lite.errors import ConfigError, TrainingError
+from mamba3lite.outdir import check_run_dir
 
 HELP = "pretrain a Mamba-3 language model from a YAML config"
 
@@ -120,10 +122,32 @@ def _check_config_file_is_not_the_runs_record(config: str, checkpoint_dir: str) 
     path = resolve_preset(config)
     record = Path(checkpoint_dir) / "config.yaml"
     mine = record.exists() and path.resolve() == record.resolve()
-    if mine and not path.read_text(encoding="utf-8", errors="replace").startswith(RESOLVED_HEADER):
+    header = RESOLVED_HEADER.encode("utf-8")
+    if mine and intake.read_prefix(path, intake.CONFIG, len(header)) != header:
         raise ConfigError(
             f"--config {config} is the run's config.yaml, which `train` rewrites with the resolved "
             "config of every start: keep your config file outside the checkpoint directory"
+        )
+
+
+def _warn_if_the_datas_tokenizer_cannot_be_loaded(cfg) -> None:
+    """`generate` and `eval` refuse a run whose data's tokenizer they cannot load: say so before the run
+    is trained, not after. A warning, not an error: token data may come from a tokenizer that lives
+    elsewhere (pre-tokenized data, a test's byte vocabulary), and the training itself needs none."""
+    import warnings
+
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+    from mamba3lite.tokenizer import tokenizer_problem
+
+    data = Path(cfg.data.train_data_path or "")
+    if cfg.data.dummy or not (data / MANIFEST_NAME).is_file():
+        return  # no manifest: nothing records a tokenizer (the dataset's own errors come later)
+    problem = tokenizer_problem(Manifest.load(data).tokenizer)
+    if problem is not None:
+        warnings.warn(
+            f"the tokenizer recorded in {data / MANIFEST_NAME} cannot be loaded here ({problem}); the run "
+            "will train, but `generate` and `eval` need that tokenizer to read its output",
+            stacklevel=2,
         )
 
 
@@ -198,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    check_run_dir(cfg.training.checkpoint_dir)  # before anything is written there
+    _warn_if_the_datas_tokenizer_cannot_be_loaded(cfg)
     if args.dry_run:
         from mamba3lite.train.checkpoint import CheckpointManager
 

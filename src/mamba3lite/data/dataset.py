@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mamba3lite.data.shards import MANIFEST_NAME, Manifest, open_tokens
+from mamba3lite import intake
+from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, open_tokens
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 
 log = logging.getLogger("mamba3lite")
@@ -59,9 +60,9 @@ def window_span(index: int, max_seq_len: int) -> tuple[int, int]:
 
 
 def is_torch_file(path: Path) -> bool:
-    """True if `path` starts with the zip magic that torch.save writes (PK\\x03\\x04)."""
-    with open(path, "rb") as f:
-        return f.read(4) == _ZIP_MAGIC
+    """True if `path` starts with the zip magic that torch.save writes (PK\\x03\\x04). DataError for a
+    path that is not a regular file (a named pipe would block the read, SIGTERM included)."""
+    return intake.read_prefix(path, intake.TOKEN_FILE, len(_ZIP_MAGIC)) == _ZIP_MAGIC
 
 
 def _load_torch_tokens(path: Path) -> torch.Tensor:
@@ -273,6 +274,13 @@ class PretrainDataset(Dataset):
         self._open_sources()
 
     def _init_seed_dir(self, root: Path, np_dtype: np.dtype | None) -> None:
+        if root.name in SPLITS and (root.parent / MANIFEST_NAME).exists():
+            # DATASET/train holds raw shards without a manifest of its own: reading them as the seed's
+            # manifest-less layout would only say that their dtype is unknown.
+            raise DataError(
+                f"{root} is the {root.name} split of the prepared dataset {root.parent}; pass the dataset "
+                f"directory itself (--data-path {root.parent}), which holds {MANIFEST_NAME}"
+            )
         files = sorted(p for p in root.glob(SEED_SHARD_GLOB) if p.is_file())
         if not files:
             unfinished = any(root.glob(f"*/{SEED_SHARD_GLOB}"))

@@ -23,13 +23,14 @@ Everything that reads or writes token files goes through this module.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
+
+from mamba3lite import intake
 
 # The atomic-file protocol lives in its own module, shared with checkpoints; its names stay importable
 # from here, where every reader and writer of token files looks for them.
@@ -200,18 +201,9 @@ class Manifest:
         p = Path(dataset_dir)
         if p.name != MANIFEST_NAME or p.is_dir():
             p = p / MANIFEST_NAME
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise DataNotFoundError(
-                f"{p} does not exist; create the dataset with `mamba3lite prepare`"
-            ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"{p}: cannot read manifest ({e})") from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{p}: not valid JSON ({e}); re-run `mamba3lite prepare`") from None
+        # The border reader: a pipe or device named manifest.json, a 5,000-digit count, NaN, deep
+        # nesting or bytes that are not UTF-8 are each one DataError naming the file.
+        d = intake.read_json(p, intake.MANIFEST, top=None)
         return cls.from_dict(d, where=str(p))
 
     def split_shards(self, split: str) -> list[ShardInfo]:

@@ -30,6 +30,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not m.train and not m.eval:
         raise DataError(f"{run_dir} has no train or eval rows in metrics.jsonl yet: nothing to plot")
     out = Path(out) if out is not None else (run_dir if run_dir.is_dir() else run_dir.parent) / "metrics.png"
+    if out.is_dir():  # `-o DIR`: the PNG goes inside it (renaming a temp file onto a directory fails)
+        out = out / "metrics.png"
     if out.suffix.lower() != ".png":
         raise ConfigError(f"plot output must be a .png file, got {out}")
     plt = _pyplot()
@@ -116,7 +118,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)
+    try:
+        fig.savefig(tmp, dpi=100)
+        tmp.replace(out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)  # after a failed save or rename: no temp file is left behind
     return out

@@ -143,18 +143,17 @@ class JsonlSink:
     def supersede_after(self, step: int) -> int:
         """Mark every row with step > `step` as superseded (an abandoned timeline after a resume or
         rollback to `step`); the file is rewritten atomically. Returns how many rows were marked."""
+        from mamba3lite import intake
         from mamba3lite.data.shards import atomic_write_bytes
 
         self._f.close()
-        text = self.path.read_text(encoding="utf-8", errors="replace") if self.path.exists() else ""
-        lines = text.splitlines()
+        # Through the border reader: a line of damaged bytes, a 5,000-digit number or deep nesting is a
+        # bad line (dropped, like a torn last line from a crash), never a ValueError or RecursionError.
+        lines = list(intake.iter_jsonl(self.path, intake.METRICS)) if self.path.exists() else []
         out, marked = [], 0
         for line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from a crash, or damaged bytes: drop it
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            row = line.value
+            if line.problem is not None or not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 continue
             if row["step"] > step and not row.get("superseded"):
                 row["superseded"] = True
@@ -188,24 +187,41 @@ def _json_default(x: Any) -> Any:
 
 
 class TensorBoardSink:
-    """Scalars to DIR/tb when `tensorboard` is installed (else a warning and nothing)."""
+    """Scalars to DIR/tb when `tensorboard` is installed (else a warning and nothing).
+
+    The event file is opened at the first train or eval row, not when the sink is built: a `train` that
+    is refused after its logger exists (a checkpoint that does not fit the model, say) leaves no
+    `tb/events...` file in the run directory."""
 
     def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(log_dir)
         self._w = None
+        self._failed = False
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._w = SummaryWriter(log_dir=str(log_dir))
+            self._writer_cls = SummaryWriter
         except Exception as e:  # ImportError (no tensorboard) or a broken install: never fatal
+            self._failed = True
             warnings.warn(f"TensorBoard disabled ({e}); `pip install tensorboard` to enable", stacklevel=2)
 
+    def _writer(self):
+        if self._w is None and not self._failed:
+            try:
+                self._w = self._writer_cls(log_dir=str(self.log_dir))
+            except Exception as e:  # an unwritable tb/: the run goes on without TensorBoard
+                self._failed = True
+                warnings.warn(f"TensorBoard disabled ({type(e).__name__}: {e})", stacklevel=3)
+        return self._w
+
     def write(self, row: dict) -> None:
-        if self._w is None or row.get("kind") == "event":
+        if row.get("kind") == "event" or (w := self._writer()) is None:
             return
         prefix = "train" if row["kind"] == "train" else "eval"
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
-                self._w.add_scalar(f"{prefix}/{k}", v, row["step"])
+                w.add_scalar(f"{prefix}/{k}", v, row["step"])
+        w.flush()  # a row is on disk when it is written, as in metrics.jsonl
 
     def close(self) -> None:
         if self._w is not None:

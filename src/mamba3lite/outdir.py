@@ -1,0 +1,72 @@
+"""May this command write into that directory? One rule for every command that writes a directory.
+
+A command writes only into a directory that is new, empty, or already its own (a run directory for
+`train`, a dataset for `prepare`): a directory of the user's files is refused before anything is
+written, because `train` writes config.yaml, run.json and metrics.jsonl by name and would replace the
+user's own files of those names. A path naming a file is refused with a message saying so (mkdir's
+"File exists" does not say which thing is wrong).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from mamba3lite.errors import ConfigError
+
+# What a run directory holds (train/checkpoint.py and train/trainer.py name them): checkpoint files of
+# some step, the run record, the resolved config (recognised by its header: a user's own config.yaml
+# is not a run's), the metrics log.
+_CHECKPOINT_FILE_RE = re.compile(r"^(model|optim|meta)_step_\d+\.(safetensors|pt|json)$")
+# Entries that say nothing about whose directory it is: a run lock, a refused start's TensorBoard dir.
+_NEUTRAL = frozenset({".lock", "tb", "superseded"})
+
+
+def check_may_write(
+    path: str | Path,
+    *,
+    flag: str,
+    is_ours: Callable[[Path], bool],
+    what: str,
+    ignore: Iterable[str] = (),
+) -> None:
+    """Refuse (ConfigError naming `flag` and `path`) unless `path` does not exist, is an empty directory
+    (entries in `ignore` do not count), or `is_ours(path)`: the command's own kind of directory."""
+    path = Path(path)
+    if not path.exists():
+        if path.is_symlink():
+            raise ConfigError(f"{flag} {path} is a broken symbolic link; point it at a directory")
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file, not a directory; choose a new or empty directory")
+    skip = set(ignore)
+    others = sorted(p.name for p in path.iterdir() if p.name not in skip)
+    if not others or is_ours(path):
+        return
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    raise ConfigError(
+        f"{flag} {path} is not empty ({shown}) and is not {what}; its files could be overwritten: "
+        "choose a new or empty directory"
+    )
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` holds what `train` writes: a checkpoint, run.json, the metrics log, or a
+    config.yaml that is a run's resolved config (its first line is train's header)."""
+    from mamba3lite import intake
+    from mamba3lite.config import RESOLVED_HEADER
+
+    for p in path.iterdir():
+        if _CHECKPOINT_FILE_RE.match(p.name) or p.name in ("run.json", "metrics.jsonl"):
+            return True
+    config = path / "config.yaml"
+    if config.is_file():
+        head = intake.read_prefix(config, intake.CONFIG, len(RESOLVED_HEADER.encode("utf-8")))
+        return head == RESOLVED_HEADER.encode("utf-8")
+    return False
+
+
+def check_run_dir(path: str | Path, flag: str = "--checkpoint-dir") -> None:
+    """`train`'s use of the rule: a new or empty directory, or a run directory."""
+    check_may_write(path, flag=flag, is_ours=is_run_dir, what="a run directory", ignore=_NEUTRAL)

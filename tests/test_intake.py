@@ -1,0 +1,185 @@
+"""The border reader (mamba3lite/intake.py): every class of bad file is one error of the kind's class,
+naming the file, and nothing blocks or reads without bound."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from mamba3lite import intake as I
+from mamba3lite.errors import CheckpointError, ConfigError, DataError, DataNotFoundError
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+
+
+def _file(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    p = tmp_path / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+    return p
+
+
+BAD_JSON = {
+    "syntax": ("{", "line 1"),
+    "huge-int": ('{"a": ' + "9" * 5000 + "}", "5,000 digits"),
+    "deep": ("[" * 100_000, "nested too deeply"),
+    "nan": ('{"a": NaN}', "NaN is not a finite number"),
+    "infinity": ('{"a": -Infinity}', "-Infinity"),
+    "overflowing-float": ('{"a": 1e400}', "too large"),
+    "not-utf8": (b'{"a": "\xff"}', "not a UTF-8 text file"),
+    "wrong-top-type": ("[1, 2]", "must be an object"),
+    "empty": ("", "Expecting value"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_JSON))
+def test_every_kind_of_bad_json_is_one_error_naming_the_file(tmp_path, name):
+    content, expected = BAD_JSON[name]
+    p = _file(tmp_path, "manifest.json", content)
+    with pytest.raises(DataError) as info:
+        I.read_json(p, I.MANIFEST)
+    message = str(info.value)
+    assert str(p) in message and expected in message and "re-run `mamba3lite prepare`" in message
+
+
+def test_good_json_and_the_error_class_follow_the_kind(tmp_path):
+    p = _file(tmp_path, "x.json", '{"a": [1, 2.5, "s", null], "b": ' + "9" * I.MAX_INT_DIGITS + "}")
+    assert I.read_json(p, I.MANIFEST)["a"] == [1, 2.5, "s", None]
+    with pytest.raises(CheckpointError):
+        I.read_json(_file(tmp_path, "m.json", "[1]"), I.META)
+    with pytest.raises(ConfigError):
+        I.read_json(_file(tmp_path, "t.json", "{"), I.TOKENIZER)
+    # Our own checkpoint writer may store a non-finite metric: the meta kind reads it back.
+    assert I.read_json(_file(tmp_path, "n.json", '{"v": NaN}'), I.META)["v"] != 0
+
+
+def test_a_missing_file_raises_the_kinds_not_found_class(tmp_path):
+    with pytest.raises(DataNotFoundError, match="does not exist"):
+        I.read_json(tmp_path / "nope.json", I.MANIFEST)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        I.read_json(tmp_path / "nope.json", I.META)
+
+
+def test_directories_devices_and_links_to_devices_are_not_regular_files(tmp_path):
+    link = tmp_path / "zero.json"
+    link.symlink_to("/dev/zero")
+    for path, what in (
+        (tmp_path, "a directory"),
+        (link, "a character device"),
+        (Path("/dev/null"), "device"),
+    ):
+        with pytest.raises(DataError, match="must be a regular file") as info:
+            I.read_json(path, I.MANIFEST)
+        assert what in str(info.value)
+
+
+@needs_fifo
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    result: list[BaseException] = []
+    reader = threading.Thread(
+        target=lambda: _capture(result, lambda: I.read_yaml(fifo, I.CONFIG)), daemon=True
+    )
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "reading a FIFO blocked"
+    assert isinstance(result[0], ConfigError) and "named pipe" in str(result[0])
+
+
+def _capture(out: list, fn) -> None:
+    try:
+        fn()
+    except BaseException as e:  # the test inspects it
+        out.append(e)
+
+
+def test_the_size_cap_refuses_before_reading(tmp_path):
+    small = I.FileKind("thing", 10, DataError, "fix it")
+    p = _file(tmp_path, "big.json", "[" + "1," * 20 + "1]")
+    with pytest.raises(DataError, match="more than a thing can be"):
+        I.read_json(p, small, top=None)
+    assert I.read_prefix(p, small, 4) == b"[1,1"
+
+
+BAD_YAML = {
+    "syntax": ("model: [1, 2\n", "not valid YAML"),
+    "huge-int": ("model:\n  d_model: " + "9" * 5000 + "\n", "integer too long"),
+    "deep": ("a: " + "[" * 100_000, "nested too deeply"),
+    "duplicate-key": ("a: 1\na: 2\n", "a"),
+    "not-utf8": (b"a: \xff\n", "not a UTF-8 text file"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_YAML))
+def test_every_kind_of_bad_yaml_is_one_config_error(tmp_path, name):
+    content, expected = BAD_YAML[name]
+    p = _file(tmp_path, "c.yaml", content)
+    with pytest.raises(ConfigError) as info:
+        I.read_yaml(p, I.CONFIG)
+    assert str(p) in str(info.value) and expected in str(info.value)
+
+
+def test_jsonl_lines_carry_their_problem_instead_of_raising(tmp_path):
+    p = _file(
+        tmp_path,
+        "metrics.jsonl",
+        b'{"step": 1}\n\n{"step": '
+        + b"9" * 5000
+        + b'}\n{"step": NaN}\n\xff\xfe\n'
+        + b"[" * 50_000
+        + b"\n{tor",
+    )
+    lines = list(I.iter_jsonl(p, I.METRICS))
+    assert lines[0].value == {"step": 1} and lines[0].problem is None
+    problems = [ln.problem for ln in lines[1:]]
+    assert len(problems) == 5 and all(problems)
+    assert "digits" in problems[0] and "NaN" in problems[1] and "UTF-8" in problems[2]
+    assert "nested too deeply" in problems[3] and "line 6" in problems[3] and "line 7" in problems[4]
+
+
+def test_a_jsonl_line_beyond_the_line_cap_is_one_bad_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(I, "MAX_JSONL_LINE_BYTES", 64)
+    p = _file(tmp_path, "m.jsonl", '{"step": 1}\n' + '{"x": "' + "a" * 500 + '"}\n{"step": 2}\n')
+    lines = list(I.iter_jsonl(p, I.METRICS))
+    assert [ln.value for ln in lines if ln.problem is None] == [{"step": 1}, {"step": 2}]
+    assert sum(ln.problem is not None for ln in lines) == 1
+
+
+def test_expect_checks_fields_and_names_the_bad_one():
+    row = {"step": 3, "loss": 2.5, "kind": "train", "extra": object()}
+    schema = {"step": int, "loss": float, "kind": str}
+    assert I.expect(row, schema, where="m", kind=I.METRICS) is row
+    for bad, what in (
+        ({**row, "step": True}, "step must be an integer"),
+        ({**row, "loss": None}, "loss must be a number"),
+        ({**row, "loss": float("inf")}, "loss must be a number"),
+        ({k: v for k, v in row.items() if k != "kind"}, "kind is missing"),
+        ([row], "must be an object"),
+    ):
+        with pytest.raises(DataError, match=what):
+            I.expect(bad, schema, where="m", kind=I.METRICS)
+    assert I.expect(
+        {"step": 1}, {"step": int, "loss": (float, type(None))}, where="m", kind=I.METRICS, optional=("loss",)
+    )
+
+
+def test_numbers_from_yaml_strings_as_the_flags_read_them():
+    assert I.as_number("5e-1", where="w") == 0.5 and I.as_number("1e6", where="w") == 1e6
+    assert I.as_number(3, where="w") == 3.0
+    assert I.as_count("1e6", where="w") == 1_000_000 and I.as_count("20_000_000", where="w") == 20_000_000
+    for bad, what in (
+        (True, "number"),
+        ("fast", "number"),
+        ("nan", "finite"),
+        (10**400, "too large"),
+        (None, "number"),
+    ):
+        with pytest.raises(ConfigError, match=what):
+            I.as_number(bad, where="w")
+    with pytest.raises(ConfigError, match="whole number"):
+        I.as_count("2.5", where="w")
+    with pytest.raises(ConfigError, match=">= 1"):
+        I.as_count(0, where="w", minimum=1)
