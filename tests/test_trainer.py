@@ -673,8 +673,10 @@ def test_resume_to_a_step_never_saved_is_refused_before_the_runs_records_are_tou
     assert (tmp_path / "metrics.jsonl").read_text() == before  # no "error" event in a healthy run
 
 
-def test_a_run_json_that_is_not_an_object_is_rewritten_not_a_crash(tmp_path):
+def test_a_run_json_that_is_not_an_object_is_refused_not_replaced(tmp_path):
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "run.json").write_text("[]")
-    assert Pretrainer(tiny_config(tmp_path, max_steps=1)).train().step == 1
-    assert len(json.loads((tmp_path / "run.json").read_text())["starts"]) == 1
+    with pytest.raises(CheckpointError, match=r"run.json is not a valid run record .*got \[\]"):
+        Pretrainer(tiny_config(tmp_path, max_steps=1)).train()
+    assert (tmp_path / "run.json").read_text() == "[]"
+    assert not list(tmp_path.glob("*_step_*")) and not (tmp_path / "config.yaml").exists()
