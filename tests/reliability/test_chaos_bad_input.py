@@ -151,6 +151,15 @@ def _edit_stats(w: Path) -> None:
     p.write_text(json.dumps(d), encoding="utf-8")
 
 
+def _data_tokenizer(w: Path, name: str) -> list[str]:
+    """train on data/ whose manifest records the tokenizer `name` (a fresh run directory)."""
+    p = w / "data" / "manifest.json"
+    d = json.loads(p.read_text(encoding="utf-8"))
+    d["tokenizer"]["name"] = name
+    p.write_text(json.dumps(d), encoding="utf-8")
+    return _train("--checkpoint-dir", "run2")
+
+
 def _unwritable(w: Path) -> str:
     """A directory nobody may create: under /sys (read-only even for root) or a 0o500 directory."""
     if os.geteuid() == 0:
@@ -276,6 +285,12 @@ CASES = {
     "yaml-is-a-fifo": (lambda w: ["train", "--config", _fifo(w / "c.yaml")], "named pipe"),
     "set-huge-int": (lambda w: _train("--set", "model.d_model=" + "9" * 5000), "model.d_model"),
     "set-deeply-nested": (lambda w: _train("--set", "training.betas=" + "[" * 100_000), "training.betas"),
+    # a dataset whose recorded tokenizer `generate` and `eval` would refuse: refused before training
+    "data-tokenizer-file-missing": (
+        lambda w: _data_tokenizer(w, str(w / "gone" / "tokenizer.json")),
+        "tokenizer.json, which is not there any more",
+    ),
+    "data-tokenizer-of-another-size": (lambda w: _data_tokenizer(w, "gpt2"), "which has 50257 tokens"),
     "inspect-manifest-stats-wrong-type": (
         lambda w: _edit_stats(w) or ["inspect", "data"],
         "extra.stats.kept must be an integer",
