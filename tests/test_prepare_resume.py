@@ -184,6 +184,39 @@ def test_resume_after_kill(tmp_path):
     assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the worker processes in Linux's /proc")
+def test_sigterm_ends_a_running_prepare_and_its_workers_within_seconds(tmp_path):
+    """SIGTERM to a prepare whose main process waits on its tokenizer workers (the place it spends its
+    time blocked): the command ends within seconds, its workers too, and the same command resumes."""
+    out = tmp_path / "ds"
+    env = {**os.environ, P.SLEEP_ENV: "0.3"}
+    proc = subprocess.Popen(_prepare_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = out / staging.STAGE_DIRNAME / staging.STATE_NAME
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not state.exists():
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before the signal: " + proc.stderr.read().decode()
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)  # raises TimeoutExpired if SIGTERM did not end it
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), f"workers {workers} outlived the SIGTERM'd prepare"
+    assert not (out / "manifest.json").exists()
+    r = subprocess.run(_prepare_cmd(out), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and verify_dataset(out) == [], r.stderr
+
+
 @pytest.mark.parametrize("older", [False, True], ids=["new-out", "over-an-older-dataset"])
 @pytest.mark.parametrize("moves_done", [0, 1, 2])
 def test_an_interrupted_final_move_is_completed_by_the_same_command(

@@ -530,6 +530,34 @@ def test_bad_input_through_a_real_process(world, name):
     assert _same(before, _hash(world))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["data-path-fifo", "manifest-is-a-fifo", "yaml-is-a-fifo", "mixture-is-a-fifo"]
+)
+def test_a_pipe_as_input_ends_a_real_process_at_once(world, name):
+    """Nobody writes to these pipes: a command that opened one would block (SIGTERM could not end it).
+    Each is refused before it is opened: one error line, well within the time of a few imports."""
+    import subprocess
+    import sys
+    import time
+
+    build, expected = (CASES | PHASE2)[name]
+    argv = build(world)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "mamba3lite", *argv],
+        cwd=world,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **H.BASE_ENV},
+        timeout=120,  # a blocked open would sit here; the refusal takes the time of the imports
+    )
+    err_lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(err_lines) == 1, r.stderr
+    assert expected in err_lines[0]
+    assert time.monotonic() - t0 < 60
+
+
 # -------------------------------------------------------------------------------------- library
 
 
