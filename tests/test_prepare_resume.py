@@ -101,6 +101,46 @@ def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
     assert tree_hashes(tmp_path / "ds3") == tree_hashes(tmp_path / "ref")
 
 
+def _huge_int_state(stage):
+    (stage / staging.STATE_NAME).write_text('{"snapshot": ' + "9" * 5000 + "}")
+
+
+def _nested_state(stage):
+    (stage / staging.STATE_NAME).write_text("[" * 100_000)
+
+
+def _pending_is_a_pipe(stage):
+    (pending,) = stage.glob("pending.*.bin")
+    pending.unlink()
+    os.mkfifo(pending)
+
+
+def _seen_is_dev_zero(stage):
+    (stage / staging.SEEN_NAME).unlink()
+    (stage / staging.SEEN_NAME).symlink_to("/dev/zero")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
+@pytest.mark.parametrize("damage", [_huge_int_state, _nested_state, _pending_is_a_pipe, _seen_is_dev_zero])
+def test_a_staging_record_that_does_not_read_is_not_restored_and_never_blocks(
+    tmp_path, monkeypatch, capsys, damage
+):
+    """prepare's own records go through the border reader too: a state.json of a 5,000-digit number or
+    deep nesting, a staged file swapped for a pipe or a link to /dev/zero are not resumed from (no
+    traceback, no hang, no endless read): the run starts afresh and equals an uninterrupted one."""
+    sources = _corpus(tmp_path)
+    P.prepare(sources, tmp_path / "ref", **KW)
+    out = tmp_path / "ds"
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 3)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, out, **KW)
+    damage(out / staging.STAGE_DIRNAME)
+    s = P.prepare(sources, out, **KW)
+    assert s.resumed_shards == 0 and "not resuming" in capsys.readouterr().err.lower()
+    assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+
+
 def _stat(pid: int | str) -> list[str] | None:
     """Fields of /proc/PID/stat after "pid (comm)": state, ppid, ...; None if the process is gone."""
     try:
