@@ -441,6 +441,25 @@ PHASE2 = {
         lambda w: _resume_older_with_metrics(w, '{"kind": "train", "step": 3, "loss": null}'),
         "loss must be a number",
     ),
+    # the other readers of a run: the same meta check, the same one line
+    "generate-meta-deeply-nested": (
+        lambda w: _edit_meta(w, '"x": ' + "[" * 100_000 + ",") and ["generate", "--checkpoint-dir", "run"],
+        "nested too deeply",
+    ),
+    "eval-meta-huge-int": (
+        lambda w: (
+            _edit_meta(w, '"tokens_seen": ' + "9" * 5000 + ",")
+            and ["eval", "--checkpoint-dir", "run", "--data-path", "data"]
+        ),
+        "5,000 digits",
+    ),
+    "eval-meta-config-model-a-string": (
+        lambda w: (
+            _edit_meta_keeping_digest(w, lambda m: m["config"].update(model="tiny"))
+            and ["eval", "--checkpoint-dir", "run", "--step", "2", "--data-path", "data"]
+        ),
+        "config.model must be an object",
+    ),
     "mixture-is-a-fifo": (lambda w: _mixture(w, None), "named pipe"),
     "mixture-is-dev-zero": (
         lambda w: (w / "m.yaml").symlink_to("/dev/zero") or _mixture_args(w),
@@ -491,6 +510,15 @@ def test_phase2_bad_input_is_one_clear_line(world, capsys, name):
     assert rc != 0 and "Traceback" not in captured.err and len(err_lines) == 1, captured.err
     assert expected in err_lines[0], err_lines[0]
     assert _same(before, _hash(world))
+
+
+def test_inspect_reports_a_meta_that_is_a_device_as_bad_without_reading_it(world, capsys):
+    """`inspect RUN` is a report: a damaged step is listed as BAD with the reason (one line per step),
+    and /dev/zero behind the meta's name is never read."""
+    _link_meta(world, "/dev/zero")
+    assert _in(world, main, ["inspect", "run"]) == 0
+    out = capsys.readouterr().out
+    assert "BAD" in out and "meta_step_2.json is a character device" in out and "0 of 1 steps loadable" in out
 
 
 def test_phase2_mixture_accepts_exponent_weights_as_the_flags_do(world):

@@ -36,6 +36,7 @@ _META_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "world_size": int,
     "global_batch_windows": int,
     "rollbacks": int,
+    "code_version": (dict, _NONE),
 }
 _CONFIG_SECTIONS: dict[str, type | tuple[type, ...]] = {"model": dict, "training": dict, "data": dict}
 _FILE_ENTRY: dict[str, type | tuple[type, ...]] = {"name": str, "size": int, "sha256": str}
