@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import struct
 import time
 
 import numpy as np
@@ -298,7 +300,7 @@ def test_older_meta_without_digest_with_a_badly_typed_field_is_not_loadable(tmp_
     meta[field] = value
     path.write_text(json.dumps(meta))
     st = CheckpointManager(tmp_path).status(2)
-    assert not st.loadable and f"field(s) {field} of the wrong type" in st.problems[0]
+    assert not st.loadable and f"not a valid checkpoint meta file: {field} must be" in st.problems[0]
     with pytest.warns(UserWarning, match=path.name):
         assert CheckpointManager(tmp_path).latest_step() == 1
 
@@ -392,3 +394,45 @@ def test_forget_hashes_sees_corruption_that_kept_size_and_mtime(tmp_path):
     assert mgr.status(4).verified  # the hash of the save, cached
     mgr.forget_hashes()
     assert not mgr.status(4).verified and "sha256 differs" in mgr.status(4).problems[0]
+
+
+@pytest.mark.parametrize(
+    "head, problem",
+    [
+        (struct.pack("<Q", 1 << 40), "declares a header of 1,099,511,627,776 bytes"),
+        (struct.pack("<Q", 8) + b"[[[[[[[[", "not valid JSON"),
+        (struct.pack("<Q", 8) + b'"abcdef"', "its header must be an object"),
+        (struct.pack("<Q", 16) + b'{"__metadata__":', "not valid JSON"),
+    ],
+)
+def test_a_weights_file_with_a_bad_header_is_refused_before_safetensors_reads_it(tmp_path, head, problem):
+    from mamba3lite.train.checkpoint.weights import load_model_file, read_header
+
+    model, opt = _trained()
+    CheckpointManager(tmp_path).save(1, model, opt)
+    path = checkpoint_files(tmp_path, 1)["model"]
+    data = path.read_bytes()
+    path.write_bytes(head + data[len(head) :])
+    with pytest.raises(CheckpointError, match=re.escape(problem)):
+        read_header(path)
+    with pytest.raises(CheckpointError, match=path.name):
+        load_model_file(path, _fresh()[0])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
+def test_checkpoint_files_that_are_pipes_are_problems_not_hangs(tmp_path):
+    model, opt = _trained()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, model, opt)
+    for kind in ("model", "optim"):
+        path = checkpoint_files(tmp_path, 1)[kind]
+        path.rename(path.with_suffix(".bak"))
+        os.mkfifo(path)
+    st = CheckpointManager(tmp_path).status(1)
+    assert not st.loadable  # sizes differ from the meta's: never opened
+    from mamba3lite.train.checkpoint.weights import read_header
+
+    with pytest.raises(CheckpointError, match="named pipe"):
+        read_header(checkpoint_files(tmp_path, 1)["model"])
+    with pytest.raises(CheckpointError, match="named pipe"):
+        CheckpointManager._load_optimizer(opt, model, {}, checkpoint_files(tmp_path, 1)["optim"], "cpu")

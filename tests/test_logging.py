@@ -277,3 +277,24 @@ def test_supersede_drops_lines_of_huge_numbers_or_deep_nesting_instead_of_raisin
         good[0],
         {**good[1], "superseded": True},
     ]
+
+
+@pytest.mark.parametrize(
+    "content, kept",
+    [
+        (b"", b""),
+        (b"a\n", b"a\n"),
+        (b"a\nbc", b"a\n"),
+        (b"abc", b""),
+        (b"x" * 200_000 + b"\n" + b"y" * 150_000, b"x" * 200_000 + b"\n"),  # the tail spans blocks
+        (b"q\n" + b"w" * (1 << 16), b"q\n"),  # the newline just before a block boundary
+        (b"z" * 300_000, b""),
+    ],
+)
+def test_the_torn_tail_is_found_from_the_end_of_the_log(tmp_path, content, kept):
+    from mamba3lite.train.logging import _drop_torn_tail
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(content)
+    _drop_torn_tail(path)
+    assert path.read_bytes() == kept

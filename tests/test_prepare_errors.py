@@ -141,7 +141,7 @@ def test_out_that_is_not_a_dataset_is_refused(tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     (tmp_path / "a.txt").write_text("text long enough to keep")
-    with pytest.raises(ConfigError, match=r"is not empty.*holds no mamba3lite dataset"):
+    with pytest.raises(ConfigError, match=r"is not empty \(notes.txt\) and is not a mamba3lite dataset"):
         prepare([str(tmp_path / "a.txt")], out, workers=0)
     assert list(tree_hashes(out)) == ["notes.txt"]
     (tmp_path / "file").write_text("x")
@@ -297,8 +297,8 @@ def test_mixture_files_that_are_not_usable_yaml_are_one_line_errors(cli, tmp_pat
     negative = tmp_path / "neg.yaml"
     negative.write_text("sources: [a.txt]\ntarget_tokens: -5\n")
     cases = [
-        (bad_utf8, f"{bad_utf8}: not UTF-8 text"),
-        (tmp_path, f"--mixture {tmp_path} is a directory"),
+        (bad_utf8, f"{bad_utf8} is not a UTF-8 text file"),
+        (tmp_path, f"{tmp_path} is a directory; a mixture file must be a regular file"),
         (negative, f"{negative}: target_tokens must be an integer >= 1, got -5"),
     ]
     for mixture, message in cases:

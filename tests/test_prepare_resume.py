@@ -101,6 +101,46 @@ def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
     assert tree_hashes(tmp_path / "ds3") == tree_hashes(tmp_path / "ref")
 
 
+def _huge_int_state(stage):
+    (stage / staging.STATE_NAME).write_text('{"snapshot": ' + "9" * 5000 + "}")
+
+
+def _nested_state(stage):
+    (stage / staging.STATE_NAME).write_text("[" * 100_000)
+
+
+def _pending_is_a_pipe(stage):
+    (pending,) = stage.glob("pending.*.bin")
+    pending.unlink()
+    os.mkfifo(pending)
+
+
+def _seen_is_dev_zero(stage):
+    (stage / staging.SEEN_NAME).unlink()
+    (stage / staging.SEEN_NAME).symlink_to("/dev/zero")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
+@pytest.mark.parametrize("damage", [_huge_int_state, _nested_state, _pending_is_a_pipe, _seen_is_dev_zero])
+def test_a_staging_record_that_does_not_read_is_not_restored_and_never_blocks(
+    tmp_path, monkeypatch, capsys, damage
+):
+    """prepare's own records go through the border reader too: a state.json of a 5,000-digit number or
+    deep nesting, a staged file swapped for a pipe or a link to /dev/zero are not resumed from (no
+    traceback, no hang, no endless read): the run starts afresh and equals an uninterrupted one."""
+    sources = _corpus(tmp_path)
+    P.prepare(sources, tmp_path / "ref", **KW)
+    out = tmp_path / "ds"
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 3)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, out, **KW)
+    damage(out / staging.STAGE_DIRNAME)
+    s = P.prepare(sources, out, **KW)
+    assert s.resumed_shards == 0 and "not resuming" in capsys.readouterr().err.lower()
+    assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+
+
 def _stat(pid: int | str) -> list[str] | None:
     """Fields of /proc/PID/stat after "pid (comm)": state, ppid, ...; None if the process is gone."""
     try:
@@ -182,6 +222,39 @@ def test_resume_after_kill(tmp_path):
     assert ref.returncode == 0, ref.stderr
     assert verify_dataset(out) == []
     assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the worker processes in Linux's /proc")
+def test_sigterm_ends_a_running_prepare_and_its_workers_within_seconds(tmp_path):
+    """SIGTERM to a prepare whose main process waits on its tokenizer workers (the place it spends its
+    time blocked): the command ends within seconds, its workers too, and the same command resumes."""
+    out = tmp_path / "ds"
+    env = {**os.environ, P.SLEEP_ENV: "0.3"}
+    proc = subprocess.Popen(_prepare_cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = out / staging.STAGE_DIRNAME / staging.STATE_NAME
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not state.exists():
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before the signal: " + proc.stderr.read().decode()
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)  # raises TimeoutExpired if SIGTERM did not end it
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), f"workers {workers} outlived the SIGTERM'd prepare"
+    assert not (out / "manifest.json").exists()
+    r = subprocess.run(_prepare_cmd(out), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and verify_dataset(out) == [], r.stderr
 
 
 @pytest.mark.parametrize("older", [False, True], ids=["new-out", "over-an-older-dataset"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mamba3lite.errors import ConfigError
@@ -48,3 +50,26 @@ def test_hf_tokenizer_json(tmp_path):
     assert tok.encode("a b a") == [0, 1, 0]
     assert tok.eos_id == 3
     assert tok.vocab_size == 4
+
+
+def test_a_recorded_tokenizer_is_loaded_by_one_rule(tmp_path):
+    """What train, generate and eval refuse alike: a tokenizer file gone, a name not known, another
+    vocabulary size or hash."""
+    from mamba3lite.errors import CheckpointError
+    from mamba3lite.tokenizer import load_recorded_tokenizer
+
+    gpt2 = load_tokenizer("gpt2")
+    kw = {"subject": "the data was prepared with", "error": CheckpointError}
+    assert load_recorded_tokenizer("gpt2", gpt2.vocab_hash, 50257, **kw) is gpt2
+    cases = [
+        (str(tmp_path / "tokenizer.json"), None, None, "tokenizer.json, which is not there any more"),
+        ("bytes", None, None, "tokenizer bytes, which cannot be loaded here: unknown tokenizer"),
+        ("gpt2", None, 512, "which has 50257 tokens, and vocab_size is 512"),
+        ("gpt2", "ab" * 32, None, f"vocab hash abababababab, the one here has {gpt2.vocab_hash[:12]}"),
+    ]
+    for name, vocab_hash, vocab_size, message in cases:
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            load_recorded_tokenizer(name, vocab_hash, vocab_size, **kw)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot be loaded here: cannot read tokenizer file"):
+        load_recorded_tokenizer(str(tmp_path / "tokenizer.json"), None, None, **kw)

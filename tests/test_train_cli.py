@@ -18,6 +18,7 @@ import yaml
 from mamba3lite.cli import build_parser
 from mamba3lite.config import load_config
 from mamba3lite.data.shards import write_dataset
+from mamba3lite.tokenizer import load_tokenizer
 from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import Pretrainer
 from tiny_shapes import TINY_MODEL_SHAPE
@@ -33,9 +34,9 @@ def make_gpt2_dataset(root, n_train: int = 6000, n_val: int = 1500) -> str:
         tokens = rng.integers(0, 1000, n)
         tokens[::100] = 50256
         parts.append((split, tokens, n // 100, 4 * n))
-    write_dataset(
-        root, parts, vocab_size=GPT2_VOCAB, eos_id=50256, tokenizer={"name": "gpt2", "vocab_hash": "cd" * 32}
-    )
+    # The real GPT-2 vocabulary hash: train refuses data whose recorded tokenizer generate cannot load.
+    tokenizer = {"name": "gpt2", "vocab_hash": load_tokenizer("gpt2").vocab_hash}
+    write_dataset(root, parts, vocab_size=GPT2_VOCAB, eos_id=50256, tokenizer=tokenizer)
     return str(root)
 
 

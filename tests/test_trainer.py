@@ -673,8 +673,48 @@ def test_resume_to_a_step_never_saved_is_refused_before_the_runs_records_are_tou
     assert (tmp_path / "metrics.jsonl").read_text() == before  # no "error" event in a healthy run
 
 
-def test_a_run_json_that_is_not_an_object_is_rewritten_not_a_crash(tmp_path):
+def test_a_run_json_that_is_not_an_object_is_refused_not_replaced(tmp_path):
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "run.json").write_text("[]")
-    assert Pretrainer(tiny_config(tmp_path, max_steps=1)).train().step == 1
-    assert len(json.loads((tmp_path / "run.json").read_text())["starts"]) == 1
+    with pytest.raises(CheckpointError, match=r"run.json is not a valid run record .*got \[\]"):
+        Pretrainer(tiny_config(tmp_path, max_steps=1)).train()
+    assert (tmp_path / "run.json").read_text() == "[]"
+    assert not list(tmp_path.glob("*_step_*")) and not (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("fails_at", ["init", "log"])
+def test_a_wandb_failure_leaves_training_going_with_one_warning(tmp_path, monkeypatch, fails_at):
+    """The whole trainer, with a `wandb` that fails when the run starts or at its second logged step
+    (auth, network): one warning, every step trained and in metrics.jsonl, the checkpoint saved."""
+    import sys
+    import types
+    import warnings
+
+    logged: list[int] = []
+
+    def init(**kw):
+        if fails_at == "init":
+            raise ConnectionError("wandb.init: no network")
+        return types.SimpleNamespace(id="run123")
+
+    def log(data, step):
+        if fails_at == "log" and step == 2:
+            raise ConnectionError("wandb.log: connection reset")
+        logged.append(step)
+
+    fake = types.ModuleType("wandb")
+    fake.init, fake.log, fake.finish = init, log, lambda: logged.append(-1)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "mamba3lite-test")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = Pretrainer(tiny_config(tmp_path, max_steps=4)).train()
+    about_wandb = [str(w.message) for w in caught if "W&B" in str(w.message)]
+    assert result.step == 4 and CheckpointManager(tmp_path).latest_step() == 4
+    assert len(about_wandb) == 1, about_wandb
+    assert about_wandb[0].startswith("W&B disabled" if fails_at == "init" else "W&B logging failed")
+    train_steps = [
+        r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open()) if r["kind"] == "train"
+    ]
+    assert train_steps == [1, 2, 3, 4]
+    assert logged == ([] if fails_at == "init" else [1])  # nothing more is sent once it failed

@@ -82,6 +82,13 @@ MIXTURE = FileKind("mixture file", 16 * MiB, ConfigError, "see `mamba3lite prepa
 SAFETENSORS_HEADER = FileKind(
     "safetensors header", 100 * MiB, CheckpointError, "the weights file is damaged or not safetensors"
 )
+# prepare's own records in OUT/.prepare/ (state.json, commit.json) and the binary files they describe:
+# a bad one is not the user's error, the snapshot is just not restored (prepare starts afresh).
+STAGE_STATE = FileKind("prepare staging record", 64 * MiB, DataError, "delete OUT/.prepare to start afresh")
+STAGE_DATA = FileKind("prepare staging file", 1 << 40, DataError, "delete OUT/.prepare to start afresh")
+# torch.save archives: their size is vouched for by the meta's record (size, sha256) before they are
+# loaded; the cap only keeps a sparse file of exabytes from being opened.
+OPTIMIZER_STATE = FileKind("optimizer state file", 1 << 40, CheckpointError, _RESTORE)
 TOKENIZER = FileKind(
     "tokenizer file",
     512 * MiB,

@@ -53,30 +53,15 @@ class Pretrained:
 
     def load_tokenizer(self):
         """The tokenizer the model was trained with; CheckpointError if it cannot be the model's."""
-        from mamba3lite.tokenizer import load_tokenizer
+        from mamba3lite.tokenizer import load_recorded_tokenizer
 
-        try:
-            tok = load_tokenizer(self.tokenizer_name)
-        except ConfigError as e:
-            if self.tokenizer_name != "gpt2" and not Path(self.tokenizer_name).exists():
-                raise CheckpointError(
-                    f"the model in {self.run_dir} was trained with the tokenizer file {self.tokenizer_name}, "
-                    "which is not there any more; put it back at that path (the model's token ids mean "
-                    "nothing without it)"
-                ) from None
-            raise CheckpointError(f"the tokenizer of the model in {self.run_dir}: {e}") from None
-        vocab = self.config.model.vocab_size
-        if tok.vocab_size != vocab:
-            raise CheckpointError(
-                f"the model in {self.run_dir} has vocab_size {vocab}, its tokenizer "
-                f"{self.tokenizer_name} has {tok.vocab_size} tokens: text cannot be encoded for it"
-            )
-        if self.vocab_hash and tok.vocab_hash != self.vocab_hash:
-            raise CheckpointError(
-                f"the model in {self.run_dir} was trained on tokenizer {self.tokenizer_name} with vocab "
-                f"hash {self.vocab_hash[:12]}, the installed one has {tok.vocab_hash[:12]}"
-            )
-        return tok
+        return load_recorded_tokenizer(
+            self.tokenizer_name,
+            self.vocab_hash,
+            self.config.model.vocab_size,
+            subject=f"the model in {self.run_dir} was trained with",
+            error=CheckpointError,
+        )
 
 
 def resolve_device(text: str) -> torch.device:

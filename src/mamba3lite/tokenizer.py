@@ -182,16 +182,42 @@ def load_tokenizer(name: str = "gpt2") -> Tokenizer:
     )
 
 
-def tokenizer_problem(recorded: dict) -> str | None:
-    """Why the tokenizer a dataset's manifest records ({"name", "vocab_hash"}) cannot be loaded here,
-    or None when it loads with that vocabulary: `generate` and `eval` need it to turn the trained
-    model's ids into text."""
-    name = str(recorded.get("name", ""))
+def is_tokenizer_file(name: str) -> bool:
+    """Whether a recorded tokenizer name is a path to a tokenizer.json (else a name like "gpt2")."""
+    return name.endswith(".json") or os.sep in name or "/" in name
+
+
+def load_recorded_tokenizer(
+    name: str,
+    vocab_hash: str | None,
+    vocab_size: int | None,
+    *,
+    subject: str,
+    error: type[Mamba3LiteError] = ConfigError,
+) -> Tokenizer:
+    """The tokenizer that token ids were made with, from what was recorded with them (a manifest's
+    `tokenizer`, a checkpoint's `data`): the one rule by which `train` refuses data that `generate` and
+    `eval` would later refuse to read. `error` (its message starting with `subject`, e.g. "the model in
+    RUN was trained with") for a tokenizer file that is not there any more or does not load, a name not
+    known here, a vocabulary of another size than `vocab_size` (the model's; None: not checked) or
+    another hash than `vocab_hash` (None: not checked)."""
     try:
         tok = load_tokenizer(name)
-    except Mamba3LiteError as e:
-        return str(e)
-    want = recorded.get("vocab_hash")
-    if want and tok.vocab_hash != want:
-        return f"the tokenizer {name} here has vocab hash {tok.vocab_hash[:12]}, the data's {str(want)[:12]}"
-    return None
+    except ConfigError as e:
+        if is_tokenizer_file(name) and not Path(name).exists():
+            raise error(
+                f"{subject} the tokenizer file {name}, which is not there any more; put it back at that "
+                "path (the token ids mean nothing without it)"
+            ) from None
+        raise error(f"{subject} tokenizer {name}, which cannot be loaded here: {e}") from None
+    if vocab_size is not None and tok.vocab_size != vocab_size:
+        raise error(
+            f"{subject} tokenizer {name}, which has {tok.vocab_size} tokens, and vocab_size is "
+            f"{vocab_size}: text cannot be encoded for it"
+        )
+    if vocab_hash and tok.vocab_hash != vocab_hash:
+        raise error(
+            f"{subject} tokenizer {name} with vocab hash {vocab_hash[:12]}, the one here has "
+            f"{tok.vocab_hash[:12]}"
+        )
+    return tok

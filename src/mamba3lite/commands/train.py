@@ -130,25 +130,37 @@ def _check_config_file_is_not_the_runs_record(config: str, checkpoint_dir: str) 
         )
 
 
-def _warn_if_the_datas_tokenizer_cannot_be_loaded(cfg) -> None:
-    """`generate` and `eval` refuse a run whose data's tokenizer they cannot load: say so before the run
-    is trained, not after. A warning, not an error: token data may come from a tokenizer that lives
-    elsewhere (pre-tokenized data, a test's byte vocabulary), and the training itself needs none."""
+def _check_the_datas_tokenizer(cfg) -> None:
+    """`generate` and `eval` refuse a run whose data's tokenizer they cannot load: refuse it before the
+    run is trained, by their rule (`load_recorded_tokenizer`), when the manifest names a tokenizer this
+    project knows (gpt2, a tokenizer.json path). A name it does not know is only a warning: token data
+    may come from a tokenizer that lives elsewhere (pre-tokenized data, a test's byte vocabulary), and
+    the training itself needs none."""
     import warnings
 
     from mamba3lite.data.shards import MANIFEST_NAME, Manifest
-    from mamba3lite.tokenizer import tokenizer_problem
+    from mamba3lite.data.splits import dataset_dir
+    from mamba3lite.tokenizer import KNOWN_TOKENIZERS, is_tokenizer_file, load_recorded_tokenizer
 
-    data = Path(cfg.data.train_data_path or "")
+    data = dataset_dir(cfg.data.train_data_path or "")
     if cfg.data.dummy or not (data / MANIFEST_NAME).is_file():
         return  # no manifest: nothing records a tokenizer (the dataset's own errors come later)
-    problem = tokenizer_problem(Manifest.load(data).tokenizer)
-    if problem is not None:
-        warnings.warn(
-            f"the tokenizer recorded in {data / MANIFEST_NAME} cannot be loaded here ({problem}); the run "
-            "will train, but `generate` and `eval` need that tokenizer to read its output",
-            stacklevel=2,
+    recorded = Manifest.load(data).tokenizer or {}
+    name = str(recorded.get("name", ""))
+    if name in KNOWN_TOKENIZERS or is_tokenizer_file(name):
+        load_recorded_tokenizer(
+            name,
+            recorded.get("vocab_hash"),
+            cfg.model.vocab_size,
+            subject=f"the data at {data} (its {MANIFEST_NAME}) was prepared with",
         )
+        return
+    warnings.warn(
+        f"the tokenizer recorded in {data / MANIFEST_NAME}, {name!r}, is not one mamba3lite knows "
+        f"({', '.join(KNOWN_TOKENIZERS)} or a tokenizer.json path); the run will train, but `generate` and "
+        "`eval` need that tokenizer to read its output",
+        stacklevel=2,
+    )
 
 
 def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str | None:
@@ -223,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     check_run_dir(cfg.training.checkpoint_dir)  # before anything is written there
-    _warn_if_the_datas_tokenizer_cannot_be_loaded(cfg)
+    _check_the_datas_tokenizer(cfg)
     if args.dry_run:
         from mamba3lite.train.checkpoint import CheckpointManager
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mamba3lite.config import strict_yaml_load, yaml_error_line
+from mamba3lite import intake
 from mamba3lite.errors import ConfigError, did_you_mean
 
 _MIXTURE_KEYS = ("sources", "target_tokens")
@@ -44,22 +44,10 @@ def _unknown_key(key: str, known: Sequence[str], where: str) -> ConfigError:
 
 
 def read_mixture_file(path: Path) -> Any:
-    """The parsed YAML document of a mixture file (the one place the file is read); ConfigError naming
-    the file when it is missing, a directory, not UTF-8 or not YAML."""
-    import yaml
-
-    try:
-        return strict_yaml_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"mixture file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"--mixture {path} is a directory; pass the mixture YAML file") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"{path}: not UTF-8 text (byte {e.start}); a mixture file is YAML, see `prepare --help`"
-        ) from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({yaml_error_line(e)})") from None
+    """The parsed YAML document of a mixture file (the one place the file is read): through the border
+    reader, so a pipe, a device, a huge file, bytes that are not UTF-8, a number too long to read or a
+    nesting too deep is one ConfigError naming the file."""
+    return intake.read_yaml(path, intake.MIXTURE)
 
 
 def _source_of(item: Any, where: str, base: Path) -> SourceSpec:
@@ -74,13 +62,8 @@ def _source_of(item: Any, where: str, base: Path) -> SourceSpec:
     spec = str(item["source"])
     if spec != "stdlib" and not spec.startswith("hf:") and not os.path.isabs(spec):
         spec = os.path.join(base, spec)
-    weight = item.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float):
-        raise ConfigError(f"{where}.weight must be a number, got {weight!r}")
-    try:
-        return SourceSpec(spec, float(weight))
-    except OverflowError:  # an integer of hundreds of digits
-        raise ConfigError(f"{where}.weight is too large for a number") from None
+    # As the flags read a number: YAML 1.1 reads `5e-1` and `1e6` (no dot) as strings.
+    return SourceSpec(spec, intake.as_number(item.get("weight", 1.0), where=f"{where}.weight"))
 
 
 def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]:
@@ -106,8 +89,8 @@ def load_mixture(path: str | os.PathLike) -> tuple[list[SourceSpec], int | None]
         raise ConfigError(f"{path}: `sources` must be a non-empty list of {{source: ..., weight: ...}}")
     specs = [_source_of(item, f"{path}: sources[{i}]", path.parent) for i, item in enumerate(items)]
     target = doc.get("target_tokens")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target < 1):
-        raise ConfigError(f"{path}: target_tokens must be an integer >= 1, got {target!r}")
+    if target is not None:
+        target = intake.as_count(target, where=f"{path}: target_tokens", minimum=1)
     return specs, target
 
 

@@ -511,25 +511,35 @@ def _skip_own_output(sources: list[Source], out: Path) -> None:
 
 
 def _check_out(out: Path, args_record: dict, overwrite: bool) -> None:
-    """Refuse to replace something that is not this same dataset, unless `overwrite`. `out` is a
-    directory by now (`prepare` refused a file and created it to hold its lock)."""
-    if overwrite:
+    """Refuse to write into a directory of the user's files (the one rule, `outdir.check_may_write`;
+    --overwrite does not lift it: it replaces a dataset, not whatever is there), and to replace a
+    dataset that is not this same one, unless `overwrite`. `out` is a directory by now (`prepare`
+    refused a file and created it to hold its lock)."""
+    from mamba3lite import outdir
+
+    outdir.check_may_write(
+        out,
+        flag="--out",
+        is_ours=_is_dataset_dir,
+        what="a mamba3lite dataset",
+        ignore=(STAGE_DIRNAME, LOCK_NAME),
+    )
+    if overwrite or not (out / MANIFEST_NAME).exists():
         return
-    if (out / MANIFEST_NAME).exists():
-        try:
-            previous = Manifest.load(out).extra.get("prepare")
-        except DataError:
-            previous = None
-        if previous == args_record:
-            return  # the same dataset, rebuilt from the same arguments
-        what = "a dataset prepared with different arguments" if previous else "a different dataset"
-        raise ConfigError(
-            f"--out {out} holds {what}; choose another --out, or pass --overwrite to "
-            "replace it (it stays intact until the new dataset is complete)"
-        )
-    others = [p.name for p in out.iterdir() if p.name not in (STAGE_DIRNAME, LOCK_NAME)]
-    if others:
-        raise ConfigError(
-            f"--out {out} is not empty ({', '.join(sorted(others)[:3])}...) and holds no "
-            "mamba3lite dataset; choose an empty or new directory, or pass --overwrite"
-        )
+    try:
+        previous = Manifest.load(out).extra.get("prepare")
+    except DataError:
+        previous = None
+    if previous == args_record:
+        return  # the same dataset, rebuilt from the same arguments
+    what = "a dataset prepared with different arguments" if previous else "a different dataset"
+    raise ConfigError(
+        f"--out {out} holds {what}; choose another --out, or pass --overwrite to "
+        "replace it (it stays intact until the new dataset is complete)"
+    )
+
+
+def _is_dataset_dir(out: Path) -> bool:
+    """Whether `out` is prepare's own: it holds a manifest, or the staging directory of a run of ours
+    (whose shards a commit cut short may have moved into `out` already)."""
+    return (out / MANIFEST_NAME).exists() or (out / STAGE_DIRNAME).is_dir()

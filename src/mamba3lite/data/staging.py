@@ -17,7 +17,6 @@ command (`Stage.finished_manifest`), computing nothing again.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -25,12 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mamba3lite import intake
 from mamba3lite.data import shards
 from mamba3lite.data.clean import DIGEST_BYTES
 from mamba3lite.data.packing import Dedup, Packer
 from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, ShardInfo
 from mamba3lite.data.stats import PrepareStats
-from mamba3lite.errors import DataError
+from mamba3lite.errors import Mamba3LiteError
 
 STAGE_DIRNAME = ".prepare"
 LOCK_NAME = ".prepare.lock"  # exists while a prepare runs (mamba3lite.dirlock), or after one was killed
@@ -116,7 +116,9 @@ class Stage:
                 p.unlink()
 
     def _load_packers(self, record: dict) -> dict[str, Packer] | str:
-        both = np.fromfile(self._pending_path(record["snapshot"]), dtype=self.dtype)
+        pending_path = self._pending_path(record["snapshot"])
+        intake.regular_file_size(pending_path, intake.STAGE_DATA)  # np.fromfile would block on a FIFO
+        both = np.fromfile(pending_path, dtype=self.dtype)
         if _sha256(both) != record["pending"]["sha256"]:
             return "the partly filled shards do not verify"
         packers, offset = {}, 0
@@ -140,7 +142,7 @@ class Stage:
         if isinstance(packers, str):
             return packers
         n_seen = record["n_seen"]
-        with open(self.dir / SEEN_NAME, "rb") as f:
+        with intake.open_regular(self.dir / SEEN_NAME, intake.STAGE_DATA) as f:
             blob = f.read(n_seen * DIGEST_BYTES)
         if len(blob) != n_seen * DIGEST_BYTES:
             return "the dedup record is short"
@@ -152,18 +154,16 @@ class Stage:
         """The snapshot in the staging dir if it matches these arguments and verifies, else why not (the
         caller starts afresh)."""
         try:
-            record = json.loads((self.dir / STATE_NAME).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return "no readable state"
-        if not isinstance(record, dict):
-            return "no readable state"
+            record = intake.read_json(self.dir / STATE_NAME, intake.STAGE_STATE)
+        except Mamba3LiteError as e:
+            return f"no readable state ({e})"
         if record.get("args") != self.args_record:
             return "the arguments differ"
         if record.get("fingerprints") != self.fingerprints:
             return "the source files changed"
         try:
             state = self._load(record)
-        except (OSError, KeyError, TypeError, ValueError) as e:
+        except (Mamba3LiteError, OSError, KeyError, TypeError, ValueError) as e:
             return f"the state is unreadable ({e})"
         if isinstance(state, PipelineState):
             with open(self.dir / SEEN_NAME, "r+b") as f:  # drop digests appended after the snapshot
@@ -176,10 +176,8 @@ class Stage:
         it lists verifies, in the stage or already in `out`; else None."""
         try:
             manifest = Manifest.load(self.dir)
-            record = json.loads((self.dir / COMMIT_NAME).read_text(encoding="utf-8"))
-        except (DataError, OSError, ValueError):
-            return None
-        if not isinstance(record, dict):
+            record = intake.read_json(self.dir / COMMIT_NAME, intake.STAGE_STATE)
+        except (Mamba3LiteError, OSError):
             return None
         same_sources = record.get("fingerprints") == self.fingerprints
         if manifest.extra.get("prepare") != self.args_record or not same_sources:

@@ -172,12 +172,24 @@ def _drop_torn_tail(path: Path) -> None:
     (which would make both unreadable). Complete rows are never touched."""
     if not path.exists():
         return
+    from mamba3lite import intake
+
+    size = intake.regular_file_size(path, intake.METRICS)  # a link to /dev/zero is never read
     with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-            f.flush()
-            os.fsync(f.fileno())
+        # Only the tail is read (a log of a long run is large): back from the end to the last newline.
+        end, chunk = size, 1 << 16
+        while end > 0:
+            f.seek(max(end - chunk, 0))
+            block = f.read(end - max(end - chunk, 0))
+            if end == size and block.endswith(b"\n"):
+                return  # the last line is whole
+            if (i := block.rfind(b"\n")) >= 0:
+                end = max(end - chunk, 0) + i + 1
+                break
+            end = max(end - chunk, 0)
+        f.truncate(end)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _json_default(x: Any) -> Any:

@@ -4,16 +4,18 @@ trains on, the manifest hash, the code version, and one entry per start, the las
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_json
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.data.shards import MANIFEST_NAME
 from mamba3lite.data.splits import dataset_dir
+from mamba3lite.errors import Mamba3LiteError
 
 RUN_RECORD_NAME = "run.json"
 KEEP_STARTS = 50
@@ -45,7 +47,9 @@ def manifest_sha256(path: str | None) -> str | None:
     if not path:
         return None
     m = dataset_dir(path) / MANIFEST_NAME
-    return hashlib.sha256(m.read_bytes()).hexdigest() if m.is_file() else None
+    if not os.path.lexists(m):
+        return None
+    return hashlib.sha256(intake.read_bytes_capped(m, intake.MANIFEST)).hexdigest()
 
 
 def data_identity(manifest: Any, data_path: str | None) -> dict | None:
@@ -62,14 +66,62 @@ def data_identity(manifest: Any, data_path: str | None) -> dict | None:
     }
 
 
+_NONE = type(None)
+_RUN_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "data_path": (str, _NONE),
+    "val_data_path": (str, _NONE),
+    "dummy": bool,
+    "data_manifest_sha256": (str, _NONE),
+    "data": (dict, _NONE),
+    "code_version": (dict, _NONE),
+    "starts": list,
+}
+
+
 def read_run_record(path: Path) -> dict:
-    """RUN/run.json as a dict; {} when missing, unreadable or not an object (then rewritten as ours).
-    The one read of run.json."""
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+    """RUN/run.json as a dict ({} when there is none), through the border reader and its schema: a
+    damaged or foreign record is a CheckpointError naming the file, not replaced. The one read of
+    run.json."""
+    if not os.path.lexists(path):
         return {}
-    return info if isinstance(info, dict) else {}
+    info = intake.read_json(path, intake.RUN_INFO)
+    intake.expect(info, _RUN_SCHEMA, where=str(path), kind=intake.RUN_INFO, optional=tuple(_RUN_SCHEMA))
+    for i, entry in enumerate(info.get("starts", [])):
+        intake.expect_type(entry, dict, where=str(path), kind=intake.RUN_INFO, what=f"starts[{i}]")
+    return info
+
+
+def run_records_problem(run_dir: Path) -> str | None:
+    """Why the records in `run_dir` that a start rewrites (run.json, metrics.jsonl) cannot be carried
+    on, or None. Checked before a start changes anything (a resume moves newer checkpoints aside, the
+    metrics log is rewritten): a damaged record is refused then, not dropped or crashed on later."""
+    from mamba3lite.report.metrics import METRICS_NAME, check_row
+
+    try:
+        read_run_record(run_dir / RUN_RECORD_NAME)
+        metrics = run_dir / METRICS_NAME
+        if not os.path.lexists(metrics):
+            return None
+        lines = list(intake.iter_jsonl(metrics, intake.METRICS))
+        with intake.open_regular(metrics, intake.METRICS) as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - 1, 0))
+            torn_tail = size > 0 and f.read(1) != b"\n"
+    except Mamba3LiteError as e:
+        return str(e)
+    for i, line in enumerate(lines):
+        problem = line.problem
+        if problem is None:
+            try:
+                check_row(line.value, f"{metrics} line {line.lineno}")
+            except Mamba3LiteError as e:
+                problem = str(e)
+        if problem is not None and not (torn_tail and i == len(lines) - 1):  # a crash tears the last line
+            return (
+                f"{problem}; a start rewrites that log, so it is refused as it is: remove the line (or "
+                "move metrics.jsonl away) and run again"
+            )
+    return None
 
 
 def write_run_records(cfg: Config, run_dir: Path, start: dict, data: dict | None) -> dict:

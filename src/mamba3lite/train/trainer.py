@@ -60,7 +60,7 @@ from mamba3lite.train.faults import INJECT_ENV, FaultInjector, parse_injection
 from mamba3lite.train.logging import TrainingLogger, build_logger, peak_flops
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
 from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
-from mamba3lite.train.run_record import code_version, data_identity, write_run_records
+from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
 from mamba3lite.train.stop import StopFlag
 
 __all__ = ["INJECT_ENV", "Pretrainer", "TrainResult", "code_version", "parse_injection"]
@@ -472,6 +472,8 @@ class Pretrainer:
         """The resume plan, made on rank 0, its target broadcast. A refusal is raised on every rank (rank
         0 raising alone would leave the others waiting in the broadcast)."""
         plan = plan_resume(self.ckpt, self.resume) if self.dist.is_main else ResumePlan()
+        if self.dist.is_main and plan.refusal is None:  # before the logger or the resume changes them
+            plan.refusal = run_records_problem(self.run_dir)
         if D.any_rank(plan.refusal is not None, self.dist):
             raise CheckpointError(plan.refusal or "rank 0 refused to resume (its output says why)")
         plan.target = D.broadcast_int(plan.target, self.dist)

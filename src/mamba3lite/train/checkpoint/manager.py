@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from mamba3lite import intake
 from mamba3lite.atomicfile import HashingAtomicFile, atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.errors import CheckpointError
 from mamba3lite.train.checkpoint.files import checkpoint_files, is_temp_file, steps_in
@@ -296,6 +297,7 @@ class CheckpointManager:
         path: Path,
         map_location: str | torch.device,
     ) -> None:
+        intake.regular_file_size(path, intake.OPTIMIZER_STATE)  # torch.load would block on a FIFO
         try:
             saved = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as e:

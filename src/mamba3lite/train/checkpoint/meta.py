@@ -9,26 +9,37 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError
 
 META_FORMAT = "mamba3lite-checkpoint-v1"
-# Types of our metas' fields (absent ones are not checked): every reader (trainer, eval, generate,
-# inspect) relies on them.
-_META_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+# The shape of our metas (absent fields are not checked: older metas lack some): every reader (trainer,
+# eval, generate, inspect, export) indexes into them without checks of its own. A meta whose digest was
+# recomputed after an edit (`config.model` a string) passes the digest; this is what catches it.
+_NONE = type(None)
+_META_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "tokens_seen": int,
     "files": dict,
     "config": dict,
-    "data": (dict, type(None)),
-    "metrics": (dict, type(None)),
-    "last_eval": (dict, type(None)),
+    "data": (dict, _NONE),
+    "metrics": (dict, _NONE),
+    "last_eval": (dict, _NONE),
+    "scheduler": dict,
     "sampler": dict,
     "rng": dict,
     "tied": dict,
     "has_optimizer": bool,
-    "wandb_run_id": (str, type(None)),
+    "wandb_run_id": (str, _NONE),
+    "world_size": int,
+    "global_batch_windows": int,
+    "rollbacks": int,
+    "code_version": (dict, _NONE),
 }
+_CONFIG_SECTIONS: dict[str, type | tuple[type, ...]] = {"model": dict, "training": dict, "data": dict}
+_FILE_ENTRY: dict[str, type | tuple[type, ...]] = {"name": str, "size": int, "sha256": str}
 
 
 def meta_digest(record: dict) -> str:
@@ -41,18 +52,36 @@ def meta_digest(record: dict) -> str:
 
 def read_meta_file(path: Path, step: int) -> dict:
     """The parsed meta of `step` at `path` (CheckpointError naming the file if missing or unreadable).
-    The one read of a meta file."""
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing (the save of step {step} did not finish)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+    The one read of a meta file: through the border reader (a regular file, capped, every decoding
+    failure one error), then the two fields every format has."""
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{path} is missing (the save of step {step} did not finish)")
+    meta = intake.read_json(path, intake.META)
+    if not isinstance(meta.get("step"), int) or isinstance(meta["step"], bool):
         raise CheckpointError(f"{path}: not a checkpoint meta file (no integer `step`)")
     if meta["step"] != step:
         raise CheckpointError(f"{path}: records step {meta['step']}, not {step}")
     return meta
+
+
+def schema_problem(meta: dict, path: Path) -> str | None:
+    """Why `meta` (one of ours) does not have the shape its readers rely on, or None."""
+    kind, where = intake.META, str(path)
+    try:
+        intake.expect(meta, _META_SCHEMA, where=where, kind=kind, optional=tuple(_META_SCHEMA))
+        if "config" in meta:
+            sections = tuple(_CONFIG_SECTIONS)
+            intake.expect(meta["config"], _CONFIG_SECTIONS, where=where, kind=kind, optional=sections,
+                          prefix="config.")  # fmt: skip
+        for name in ("model", "optim"):
+            if name in meta.get("files", {}):
+                intake.expect(meta["files"][name], _FILE_ENTRY, where=where, kind=kind,
+                              optional=("name",), prefix=f"files.{name}.")  # fmt: skip
+        for alias, source in meta.get("tied", {}).items():
+            intake.expect_type(source, str, where=where, kind=kind, what=f"tied.{alias}")
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 def meta_problems(meta: dict, path: Path) -> tuple[str | None, list[str]]:
@@ -67,8 +96,7 @@ def meta_problems(meta: dict, path: Path) -> tuple[str | None, list[str]]:
             f"{path}: unknown checkpoint format {meta.get('format')!r}, expected {META_FORMAT!r} ({why})"
         ]
     problems = [] if digest_ok else [f"{path}: content differs from its meta_sha256 (corrupt or edited)"]
-    # An older meta has no digest to catch an edit: its fields' types are checked.
-    bad = [k for k, types in _META_FIELD_TYPES.items() if k in meta and not isinstance(meta[k], types)]
-    if bad:
-        problems.append(f"{path}: field(s) {', '.join(bad)} of the wrong type (corrupt or edited)")
+    # An older meta has no digest to catch an edit, and a digest can be recomputed: the shape is checked.
+    if problem := schema_problem(meta, path):
+        problems.append(problem)
     return META_FORMAT, problems

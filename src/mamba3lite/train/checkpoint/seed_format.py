@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError
 from mamba3lite.train.checkpoint.optim_state import load_optimizer_state_by_name, param_names
 from mamba3lite.train.checkpoint.weights import safetensors_problem
@@ -36,6 +37,7 @@ def zip_problem(path: Path) -> str | None:
     import zipfile
 
     try:
+        intake.regular_file_size(path, intake.OPTIMIZER_STATE)  # opening a FIFO would block
         with zipfile.ZipFile(path) as z:
             pickles = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
             if not pickles:

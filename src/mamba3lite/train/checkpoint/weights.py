@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mamba3lite import intake
 from mamba3lite.atomicfile import HashingAtomicFile
 from mamba3lite.errors import CheckpointError
 
@@ -82,6 +83,44 @@ def write_safetensors(
             f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, read through the border: a regular file, the header
+    length (the first 8 bytes, little-endian) within the header cap and the file, then intake's JSON
+    parse. CheckpointError naming the file otherwise. Called before `safe_open`, which would trust the
+    length and parse whatever it names."""
+    import struct
+
+    kind = intake.SAFETENSORS_HEADER
+    size = intake.regular_file_size(path, intake.FileKind(kind.what, 1 << 62, kind.error, kind.fix))
+    prefix = intake.read_prefix(path, kind, 8)
+    if len(prefix) < 8:
+        raise kind.fail(f"{path} is {size} bytes, too short for a safetensors file")
+    (n_bytes,) = struct.unpack("<Q", prefix)
+    if n_bytes > kind.max_bytes or 8 + n_bytes > size:
+        raise kind.fail(
+            f"{path} declares a header of {n_bytes:,} bytes, the file holds {size:,} (at most "
+            f"{kind.max_bytes // intake.MiB} MiB of header)"
+        )
+    text = intake.decode_utf8(intake.read_prefix(path, kind, 8 + n_bytes)[8:], str(path), kind)
+    header = intake.parse_json(text, str(path), kind)
+    intake.expect_type(header, dict, where=str(path), kind=kind, what="its header")
+    return header
+
+
+def tied_aliases(header: dict, path: Path) -> dict[str, str]:
+    """The {alias: source} that our writer records in the header's `mamba3lite_tied` ({} in others)."""
+    kind, where = intake.SAFETENSORS_HEADER, str(path)
+    metadata = header.get("__metadata__") or {}
+    intake.expect_type(metadata, dict, where=where, kind=kind, what="__metadata__")
+    raw = metadata.get("mamba3lite_tied", "{}")
+    intake.expect_type(raw, str, where=where, kind=kind, what="__metadata__.mamba3lite_tied")
+    aliases = intake.parse_json(raw, f"{path} (__metadata__.mamba3lite_tied)", kind)
+    intake.expect_type(aliases, dict, where=where, kind=kind, what="__metadata__.mamba3lite_tied")
+    for alias, source in aliases.items():
+        intake.expect_type(source, str, where=where, kind=kind, what=f"mamba3lite_tied.{alias}")
+    return aliases
+
+
 def load_model_file(path: Path, model: torch.nn.Module, aliases: dict[str, str] | None = None) -> None:
     """Load weights from a safetensors file into `model` (strict), re-creating tied aliases.
 
@@ -90,14 +129,14 @@ def load_model_file(path: Path, model: torch.nn.Module, aliases: dict[str, str] 
     """
     from safetensors import safe_open
 
+    header = read_header(path)
+    if aliases is None:
+        aliases = tied_aliases(header, path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            header = f.metadata() or {}
             state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except Exception as e:  # safetensors raises its own error types on truncated/corrupt files
         raise CheckpointError(f"{path}: cannot read weights ({e})") from None
-    if aliases is None:
-        aliases = json.loads(header.get("mamba3lite_tied", "{}"))
     for alias, source in aliases.items():
         if alias not in state and source in state:
             state[alias] = state[source]
@@ -115,6 +154,10 @@ def safetensors_problem(path: Path) -> str | None:
     """None if `path` is a whole safetensors file (its header parses and covers the file), else why not."""
     from safetensors import safe_open
 
+    try:
+        read_header(path)
+    except CheckpointError as e:
+        return str(e)
     try:
         with safe_open(str(path), framework="pt") as f:
             f.keys()
