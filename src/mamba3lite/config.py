@@ -19,7 +19,6 @@ already used), next to `val_data_path` and `dummy`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import re
 import types
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mamba3lite.errors import ConfigError
+from mamba3lite.errors import ConfigError, did_you_mean_hint
 
 if TYPE_CHECKING:
     from mamba3lite.model import ModelConfig
@@ -346,8 +345,7 @@ def _reject_unknown(keys: Any, known: Any, *, where: str) -> None:
     known = list(known)
     for key in keys:
         if key not in known:
-            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.5)
-            hint = f"; did you mean `{close[0]}`?" if close else f"; known: {', '.join(map(str, known))}"
+            hint = did_you_mean_hint(key, known, otherwise=f"; known: {', '.join(map(str, known))}")
             raise ConfigError(f"{where} `{key}`{hint}")
 
 
@@ -464,8 +462,7 @@ def resolve_preset(name_or_path: str | Path) -> Path:
         if packaged.is_file():
             return packaged
     presets = available_presets()
-    close = difflib.get_close_matches(p.stem, presets, n=1, cutoff=0.5)
-    hint = f"; did you mean `{close[0]}`?" if close else ""
+    hint = did_you_mean_hint(p.stem, presets)
     raise ConfigError(
         f"config not found: {name_or_path} (not a file, not a packaged preset){hint} "
         f"Presets: {', '.join(presets) or '(none)'}"
