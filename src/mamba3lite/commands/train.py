@@ -136,11 +136,11 @@ def _warn_if_the_datas_tokenizer_cannot_be_loaded(cfg) -> None:
     elsewhere (pre-tokenized data, a test's byte vocabulary), and the training itself needs none."""
     import warnings
 
-    from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir, has_manifest
     from mamba3lite.tokenizer import tokenizer_problem
 
-    data = Path(cfg.data.train_data_path or "")
-    if cfg.data.dummy or not (data / MANIFEST_NAME).is_file():
+    data = dataset_dir(cfg.data.train_data_path or "")
+    if cfg.data.dummy or not has_manifest(data):
         return  # no manifest: nothing records a tokenizer (the dataset's own errors come later)
     problem = tokenizer_problem(Manifest.load(data).tokenizer)
     if problem is not None:
@@ -196,7 +196,7 @@ def resolve_init_from(args: argparse.Namespace, cfg):
     source's weights); DataError when the training data was tokenized with another tokenizer."""
     from dataclasses import asdict
 
-    from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+    from mamba3lite.data.shards import Manifest, has_manifest
     from mamba3lite.evaluate import check_compatible
     from mamba3lite.interop.init_from import load_init_source
 
@@ -204,7 +204,7 @@ def resolve_init_from(args: argparse.Namespace, cfg):
     cfg = cfg.replace("model", **asdict(source.config))
     cfg = cfg.with_overrides([o for o in args.overrides if o.strip().startswith("model.")])
     data = Path(cfg.data.train_data_path)
-    if not cfg.data.dummy and (data / MANIFEST_NAME).is_file():
+    if not cfg.data.dummy and has_manifest(data):
         check_compatible(
             Manifest.load(data), cfg.model.vocab_size, cfg.model.eos_id, source.vocab_hash,
             source.tokenizer_name, where=f"the training data ({data})", reference="the --init-from model",

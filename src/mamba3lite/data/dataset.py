@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mamba3lite import intake
-from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, open_tokens
+from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, dataset_dir, has_manifest, open_tokens
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 
 log = logging.getLogger("mamba3lite")
@@ -187,11 +187,10 @@ class PretrainDataset(Dataset):
                 "the path"
             )
         np_dtype = None if dtype is None else self._parse_dtype(dtype)
-        if path.is_file() and path.name == MANIFEST_NAME:
-            path = path.parent
+        path = dataset_dir(path)
         if path.is_dir():
             self.layout = "sharded"
-            if (path / MANIFEST_NAME).exists():
+            if has_manifest(path):
                 self._init_manifest(path, np_dtype)
             else:
                 self._init_seed_dir(path, np_dtype)

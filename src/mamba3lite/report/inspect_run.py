@@ -206,7 +206,7 @@ def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str
     """(the description, problems found against the manifest's record). `token_dtype`: the dtype of a
     raw file that no manifest lists (else guessed); a file that records its own is refused with it."""
     from mamba3lite.data.dataset import _load_torch_tokens, is_torch_file
-    from mamba3lite.data.shards import open_tokens, sha256_file
+    from mamba3lite.data.shards import MANIFEST_NAME, open_tokens, sha256_file
 
     size = path.stat().st_size
     owner = _owning_manifest(path)
@@ -217,10 +217,10 @@ def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str
         root, m, record = owner
         if token_dtype and np.dtype(token_dtype) != m.np_dtype:
             raise ConfigError(
-                f"{path} is a shard of {root / 'manifest.json'}, which records dtype {m.dtype}, not "
+                f"{path} is a shard of {root / MANIFEST_NAME}, which records dtype {m.dtype}, not "
                 f"{token_dtype}: drop --token-dtype"
             )
-        dtype_note = f"{m.dtype} (from {root / 'manifest.json'})"
+        dtype_note = f"{m.dtype} (from {root / MANIFEST_NAME})"
         tokens = open_tokens(path, m.np_dtype)
         eos_id, vocab, tokenizer_name = m.eos_id, m.vocab_size, m.tokenizer.get("name", "gpt2")
         kind = f"shard {record.path} ({record.split} split) of dataset {root}"
