@@ -487,6 +487,8 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     return Config.from_dict(raw, source=str(path)).with_overrides(list(overrides))
 
 
+# The run directory's record of its resolved config (written at every start of `train`, by `import`).
+RESOLVED_CONFIG_NAME = "config.yaml"
 RESOLVED_HEADER = "# Resolved config of this run (every field; written by `mamba3lite train`).\n"
 
 

@@ -9,16 +9,11 @@ user's own files of those names. A path naming a file is refused with a message 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mamba3lite.errors import ConfigError
 
-# What a run directory holds (train/checkpoint.py and train/trainer.py name them): checkpoint files of
-# some step, the run record, the resolved config (recognised by its header: a user's own config.yaml
-# is not a run's), the metrics log.
-_CHECKPOINT_FILE_RE = re.compile(r"^(model|optim|meta)_step_\d+\.(safetensors|pt|json)$")
 # Entries that say nothing about whose directory it is: a run lock, a refused start's TensorBoard dir.
 _NEUTRAL = frozenset({".lock", "tb", "superseded"})
 
@@ -55,12 +50,15 @@ def is_run_dir(path: Path) -> bool:
     """Whether `path` holds what `train` writes: a checkpoint, run.json, the metrics log, or a
     config.yaml that is a run's resolved config (its first line is train's header)."""
     from mamba3lite import intake
-    from mamba3lite.config import RESOLVED_HEADER
+    from mamba3lite.config import RESOLVED_CONFIG_NAME, RESOLVED_HEADER
+    from mamba3lite.report.metrics import METRICS_NAME
+    from mamba3lite.train.checkpoint.files import step_of
+    from mamba3lite.train.run_record import RUN_RECORD_NAME
 
     for p in path.iterdir():
-        if _CHECKPOINT_FILE_RE.match(p.name) or p.name in ("run.json", "metrics.jsonl"):
+        if step_of(p.name) is not None or p.name in (RUN_RECORD_NAME, METRICS_NAME):
             return True
-    config = path / "config.yaml"
+    config = path / RESOLVED_CONFIG_NAME
     if config.is_file():
         head = intake.read_prefix(config, intake.CONFIG, len(RESOLVED_HEADER.encode("utf-8")))
         return head == RESOLVED_HEADER.encode("utf-8")

@@ -133,13 +133,11 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> ExportResult:
     """Write the official-format directory `out` (absent or empty) for checkpoint `step` (default:
     the newest verified one) of run `run_dir`."""
-    from mamba3lite.config import Config
-    from mamba3lite.errors import ConfigError
     from mamba3lite.interop.model_card import model_card
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.interop.weights import write_official_weights
     from mamba3lite.model import Mamba3Transformer, count_parameters
-    from mamba3lite.pretrained import check_run_dir
+    from mamba3lite.pretrained import check_run_dir, verified_meta
     from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
 
     out = Path(out)
@@ -148,14 +146,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     ckpt = CheckpointManager(p)
     notes: list[str] = []
     step = _pick_step(ckpt, p, step, notes)
-    st = ckpt.status(step, need_optimizer=False)
-    if not st.loadable:
-        raise CheckpointError(f"checkpoint step {step} in {p} cannot be loaded: {'; '.join(st.problems)}")
-    meta = ckpt.read_meta(step)
-    try:
-        cfg = Config.from_dict(meta.get("config"), source=f"{p}/meta_step_{step}.json").model
-    except ConfigError as e:
-        raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
+    meta, config = verified_meta(ckpt, p, step)
+    cfg = config.model
     vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
     official_cfg = official_config_from_model(cfg, vocab)
     tok_bytes, tok_desc = _tokenizer_json(p, meta, cfg.vocab_size)

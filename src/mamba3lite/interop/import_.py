@@ -184,7 +184,7 @@ def import_official(
     hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
     from safetensors.torch import save_file
 
-    from mamba3lite.config import Config, write_resolved_config
+    from mamba3lite.config import RESOLVED_CONFIG_NAME, Config, write_resolved_config
     from mamba3lite.data.shards import sha256_file
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.train.checkpoint import CheckpointManager
@@ -211,7 +211,7 @@ def import_official(
             (tmp / TOKENIZER_NAME).write_bytes(data)
         if any(t.numel() for t in w.padding.values()):
             save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
-        write_resolved_config(cfg, tmp / "config.yaml")
+        write_resolved_config(cfg, tmp / RESOLVED_CONFIG_NAME)
         meta = {
             "config": cfg.to_dict(),
             "tokens_seen": 0,
