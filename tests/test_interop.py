@@ -318,6 +318,21 @@ def test_existing_non_empty_out_is_refused_untouched(tmp_path, capsys, command):
     assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "my own file"
 
 
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_out_that_is_a_file_or_a_broken_link_is_refused_by_the_one_rule(tmp_path, capsys, command):
+    src = write_official(tmp_path / "official", BASE, official_state_dict(BASE), "bin")
+    import_official(str(src), tmp_path / "run")
+    what = str(src) if command == "import" else str(tmp_path / "run")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    for out, said in ((afile, "is a file, not a directory"), (link, "is a broken symbolic link")):
+        assert main([command, what, "--out", str(out)]) != 0
+        assert f"error: --out {out} {said}" in capsys.readouterr().err
+    assert afile.read_text() == "mine" and link.is_symlink() and not link.exists()
+
+
 def test_export_refuses_what_the_official_model_cannot_do(tmp_path):
     model_cfg = tiny_config("x").model.__class__(**{**tiny_config("x").model.__dict__, "trapezoid": False})
     save_tiny_checkpoint(tmp_path / "run", model=Mamba3Transformer(model_cfg))

@@ -22,12 +22,14 @@ def check_may_write(
     path: str | Path,
     *,
     flag: str,
-    is_ours: Callable[[Path], bool],
-    what: str,
+    is_ours: Callable[[Path], bool] | None,
+    what: str = "",
     ignore: Iterable[str] = (),
 ) -> None:
     """Refuse (ConfigError naming `flag` and `path`) unless `path` does not exist, is an empty directory
-    (entries in `ignore` do not count), or `is_ours(path)`: the command's own kind of directory."""
+    (entries in `ignore` do not count), or `is_ours(path)`: the command's own kind of directory, `what`
+    in the message. `is_ours=None`: no existing directory is the command's own (one that replaces its
+    output whole, as `import` and `export` do)."""
     path = Path(path)
     if not path.exists():
         if path.is_symlink():
@@ -37,11 +39,12 @@ def check_may_write(
         raise ConfigError(f"{flag} {path} is a file, not a directory; choose a new or empty directory")
     skip = set(ignore)
     others = sorted(p.name for p in path.iterdir() if p.name not in skip)
-    if not others or is_ours(path):
+    if not others or (is_ours is not None and is_ours(path)):
         return
     shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    whose = f" and is not {what}" if is_ours is not None else ""
     raise ConfigError(
-        f"{flag} {path} is not empty ({shown}) and is not {what}; its files could be overwritten: "
+        f"{flag} {path} is not empty ({shown}){whose}; its files could be overwritten: "
         "choose a new or empty directory"
     )
 
