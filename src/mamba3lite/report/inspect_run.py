@@ -205,8 +205,8 @@ def _owning_manifest(path: Path):
 def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str, list[str]]:
     """(the description, problems found against the manifest's record). `token_dtype`: the dtype of a
     raw file that no manifest lists (else guessed); a file that records its own is refused with it."""
-    from mamba3lite.data.dataset import _load_torch_tokens, is_torch_file
     from mamba3lite.data.shards import MANIFEST_NAME, open_tokens, sha256_file
+    from mamba3lite.data.token_stream import is_torch_file, load_torch_tokens
 
     size = path.stat().st_size
     owner = _owning_manifest(path)
@@ -229,7 +229,7 @@ def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str
             raise ConfigError(
                 f"{path} is a torch.save'd tensor, which records its own dtype: drop --token-dtype"
             )
-        t = _load_torch_tokens(path)
+        t = load_torch_tokens(path)
         tokens = t.numpy()
         dtype_note = f"{str(t.dtype).replace('torch.', '')} (torch.save'd tensor, the seed's format)"
         kind = "seed-format token tensor (no manifest)"
