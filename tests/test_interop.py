@@ -286,6 +286,13 @@ BAD = {
     "layernorm": ("bin", _edit_config(rms_norm=False), "rms_norm"),
     "bad-value": ("bin", _edit_config(**{"ssm.headdim": 7}), "model.headdim"),
     "no-tokenizer": ("bin", lambda r: (r / "tokenizer.json").unlink(), "--tokenizer"),
+    # The JSON files enter through the border reader (intake): each problem one error naming the file.
+    "config-not-json": ("bin", lambda r: (r / "config.json").write_text("{"), "is not valid JSON"),
+    "config-a-list": ("bin", lambda r: (r / "config.json").write_text("[]"), "not a valid model config"),
+    "config-nan": ("bin", _edit_config(d_model=float("nan")), "config.json is not valid JSON"),
+    "index-a-list": (
+        "sharded", lambda r: (r / "model.safetensors.index.json").write_text("[1]"), "safetensors index"
+    ),
 }  # fmt: skip
 
 

@@ -88,6 +88,15 @@ TOKENIZER = FileKind(
     ConfigError,
     "pass the tokenizer.json / vocabulary the data was prepared with",
 )
+OFFICIAL_CONFIG = FileKind(
+    "model config (config.json of the official mamba_ssm format)",
+    16 * MiB,
+    CheckpointError,
+    "pass a directory in the official mamba_ssm format, or fetch the model again",
+)
+SAFETENSORS_INDEX = FileKind(
+    "safetensors index (model.safetensors.index.json)", 64 * MiB, CheckpointError, "fetch the model again"
+)
 TOKEN_FILE = FileKind(
     "token file", 1 << 62, DataError, "pass a dataset directory written by `mamba3lite prepare`"
 )

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mamba3lite import intake
 from mamba3lite.data.shards import sha256_file
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
@@ -121,7 +122,7 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
             f"the model in {p} was trained with the tokenizer file {path}, which is not there any more; "
             "put it back at that path"
         )
-    raw = path.read_bytes()
+    raw = intake.read_bytes_capped(path, intake.TOKENIZER)
     if data.get("vocab_hash") and hashlib.sha256(raw).hexdigest() != data["vocab_hash"]:
         raise CheckpointError(
             f"the tokenizer file {path} changed since the model was trained on it (its sha256 differs from "

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.names import EMBED_OURS, HEAD, official_name, our_name
 from mamba3lite.interop.official_config import KERNEL_ONLY_SSM_KEYS, OfficialVocab, model_config_from_official
@@ -64,7 +65,8 @@ def tokenizer_identity(name_or_path: str) -> TokenizerIdentity:
             raise ConfigError(
                 f"tokenizer file not found: {path}; pass --tokenizer PATH/tokenizer.json or gpt2"
             )
-        if is_gpt2_tokenizer_json(path.read_text(encoding="utf-8", errors="replace")):
+        raw = intake.read_bytes_capped(path, intake.TOKENIZER)
+        if is_gpt2_tokenizer_json(raw.decode("utf-8", errors="replace")):
             name_or_path, path = "gpt2", None
     tok = load_tokenizer(name_or_path if path is None else str(path))
     return TokenizerIdentity(tok.name, tok.vocab_hash, tok.vocab_size, tok.eos_id, path)
@@ -206,7 +208,7 @@ def import_official(
     cfg = Config(model=w.config).replace("training", checkpoint_dir=str(out))
     with staged_dir(out) as tmp:
         if tok.path is not None:
-            data = tok.path.read_bytes()
+            data = intake.read_bytes_capped(tok.path, intake.TOKENIZER)
             assert hashlib.sha256(data).hexdigest() == tok.vocab_hash
             (tmp / TOKENIZER_NAME).write_bytes(data)
         if any(t.numel() for t in w.padding.values()):
