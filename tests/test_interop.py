@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -378,6 +379,36 @@ def test_imported_run_works_with_generate_eval_inspect_and_export_cli(tmp_path, 
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "exported")]) == 0
     assert "softplus" in capsys.readouterr().out  # the official code's A differs: said on export
     assert "softplus" in (tmp_path / "exported" / "README.md").read_text()
+
+
+def test_an_imported_run_still_generates_after_it_is_moved(tmp_path, capsys):
+    # The meta records the tokenizer copy relative to the run directory, so neither the old place of the
+    # run nor the source directory is needed any more.
+    src = write_official(tmp_path / "official", BASE, official_state_dict(BASE), "bin")
+    import_official(str(src), tmp_path / "run")
+    meta = json.loads((tmp_path / "run" / "meta_step_0.json").read_text())
+    assert meta["data"]["tokenizer"] == "tokenizer.json"
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    shutil.rmtree(src)
+    assert main(["generate", "--checkpoint-dir", str(tmp_path / "moved"), "--prompt", "w1 w2",
+                 "--max-new-tokens", "3", "--device", "cpu"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.startswith("w1 w2")
+    assert main(["inspect", str(tmp_path / "moved")]) == 0
+    assert f"tokenizer      {tmp_path / 'moved' / 'tokenizer.json'}" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "moved"), "--out", str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == (
+        tmp_path / "moved" / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_a_recorded_tokenizer_path_resolves_against_the_run_directory(tmp_path):
+    from mamba3lite.pretrained import recorded_tokenizer
+
+    assert recorded_tokenizer("tokenizer.json", tmp_path) == str(tmp_path / "tokenizer.json")
+    assert (
+        recorded_tokenizer("/data/tok/tokenizer.json", tmp_path) == "/data/tok/tokenizer.json"
+    )  # as trained
+    assert recorded_tokenizer("gpt2", tmp_path) == recorded_tokenizer(None, tmp_path) == "gpt2"
 
 
 def _word_dataset(root: Path, tokenizer: Path, n_train: int = 600, n_val: int = 80) -> Path:

@@ -26,6 +26,17 @@ import torch
 from mamba3lite.errors import CheckpointError, ConfigError
 
 
+def recorded_tokenizer(recorded: str | None, run_dir: Path) -> str:
+    """What `load_tokenizer` takes for the tokenizer a checkpoint's meta records: "gpt2" (also when none
+    is recorded) as is; a relative path joined to the run directory (an imported run records the copy it
+    holds that way, so the run directory can be moved); an absolute path as is (a trained run records the
+    tokenizer.json its data was prepared with)."""
+    name = str(recorded or "gpt2")
+    if name == "gpt2" or Path(name).is_absolute():
+        return name
+    return str(Path(run_dir) / name)
+
+
 @dataclass
 class Pretrained:
     """A model loaded from a checkpoint, with everything needed to use it.
@@ -181,7 +192,7 @@ def load_pretrained(
         step=step,
         meta=meta,
         run_dir=p,
-        tokenizer_name=str(data.get("tokenizer") or "gpt2"),
+        tokenizer_name=recorded_tokenizer(data.get("tokenizer"), p),
         vocab_hash=data.get("vocab_hash"),
         notes=notes,
     )

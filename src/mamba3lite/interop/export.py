@@ -105,10 +105,11 @@ def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> 
 def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
     """(tokenizer.json bytes, a description) for the run's tokenizer."""
     from mamba3lite.interop.gpt2_tokenizer import gpt2_tokenizer_json
+    from mamba3lite.pretrained import recorded_tokenizer
     from mamba3lite.tokenizer import GPT2_VOCAB_SIZE
 
     data = meta.get("data") or {}
-    name = str(data.get("tokenizer") or "gpt2")
+    name = recorded_tokenizer(data.get("tokenizer"), p)
     if name == "gpt2":
         if vocab_size != GPT2_VOCAB_SIZE:
             raise CheckpointError(

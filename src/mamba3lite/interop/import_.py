@@ -204,6 +204,9 @@ def import_official(
     tok = tokenizer_identity(tokenizer)
     w = translate(source, tok, a_activation)
     model = build_model(w)
+    # The meta records the copy in the run directory relative to it, so the run can be moved
+    # (pretrained.recorded_tokenizer resolves it); the result names where it is now.
+    recorded_tok = TOKENIZER_NAME if tok.path is not None else "gpt2"
     final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
     cfg = Config(model=w.config).replace("training", checkpoint_dir=str(out))
     with staged_dir(out) as tmp:
@@ -218,7 +221,7 @@ def import_official(
             "config": cfg.to_dict(),
             "tokens_seen": 0,
             "data": {
-                "tokenizer": final_tok,
+                "tokenizer": recorded_tok,
                 "vocab_hash": tok.vocab_hash,
                 "vocab_size": tok.vocab_size,
                 "eos_id": tok.eos_id,

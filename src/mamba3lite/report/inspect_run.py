@@ -68,7 +68,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int]]:
     if weights_only:
         lines.append(f"{len(weights_only)} more with verified weights only (generate, eval): {weights_only}")
     if good or weights_only:
-        lines += ["", *_describe_meta(ckpt.read_meta(max(good + weights_only)))]
+        lines += ["", *_describe_meta(ckpt.read_meta(max(good + weights_only)), path)]
     superseded = path / "superseded"
     if superseded.is_dir():
         lines.append(f"superseded     {superseded} (checkpoints of an abandoned timeline, kept aside)")
@@ -76,7 +76,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int]]:
     return "\n".join(lines), problems, seed
 
 
-def _describe_meta(meta: dict) -> list[str]:
+def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
     from mamba3lite.config import Config
     from mamba3lite.errors import ConfigError
     from mamba3lite.model import count_parameters
@@ -115,7 +115,10 @@ def _describe_meta(meta: dict) -> list[str]:
         )
     data = meta.get("data") or {}
     if data.get("tokenizer"):
-        lines.append(f"tokenizer      {data['tokenizer']} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")
+        from mamba3lite.pretrained import recorded_tokenizer
+
+        where = recorded_tokenizer(data["tokenizer"], run_dir)
+        lines.append(f"tokenizer      {where} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")
     row = meta.get("metrics")
     if isinstance(row, dict):
         parts = [f"step {row.get('step')}"]
