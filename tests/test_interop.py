@@ -405,9 +405,8 @@ def test_a_recorded_tokenizer_path_resolves_against_the_run_directory(tmp_path):
     from mamba3lite.pretrained import recorded_tokenizer
 
     assert recorded_tokenizer("tokenizer.json", tmp_path) == str(tmp_path / "tokenizer.json")
-    assert (
-        recorded_tokenizer("/data/tok/tokenizer.json", tmp_path) == "/data/tok/tokenizer.json"
-    )  # as trained
+    trained = "/data/tok/tokenizer.json"  # a trained run records the prepared data's tokenizer, absolute
+    assert recorded_tokenizer(trained, tmp_path) == trained
     assert recorded_tokenizer("gpt2", tmp_path) == recorded_tokenizer(None, tmp_path) == "gpt2"
 
 
@@ -457,6 +456,20 @@ def test_train_init_from_starts_a_fresh_run_from_the_weights(tmp_path, capsys):
     assert meta["tokens_seen"] == 2 * 2 * 16 and meta["scheduler"]["step"] == 2
     assert meta["config"]["model"] == Config(model=source.cfg).to_dict()["model"]
     assert "init-from" in capsys.readouterr().out
+    # The run explains itself: its resolved config names the source (training.init_from).
+    from mamba3lite.config import load_config
+
+    assert load_config(str(tmp_path / "new" / "config.yaml")).training.init_from == str(tmp_path / "imported")
+    assert meta["config"]["training"]["init_from"] == str(tmp_path / "imported")
+
+    # --set training.init_from=X is the flag under another name: the same config, the same weights
+    flag_free = [a for a in args if a not in ("--init-from", str(tmp_path / "imported"))]
+    ns_set = build_parser().parse_args([*flag_free, "--set", f"training.init_from={tmp_path / 'imported'}"])
+    assert ns_set.init_from is None
+    cfg_set, model_set = train_cmd.resolve_init_from(ns_set, train_cmd.build_config(ns_set))
+    assert cfg_set == cfg and cfg_set.training.init_from == str(tmp_path / "imported")
+    for (k, a), b in zip(model_set.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
 
     # --set model.* applies on top of the source's config (here the A activation)
     ns = build_parser().parse_args([*args, "--set", "model.a_activation=softplus"])

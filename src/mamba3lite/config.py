@@ -93,6 +93,12 @@ class TrainingConfig:
     save_every: int = _f(4000, "optimizer steps between checkpoints (one is also written at the end)")
     keep_last_n: int = _f(3, "verified checkpoints kept; older ones are deleted; 0 keeps all")
     checkpoint_dir: str = _f("runs/run", "run directory: checkpoints, config.yaml, metrics.jsonl")
+    init_from: str | None = _f(
+        None,
+        "weights to start a new run from (`--init-from`): a run directory, an official mamba_ssm "
+        "directory or hf:NAME; fresh optimizer and schedule, step 0, the source's model config. Recorded "
+        "in config.yaml; a run resuming from its own checkpoint ignores it",
+    )
     nan_guard_max_consecutive: int = _f(
         5, "consecutive non-finite micro-steps (each skipped) before rolling back to the last checkpoint"
     )

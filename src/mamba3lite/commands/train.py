@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init-from",
         metavar="RUN_DIR|OFFICIAL_DIR",
         help="start a new run from these weights (a run directory, an official mamba_ssm directory, or "
-        "hf:NAME); the model config is theirs",
+        "hf:NAME); the model config is theirs (overrides training.init_from)",
     )
     parser.add_argument(
         "--dry-run",
@@ -99,6 +99,8 @@ def build_config(args: argparse.Namespace):
         cfg = cfg.replace("data", dummy=True)
     if args.max_steps is not None:
         cfg = cfg.replace("training", max_steps=args.max_steps)
+    if args.init_from is not None:
+        cfg = cfg.replace("training", init_from=args.init_from)
     if args.dry_run:
         t = cfg.training
         cfg = cfg.replace(
@@ -200,7 +202,7 @@ def resolve_init_from(args: argparse.Namespace, cfg):
     from mamba3lite.evaluate import check_compatible
     from mamba3lite.interop.init_from import load_init_source
 
-    source = load_init_source(args.init_from)
+    source = load_init_source(cfg.training.init_from)
     cfg = cfg.replace("model", **asdict(source.config))
     cfg = cfg.with_overrides([o for o in args.overrides if o.strip().startswith("model.")])
     data = Path(cfg.data.train_data_path)
@@ -217,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     resume = parse_resume(args.resume)
     cfg = build_config(args)
     init_model = None
-    if args.init_from is not None:
+    if cfg.training.init_from is not None:  # --init-from, or --set training.init_from=
         cfg, init_model = resolve_init_from(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")
