@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import stat
 import sys
 from pathlib import Path
 
+from mamba3lite import intake
 from mamba3lite.config import TOKEN_DTYPES
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 from mamba3lite.train.checkpoint.files import looks_like_checkpoint_file  # (no torch: a cheap module)
@@ -48,20 +48,6 @@ _TEXT_SUFFIXES = frozenset(
 )
 _TOKEN_SUFFIXES = frozenset({".bin", ".pt", ".npy", ".u16", ".u32", ".tokens"})
 _TEXT_PROBE_BYTES = 64 * 1024
-
-
-def _not_regular(path: Path) -> str:
-    """What a path that exists but is neither a file nor a directory is, in words."""
-    mode = path.stat().st_mode
-    for test, what in (
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return what
-    return "a special file"
 
 
 def _is_text_file(path: Path) -> bool:
@@ -118,7 +104,9 @@ def detect_kind(path: Path) -> str:
             )
         return SHARD_FILE
     if not path.is_dir():
-        raise ConfigError(f"{path} is {_not_regular(path)}, not a file or directory; {expected}")
+        raise ConfigError(
+            f"{path} is {intake.describe_mode(path.stat().st_mode)}, not a file or directory; {expected}"
+        )
     if has_manifest(path):
         return DATASET
     if (
