@@ -187,7 +187,6 @@ def import_official(
     from safetensors.torch import save_file
 
     from mamba3lite.config import RESOLVED_CONFIG_NAME, Config, write_resolved_config
-    from mamba3lite.data.shards import sha256_file
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.train.checkpoint import CheckpointManager
 
@@ -204,10 +203,6 @@ def import_official(
     tok = tokenizer_identity(tokenizer)
     w = translate(source, tok, a_activation)
     model = build_model(w)
-    # The meta records the copy in the run directory relative to it, so the run can be moved
-    # (pretrained.recorded_tokenizer resolves it); the result names where it is now.
-    recorded_tok = TOKENIZER_NAME if tok.path is not None else "gpt2"
-    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
     cfg = Config(model=w.config).replace("training", checkpoint_dir=str(out))
     with staged_dir(out) as tmp:
         if tok.path is not None:
@@ -217,27 +212,38 @@ def import_official(
         if any(t.numel() for t in w.padding.values()):
             save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
         write_resolved_config(cfg, tmp / RESOLVED_CONFIG_NAME)
-        meta = {
-            "config": cfg.to_dict(),
-            "tokens_seen": 0,
-            "data": {
-                "tokenizer": recorded_tok,
-                "vocab_hash": tok.vocab_hash,
-                "vocab_size": tok.vocab_size,
-                "eos_id": tok.eos_id,
-                "manifest_sha256": None,
-            },
-            "metrics": None,
-            "last_eval": None,
-            "imported_from": {
-                "source": src,
-                "format": "mamba_ssm MambaLMHeadModel",
-                "official_config": source.config,
-                "a_activation": a_activation,
-                "padding_file": PADDING_NAME if (tmp / PADDING_NAME).exists() else None,
-                "padding_sha256": sha256_file(tmp / PADDING_NAME) if (tmp / PADDING_NAME).exists() else None,
-                "note": TOKENS_SEEN_NOTE,
-            },
-        }
+        meta = _import_meta(cfg, tok, source, src, a_activation, tmp)
         CheckpointManager(tmp).save(0, model, None, meta)
+    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
     return ImportResult(out, w.config, final_tok, [*w.notes, TOKENS_SEEN_NOTE])
+
+
+def _import_meta(cfg, tok: TokenizerIdentity, source: OfficialSource, src: str, a_activation: str, tmp: Path):
+    """The meta of the imported step 0: the config, the tokenizer and what the import came from.
+    The tokenizer copy is recorded relative to the run directory, so the run can be moved
+    (pretrained.recorded_tokenizer resolves it)."""
+    from mamba3lite.data.shards import sha256_file
+
+    padding = tmp / PADDING_NAME
+    return {
+        "config": cfg.to_dict(),
+        "tokens_seen": 0,
+        "data": {
+            "tokenizer": TOKENIZER_NAME if tok.path is not None else "gpt2",
+            "vocab_hash": tok.vocab_hash,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "manifest_sha256": None,
+        },
+        "metrics": None,
+        "last_eval": None,
+        "imported_from": {
+            "source": src,
+            "format": "mamba_ssm MambaLMHeadModel",
+            "official_config": source.config,
+            "a_activation": a_activation,
+            "padding_file": PADDING_NAME if padding.exists() else None,
+            "padding_sha256": sha256_file(padding) if padding.exists() else None,
+            "note": TOKENS_SEEN_NOTE,
+        },
+    }
