@@ -374,82 +374,103 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
     origin = typing.get_origin(type_)
     args = typing.get_args(type_)
     if origin in (typing.Union, types.UnionType):
-        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))
-        if is_none and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
+        return _coerce_union(value, args, where)
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{where} must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
     if origin in (tuple, list):
-        if isinstance(value, str):
-            value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {list(value)}")
-            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        inner = args[0] if args else Any
-        items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if type_ is Any:
-        return value
-    if type_ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):  # `--set training.progress=1`: YAML reads an int
-            return bool(value)
-        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
-            return value.lower() in ("true", "yes", "on", "1")
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if type_ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        number = None
-        if isinstance(value, int):
-            number = value
-        elif isinstance(value, float) and value.is_integer():
-            number = int(value)
-        elif isinstance(value, str):
-            try:
-                f = float(value.replace("_", ""))
-            except (ValueError, OverflowError):
-                f = None
-            if f is not None and f.is_integer():
-                number = int(f)
-        if number is None:
-            raise ConfigError(f"{where} must be an integer, got {_short(value)}")
-        if abs(number) >= 2**64:  # beyond any int64 size or counter (fields check their own ranges)
-            raise ConfigError(f"{where} is impossibly large, got {_short(value)}")
-        return number
-    if type_ is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return _coerce_sequence(value, origin, args, where)
+    scalar = _SCALARS.get(type_)
+    return value if scalar is None else scalar(value, where)  # Any (and unknown hints): as given
+
+
+def _coerce_union(value: Any, args: tuple, where: str) -> Any:
+    """`X | None` and other unions: None (or its YAML spellings) where allowed, else the first member
+    type the value converts to; the first member's error otherwise."""
+    is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))
+    if is_none and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
         try:
-            if isinstance(value, (int, float)):
-                return float(value)
-            if isinstance(value, str):
-                return float(value)
-        except ValueError:
-            pass
-        except OverflowError:  # an integer of hundreds of digits
-            raise ConfigError(f"{where} is too large for a number, got {_short(value)}") from None
-        raise ConfigError(f"{where} must be a number, got {_short(value)}")
-    if type_ is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    return value
+            return _coerce(value, arg, where)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
+
+
+def _coerce_sequence(value: Any, origin: type, args: tuple, where: str) -> Any:
+    """A list or tuple field: a YAML sequence, or a comma-separated string (`--set x=a,b`)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where} must be a list, got {value!r}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {list(value)}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    inner = args[0] if args else Any
+    items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _coerce_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # `--set training.progress=1`: YAML reads an int
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        return value.lower() in ("true", "yes", "on", "1")
+    raise ConfigError(f"{where} must be true or false, got {value!r}")
+
+
+def _coerce_int(value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    number = None
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        try:
+            f = float(value.replace("_", ""))
+        except (ValueError, OverflowError):
+            f = None
+        if f is not None and f.is_integer():
+            number = int(f)
+    if number is None:
+        raise ConfigError(f"{where} must be an integer, got {_short(value)}")
+    if abs(number) >= 2**64:  # beyond any int64 size or counter (fields check their own ranges)
+        raise ConfigError(f"{where} is impossibly large, got {_short(value)}")
+    return number
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    try:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            return float(value)
+    except ValueError:
+        pass
+    except OverflowError:  # an integer of hundreds of digits
+        raise ConfigError(f"{where} is too large for a number, got {_short(value)}") from None
+    raise ConfigError(f"{where} must be a number, got {_short(value)}")
+
+
+def _coerce_str(value: Any, where: str) -> str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where} must be a string, got {value!r}")
+
+
+_SCALARS = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float, str: _coerce_str}
 
 
 def _short(value: Any) -> str:
