@@ -388,6 +388,13 @@ def test_a_dataset_is_named_by_its_directory_or_its_manifest(tmp_path):
     seed_dir = tmp_path / "seed"
     seed_dir.mkdir()
     assert not has_manifest(seed_dir) and not has_manifest(seed_dir / MANIFEST_NAME)
+    # A pipe named manifest.json still makes a prepared dataset, so that its reader names the problem.
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    os.mkfifo(piped / MANIFEST_NAME)
+    assert has_manifest(piped)
+    with pytest.raises(DataError, match="named pipe"):
+        Manifest.load(piped)
     # A directory that happens to be called manifest.json names itself.
     (tmp_path / "odd" / MANIFEST_NAME).mkdir(parents=True)
     assert dataset_dir(tmp_path / "odd" / MANIFEST_NAME) == tmp_path / "odd" / MANIFEST_NAME

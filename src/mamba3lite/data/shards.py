@@ -55,8 +55,10 @@ def dataset_dir(path: str | Path) -> Path:
 
 
 def has_manifest(path: str | Path) -> bool:
-    """Whether `path` names a prepared dataset (its manifest.json is a file), not seed-format tokens."""
-    return (dataset_dir(path) / MANIFEST_NAME).is_file()
+    """Whether `path` names a prepared dataset, not seed-format tokens: its directory holds an entry
+    manifest.json. Not that it is a readable file: a pipe or a device of that name is the manifest's
+    problem, which `Manifest.load` names (read as manifest-less data it would only be "no shards")."""
+    return (dataset_dir(path) / MANIFEST_NAME).exists()
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
