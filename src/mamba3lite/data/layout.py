@@ -122,7 +122,7 @@ def _manifest_layout(root: Path, split: str, vocab_size: int, np_dtype: np.dtype
 
 
 def _seed_dir_sources(root: Path, np_dtype: np.dtype | None) -> list[Source]:
-    if root.name in SPLITS and (root.parent / MANIFEST_NAME).exists():
+    if root.name in SPLITS and has_manifest(root.parent):
         # DATASET/train holds raw shards without a manifest of its own: reading them as the seed's
         # manifest-less layout would only say that their dtype is unknown.
         raise DataError(
