@@ -192,3 +192,15 @@ def test_a_boolean_may_be_given_as_1_or_0():
     assert load_config("tiny", ["training.progress=1"]).training.progress is True
     with pytest.raises(ConfigError, match=r"training\.progress must be true or false, got 2"):
         load_config("tiny", ["training.progress=2"])
+
+
+def test_every_did_you_mean_uses_one_cutoff():
+    # Config keys, presets, scan backends and task names all suggest through errors.close_words.
+    from mamba3lite.errors import close_words, did_you_mean_hint
+
+    assert did_you_mean_hint("lrr", ["lr", "warmup_steps"]) == "; did you mean `lr`?"
+    assert did_you_mean_hint("zzz", ["lr"], otherwise="; known: lr") == "; known: lr"
+    assert close_words("hellaswg", ["hellaswag", "hellaswag_mc", "piqa"], n=5) == [
+        "hellaswag",
+        "hellaswag_mc",
+    ]

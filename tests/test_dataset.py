@@ -143,7 +143,7 @@ def test_batched_gather_on_mixed_source_dtypes(tmp_path):
     tokens[123:300].astype("<u2").tofile(tmp_path / "shard_0001.bin")
     torch.save(torch.from_numpy(tokens[300:].astype(np.int32)), tmp_path / "shard_0002.bin")
     ds = PretrainDataset(tmp_path, 30, 60_000, dtype="uint16")
-    assert ds._unit_dtype is None  # white-box: the mixed-dtype (np.concatenate) path
+    assert ds._tokens.unit_dtype is None  # white-box: the mixed-dtype (np.concatenate) path
     assert_matches_reference(ds, tokens, 30)
     assert_batched_equals_single(ds, [*range(len(ds)), 3, 0])
     with pytest.raises(IndexError):
@@ -208,7 +208,7 @@ def test_torch_saved_strided_tensor(tmp_path):
     torch.save(big[1::3], tmp_path / "shard_0001.bin")
     ds = PretrainDataset(tmp_path, 10, 5000)
     tokens = np.concatenate([np.arange(0, 1000, 3), np.arange(1, 1000, 3)])
-    assert ds._unit_dtype is None  # white-box: this test exists to exercise the array-slice path
+    assert ds._tokens.unit_dtype is None  # white-box: this test exists to exercise the array-slice path
     assert_matches_reference(ds, tokens, 10)
     assert_batched_equals_single(ds, list(range(len(ds))))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,13 @@ BAD = {
     "layernorm": ("bin", _edit_config(rms_norm=False), "rms_norm"),
     "bad-value": ("bin", _edit_config(**{"ssm.headdim": 7}), "model.headdim"),
     "no-tokenizer": ("bin", lambda r: (r / "tokenizer.json").unlink(), "--tokenizer"),
+    # The JSON files enter through the border reader (intake): each problem one error naming the file.
+    "config-not-json": ("bin", lambda r: (r / "config.json").write_text("{"), "is not valid JSON"),
+    "config-a-list": ("bin", lambda r: (r / "config.json").write_text("[]"), "not a valid model config"),
+    "config-nan": ("bin", _edit_config(d_model=float("nan")), "config.json is not valid JSON"),
+    "index-a-list": (
+        "sharded", lambda r: (r / "model.safetensors.index.json").write_text("[1]"), "safetensors index"
+    ),
 }  # fmt: skip
 
 
@@ -316,6 +324,21 @@ def test_existing_non_empty_out_is_refused_untouched(tmp_path, capsys, command):
     err = capsys.readouterr().err
     assert "error: --out" in err and "not empty" in err
     assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "my own file"
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_out_that_is_a_file_or_a_broken_link_is_refused_by_the_one_rule(tmp_path, capsys, command):
+    src = write_official(tmp_path / "official", BASE, official_state_dict(BASE), "bin")
+    import_official(str(src), tmp_path / "run")
+    what = str(src) if command == "import" else str(tmp_path / "run")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    for out, said in ((afile, "is a file, not a directory"), (link, "is a broken symbolic link")):
+        assert main([command, what, "--out", str(out)]) != 0
+        assert f"error: --out {out} {said}" in capsys.readouterr().err
+    assert afile.read_text() == "mine" and link.is_symlink() and not link.exists()
 
 
 def test_export_refuses_what_the_official_model_cannot_do(tmp_path):
@@ -356,6 +379,35 @@ def test_imported_run_works_with_generate_eval_inspect_and_export_cli(tmp_path, 
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "exported")]) == 0
     assert "softplus" in capsys.readouterr().out  # the official code's A differs: said on export
     assert "softplus" in (tmp_path / "exported" / "README.md").read_text()
+
+
+def test_an_imported_run_still_generates_after_it_is_moved(tmp_path, capsys):
+    # The meta records the tokenizer copy relative to the run directory, so neither the old place of the
+    # run nor the source directory is needed any more.
+    src = write_official(tmp_path / "official", BASE, official_state_dict(BASE), "bin")
+    import_official(str(src), tmp_path / "run")
+    meta = json.loads((tmp_path / "run" / "meta_step_0.json").read_text())
+    assert meta["data"]["tokenizer"] == "tokenizer.json"
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    shutil.rmtree(src)
+    assert main(["generate", "--checkpoint-dir", str(tmp_path / "moved"), "--prompt", "w1 w2",
+                 "--max-new-tokens", "3", "--device", "cpu"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.startswith("w1 w2")
+    assert main(["inspect", str(tmp_path / "moved")]) == 0
+    assert f"tokenizer      {tmp_path / 'moved' / 'tokenizer.json'}" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "moved"), "--out", str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == (
+        tmp_path / "moved" / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_a_recorded_tokenizer_path_resolves_against_the_run_directory(tmp_path):
+    from mamba3lite.pretrained import recorded_tokenizer
+
+    assert recorded_tokenizer("tokenizer.json", tmp_path) == str(tmp_path / "tokenizer.json")
+    trained = "/data/tok/tokenizer.json"  # a trained run records the prepared data's tokenizer, absolute
+    assert recorded_tokenizer(trained, tmp_path) == trained
+    assert recorded_tokenizer("gpt2", tmp_path) == recorded_tokenizer(None, tmp_path) == "gpt2"
 
 
 def _word_dataset(root: Path, tokenizer: Path, n_train: int = 600, n_val: int = 80) -> Path:
@@ -404,6 +456,20 @@ def test_train_init_from_starts_a_fresh_run_from_the_weights(tmp_path, capsys):
     assert meta["tokens_seen"] == 2 * 2 * 16 and meta["scheduler"]["step"] == 2
     assert meta["config"]["model"] == Config(model=source.cfg).to_dict()["model"]
     assert "init-from" in capsys.readouterr().out
+    # The run explains itself: its resolved config names the source (training.init_from).
+    from mamba3lite.config import load_config
+
+    assert load_config(str(tmp_path / "new" / "config.yaml")).training.init_from == str(tmp_path / "imported")
+    assert meta["config"]["training"]["init_from"] == str(tmp_path / "imported")
+
+    # --set training.init_from=X is the flag under another name: the same config, the same weights
+    flag_free = [a for a in args if a not in ("--init-from", str(tmp_path / "imported"))]
+    ns_set = build_parser().parse_args([*flag_free, "--set", f"training.init_from={tmp_path / 'imported'}"])
+    assert ns_set.init_from is None
+    cfg_set, model_set = train_cmd.resolve_init_from(ns_set, train_cmd.build_config(ns_set))
+    assert cfg_set == cfg and cfg_set.training.init_from == str(tmp_path / "imported")
+    for (k, a), b in zip(model_set.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
 
     # --set model.* applies on top of the source's config (here the A activation)
     ns = build_parser().parse_args([*args, "--set", "model.a_activation=softplus"])

@@ -44,3 +44,21 @@ def test_a_file_or_broken_link_is_refused_saying_what_it_is(tmp_path):
     link.symlink_to(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="broken symbolic link"):
         check_may_write(link, flag="--out", is_ours=lambda p: False, what="a dataset")
+
+
+def test_the_run_directory_rule_knows_every_file_train_writes_by_their_one_names(tmp_path):
+    # The names come from their homes (checkpoint files, run record, metrics log), not a second copy.
+    from mamba3lite.report.metrics import METRICS_NAME
+    from mamba3lite.train.checkpoint.files import checkpoint_files
+    from mamba3lite.train.run_record import RUN_RECORD_NAME
+
+    names = [p.name for p in checkpoint_files(tmp_path, 7).values()] + [RUN_RECORD_NAME, METRICS_NAME]
+    for name in names:
+        run = tmp_path / f"run_{name}"
+        run.mkdir()
+        (run / name).write_text("{}")
+        assert is_run_dir(run), name
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "model_step_7.json").write_text("{}")  # a checkpoint kind with another kind's extension
+    assert not is_run_dir(odd)

@@ -21,7 +21,9 @@ from mamba3lite.data.shards import (
     ShardInfo,
     atomic_write_bytes,
     atomic_write_json,
+    dataset_dir,
     dtype_for_vocab,
+    has_manifest,
     open_tokens,
     sha256_file,
     verify_dataset,
@@ -376,3 +378,23 @@ def test_write_dataset_numbers_shards_per_split_and_writes_a_verified_manifest(t
     np.testing.assert_array_equal(open_tokens(tmp_path / "train/shard_00001.bin", m.dtype), b)
     with pytest.raises(DataError, match="split 'test'"):
         write_dataset(tmp_path / "x", [("test", a, 1, 0)], vocab_size=VOCAB, eos_id=0, tokenizer={})
+
+
+def test_a_dataset_is_named_by_its_directory_or_its_manifest(tmp_path):
+    m = make_dataset(tmp_path)
+    assert dataset_dir(tmp_path / MANIFEST_NAME) == tmp_path
+    assert has_manifest(tmp_path) and has_manifest(tmp_path / MANIFEST_NAME)
+    assert Manifest.load(tmp_path / MANIFEST_NAME) == Manifest.load(tmp_path) == m
+    seed_dir = tmp_path / "seed"
+    seed_dir.mkdir()
+    assert not has_manifest(seed_dir) and not has_manifest(seed_dir / MANIFEST_NAME)
+    # A pipe named manifest.json still makes a prepared dataset, so that its reader names the problem.
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    os.mkfifo(piped / MANIFEST_NAME)
+    assert has_manifest(piped)
+    with pytest.raises(DataError, match="named pipe"):
+        Manifest.load(piped)
+    # A directory that happens to be called manifest.json names itself.
+    (tmp_path / "odd" / MANIFEST_NAME).mkdir(parents=True)
+    assert dataset_dir(tmp_path / "odd" / MANIFEST_NAME) == tmp_path / "odd" / MANIFEST_NAME

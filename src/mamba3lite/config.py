@@ -19,7 +19,6 @@ already used), next to `val_data_path` and `dummy`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import re
 import types
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mamba3lite.errors import ConfigError
+from mamba3lite.errors import ConfigError, did_you_mean_hint
 
 if TYPE_CHECKING:
     from mamba3lite.model import ModelConfig
@@ -94,6 +93,12 @@ class TrainingConfig:
     save_every: int = _f(4000, "optimizer steps between checkpoints (one is also written at the end)")
     keep_last_n: int = _f(3, "verified checkpoints kept; older ones are deleted; 0 keeps all")
     checkpoint_dir: str = _f("runs/run", "run directory: checkpoints, config.yaml, metrics.jsonl")
+    init_from: str | None = _f(
+        None,
+        "weights to start a new run from (`--init-from`): a run directory, an official mamba_ssm "
+        "directory or hf:NAME; fresh optimizer and schedule, step 0, the source's model config. Recorded "
+        "in config.yaml; a run resuming from its own checkpoint ignores it",
+    )
     nan_guard_max_consecutive: int = _f(
         5, "consecutive non-finite micro-steps (each skipped) before rolling back to the last checkpoint"
     )
@@ -346,8 +351,7 @@ def _reject_unknown(keys: Any, known: Any, *, where: str) -> None:
     known = list(known)
     for key in keys:
         if key not in known:
-            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.5)
-            hint = f"; did you mean `{close[0]}`?" if close else f"; known: {', '.join(map(str, known))}"
+            hint = did_you_mean_hint(key, known, otherwise=f"; known: {', '.join(map(str, known))}")
             raise ConfigError(f"{where} `{key}`{hint}")
 
 
@@ -370,82 +374,103 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
     origin = typing.get_origin(type_)
     args = typing.get_args(type_)
     if origin in (typing.Union, types.UnionType):
-        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))
-        if is_none and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
+        return _coerce_union(value, args, where)
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{where} must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
     if origin in (tuple, list):
-        if isinstance(value, str):
-            value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {list(value)}")
-            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        inner = args[0] if args else Any
-        items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if type_ is Any:
-        return value
-    if type_ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):  # `--set training.progress=1`: YAML reads an int
-            return bool(value)
-        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
-            return value.lower() in ("true", "yes", "on", "1")
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if type_ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        number = None
-        if isinstance(value, int):
-            number = value
-        elif isinstance(value, float) and value.is_integer():
-            number = int(value)
-        elif isinstance(value, str):
-            try:
-                f = float(value.replace("_", ""))
-            except (ValueError, OverflowError):
-                f = None
-            if f is not None and f.is_integer():
-                number = int(f)
-        if number is None:
-            raise ConfigError(f"{where} must be an integer, got {_short(value)}")
-        if abs(number) >= 2**64:  # beyond any int64 size or counter (fields check their own ranges)
-            raise ConfigError(f"{where} is impossibly large, got {_short(value)}")
-        return number
-    if type_ is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return _coerce_sequence(value, origin, args, where)
+    scalar = _SCALARS.get(type_)
+    return value if scalar is None else scalar(value, where)  # Any (and unknown hints): as given
+
+
+def _coerce_union(value: Any, args: tuple, where: str) -> Any:
+    """`X | None` and other unions: None (or its YAML spellings) where allowed, else the first member
+    type the value converts to; the first member's error otherwise."""
+    is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~"))
+    if is_none and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
         try:
-            if isinstance(value, (int, float)):
-                return float(value)
-            if isinstance(value, str):
-                return float(value)
-        except ValueError:
-            pass
-        except OverflowError:  # an integer of hundreds of digits
-            raise ConfigError(f"{where} is too large for a number, got {_short(value)}") from None
-        raise ConfigError(f"{where} must be a number, got {_short(value)}")
-    if type_ is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    return value
+            return _coerce(value, arg, where)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
+
+
+def _coerce_sequence(value: Any, origin: type, args: tuple, where: str) -> Any:
+    """A list or tuple field: a YAML sequence, or a comma-separated string (`--set x=a,b`)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where} must be a list, got {value!r}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {list(value)}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    inner = args[0] if args else Any
+    items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _coerce_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # `--set training.progress=1`: YAML reads an int
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        return value.lower() in ("true", "yes", "on", "1")
+    raise ConfigError(f"{where} must be true or false, got {value!r}")
+
+
+def _coerce_int(value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    number = None
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        try:
+            f = float(value.replace("_", ""))
+        except (ValueError, OverflowError):
+            f = None
+        if f is not None and f.is_integer():
+            number = int(f)
+    if number is None:
+        raise ConfigError(f"{where} must be an integer, got {_short(value)}")
+    if abs(number) >= 2**64:  # beyond any int64 size or counter (fields check their own ranges)
+        raise ConfigError(f"{where} is impossibly large, got {_short(value)}")
+    return number
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    try:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            return float(value)
+    except ValueError:
+        pass
+    except OverflowError:  # an integer of hundreds of digits
+        raise ConfigError(f"{where} is too large for a number, got {_short(value)}") from None
+    raise ConfigError(f"{where} must be a number, got {_short(value)}")
+
+
+def _coerce_str(value: Any, where: str) -> str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where} must be a string, got {value!r}")
+
+
+_SCALARS = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float, str: _coerce_str}
 
 
 def _short(value: Any) -> str:
@@ -464,8 +489,7 @@ def resolve_preset(name_or_path: str | Path) -> Path:
         if packaged.is_file():
             return packaged
     presets = available_presets()
-    close = difflib.get_close_matches(p.stem, presets, n=1, cutoff=0.5)
-    hint = f"; did you mean `{close[0]}`?" if close else ""
+    hint = did_you_mean_hint(p.stem, presets)
     raise ConfigError(
         f"config not found: {name_or_path} (not a file, not a packaged preset){hint} "
         f"Presets: {', '.join(presets) or '(none)'}"
@@ -490,6 +514,8 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     return Config.from_dict(raw, source=str(path)).with_overrides(list(overrides))
 
 
+# The run directory's record of its resolved config (written at every start of `train`, by `import`).
+RESOLVED_CONFIG_NAME = "config.yaml"
 RESOLVED_HEADER = "# Resolved config of this run (every field; written by `mamba3lite train`).\n"
 
 

@@ -48,10 +48,23 @@ class TrainingError(Mamba3LiteError, RuntimeError):
 DID_YOU_MEAN_CUTOFF = 0.5
 
 
-def did_you_mean(word: str, known: Iterable[str]) -> str | None:
-    """The known word closest to `word` (a misspelt config key, preset or mixture field), or None when
-    none is close enough to be worth suggesting."""
+def close_words(word: str, known: Iterable[str], n: int = 1) -> list[str]:
+    """Up to `n` known words closest to `word` (a misspelt config key, preset, task or backend name),
+    best first; empty when none is close enough to be worth suggesting. The one cutoff for every
+    "did you mean" the project prints."""
     import difflib
 
-    close = difflib.get_close_matches(word, [str(k) for k in known], n=1, cutoff=DID_YOU_MEAN_CUTOFF)
+    return difflib.get_close_matches(str(word), [str(k) for k in known], n=n, cutoff=DID_YOU_MEAN_CUTOFF)
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str | None:
+    """The known word closest to `word`, or None when none is close enough to be worth suggesting."""
+    close = close_words(word, known)
     return close[0] if close else None
+
+
+def did_you_mean_hint(word: str, known: Iterable[str], otherwise: str = "") -> str:
+    """The tail of an error message about an unknown name: "; did you mean `x`?" for the known word
+    closest to `word`, else `otherwise`."""
+    close = did_you_mean(word, known)
+    return f"; did you mean `{close}`?" if close else otherwise

@@ -85,10 +85,10 @@ def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> st
     at least one window (more than `max_seq_len` tokens, as the trainer and the quickstart decide), else
     "train" (with a warning when a val split exists but is too short). DataError, naming the split, when
     the split chosen holds no window."""
-    from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest
+    from mamba3lite.data.shards import SPLITS, Manifest, has_manifest
 
     root = dataset_dir(data_path)
-    if not (root / MANIFEST_NAME).is_file():
+    if not has_manifest(root):
         return split or "train"  # seed-format token files have no splits
     m = Manifest.load(root)
     if split is not None:

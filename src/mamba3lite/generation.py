@@ -99,13 +99,7 @@ def generate_text(
     gen = torch.Generator(device=device).manual_seed(seed)
     input_ids_BT = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     new_ids: list[int] = []
-    pieces: list[str] = []  # text emitted so far, each piece ending on a complete character
-    pending: list[int] = []  # tokens since the last piece: only these are decoded (linear, not quadratic)
-    # ... behind the tokens of the previous piece (first: the prompt's), whose text is cut off again:
-    # decoders that drop the space of a leading word marker (SentencePiece's ▁) would otherwise glue
-    # every piece to the one before it.
-    context = _context_ids(tokenizer, prompt_ids)
-    context_text = tokenizer.decode(context)
+    stream = _TextStream(tokenizer, prompt_ids)
     stopped_at_eos = False
     t0 = time.perf_counter()
     model.eval()
@@ -123,28 +117,63 @@ def generate_text(
             stopped_at_eos = True
             break
         new_ids.append(token)
-        pending.append(token)
-        piece = _decode_after(tokenizer, context, context_text, pending)
-        if not piece.endswith("\ufffd"):  # pending starts on a character boundary and ends on one
-            pieces.append(piece)
-            context, pending = pending, []
-            context_text = tokenizer.decode(context)
-            if on_text is not None and piece:
-                on_text(piece)
+        piece = stream.add(token)
+        if on_text is not None and piece:
+            on_text(piece)
     seconds = time.perf_counter() - t0
-    # a final partial character, shown as U+FFFD
-    tail = _decode_after(tokenizer, context, context_text, pending) if pending else ""
+    tail = stream.finish()
     if on_text is not None and tail:
         on_text(tail)
-    text = "".join(pieces) + tail
     return GenerationResult(
-        text=text,
+        text=stream.text,
         token_ids=new_ids,
         new_tokens=len(new_ids) + int(stopped_at_eos),
         prompt_tokens=len(prompt_ids),
         stopped_at_eos=stopped_at_eos,
         seconds=seconds,
     )
+
+
+class _TextStream:
+    """Generated tokens to text, piece by piece, each piece ending on a complete character.
+
+    Only the tokens since the last piece are decoded (linear, not quadratic), behind the tokens of the
+    previous piece (first: the prompt's), whose text is cut off again: decoders that drop the space of
+    a leading word marker (SentencePiece's ▁) would otherwise glue every piece to the one before it."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.context = _context_ids(tokenizer, prompt_ids)
+        self.context_text = tokenizer.decode(self.context)
+        self.pending: list[int] = []
+        self.pieces: list[str] = []
+
+    def add(self, token: int) -> str:
+        """The text completed by `token` ("" while a character is still incomplete)."""
+        self.pending.append(token)
+        piece = _decode_after(self.tokenizer, self.context, self.context_text, self.pending)
+        if piece.endswith("\ufffd"):  # pending does not end on a character boundary yet
+            return ""
+        self.pieces.append(piece)
+        self.context, self.pending = self.pending, []
+        self.context_text = self.tokenizer.decode(self.context)
+        return piece
+
+    def finish(self) -> str:
+        """The text of a final partial character (shown as U+FFFD), "" when there is none."""
+        tail = (
+            _decode_after(self.tokenizer, self.context, self.context_text, self.pending)
+            if self.pending
+            else ""
+        )
+        self.pending = []
+        if tail:
+            self.pieces.append(tail)
+        return tail
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 def _context_ids(tokenizer: Tokenizer, prompt_ids: list[int], n: int = 8) -> list[int]:

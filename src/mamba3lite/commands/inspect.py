@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import stat
 import sys
 from pathlib import Path
 
+from mamba3lite import intake
 from mamba3lite.config import TOKEN_DTYPES
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 from mamba3lite.train.checkpoint.files import looks_like_checkpoint_file  # (no torch: a cheap module)
@@ -50,20 +50,6 @@ _TOKEN_SUFFIXES = frozenset({".bin", ".pt", ".npy", ".u16", ".u32", ".tokens"})
 _TEXT_PROBE_BYTES = 64 * 1024
 
 
-def _not_regular(path: Path) -> str:
-    """What a path that exists but is neither a file nor a directory is, in words."""
-    mode = path.stat().st_mode
-    for test, what in (
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return what
-    return "a special file"
-
-
 def _is_text_file(path: Path) -> bool:
     """Whether `path` is plainly a text file: its first 64 KiB decode as UTF-8 and it is named like text,
     or (any name but a token file's) it also has no NUL byte. Token data is neither: uint32 ids below
@@ -93,7 +79,7 @@ def _run_dir_of(path: Path) -> Path | None:
 
 def detect_kind(path: Path) -> str:
     """DATASET, CHECKPOINT or SHARD_FILE; DataNotFoundError / ConfigError when PATH is none of them."""
-    from mamba3lite.data.shards import MANIFEST_NAME
+    from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 
     expected = "expected a dataset directory, a checkpoint directory or a token shard file"
     if not path.exists():
@@ -118,8 +104,10 @@ def detect_kind(path: Path) -> str:
             )
         return SHARD_FILE
     if not path.is_dir():
-        raise ConfigError(f"{path} is {_not_regular(path)}, not a file or directory; {expected}")
-    if (path / MANIFEST_NAME).is_file():
+        raise ConfigError(
+            f"{path} is {intake.describe_mode(path.stat().st_mode)}, not a file or directory; {expected}"
+        )
+    if has_manifest(path):
         return DATASET
     if (
         any(path.glob("*.safetensors"))
@@ -163,11 +151,10 @@ def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
 
 def describe_dataset(path: Path) -> str:
     """The human-readable description of a dataset directory (its manifest)."""
-    from mamba3lite.data.shards import Manifest
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir
     from mamba3lite.report.dataset import split_table, stats_lines
 
-    if path.is_file():
-        path = path.parent
+    path = dataset_dir(path)
     m = Manifest.load(path)
     lines = [
         f"dataset     {path}",
@@ -177,26 +164,24 @@ def describe_dataset(path: Path) -> str:
         *split_table(m),
     ]
     if "stats" in m.extra:
-        lines += stats_lines(m.extra["stats"], where=str(path / "manifest.json"))
+        lines += stats_lines(m.extra["stats"], where=str(path / MANIFEST_NAME))
     return "\n".join(lines)
 
 
 def _inspect_dataset(path: Path, args: argparse.Namespace) -> int:
-    from mamba3lite.data.shards import verify_dataset
+    from mamba3lite.data.shards import Manifest, dataset_dir, verify_dataset
 
     print(describe_dataset(path))
     if not args.verify:
         return 0
-    dataset_dir = path.parent if path.is_file() else path
-    problems = verify_dataset(dataset_dir)
+    root = dataset_dir(path)
+    problems = verify_dataset(root)
     if problems:
         for p in problems:
             print(f"BAD  {p}", file=sys.stderr)
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise DataError(f"verification failed: {problems[0]}{more}; re-run `mamba3lite prepare`")
-    from mamba3lite.data.shards import Manifest
-
-    m = Manifest.load(dataset_dir)
+    m = Manifest.load(root)
     print(
         f"\nverified: {len(m.shards)} shards, {m.n_tokens():,} tokens — sizes, sha256, max ids and EOS "
         "counts match the manifest"

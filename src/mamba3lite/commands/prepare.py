@@ -57,10 +57,15 @@ def _count(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mamba3lite.data.prepare import DEFAULT_MIN_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
+    _add_source_options(parser)
+    _add_dataset_options(parser)
+    _add_reading_options(parser)
+
+
+def _add_source_options(parser: argparse.ArgumentParser) -> None:
+    """What is read: --source (with --weight), or a --mixture file."""
     parser.add_argument(
         "--source",
         dest="sources",
@@ -83,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.yaml",
         help="a YAML mixture: `sources: [{source: SRC, weight: W}, ...]`, optional `target_tokens:`",
     )
+
+
+def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
+    """What is written: where, tokenized how, in which shards and splits, cleaned how."""
+    from mamba3lite.data.prepare import DEFAULT_MIN_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
+
     parser.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to write")
     parser.add_argument(
         "--tokenizer",
@@ -124,6 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="keep exact duplicate documents (default: drop them)",
     )
+
+
+def _add_reading_options(parser: argparse.ArgumentParser) -> None:
+    """How much is read and how: the token target, a slice, the JSON field, bad lines; and whether an
+    existing dataset in --out may be replaced, and the split's salt."""
     parser.add_argument(
         "--target-tokens",
         type=_count,

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init-from",
         metavar="RUN_DIR|OFFICIAL_DIR",
         help="start a new run from these weights (a run directory, an official mamba_ssm directory, or "
-        "hf:NAME); the model config is theirs",
+        "hf:NAME); the model config is theirs (overrides training.init_from)",
     )
     parser.add_argument(
         "--dry-run",
@@ -99,6 +99,8 @@ def build_config(args: argparse.Namespace):
         cfg = cfg.replace("data", dummy=True)
     if args.max_steps is not None:
         cfg = cfg.replace("training", max_steps=args.max_steps)
+    if args.init_from is not None:
+        cfg = cfg.replace("training", init_from=args.init_from)
     if args.dry_run:
         t = cfg.training
         cfg = cfg.replace(
@@ -117,10 +119,10 @@ def _check_config_file_is_not_the_runs_record(config: str, checkpoint_dir: str) 
     """RUN/config.yaml is the trainer's record of the resolved config, rewritten at every start. Passing
     it back (`--config RUN/config.yaml`) is fine; a hand-written file of that name would be overwritten,
     comments and all: refuse before anything is written."""
-    from mamba3lite.config import RESOLVED_HEADER, resolve_preset
+    from mamba3lite.config import RESOLVED_CONFIG_NAME, RESOLVED_HEADER, resolve_preset
 
     path = resolve_preset(config)
-    record = Path(checkpoint_dir) / "config.yaml"
+    record = Path(checkpoint_dir) / RESOLVED_CONFIG_NAME
     mine = record.exists() and path.resolve() == record.resolve()
     header = RESOLVED_HEADER.encode("utf-8")
     if mine and intake.read_prefix(path, intake.CONFIG, len(header)) != header:
@@ -138,12 +140,11 @@ def _check_the_datas_tokenizer(cfg) -> None:
     the training itself needs none."""
     import warnings
 
-    from mamba3lite.data.shards import MANIFEST_NAME, Manifest
-    from mamba3lite.data.splits import dataset_dir
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir, has_manifest
     from mamba3lite.tokenizer import KNOWN_TOKENIZERS, is_tokenizer_file, load_recorded_tokenizer
 
     data = dataset_dir(cfg.data.train_data_path or "")
-    if cfg.data.dummy or not (data / MANIFEST_NAME).is_file():
+    if cfg.data.dummy or not has_manifest(data):
         return  # no manifest: nothing records a tokenizer (the dataset's own errors come later)
     recorded = Manifest.load(data).tokenizer or {}
     name = str(recorded.get("name", ""))
@@ -208,15 +209,15 @@ def resolve_init_from(args: argparse.Namespace, cfg):
     source's weights); DataError when the training data was tokenized with another tokenizer."""
     from dataclasses import asdict
 
-    from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+    from mamba3lite.data.shards import Manifest, has_manifest
     from mamba3lite.evaluate import check_compatible
     from mamba3lite.interop.init_from import load_init_source
 
-    source = load_init_source(args.init_from)
+    source = load_init_source(cfg.training.init_from)
     cfg = cfg.replace("model", **asdict(source.config))
     cfg = cfg.with_overrides([o for o in args.overrides if o.strip().startswith("model.")])
     data = Path(cfg.data.train_data_path)
-    if not cfg.data.dummy and (data / MANIFEST_NAME).is_file():
+    if not cfg.data.dummy and has_manifest(data):
         check_compatible(
             Manifest.load(data), cfg.model.vocab_size, cfg.model.eos_id, source.vocab_hash,
             source.tokenizer_name, where=f"the training data ({data})", reference="the --init-from model",
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     resume = parse_resume(args.resume)
     cfg = build_config(args)
     init_model = None
-    if args.init_from is not None:
+    if cfg.training.init_from is not None:  # --init-from, or --set training.init_from=
         cfg, init_model = resolve_init_from(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")

@@ -47,6 +47,20 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _CHUNK_BYTES = 1 << 24
 
 
+def dataset_dir(path: str | Path) -> Path:
+    """The dataset directory a path names: a path to its manifest.json names the directory holding it.
+    Every command that takes a dataset accepts either."""
+    p = Path(path)
+    return p.parent if p.name == MANIFEST_NAME and not p.is_dir() else p
+
+
+def has_manifest(path: str | Path) -> bool:
+    """Whether `path` names a prepared dataset, not seed-format tokens: its directory holds an entry
+    manifest.json. Not that it is a readable file: a pipe or a device of that name is the manifest's
+    problem, which `Manifest.load` names (read as manifest-less data it would only be "no shards")."""
+    return (dataset_dir(path) / MANIFEST_NAME).exists()
+
+
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """The on-disk dtype for a vocabulary: little-endian uint16 if every id fits (≤ 65,536), else uint32."""
     if vocab_size < 1:
@@ -195,12 +209,10 @@ class Manifest:
         atomic_write_json(Path(dataset_dir) / MANIFEST_NAME, self.to_dict())
 
     @classmethod
-    def load(cls, dataset_dir: Path) -> Manifest:
+    def load(cls, path: str | Path) -> Manifest:
         """Read DIR/manifest.json (a path to the manifest file itself also works). DataError naming the
         file on any problem; DataNotFoundError when it does not exist."""
-        p = Path(dataset_dir)
-        if p.name != MANIFEST_NAME or p.is_dir():
-            p = p / MANIFEST_NAME
+        p = dataset_dir(path) / MANIFEST_NAME
         # The border reader: a pipe or device named manifest.json, a 5,000-digit count, NaN, deep
         # nesting or bytes that are not UTF-8 are each one DataError naming the file.
         d = intake.read_json(p, intake.MANIFEST, top=None)

@@ -8,16 +8,10 @@ without validation and `eval` falls back to the train split, each saying why (`s
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from mamba3lite.data.shards import MANIFEST_NAME
-
-
-def dataset_dir(path: str | Path) -> Path:
-    """The dataset directory a path names: a path to its manifest.json names the directory holding it."""
-    p = Path(path)
-    return p.parent if p.name == MANIFEST_NAME and not p.is_dir() else p
+# Where a dataset is: the token format's rule (re-exported for train, eval and the run record).
+from mamba3lite.data.shards import dataset_dir as dataset_dir
 
 
 def val_split_holds_window(manifest: Any, max_seq_len: int) -> bool:

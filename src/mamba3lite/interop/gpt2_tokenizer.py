@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 
-from mamba3lite.tokenizer import GPT2_EOS_ID, gpt2_vocab_dir
+from mamba3lite import intake
+from mamba3lite.tokenizer import GPT2_EOS_ID, gpt2_encoder, gpt2_vocab_dir
 
 
 def gpt2_tokenizer_json() -> str:
@@ -26,10 +27,9 @@ def gpt2_tokenizer_json() -> str:
         raise ConfigError(
             "writing tokenizer.json needs the `tokenizers` package; fix: pip install 'mamba3lite[hf]'"
         ) from None
-    d = gpt2_vocab_dir()
-    vocab = json.loads((d / "encoder.json").read_text(encoding="utf-8"))
+    vocab = gpt2_encoder()
     assert vocab.get("<|endoftext|>") == GPT2_EOS_ID
-    lines = (d / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    lines = intake.read_text_capped(gpt2_vocab_dir() / "vocab.bpe", intake.TOKENIZER).splitlines()
     merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # line 0: "#version: 0.2"
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

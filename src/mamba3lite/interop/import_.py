@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.names import EMBED_OURS, HEAD, official_name, our_name
 from mamba3lite.interop.official_config import KERNEL_ONLY_SSM_KEYS, OfficialVocab, model_config_from_official
@@ -64,7 +65,8 @@ def tokenizer_identity(name_or_path: str) -> TokenizerIdentity:
             raise ConfigError(
                 f"tokenizer file not found: {path}; pass --tokenizer PATH/tokenizer.json or gpt2"
             )
-        if is_gpt2_tokenizer_json(path.read_text(encoding="utf-8", errors="replace")):
+        raw = intake.read_bytes_capped(path, intake.TOKENIZER)
+        if is_gpt2_tokenizer_json(raw.decode("utf-8", errors="replace")):
             name_or_path, path = "gpt2", None
     tok = load_tokenizer(name_or_path if path is None else str(path))
     return TokenizerIdentity(tok.name, tok.vocab_hash, tok.vocab_size, tok.eos_id, path)
@@ -184,8 +186,7 @@ def import_official(
     hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
     from safetensors.torch import save_file
 
-    from mamba3lite.config import Config, write_resolved_config
-    from mamba3lite.data.shards import sha256_file
+    from mamba3lite.config import RESOLVED_CONFIG_NAME, Config, write_resolved_config
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.train.checkpoint import CheckpointManager
 
@@ -202,37 +203,47 @@ def import_official(
     tok = tokenizer_identity(tokenizer)
     w = translate(source, tok, a_activation)
     model = build_model(w)
-    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
     cfg = Config(model=w.config).replace("training", checkpoint_dir=str(out))
     with staged_dir(out) as tmp:
         if tok.path is not None:
-            data = tok.path.read_bytes()
+            data = intake.read_bytes_capped(tok.path, intake.TOKENIZER)
             assert hashlib.sha256(data).hexdigest() == tok.vocab_hash
             (tmp / TOKENIZER_NAME).write_bytes(data)
         if any(t.numel() for t in w.padding.values()):
             save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
-        write_resolved_config(cfg, tmp / "config.yaml")
-        meta = {
-            "config": cfg.to_dict(),
-            "tokens_seen": 0,
-            "data": {
-                "tokenizer": final_tok,
-                "vocab_hash": tok.vocab_hash,
-                "vocab_size": tok.vocab_size,
-                "eos_id": tok.eos_id,
-                "manifest_sha256": None,
-            },
-            "metrics": None,
-            "last_eval": None,
-            "imported_from": {
-                "source": src,
-                "format": "mamba_ssm MambaLMHeadModel",
-                "official_config": source.config,
-                "a_activation": a_activation,
-                "padding_file": PADDING_NAME if (tmp / PADDING_NAME).exists() else None,
-                "padding_sha256": sha256_file(tmp / PADDING_NAME) if (tmp / PADDING_NAME).exists() else None,
-                "note": TOKENS_SEEN_NOTE,
-            },
-        }
+        write_resolved_config(cfg, tmp / RESOLVED_CONFIG_NAME)
+        meta = _import_meta(cfg, tok, source, src, a_activation, tmp)
         CheckpointManager(tmp).save(0, model, None, meta)
+    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
     return ImportResult(out, w.config, final_tok, [*w.notes, TOKENS_SEEN_NOTE])
+
+
+def _import_meta(cfg, tok: TokenizerIdentity, source: OfficialSource, src: str, a_activation: str, tmp: Path):
+    """The meta of the imported step 0: the config, the tokenizer and what the import came from.
+    The tokenizer copy is recorded relative to the run directory, so the run can be moved
+    (pretrained.recorded_tokenizer resolves it)."""
+    from mamba3lite.data.shards import sha256_file
+
+    padding = tmp / PADDING_NAME
+    return {
+        "config": cfg.to_dict(),
+        "tokens_seen": 0,
+        "data": {
+            "tokenizer": TOKENIZER_NAME if tok.path is not None else "gpt2",
+            "vocab_hash": tok.vocab_hash,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "manifest_sha256": None,
+        },
+        "metrics": None,
+        "last_eval": None,
+        "imported_from": {
+            "source": src,
+            "format": "mamba_ssm MambaLMHeadModel",
+            "official_config": source.config,
+            "a_activation": a_activation,
+            "padding_file": PADDING_NAME if padding.exists() else None,
+            "padding_sha256": sha256_file(padding) if padding.exists() else None,
+            "note": TOKENS_SEEN_NOTE,
+        },
+    }

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+# How each A activation computes A, and what it means for a user of the official code.
+_A_ACTIVATION_TEXT = {
+    "heavy_tail": "heavy-tail, A = -max(f(a), A_floor) with f(a) = 1+a (a >= 0), 1/(1-a) (a < 0): "
+    "the official code's current one",
+    "softplus": "softplus, A = -max(softplus(a), A_floor): the paper release's; the official code since "
+    "mid-2026 uses heavy-tail, so load this model with a mamba_ssm from before that change (or edit "
+    "its A activation) to get these outputs",
+}
+
 
 def model_card(
     *,
@@ -19,21 +28,7 @@ def model_card(
     notes: list[str],
 ) -> str:
     """Markdown text of the model card."""
-    ssm = official_config["ssm_cfg"]
-    kind = f"MIMO rank {ssm['mimo_rank']}" if ssm["is_mimo"] else "SISO"
-    mlp = (
-        f"GatedMLP width {official_config['d_intermediate']}"
-        if official_config["d_intermediate"]
-        else "no MLP"
-    )
-    head = "tied to the embedding" if official_config["tie_embeddings"] else "untied"
-    act = {
-        "heavy_tail": "heavy-tail, A = -max(f(a), A_floor) with f(a) = 1+a (a >= 0), 1/(1-a) (a < 0): "
-        "the official code's current one",
-        "softplus": "softplus, A = -max(softplus(a), A_floor): the paper release's; the official code since "
-        "mid-2026 uses heavy-tail, so load this model with a mamba_ssm from before that change (or edit "
-        "its A activation) to get these outputs",
-    }[a_activation]
+    act = _A_ACTIVATION_TEXT[a_activation]
     loss = f"{val_loss:.4f}" if val_loss is not None else "not measured"
     lines = [
         f"# {title}",
@@ -47,10 +42,7 @@ def model_card(
         "",
         "| | |",
         "|---|---|",
-        f"| architecture | {official_config['n_layer']} layers of Mamba-3 ({kind}) + {mlp}, d_model "
-        f"{official_config['d_model']}, d_state {ssm['d_state']}, headdim {ssm['headdim']}, "
-        f"expand {ssm['expand']}, ngroups {ssm['ngroups']}, rope_fraction {ssm['rope_fraction']}, "
-        f"LM head {head} |",
+        f"| architecture | {_architecture(official_config)} |",
         f"| parameters | {n_params:,} (padding rows of the embedding included) |",
         f"| A activation | {act} |",
         f"| tokenizer | {tokenizer} (`tokenizer.json`) |",
@@ -68,3 +60,18 @@ def model_card(
     if notes:
         lines += ["", "Notes:", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"
+
+
+def _architecture(official_config: dict[str, Any]) -> str:
+    """One line: layers, mixer kind, MLP, widths, head."""
+    ssm = official_config["ssm_cfg"]
+    kind = f"MIMO rank {ssm['mimo_rank']}" if ssm["is_mimo"] else "SISO"
+    width = official_config["d_intermediate"]
+    mlp = f"GatedMLP width {width}" if width else "no MLP"
+    head = "tied to the embedding" if official_config["tie_embeddings"] else "untied"
+    return (
+        f"{official_config['n_layer']} layers of Mamba-3 ({kind}) + {mlp}, d_model "
+        f"{official_config['d_model']}, d_state {ssm['d_state']}, headdim {ssm['headdim']}, "
+        f"expand {ssm['expand']}, ngroups {ssm['ngroups']}, rope_fraction {ssm['rope_fraction']}, "
+        f"LM head {head}"
+    )

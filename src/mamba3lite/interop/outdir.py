@@ -1,7 +1,9 @@
 """The --out directory of `import` and `export`: built whole beside its final place, then renamed in.
 
-An existing non-empty --out is refused before anything is written; a failure half-way (bad weights,
-disk full, Ctrl-C) leaves no partial directory behind, and --out as it was.
+An existing non-empty --out is refused before anything is written (the one rule of
+mamba3lite/outdir.py: no existing directory is these commands' own, since the new one replaces --out
+whole); a failure half-way (bad weights, disk full, Ctrl-C) leaves no partial directory behind, and
+--out as it was.
 """
 
 from __future__ import annotations
@@ -13,17 +15,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from mamba3lite.errors import ConfigError
+from mamba3lite.atomicfile import fsync_dir
+from mamba3lite.outdir import check_may_write
 
 
 def check_out_dir(out: Path) -> None:
-    """ConfigError unless `out` is absent or an empty directory."""
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(
-            f"--out {out} exists and is not empty; choose a new directory (nothing was written)"
-        )
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; choose a new directory (nothing was written)")
+    """ConfigError naming --out unless `out` is absent or an empty directory."""
+    check_may_write(out, flag="--out", is_ours=None)
 
 
 @contextlib.contextmanager
@@ -38,12 +36,7 @@ def staged_dir(out: Path) -> Iterator[Path]:
         if out.is_dir():
             out.rmdir()
         os.replace(tmp, out)
-        with contextlib.suppress(OSError):  # make the rename durable where the OS allows
-            fd = os.open(out.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_dir(out.parent)  # make the rename durable where the OS allows
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

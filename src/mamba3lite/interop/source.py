@@ -11,11 +11,10 @@ Safetensors are preferred over the .bin when both are there (no pickle, memory-m
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.weights import BIN_NAME, INDEX_NAME, SAFETENSORS_NAME
 
@@ -24,14 +23,6 @@ TOKENIZER_NAME = "tokenizer.json"
 HF_PREFIX = "hf:"
 # What `hf:NAME` downloads: the model's files, not every file of the repository.
 HF_PATTERNS = [CONFIG_NAME, SAFETENSORS_NAME, INDEX_NAME, "model-*.safetensors", BIN_NAME, TOKENIZER_NAME]
-
-
-def _read_json(path: Path) -> Any:
-    """The parsed JSON file at `path`; CheckpointError naming it when it cannot be read or parsed."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
 
 
 @dataclass
@@ -74,11 +65,13 @@ def open_source(src: str) -> OfficialSource:
             f"{root} has no {CONFIG_NAME}: it is not a model in the official mamba_ssm format "
             f"(config.json + {BIN_NAME} or {SAFETENSORS_NAME})"
         )
-    config = _read_json(config_path)
+    # Through the border reader: a pipe, a huge file, NaN or a list instead of an object are each one
+    # CheckpointError naming the file.
+    config = intake.read_json(config_path, intake.OFFICIAL_CONFIG)
     index = None
     if (root / INDEX_NAME).is_file():
-        index = _read_json(root / INDEX_NAME)
-        wm = index.get("weight_map") if isinstance(index, dict) else None
+        index = intake.read_json(root / INDEX_NAME, intake.SAFETENSORS_INDEX)
+        wm = index.get("weight_map")
         if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(f"{root / INDEX_NAME}: no weight_map (tensor name -> shard file)")
         files = [root / f for f in dict.fromkeys(wm.values())]

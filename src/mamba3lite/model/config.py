@@ -10,11 +10,10 @@ vocabulary of this project (50,257 tokens, eos 50,256): 126,946,368 parameters w
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, field, fields
 
-from mamba3lite.errors import ConfigError
+from mamba3lite.errors import ConfigError, did_you_mean_hint
 
 A_ACTIVATIONS = ("heavy_tail", "softplus")
 # Scan backends (model/scan_backend.py): all compute the same function, so these are how, not what.
@@ -28,8 +27,7 @@ def check_scan_impl(name: object, where: str = "model.scan_impl") -> str:
     """`name` if it is a scan backend, else a ConfigError naming `where`, the choices and the closest one."""
     if isinstance(name, str) and name in SCAN_IMPLS:
         return name
-    close = difflib.get_close_matches(str(name), SCAN_IMPLS, n=1, cutoff=0.5)
-    hint = f"; did you mean `{close[0]}`?" if close else ""
+    hint = did_you_mean_hint(str(name), SCAN_IMPLS)
     raise ConfigError(f"{where} must be one of {', '.join(SCAN_IMPLS)}, got {name!r}{hint}")
 
 

@@ -68,7 +68,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int]]:
     if weights_only:
         lines.append(f"{len(weights_only)} more with verified weights only (generate, eval): {weights_only}")
     if good or weights_only:
-        lines += ["", *_describe_meta(ckpt.read_meta(max(good + weights_only)))]
+        lines += ["", *_describe_meta(ckpt.read_meta(max(good + weights_only)), path)]
     superseded = path / "superseded"
     if superseded.is_dir():
         lines.append(f"superseded     {superseded} (checkpoints of an abandoned timeline, kept aside)")
@@ -76,7 +76,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int]]:
     return "\n".join(lines), problems, seed
 
 
-def _describe_meta(meta: dict) -> list[str]:
+def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
     from mamba3lite.config import Config
     from mamba3lite.errors import ConfigError
     from mamba3lite.model import count_parameters
@@ -115,7 +115,10 @@ def _describe_meta(meta: dict) -> list[str]:
         )
     data = meta.get("data") or {}
     if data.get("tokenizer"):
-        lines.append(f"tokenizer      {data['tokenizer']} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")
+        from mamba3lite.pretrained import recorded_tokenizer
+
+        where = recorded_tokenizer(data["tokenizer"], run_dir)
+        lines.append(f"tokenizer      {where} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")
     row = meta.get("metrics")
     if isinstance(row, dict):
         parts = [f"step {row.get('step')}"]
@@ -205,48 +208,14 @@ def _owning_manifest(path: Path):
 def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str, list[str]]:
     """(the description, problems found against the manifest's record). `token_dtype`: the dtype of a
     raw file that no manifest lists (else guessed); a file that records its own is refused with it."""
-    from mamba3lite.data.dataset import _load_torch_tokens, is_torch_file
-    from mamba3lite.data.shards import open_tokens, sha256_file
-
     size = path.stat().st_size
     owner = _owning_manifest(path)
-    problems: list[str] = []
     record = None
     eos_id, vocab, tokenizer_name = 50256, 50257, "gpt2"
     if owner is not None:
-        root, m, record = owner
-        if token_dtype and np.dtype(token_dtype) != m.np_dtype:
-            raise ConfigError(
-                f"{path} is a shard of {root / 'manifest.json'}, which records dtype {m.dtype}, not "
-                f"{token_dtype}: drop --token-dtype"
-            )
-        dtype_note = f"{m.dtype} (from {root / 'manifest.json'})"
-        tokens = open_tokens(path, m.np_dtype)
+        _, m, record = owner
         eos_id, vocab, tokenizer_name = m.eos_id, m.vocab_size, m.tokenizer.get("name", "gpt2")
-        kind = f"shard {record.path} ({record.split} split) of dataset {root}"
-    elif size and is_torch_file(path):
-        if token_dtype:
-            raise ConfigError(
-                f"{path} is a torch.save'd tensor, which records its own dtype: drop --token-dtype"
-            )
-        t = _load_torch_tokens(path)
-        tokens = t.numpy()
-        dtype_note = f"{str(t.dtype).replace('torch.', '')} (torch.save'd tensor, the seed's format)"
-        kind = "seed-format token tensor (no manifest)"
-    elif token_dtype:
-        tokens = open_tokens(path, token_dtype)
-        dtype_note = f"{token_dtype} (--token-dtype)"
-        kind = "raw token file (no manifest)"
-    else:
-        # A raw file without a manifest: the seed's pipeline wrote uint32; a uint16 file read as uint32
-        # shows ids far beyond the GPT-2 vocabulary, so the guess is checked.
-        guess = np.dtype("<u4") if size % 4 == 0 else np.dtype("<u2")
-        tokens = open_tokens(path, guess)
-        if guess.itemsize == 4 and tokens.size and int(tokens.max()) >= vocab:
-            guess = np.dtype("<u2")
-            tokens = open_tokens(path, guess)
-        dtype_note = f"{guess.name} (guessed: no manifest lists this file)"
-        kind = "raw token file (no manifest)"
+    tokens, dtype_note, kind = _open_shard(path, size, owner, token_dtype, vocab)
     n = int(tokens.shape[0])
     max_id = int(tokens.max()) if n else -1
     n_eos = int(np.count_nonzero(np.asarray(tokens) == eos_id)) if n else 0
@@ -259,24 +228,74 @@ def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str
         f"documents    {n_eos:,} EOS tokens (id {eos_id})",
         f"max id       {max_id:,}" + (f"  (>= vocab {vocab:,}!)" if max_id >= vocab else ""),
     ]
+    problems: list[str] = []
     if record is not None:
-        sha = sha256_file(path)
-        ok = sha == record.sha256 and n == record.n_tokens and max_id == record.max_token_id
-        lines.append(
-            f"manifest     n_tokens {record.n_tokens:,}, n_docs {record.n_docs:,}, max id "
-            f"{record.max_token_id:,}: " + ("matches (sha256 too)" if ok else "DOES NOT MATCH")
-        )
-        if sha != record.sha256:
-            problems.append(f"{path}: sha256 {sha[:12]}… != manifest {record.sha256[:12]}…")
-        if n != record.n_tokens:
-            problems.append(f"{path}: {n} tokens != manifest n_tokens {record.n_tokens}")
-        if max_id != record.max_token_id:
-            problems.append(f"{path}: max id {max_id} != manifest max_token_id {record.max_token_id}")
+        line, problems = _against_record(path, record, n, max_id)
+        lines.append(line)
     if max_id >= vocab:
         problems.append(f"{path}: token id {max_id} >= vocab_size {vocab}")
     lines += ["", f"first {min(n, PREVIEW_TOKENS)} tokens, decoded:"]
     lines.append(_preview(np.asarray(tokens[:PREVIEW_TOKENS]), tokenizer_name, vocab))
     return "\n".join(lines), problems
+
+
+def _open_shard(path: Path, size: int, owner, token_dtype: str | None, vocab: int):
+    """(the tokens, the dtype and where it came from, what kind of file it is) for a shard file: the
+    dtype its manifest records, a torch.save'd tensor's own, `token_dtype`, or a checked guess."""
+    from mamba3lite.data.shards import MANIFEST_NAME, open_tokens
+    from mamba3lite.data.token_stream import is_torch_file, load_torch_tokens
+
+    if owner is not None:
+        root, m, record = owner
+        if token_dtype and np.dtype(token_dtype) != m.np_dtype:
+            raise ConfigError(
+                f"{path} is a shard of {root / MANIFEST_NAME}, which records dtype {m.dtype}, not "
+                f"{token_dtype}: drop --token-dtype"
+            )
+        kind = f"shard {record.path} ({record.split} split) of dataset {root}"
+        return open_tokens(path, m.np_dtype), f"{m.dtype} (from {root / MANIFEST_NAME})", kind
+    if size and is_torch_file(path):
+        if token_dtype:
+            raise ConfigError(
+                f"{path} is a torch.save'd tensor, which records its own dtype: drop --token-dtype"
+            )
+        t = load_torch_tokens(path)
+        dtype_note = f"{str(t.dtype).replace('torch.', '')} (torch.save'd tensor, the seed's format)"
+        return t.numpy(), dtype_note, "seed-format token tensor (no manifest)"
+    if token_dtype:
+        return (
+            open_tokens(path, token_dtype),
+            f"{token_dtype} (--token-dtype)",
+            "raw token file (no manifest)",
+        )
+    # A raw file without a manifest: the seed's pipeline wrote uint32; a uint16 file read as uint32
+    # shows ids far beyond the GPT-2 vocabulary, so the guess is checked.
+    guess = np.dtype("<u4") if size % 4 == 0 else np.dtype("<u2")
+    tokens = open_tokens(path, guess)
+    if guess.itemsize == 4 and tokens.size and int(tokens.max()) >= vocab:
+        guess = np.dtype("<u2")
+        tokens = open_tokens(path, guess)
+    return tokens, f"{guess.name} (guessed: no manifest lists this file)", "raw token file (no manifest)"
+
+
+def _against_record(path: Path, record, n: int, max_id: int) -> tuple[str, list[str]]:
+    """(the line comparing a shard with its manifest record, the differences as problems)."""
+    from mamba3lite.data.shards import sha256_file
+
+    sha = sha256_file(path)
+    ok = sha == record.sha256 and n == record.n_tokens and max_id == record.max_token_id
+    line = (
+        f"manifest     n_tokens {record.n_tokens:,}, n_docs {record.n_docs:,}, max id "
+        f"{record.max_token_id:,}: " + ("matches (sha256 too)" if ok else "DOES NOT MATCH")
+    )
+    problems = []
+    if sha != record.sha256:
+        problems.append(f"{path}: sha256 {sha[:12]}… != manifest {record.sha256[:12]}…")
+    if n != record.n_tokens:
+        problems.append(f"{path}: {n} tokens != manifest n_tokens {record.n_tokens}")
+    if max_id != record.max_token_id:
+        problems.append(f"{path}: max id {max_id} != manifest max_token_id {record.max_token_id}")
+    return line, problems
 
 
 def _preview(ids: np.ndarray, tokenizer_name: str, vocab: int) -> str:

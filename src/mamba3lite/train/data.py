@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from mamba3lite.config import Config
-from mamba3lite.data.shards import MANIFEST_NAME
 from mamba3lite.data.splits import dataset_dir, short_val_split, val_split_holds_window
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 from mamba3lite.evaluate import check_compatible
@@ -68,11 +67,11 @@ def build_val_data(cfg: Config, train_data: Any) -> tuple[Any, str]:
 
 def _explicit_val_data(cfg: Config) -> Any:
     from mamba3lite.data import PretrainDataset
-    from mamba3lite.data.shards import Manifest
+    from mamba3lite.data.shards import Manifest, has_manifest
 
     dc, tc = cfg.data, cfg.training
     p = dataset_dir(dc.val_data_path)
-    has_val = (p / MANIFEST_NAME).exists() and Manifest.load(p).split_shards("val")
+    has_val = has_manifest(p) and Manifest.load(p).split_shards("val")
     if not has_val and p.resolve() == Path(dc.train_data_path).resolve():
         raise ConfigError(
             f"data.val_data_path {dc.val_data_path} is the training data, which has no val split: "

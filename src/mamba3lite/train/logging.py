@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-METRICS_NAME = "metrics.jsonl"
+from mamba3lite.report.metrics import METRICS_NAME
 
 
 class Sink(Protocol):
