@@ -59,7 +59,7 @@ from mamba3lite.data import shards, staging, workers
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
 from mamba3lite.data.packing import Packer
-from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest
+from mamba3lite.data.shards import SPLITS, Manifest
 from mamba3lite.data.sources import Source, format_location
 from mamba3lite.data.staging import LOCK_NAME, STAGE_DIRNAME, PipelineState, Stage
 from mamba3lite.data.stats import PrepareStats
@@ -524,7 +524,7 @@ def _check_out(out: Path, args_record: dict, overwrite: bool) -> None:
         what="a mamba3lite dataset",
         ignore=(STAGE_DIRNAME, LOCK_NAME),
     )
-    if overwrite or not (out / MANIFEST_NAME).exists():
+    if overwrite or not shards.has_manifest(out):
         return
     try:
         previous = Manifest.load(out).extra.get("prepare")
@@ -542,4 +542,4 @@ def _check_out(out: Path, args_record: dict, overwrite: bool) -> None:
 def _is_dataset_dir(out: Path) -> bool:
     """Whether `out` is prepare's own: it holds a manifest, or the staging directory of a run of ours
     (whose shards a commit cut short may have moved into `out` already)."""
-    return (out / MANIFEST_NAME).exists() or (out / STAGE_DIRNAME).is_dir()
+    return shards.has_manifest(out) or (out / STAGE_DIRNAME).is_dir()

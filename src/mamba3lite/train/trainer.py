@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from mamba3lite.config import Config
-from mamba3lite.data.shards import MANIFEST_NAME
+from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.evaluate import spread_picks, window_loss_sum
@@ -132,7 +132,7 @@ class Pretrainer:
         tc = self.tc
         if self.device.type == "cpu":
             keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
-        if (Path(tc.checkpoint_dir) / MANIFEST_NAME).exists():
+        if has_manifest(tc.checkpoint_dir):
             raise ConfigError(
                 f"training.checkpoint_dir {tc.checkpoint_dir} is a dataset directory (it holds "
                 f"{MANIFEST_NAME}): checkpoints would be mixed into the dataset; point --checkpoint-dir "
