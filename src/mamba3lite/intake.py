@@ -105,7 +105,8 @@ MAX_JSONL_LINE_BYTES = 1 * MiB
 # ------------------------------------------------------------------------------------- regular files
 
 
-def _describe(mode: int) -> str:
+def describe_mode(mode: int) -> str:
+    """What a file of `st_mode` is, for an error: "a directory", "a named pipe (FIFO)", ..."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -129,7 +130,7 @@ def regular_file_size(path: str | os.PathLike, kind: FileKind) -> int:
     except OSError as e:
         raise kind.error(f"{path}: cannot read the {kind.what} ({e.strerror or e})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise kind.fail(f"{path} is {_describe(st.st_mode)}; a {kind.what} must be a regular file")
+        raise kind.fail(f"{path} is {describe_mode(st.st_mode)}; a {kind.what} must be a regular file")
     if st.st_size > kind.max_bytes:
         raise kind.fail(
             f"{path} is {st.st_size / MiB:,.1f} MiB, more than a {kind.what} can be "
@@ -149,7 +150,7 @@ def open_regular(path: str | os.PathLike, kind: FileKind) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise kind.fail(f"{path} is {_describe(mode)}; a {kind.what} must be a regular file")
+            raise kind.fail(f"{path} is {describe_mode(mode)}; a {kind.what} must be a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

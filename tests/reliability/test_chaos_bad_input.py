@@ -160,6 +160,18 @@ def _data_tokenizer(w: Path, name: str) -> list[str]:
     return _train("--checkpoint-dir", "run2")
 
 
+def _lock_is(w: Path, lock: str, make) -> None:
+    """`lock` (a lock file's path under w) replaced by what `make(path)` creates there."""
+    p = w / lock
+    if p.exists() or p.is_symlink():
+        p.unlink()
+    make(p)
+
+
+def _link_to_good_yaml(p: Path) -> None:
+    p.symlink_to("../good.yaml")
+
+
 def _unwritable(w: Path) -> str:
     """A directory nobody may create: under /sys (read-only even for root) or a 0o500 directory."""
     if os.geteuid() == 0:
@@ -333,6 +345,26 @@ CASES = {
     "prepare-over-existing-dataset": (
         lambda w: ["prepare", "--source", "text", "--out", "data", "--workers", "0", "--min-chars", "1"],
         "data",
+    ),
+    # a lock file is truncated and written: one that is not a plain file is refused, never written through
+    "run-lock-links-to-the-users-file": (
+        lambda w: _lock_is(w, "run/.lock", _link_to_good_yaml) or _train("--max-steps", "4"),
+        "run/.lock is a symbolic link, but the lock file of run must be a regular file",
+    ),
+    "run-lock-is-a-fifo": (
+        lambda w: _lock_is(w, "run/.lock", _fifo) or _train("--max-steps", "4"),
+        "run/.lock is a named pipe (FIFO)",
+    ),
+    "run-lock-is-a-directory": (
+        lambda w: _lock_is(w, "run/.lock", Path.mkdir) or _train("--max-steps", "4"),
+        "run/.lock is a directory",
+    ),
+    "prepare-lock-links-to-the-users-file": (
+        lambda w: (
+            _lock_is(w, "data/.prepare.lock", _link_to_good_yaml)
+            or ["prepare", "--source", "text", "--out", "data", "--overwrite", "--workers", "0"]
+        ),
+        "data/.prepare.lock is a symbolic link",
     ),
     "inspect-missing": (lambda w: ["inspect", "nope"], "does not exist"),
     "inspect-random-dir": (lambda w: (w / "emptydir").mkdir() or ["inspect", "emptydir"], "emptydir"),
