@@ -17,13 +17,15 @@ import contextlib
 import importlib
 import keyword
 import os
+import re
 import signal
 import sys
 import threading
 import warnings
+from typing import NoReturn
 
 from mamba3lite import __version__
-from mamba3lite.errors import Mamba3LiteError
+from mamba3lite.errors import ConfigError, Mamba3LiteError
 from mamba3lite.malloc import keep_freed_memory
 
 # The subcommands, in the order of the pipeline. Each module's HELP is its line in `--help`.
@@ -77,8 +79,19 @@ def command_module(name: str):
     return importlib.import_module(f"mamba3lite.commands.{name}{'_' if keyword.iskeyword(name) else ''}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a usage mistake (an unknown flag, `--step abc`, a 5,000-digit `--seed`) as a
+    ConfigError, so that it reaches the one printer as one `error:` line with a pointer to --help, like
+    every other bad input, and an in-process caller of `main` gets exit code 2 instead of SystemExit.
+    A value quoted in the message is shortened: argparse would echo all of it."""
+
+    def error(self, message: str) -> NoReturn:
+        message = re.sub(r"'([^']{40})[^']{20,}'", lambda m: f"'{m.group(1)}…'", message)
+        raise ConfigError(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mamba3lite",
         description="Pretrain small Mamba-3 language models: prepare -> train -> eval / generate.",
     )
@@ -121,7 +134,11 @@ def _run_command(argv: list[str] | None) -> int:
     if argv_given_none:  # the process's own output (an in-process caller keeps Python's format)
         warnings.formatwarning = _one_line_warning
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     if args.command is None:
         parser.print_help()
         return 2

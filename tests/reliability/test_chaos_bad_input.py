@@ -248,6 +248,13 @@ CASES = {
     "set-infinite-clip": (lambda w: _train("--set", "training.grad_clip=inf"), "finite"),
     "set-eos-outside-vocab": (lambda w: _train("--set", "model.eos_id=999"), "model.eos_id"),
     "set-heads-do-not-divide": (lambda w: _train("--set", "model.headdim=24"), "headdim"),
+    # flags argparse refuses: the same one line (and a return code, not SystemExit, in-process)
+    "flag-huge-int": (lambda w: _train("--max-steps", "9" * 5000), "--max-steps: invalid int value"),
+    "flag-unknown": (lambda w: _train("--bogus"), "unrecognized arguments: --bogus"),
+    "flag-bad-choice": (
+        lambda w: ["eval", "--checkpoint-dir", "run", "--split", "test"],
+        "--split: invalid choice: 'test'",
+    ),
     # resume
     "resume-garbage": (lambda w: _train("--resume", "latest2"), "--resume"),
     "resume-negative": (lambda w: _train("--resume=-3"), "--resume"),
