@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import keyword
 import os
@@ -22,6 +23,7 @@ import signal
 import sys
 import threading
 import warnings
+from pathlib import Path
 from typing import NoReturn
 
 from mamba3lite import __version__
@@ -128,6 +130,27 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning{kind}: {message}\n"
 
 
+def _os_error_line(e: OSError) -> str:
+    """An OSError that no command turned into its own error, as one line naming the path. The two that
+    a user's path causes get a fix: a file where a directory was needed on the way (`--out a.txt/run`
+    gives ENOTDIR, or EEXIST from mkdir), said in those words instead of "File exists"."""
+    if not e.filename:
+        return str(e)
+    path = e.filename
+    if e.errno == errno.ENOTDIR or (
+        e.errno == errno.EEXIST and os.path.lexists(path) and not os.path.isdir(path)
+    ):
+        blocker = next((p for p in _ancestors(path) if os.path.lexists(p) and not os.path.isdir(p)), path)
+        where = "" if blocker == path else f"{path}: "
+        return f"{where}{blocker} is a file, not a directory; choose a path whose directories can be made"
+    return f"{e.strerror or e} ({path})"
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` and each directory above it, outermost first: a/b/c -> [a, a/b, a/b/c]."""
+    return list(reversed([str(p) for p in (Path(path), *Path(path).parents) if str(p) not in ("", ".")]))
+
+
 def _run_command(argv: list[str] | None) -> int:
     argv_given_none = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -157,7 +180,7 @@ def _run_command(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # unwritable directory, disk full, ...: the message names the path
-        print(f"error: {e.strerror or e} ({e.filename})" if e.filename else f"error: {e}", file=sys.stderr)
+        print(f"error: {_os_error_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

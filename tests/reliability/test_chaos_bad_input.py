@@ -210,6 +210,14 @@ CASES = {
         lambda w: _users_dir(w) and _train("--checkpoint-dir", "mine"),
         "mine is not empty (config.yaml, notes.txt) and is not a run directory",
     ),
+    "checkpoint-dir-under-a-file": (
+        lambda w: _train("--checkpoint-dir", "good.yaml/run"),
+        "good.yaml/run: good.yaml is a file, not a directory",
+    ),
+    "plot-output-under-a-file": (
+        lambda w: ["plot", "run", "-o", "good.yaml/x.png"],
+        "good.yaml is a file, not a directory",
+    ),
     "checkpoint-dir-unwritable": (lambda w: _train("--checkpoint-dir", _unwritable(w)), "mamba3lite-chaos"),
     # config files
     "yaml-syntax-error": (
