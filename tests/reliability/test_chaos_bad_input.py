@@ -8,7 +8,9 @@ an exception escaping it would fail the test like a traceback would); a few run 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import gzip
 import json
 import os
 import shutil
@@ -790,3 +792,25 @@ def test_run_directory_in_use_is_refused_and_untouched(world, capsys):
     captured = capsys.readouterr()
     assert rc != 0 and "in use by another trainer" in captured.err and "Traceback" not in captured.err
     assert _same(before, _hash(world))
+
+
+@pytest.mark.parametrize("name", ["big.txt", "big.jsonl", "big.jsonl.gz"])
+def test_prepare_refuses_a_document_too_large_to_hold_without_reading_it(world, capsys, monkeypatch, name):
+    """A text file is one document and a JSONL line one document, each read whole into a tokenizer
+    worker: a 10 GiB text file, or a JSONL line with no newline in gigabytes (a .gz inflating to one),
+    ran prepare out of memory. Past the caps (shrunk here to keep the files small) it is one error line
+    naming the file, before anything is written to --out."""
+    from mamba3lite import intake
+
+    monkeypatch.setattr(
+        intake, "SOURCE_DOCUMENT", dataclasses.replace(intake.SOURCE_DOCUMENT, max_bytes=4096)
+    )
+    monkeypatch.setattr(intake, "MAX_SOURCE_LINE_BYTES", 4096)
+    body = b'{"text": "' + b"a" * 10_000 + b'"}\n' if "jsonl" in name else b"word " * 2000
+    (world / name).write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
+    before = _hash(world)
+    rc = _in(world, main, ["prepare", "--source", name, "--out", "big_out", "--workers", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert f"error: {name}" in err and ("longer than" in err or "more than a text source file" in err), err
+    assert _same(before, _hash(world)) and not (world / "big_out").exists()
