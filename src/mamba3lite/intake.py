@@ -95,6 +95,10 @@ TOKENIZER = FileKind(
     ConfigError,
     "pass the tokenizer.json / vocabulary the data was prepared with",
 )
+# An official mamba_ssm directory's config.json and model.safetensors.index.json (import, --init-from).
+OFFICIAL_JSON = FileKind(
+    "file of an official mamba_ssm model", 64 * MiB, CheckpointError, "fetch the model again or fix the file"
+)
 # prepare's inputs: a text file is one document, read whole into a tokenizer worker; a JSONL line too.
 SOURCE_DOCUMENT = FileKind(
     "text source file (one document)",

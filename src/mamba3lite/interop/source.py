@@ -11,11 +11,11 @@ Safetensors are preferred over the .bin when both are there (no pickle, memory-m
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.weights import BIN_NAME, INDEX_NAME, SAFETENSORS_NAME
 
@@ -27,11 +27,9 @@ HF_PATTERNS = [CONFIG_NAME, SAFETENSORS_NAME, INDEX_NAME, "model-*.safetensors",
 
 
 def _read_json(path: Path) -> Any:
-    """The parsed JSON file at `path`; CheckpointError naming it when it cannot be read or parsed."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
+    """The parsed JSON file at `path` through the one reader (a regular file within its cap; a huge
+    integer, deep nesting, NaN, a syntax error: one CheckpointError naming it)."""
+    return intake.read_json(path, intake.OFFICIAL_JSON, top=None)
 
 
 @dataclass
@@ -83,8 +81,8 @@ def open_source(src: str) -> OfficialSource:
             raise CheckpointError(f"{root / INDEX_NAME}: no weight_map (tensor name -> shard file)")
         files = [root / f for f in dict.fromkeys(wm.values())]
         for f in files:
-            if f.parent != root:
-                raise CheckpointError(f"{root / INDEX_NAME}: shard {f.relative_to(root)} is not in {root}")
+            if f.parent != root:  # "../x", "sub/x" or an absolute "/dev/zero"
+                raise CheckpointError(f"{root / INDEX_NAME}: shard {f} is not a file directly in {root}")
             if not f.is_file():
                 raise CheckpointError(f"{f}: a shard named by {INDEX_NAME} is missing; fetch it again")
     elif (root / SAFETENSORS_NAME).is_file():
