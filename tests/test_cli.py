@@ -44,3 +44,15 @@ def test_unknown_command_is_a_usage_error(cli):
     assert r.returncode == 2
     assert "invalid choice" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_usage_mistake_is_one_error_line_with_a_pointer_to_help(capsys):
+    """argparse's own refusals (missing, unknown or malformed flags) reach the one printer: one `error:`
+    line naming the command and its --help, exit code 2 returned (not SystemExit), and a huge value
+    quoted in the message is shortened instead of echoed whole."""
+    assert main(["generate", "--seed", "9" * 5000]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: mamba3lite generate: argument --seed"), err
+    assert "invalid int value" in err and "see `mamba3lite generate --help`" in err and len(err) < 300
+    assert main(["eval"]) == 2
+    assert "the following arguments are required: --checkpoint-dir" in capsys.readouterr().err

@@ -269,6 +269,38 @@ def _drop_layer_key(root: Path) -> None:
     (root / "config.json").write_text(json.dumps(cfg))
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _write(name: str, text: str):
+    return lambda r: (r / name).write_text(text)
+
+
+def _prefix_config(field: str):
+    """config.json with `field` first: the same key later in the file would win, so a new key."""
+
+    def damage(root: Path) -> None:
+        text = (root / "config.json").read_text()
+        (root / "config.json").write_text("{" + field + "," + text[1:])
+
+    return damage
+
+
+def _nan_weights(root: Path) -> None:
+    sd = torch.load(root / "pytorch_model.bin")
+    sd["backbone.embedding.weight"][0, 0] = float("nan")
+    torch.save(sd, root / "pytorch_model.bin")
+
+
+def _index_names(target: str):
+    def damage(root: Path) -> None:
+        index = json.loads((root / "model.safetensors.index.json").read_text())
+        index["weight_map"][next(iter(index["weight_map"]))] = target
+        (root / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    return damage
+
+
 BAD = {
     "no-config": ("bin", lambda r: (r / "config.json").unlink(), "no config.json"),
     "no-weights": ("bin", lambda r: (r / "pytorch_model.bin").unlink(), "no weights"),
@@ -294,6 +326,16 @@ BAD = {
     "index-a-list": (
         "sharded", lambda r: (r / "model.safetensors.index.json").write_text("[1]"), "safetensors index"
     ),
+    # the one reader (mamba3lite/intake.py) for every JSON file of the directory
+    "config-huge-int": ("bin", _prefix_config('"x": ' + "9" * 5000), "5,000 digits"),
+    "config-deeply-nested": ("bin", _prefix_config('"x": ' + "[" * 100_000), "nested too deeply"),
+    "index-deeply-nested": ("sharded", _write(INDEX, "[" * 100_000), "nested too deeply"),
+    "index-huge-int": ("sharded", _write(INDEX, '{"a": ' + "9" * 5000 + "}"), "5,000"),
+    "index-names-an-absolute-path": ("sharded", _index_names("/dev/zero"), "is not a file directly in"),
+    "tokenizer-deeply-nested": ("bin", _write("tokenizer.json", "[" * 100_000), "tokenizer.json"),
+    # refused before the model is built (10**9 layers took hours) or written (generate would refuse it)
+    "n-layer-huge": ("bin", _edit_config(n_layer=10**9), "the weights hold 2 layers"),
+    "nan-weights": ("bin", _nan_weights, "holds NaN or infinite values"),
 }  # fmt: skip
 
 

@@ -313,8 +313,10 @@ def test_max_docs_stops_before_reading_the_next_unit(tmp_path, monkeypatch):
     for name in ("a", "b", "c"):
         (tmp_path / f"{name}.txt").write_text(name)
     read = []
-    read_bytes = S.Path.read_bytes
-    monkeypatch.setattr(S.Path, "read_bytes", lambda self: read.append(self.name) or read_bytes(self))
+    read_bytes = S.intake.read_bytes_capped  # the one reader every text file goes through
+    monkeypatch.setattr(
+        S.intake, "read_bytes_capped", lambda path, kind: read.append(path.name) or read_bytes(path, kind)
+    )
     assert len(_texts(S.Source(str(tmp_path), max_docs=2))) == 2
     assert read == ["a.txt", "b.txt"]
 

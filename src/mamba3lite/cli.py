@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import keyword
 import os
+import re
 import signal
 import sys
 import threading
 import warnings
+from pathlib import Path
+from typing import NoReturn
 
 from mamba3lite import __version__
-from mamba3lite.errors import Mamba3LiteError
+from mamba3lite.errors import ConfigError, Mamba3LiteError
 from mamba3lite.malloc import keep_freed_memory
 
 # The subcommands, in the order of the pipeline. Each module's HELP is its line in `--help`.
@@ -77,8 +81,19 @@ def command_module(name: str):
     return importlib.import_module(f"mamba3lite.commands.{name}{'_' if keyword.iskeyword(name) else ''}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a usage mistake (an unknown flag, `--step abc`, a 5,000-digit `--seed`) as a
+    ConfigError, so that it reaches the one printer as one `error:` line with a pointer to --help, like
+    every other bad input, and an in-process caller of `main` gets exit code 2 instead of SystemExit.
+    A value quoted in the message is shortened: argparse would echo all of it."""
+
+    def error(self, message: str) -> NoReturn:
+        message = re.sub(r"'([^']{40})[^']{20,}'", lambda m: f"'{m.group(1)}…'", message)
+        raise ConfigError(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mamba3lite",
         description="Pretrain small Mamba-3 language models: prepare -> train -> eval / generate.",
     )
@@ -115,13 +130,38 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning{kind}: {message}\n"
 
 
+def _os_error_line(e: OSError) -> str:
+    """An OSError that no command turned into its own error, as one line naming the path. The two that
+    a user's path causes get a fix: a file where a directory was needed on the way (`--out a.txt/run`
+    gives ENOTDIR, or EEXIST from mkdir), said in those words instead of "File exists"."""
+    if not e.filename:
+        return str(e)
+    path = e.filename
+    if e.errno == errno.ENOTDIR or (
+        e.errno == errno.EEXIST and os.path.lexists(path) and not os.path.isdir(path)
+    ):
+        blocker = next((p for p in _ancestors(path) if os.path.lexists(p) and not os.path.isdir(p)), path)
+        where = "" if blocker == path else f"{path}: "
+        return f"{where}{blocker} is a file, not a directory; choose a path whose directories can be made"
+    return f"{e.strerror or e} ({path})"
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` and each directory above it, outermost first: a/b/c -> [a, a/b, a/b/c]."""
+    return list(reversed([str(p) for p in (Path(path), *Path(path).parents) if str(p) not in ("", ".")]))
+
+
 def _run_command(argv: list[str] | None) -> int:
     argv_given_none = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv_given_none:  # the process's own output (an in-process caller keeps Python's format)
         warnings.formatwarning = _one_line_warning
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     if args.command is None:
         parser.print_help()
         return 2
@@ -140,7 +180,7 @@ def _run_command(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # unwritable directory, disk full, ...: the message names the path
-        print(f"error: {e.strerror or e} ({e.filename})" if e.filename else f"error: {e}", file=sys.stderr)
+        print(f"error: {_os_error_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

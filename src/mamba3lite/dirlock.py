@@ -9,6 +9,11 @@ dataset directory keeps only the dataset). Removal is safe because `acquire` che
 the file it locked is still the one at the path: a job that opened the file just before the holder
 removed it retries on the new file instead of holding a lock nobody else can see.
 
+The lock file is truncated and written, so it must be a regular file that is not a symlink: a `.lock`
+that links to a user's file would have that file overwritten with the holder's pid, and a FIFO, a
+device or a directory under that name cannot be locked. Any of those is refused, naming the path,
+before anything is opened for writing.
+
 A forked child (a `prepare` tokenizer worker, a data-loader worker) closes its copies of the held lock
 files at once: a flock belongs to the open file, so an inherited copy would keep the directory locked
 for as long as the child lives, even after the holder was killed.
@@ -17,12 +22,15 @@ for as long as the child lives, even after the holder was killed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from mamba3lite.errors import Mamba3LiteError
+from mamba3lite.intake import describe_mode
 
 _HELD: set[int] = set()  # descriptors of the locks this process holds
 
@@ -57,7 +65,7 @@ class DirLock:
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -79,6 +87,36 @@ class DirLock:
         self._fd = fd
         _HELD.add(fd)
         return self
+
+    def _open(self) -> int:
+        """The lock file opened for writing (created when absent); `error` if the name holds anything but
+        a regular file. lstat first, so that a device is never opened; O_NOFOLLOW and the fstat after
+        the open close the window in which the name could be swapped."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            self._refuse(st.st_mode)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR):
+                self._refuse(os.lstat(self.path).st_mode)
+            raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            self._refuse(mode)
+        return fd
+
+    def _refuse(self, mode: int) -> None:
+        what = "a symbolic link" if stat.S_ISLNK(mode) else describe_mode(mode)
+        raise self.error(
+            f"{self.path} is {what}, but the lock file of {self.path.parent} must be a regular file "
+            f"(mamba3lite creates it); remove {self.path} and run again"
+        )
 
     def release(self) -> None:
         if self._fd is not None and self._fd not in _HELD:  # in a forked child: not ours to release

@@ -104,6 +104,14 @@ OFFICIAL_CONFIG = FileKind(
 SAFETENSORS_INDEX = FileKind(
     "safetensors index (model.safetensors.index.json)", 64 * MiB, CheckpointError, "fetch the model again"
 )
+# prepare's inputs: a text file is one document, read whole into a tokenizer worker; a JSONL line too.
+SOURCE_DOCUMENT = FileKind(
+    "text source file (one document)",
+    512 * MiB,
+    DataError,
+    "split it into smaller files, or write it as .jsonl with one document per line",
+)
+MAX_SOURCE_LINE_BYTES = 64 * MiB
 TOKEN_FILE = FileKind(
     "token file", 1 << 62, DataError, "pass a dataset directory written by `mamba3lite prepare`"
 )

@@ -8,7 +8,9 @@ an exception escaping it would fail the test like a traceback would); a few run 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import gzip
 import json
 import os
 import shutil
@@ -160,6 +162,18 @@ def _data_tokenizer(w: Path, name: str) -> list[str]:
     return _train("--checkpoint-dir", "run2")
 
 
+def _lock_is(w: Path, lock: str, make) -> None:
+    """`lock` (a lock file's path under w) replaced by what `make(path)` creates there."""
+    p = w / lock
+    if p.exists() or p.is_symlink():
+        p.unlink()
+    make(p)
+
+
+def _link_to_good_yaml(p: Path) -> None:
+    p.symlink_to("../good.yaml")
+
+
 def _unwritable(w: Path) -> str:
     """A directory nobody may create: under /sys (read-only even for root) or a 0o500 directory."""
     if os.geteuid() == 0:
@@ -197,6 +211,14 @@ CASES = {
     "checkpoint-dir-holds-the-users-files": (
         lambda w: _users_dir(w) and _train("--checkpoint-dir", "mine"),
         "mine is not empty (config.yaml, notes.txt) and is not a run directory",
+    ),
+    "checkpoint-dir-under-a-file": (
+        lambda w: _train("--checkpoint-dir", "good.yaml/run"),
+        "good.yaml/run: good.yaml is a file, not a directory",
+    ),
+    "plot-output-under-a-file": (
+        lambda w: ["plot", "run", "-o", "good.yaml/x.png"],
+        "good.yaml is a file, not a directory",
     ),
     "checkpoint-dir-unwritable": (lambda w: _train("--checkpoint-dir", _unwritable(w)), "mamba3lite-chaos"),
     # config files
@@ -236,6 +258,13 @@ CASES = {
     "set-infinite-clip": (lambda w: _train("--set", "training.grad_clip=inf"), "finite"),
     "set-eos-outside-vocab": (lambda w: _train("--set", "model.eos_id=999"), "model.eos_id"),
     "set-heads-do-not-divide": (lambda w: _train("--set", "model.headdim=24"), "headdim"),
+    # flags argparse refuses: the same one line (and a return code, not SystemExit, in-process)
+    "flag-huge-int": (lambda w: _train("--max-steps", "9" * 5000), "--max-steps: invalid int value"),
+    "flag-unknown": (lambda w: _train("--bogus"), "unrecognized arguments: --bogus"),
+    "flag-bad-choice": (
+        lambda w: ["eval", "--checkpoint-dir", "run", "--split", "test"],
+        "--split: invalid choice: 'test'",
+    ),
     # resume
     "resume-garbage": (lambda w: _train("--resume", "latest2"), "--resume"),
     "resume-negative": (lambda w: _train("--resume=-3"), "--resume"),
@@ -333,6 +362,26 @@ CASES = {
     "prepare-over-existing-dataset": (
         lambda w: ["prepare", "--source", "text", "--out", "data", "--workers", "0", "--min-chars", "1"],
         "data",
+    ),
+    # a lock file is truncated and written: one that is not a plain file is refused, never written through
+    "run-lock-links-to-the-users-file": (
+        lambda w: _lock_is(w, "run/.lock", _link_to_good_yaml) or _train("--max-steps", "4"),
+        "run/.lock is a symbolic link, but the lock file of run must be a regular file",
+    ),
+    "run-lock-is-a-fifo": (
+        lambda w: _lock_is(w, "run/.lock", _fifo) or _train("--max-steps", "4"),
+        "run/.lock is a named pipe (FIFO)",
+    ),
+    "run-lock-is-a-directory": (
+        lambda w: _lock_is(w, "run/.lock", Path.mkdir) or _train("--max-steps", "4"),
+        "run/.lock is a directory",
+    ),
+    "prepare-lock-links-to-the-users-file": (
+        lambda w: (
+            _lock_is(w, "data/.prepare.lock", _link_to_good_yaml)
+            or ["prepare", "--source", "text", "--out", "data", "--overwrite", "--workers", "0"]
+        ),
+        "data/.prepare.lock is a symbolic link",
     ),
     "inspect-missing": (lambda w: ["inspect", "nope"], "does not exist"),
     "inspect-random-dir": (lambda w: (w / "emptydir").mkdir() or ["inspect", "emptydir"], "emptydir"),
@@ -743,3 +792,25 @@ def test_run_directory_in_use_is_refused_and_untouched(world, capsys):
     captured = capsys.readouterr()
     assert rc != 0 and "in use by another trainer" in captured.err and "Traceback" not in captured.err
     assert _same(before, _hash(world))
+
+
+@pytest.mark.parametrize("name", ["big.txt", "big.jsonl", "big.jsonl.gz"])
+def test_prepare_refuses_a_document_too_large_to_hold_without_reading_it(world, capsys, monkeypatch, name):
+    """A text file is one document and a JSONL line one document, each read whole into a tokenizer
+    worker: a 10 GiB text file, or a JSONL line with no newline in gigabytes (a .gz inflating to one),
+    ran prepare out of memory. Past the caps (shrunk here to keep the files small) it is one error line
+    naming the file, before anything is written to --out."""
+    from mamba3lite import intake
+
+    monkeypatch.setattr(
+        intake, "SOURCE_DOCUMENT", dataclasses.replace(intake.SOURCE_DOCUMENT, max_bytes=4096)
+    )
+    monkeypatch.setattr(intake, "MAX_SOURCE_LINE_BYTES", 4096)
+    body = b'{"text": "' + b"a" * 10_000 + b'"}\n' if "jsonl" in name else b"word " * 2000
+    (world / name).write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
+    before = _hash(world)
+    rc = _in(world, main, ["prepare", "--source", name, "--out", "big_out", "--workers", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert f"error: {name}" in err and ("longer than" in err or "more than a text source file" in err), err
+    assert _same(before, _hash(world)) and not (world / "big_out").exists()

@@ -42,6 +42,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from mamba3lite import intake
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError, TransientError
 
 KIND_TEXT_BYTES = 0
@@ -399,9 +400,17 @@ class Source:
     def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
         """(line number, raw line) of the non-blank lines of a .jsonl or .jsonl.gz file."""
         opener = gzip.open if path.name.lower().endswith(".gz") else open
+        cap = intake.MAX_SOURCE_LINE_BYTES
         try:
             with opener(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
+                # readline(cap + 1), never iteration: a line with no newline in gigabytes (or a small .gz
+                # that inflates to one) would otherwise be read whole into memory.
+                for lineno, line in enumerate(iter(lambda: f.readline(cap + 1), b""), 1):
+                    if len(line) > cap:
+                        raise DataError(
+                            f"{path} line {lineno} is longer than {cap // intake.MiB} MiB, more than one "
+                            "document may be; split that document, or fix the file if it is not JSON lines"
+                        )
                     if line.strip():
                         yield lineno, line
         except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz
@@ -420,7 +429,10 @@ class Source:
                     yield None if index < start else ((str(path), row), KIND_STR, text)
                     index += 1
             else:
-                yield None if index < start else (str(path), KIND_TEXT_BYTES, path.read_bytes())
+                if index >= start:  # through the one reader: a regular file within the size of a document
+                    yield str(path), KIND_TEXT_BYTES, intake.read_bytes_capped(path, intake.SOURCE_DOCUMENT)
+                else:
+                    yield None
                 index += 1
 
     def _parquet_texts(self, path: Path) -> Iterator[str | None]:

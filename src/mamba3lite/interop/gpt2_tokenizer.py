@@ -43,7 +43,7 @@ def is_gpt2_tokenizer_json(text: str) -> bool:
     try:
         got = json.loads(text)
         want = json.loads(gpt2_tokenizer_json())
-    except (ValueError, ImportError):
+    except (ValueError, RecursionError, ImportError):  # not JSON, too deep, or no `tokenizers`: not ours
         return False
     if not isinstance(got, dict) or not isinstance(got.get("model"), dict):
         return False

@@ -113,6 +113,21 @@ def translate(source: OfficialSource, tok: TokenizerIdentity, a_activation: str)
         if ours is None:
             raise CheckpointError(f"{files}: tensor {name!r} is not part of a MambaLMHeadModel")
         state[ours] = t
+    # `generate` and `eval` refuse a checkpoint whose weights are not finite: refuse to write one.
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"{files}: tensor {official_name(name)!r} holds NaN or infinite values; the model cannot "
+                "be used (a run saved after it diverged?)"
+            )
+    # The layer count first: the expected shapes come from a model built (on the meta device) from the
+    # config, and an n_layer of 10**9 would take hours to build before any shape could disagree.
+    held = {int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    if len(held) != cfg.n_layers:
+        raise CheckpointError(
+            f"{files}: the weights hold {len(held)} layers, but {where} says n_layer {cfg.n_layers}; the "
+            "weights and the config disagree"
+        )
     want = _expected_shapes(cfg, vocab.padded)
     tied_head = state.pop(HEAD, None) if cfg.tie_embeddings else None
     if cfg.tie_embeddings:

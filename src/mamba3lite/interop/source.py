@@ -76,8 +76,8 @@ def open_source(src: str) -> OfficialSource:
             raise CheckpointError(f"{root / INDEX_NAME}: no weight_map (tensor name -> shard file)")
         files = [root / f for f in dict.fromkeys(wm.values())]
         for f in files:
-            if f.parent != root:
-                raise CheckpointError(f"{root / INDEX_NAME}: shard {f.relative_to(root)} is not in {root}")
+            if f.parent != root:  # "../x", "sub/x" or an absolute "/dev/zero"
+                raise CheckpointError(f"{root / INDEX_NAME}: shard {f} is not a file directly in {root}")
             if not f.is_file():
                 raise CheckpointError(f"{f}: a shard named by {INDEX_NAME} is missing; fetch it again")
     elif (root / SAFETENSORS_NAME).is_file():
