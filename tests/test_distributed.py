@@ -248,15 +248,17 @@ def test_an_error_on_rank_0_alone_stops_every_rank_with_one_line_each(tmp_path, 
 
 
 def test_an_error_on_rank_0_while_rank_1_is_in_another_collective_does_not_hang(tmp_path):
-    # metrics.jsonl is a directory: rank 0 fails opening the run's records while rank 1 waits in the
-    # next all-reduce. A barrier in rank 0's teardown never paired with it: both hung until gloo's
-    # 30-minute timeout and rank 0's error line was never printed.
+    # config.yaml is a directory in a run directory: rank 0 fails writing the run's records (after the
+    # checks every rank makes before a start) while rank 1 waits in the next all-reduce. A barrier in
+    # rank 0's teardown never paired with it: both hung until gloo's 30-minute timeout and rank 0's error
+    # line was never printed.
     config = write_config(tmp_path)
     run = tmp_path / "run"
-    (run / "metrics.jsonl").mkdir(parents=True)
+    (run / "config.yaml").mkdir(parents=True)
+    (run / "metrics.jsonl").touch()  # what makes it a run directory that train may write into
     r = train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", check=False)
     assert r.returncode != 0
     tail = r.stderr[-3000:]
-    assert f"error: Is a directory ({run / 'metrics.jsonl'})" in r.stderr, tail
+    assert f"error: Is a directory ({run / 'config.yaml'})" in r.stderr, tail
     assert "rank 1 stops because another rank of this job stopped first" in r.stderr, tail
     assert "src/mamba3lite/" not in r.stderr, tail

@@ -33,6 +33,15 @@ import numpy as np
 HASH_CHUNK_BYTES = 1 << 24
 
 
+def _rename(tmp: str | Path, path: str | Path) -> None:
+    """`os.replace(tmp, path)`; a directory in the way at `path` is reported as `path` (the name the user
+    knows), not as the temp file that could not be moved there."""
+    try:
+        os.replace(tmp, path)
+    except IsADirectoryError as e:
+        raise IsADirectoryError(e.errno, e.strerror, str(path)) from None
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so that a rename inside it survives a crash (no-op where unsupported)."""
     try:
@@ -67,7 +76,7 @@ def atomic_write_bytes(path: Path, data: bytes | memoryview | np.ndarray) -> Non
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp_name, path)
+        _rename(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
@@ -140,7 +149,7 @@ class HashingAtomicFile:
         if errors:
             raise errors[0]
         self._f.close()
-        os.replace(self._tmp, self.path)
+        _rename(self._tmp, self.path)
         fsync_dir(self.path.parent)
         return digest
 
