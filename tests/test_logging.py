@@ -38,6 +38,14 @@ class ListSink:
         pass
 
 
+def quiet_logger(run_dir, **overrides):
+    """build_logger with no FLOPs, no device, no progress bar, logging every step of a 3-step run
+    (`overrides` change any of those)."""
+    kw = dict(log_every=1, flops_per_token=None, peak_flops_per_s=None, device=None, max_steps=3)
+    kw.update(start_step=0, progress=False)
+    return build_logger(run_dir, **{**kw, **overrides})
+
+
 def test_window_mean_ppl_and_tokens_per_second():
     clock, sink = FakeClock(), ListSink()
     log = TrainingLogger(log_every=4, sinks=[sink], clock=clock, flops_per_token=6.0, peak_flops_per_s=1200.0)
@@ -174,16 +182,7 @@ def test_wandb_failure_is_a_warning_not_a_crash(monkeypatch, tmp_path, error):
     _fake_wandb(monkeypatch, init)
     monkeypatch.setenv("WANDB_PROJECT", "p")
     with pytest.warns(UserWarning, match="W&B disabled"):
-        log = build_logger(
-            tmp_path,
-            log_every=1,
-            flops_per_token=None,
-            peak_flops_per_s=None,
-            device=None,
-            max_steps=3,
-            start_step=0,
-            progress=False,
-        )
+        log = quiet_logger(tmp_path)
     row = log.log_step(1, loss=1.0, lr=0.1, grad_norm=1.0, tokens_processed=1, tokens_total=1)
     assert row is not None and log.wandb_run_id is None
     log.close()
@@ -247,10 +246,7 @@ def test_the_progress_bar_counts_from_the_step_a_run_resumes_at(monkeypatch, tmp
     # Built at step 0 and only moved to the resumed step, the bar took the resumed steps as done in no
     # time: thousands of steps/s and an ETA of 00:00 for the whole run.
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    logger = build_logger(
-        tmp_path, log_every=10, flops_per_token=None, peak_flops_per_s=None, device=None, max_steps=560,
-        start_step=0, progress=True,
-    )  # fmt: skip
+    logger = quiet_logger(tmp_path, log_every=10, max_steps=560, progress=True)
     bar = logger.progress._bar
     assert bar is not None and bar.initial == 0
     logger.restart_window(460)

@@ -9,24 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from mamba3lite.train.logging import build_logger
-
-
-def _logger(run_dir: Path):
-    return build_logger(
-        run_dir,
-        log_every=1,
-        flops_per_token=None,
-        peak_flops_per_s=None,
-        device=None,
-        max_steps=3,
-        start_step=0,
-        progress=False,
-    )
+from test_logging import quiet_logger
 
 
 def _train_three_steps(run_dir: Path) -> list[dict]:
-    log = _logger(run_dir)
+    log = quiet_logger(run_dir)
     log.event(0, "start", "fresh run")
     for step, loss in ((1, 3.0), (2, 2.5), (3, 2.25)):
         log.log_step(
@@ -64,7 +51,7 @@ def test_tensorboard_event_file_holds_the_rows_of_metrics_jsonl(tmp_path):
 
 def test_tensorboard_creates_nothing_before_the_first_row(tmp_path):
     pytest.importorskip("tensorboard")
-    log = _logger(tmp_path)
+    log = quiet_logger(tmp_path)
     log.event(0, "error", "refused: the checkpoint does not fit this model")  # what a refused start logs
     log.close()
     assert not (tmp_path / "tb").exists()
