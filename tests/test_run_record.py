@@ -9,7 +9,8 @@ import re
 import pytest
 
 from mamba3lite.config import Config
-from mamba3lite.data.splits import dataset_dir, short_val_split, val_split_holds_window
+from mamba3lite.data.shards import dataset_dir
+from mamba3lite.data.splits import short_val_split, val_split_holds_window
 from mamba3lite.errors import CheckpointError, DataError
 from mamba3lite.train.data import check_fits_global_batch
 from mamba3lite.train.run_record import (

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from mamba3lite.data.splits import dataset_dir, short_val_split, val_split_holds_window
+from mamba3lite.data.shards import dataset_dir
+from mamba3lite.data.splits import short_val_split, val_split_holds_window
 from mamba3lite.errors import ConfigError, DataError
 
 __all__ = ["check_compatible", "evaluate_model", "pick_split", "short_val_split", "spread_picks"]

@@ -1,5 +1,5 @@
-"""Which split of a dataset to validate on, and where a dataset is: rules shared by train, eval and
-the quickstart, so that they decide alike.
+"""Which split of a dataset to validate on: the rule shared by train, eval and the quickstart, so that
+they decide alike (where a dataset is, from a path, is the token format's: `shards.dataset_dir`).
 
 A split holds a window when it has more than `max_seq_len` tokens (a window is `max_seq_len + 1`
 tokens: inputs and shifted targets). The val split is used when it holds one; otherwise training runs
@@ -9,9 +9,6 @@ without validation and `eval` falls back to the train split, each saying why (`s
 from __future__ import annotations
 
 from typing import Any
-
-# Where a dataset is: the token format's rule (re-exported for train, eval and the run record).
-from mamba3lite.data.shards import dataset_dir as dataset_dir
 
 
 def val_split_holds_window(manifest: Any, max_seq_len: int) -> bool:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from mamba3lite.config import Config
-from mamba3lite.data.splits import dataset_dir, short_val_split, val_split_holds_window
+from mamba3lite.data.shards import dataset_dir
+from mamba3lite.data.splits import short_val_split, val_split_holds_window
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 from mamba3lite.evaluate import check_compatible
 

@@ -13,8 +13,7 @@ from typing import Any
 from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_json
 from mamba3lite.config import RESOLVED_CONFIG_NAME, Config, write_resolved_config
-from mamba3lite.data.shards import MANIFEST_NAME
-from mamba3lite.data.splits import dataset_dir
+from mamba3lite.data.shards import MANIFEST_NAME, dataset_dir
 from mamba3lite.errors import Mamba3LiteError
 
 RUN_RECORD_NAME = "run.json"
