@@ -24,8 +24,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mamba3lite.model import _scan_triton_kernels as kernels
+from mamba3lite.model import scan_triton
 
 MM_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "y_ptr", "starts_ptr", "dy_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
+KERNELS = {  # name: (kernel, whether it is a state kernel: its P block is scan_triton.STATE_BLOCK_P)
+    "state_fwd": (kernels.state_fwd_kernel, True),
+    "chunk_fwd": (kernels.chunk_fwd_kernel, False),
+    "state_bwd": (kernels.state_bwd_kernel, True),
+    "chunk_bwd": (kernels.chunk_bwd_kernel, False),
+}
 
 
 def signature(kernel, dtype: str, has_reset: bool, constexprs: dict) -> dict:
@@ -36,6 +43,8 @@ def signature(kernel, dtype: str, has_reset: bool, constexprs: dict) -> dict:
             out[name] = "constexpr"
         elif name in MM_POINTERS:
             out[name] = f"*{dtype}"
+        elif name == "gends_ptr":  # the state's gradient per chunk, fp32
+            out[name] = "*fp32"
         elif name == "seg_ptr":
             out[name] = "*i32" if has_reset else "*fp32"
         else:
@@ -46,12 +55,16 @@ def signature(kernel, dtype: str, has_reset: bool, constexprs: dict) -> dict:
 def compile_one(
     which: str, dtype: str, R: int, L: int, N: int, P: int, warps: int, stages: int, arch: int
 ) -> str:
-    kernel = {"fwd": kernels.scan_fwd_kernel, "bwd": kernels.scan_bwd_kernel}[which]
+    kernel, is_state = KERNELS[which]
     block = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731 (as scan_triton._block)
     constexprs = {
-        "L": L, "R": R, "N": N, "P": P, "BLOCK_LR": block(L * R), "BLOCK_N": block(N), "BLOCK_P": block(P),
+        "L": L, "R": R, "N": N, "P": P, "BLOCK_LR": block(L * R), "BLOCK_N": block(N),
         "HAS_RESET": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32",
     }  # fmt: skip
+    if is_state:
+        constexprs["BLOCK_PS"] = min(block(P), scan_triton.STATE_BLOCK_P)
+    else:
+        constexprs["BLOCK_P"] = block(P)
     src = ASTSource(kernel, signature(kernel, dtype, True, constexprs), constexprs)
     compiled = triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
@@ -85,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     failed = False
     for dtype, R, L, N, P in cases:
-        for which in ("fwd", "bwd"):
+        for which in KERNELS:
             name = f"{which} {dtype} R={R} L={L} N={N} P={P} sm_{args.arch} warps={args.warps}"
             name += f" stages={args.stages}"
             try:

@@ -1,6 +1,7 @@
 """The chunked scan as fused Triton kernels: `triton_chunked_scan` has exactly the contract of
-`scan.chunked_scan` (same arguments, outputs and dtypes), computed by one forward and one backward
-kernel (model/_scan_triton_kernels.py, whose docstring has the math).
+`scan.chunked_scan` (same arguments, outputs and dtypes), computed by two kernels each way — a state
+kernel that passes the state (or its gradient) across the chunks and a chunk kernel that does every
+chunk's quadratic form at once (model/_scan_triton_kernels.py, whose docstring has the math).
 
 Split of the work. The per-token scalars, O(B·H·T), are prepared here in plain PyTorch (autograd
 differentiates them): γ = λΔ, scale_s = γ_s + (1 − λ_{s+1})Δ_{s+1} (the next token's β without its α,
@@ -8,7 +9,7 @@ as in chunked_scan), the chunk-local cumulative ΔA, the chunk-local reset count
 (h0ᵀ plus the k_prev/v_prev term of the first token). Everything of size O(T·L·R²·(N+P)) — the masked
 quadratic form within chunks and the state passing between them — runs in the kernels, wrapped in one
 custom op (`mamba3lite::triton_scan`) with a registered autograd formula: the forward saves only its
-inputs and the state at each chunk start; the backward kernel recomputes the rest, never an (L, L) block.
+inputs and the state at each chunk start; the backward kernels recompute the rest, never an (L, L) block.
 
 The custom op is opaque to torch.compile (a fake implementation gives its shapes) and saves tensors
 through ctx.save_for_backward, so it works under non-reentrant gradient checkpointing.
@@ -89,14 +90,24 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _launch_meta(q: Tensor, v: Tensor, chunk_size: int) -> dict:
+STATE_BLOCK_P = 32  # the P columns one state-kernel program carries (more programs, fewer registers)
+
+
+def _launch_meta(q: Tensor, v: Tensor, chunk_size: int) -> tuple[dict, dict]:
+    """The constexprs of (the state kernels, the chunk kernels)."""
     R, N, P = q.shape[3], q.shape[4], v.shape[4]
-    return {
-        "L": chunk_size, "R": R, "N": N, "P": P,
-        "BLOCK_LR": _block(chunk_size * R), "BLOCK_N": _block(N), "BLOCK_P": _block(P),
+    both = {
+        "L": chunk_size, "R": R, "N": N, "P": P, "BLOCK_LR": _block(chunk_size * R), "BLOCK_N": _block(N),
         # fp32 operands at full precision (chunked_scan's fp32 matmuls do not use TF32 either)
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }  # fmt: skip
+    return {**both, "BLOCK_PS": min(_block(P), STATE_BLOCK_P)}, {**both, "BLOCK_P": _block(P)}
+
+
+def _grids(Bsz: int, H: int, P: int, nc: int, state_meta: dict) -> tuple[tuple, tuple]:
+    """The grids of (the state kernels: batch row·head × column block, the chunk kernels: batch
+    row·head·chunk, on the first axis, the only one with room for more than 65,535 programs)."""
+    return (Bsz * H, -(-P // state_meta["BLOCK_PS"])), (Bsz * H * nc,)
 
 
 @torch.library.custom_op("mamba3lite::triton_scan", mutates_args=())
@@ -111,7 +122,7 @@ def _triton_scan(
     S0_BHNP: Tensor,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused forward. cs/scale/γ (fp32) and seg (int32, or None without resets) are padded to
+    """The forward kernels. cs/scale/γ (fp32) and seg (int32, or None without resets) are padded to
     whole chunks (Tp = nc·L); q, k, v are not. Returns (y (B, H, T, R, P) in q's dtype, h_T (B, H, P, N)
     fp32, starts (B, H, nc, N, P) in q's dtype: the state at each chunk start, for the backward)."""
     Bsz, H, T, R, N = q_BHTRN.shape
@@ -121,10 +132,18 @@ def _triton_scan(
     y = torch.empty(Bsz, H, T, R, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
     h_T = torch.empty(Bsz, H, P, N, dtype=torch.float32, device=q_BHTRN.device)
     starts = torch.empty(Bsz, H, nc, N, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
-    _kernels().scan_fwd[(Bsz * H,)](
-        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
-        cs_BHT if seg_BT is None else seg_BT, S0_BHNP, y, starts, h_T,
-        T, Tp, nc, H, HAS_RESET=seg_BT is not None, **_launch_meta(q_BHTRN, v_BHTRP, chunk_size),
+    seg = cs_BHT if seg_BT is None else seg_BT  # an unread stand-in without resets
+    state_meta, chunk_meta = _launch_meta(q_BHTRN, v_BHTRP, chunk_size)
+    state_grid, chunk_grid = _grids(Bsz, H, P, nc, state_meta)
+    kernels = _kernels()
+    common = (T, Tp, nc, H)
+    kernels.state_fwd[state_grid](
+        k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, seg, S0_BHNP, starts, h_T,
+        *common, HAS_RESET=seg_BT is not None, **state_meta,
+    )  # fmt: skip
+    kernels.chunk_fwd[chunk_grid](
+        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg, starts, y,
+        *common, HAS_RESET=seg_BT is not None, **chunk_meta,
     )  # fmt: skip
     return y, h_T, starts
 
@@ -152,18 +171,29 @@ def _triton_scan_backward(
     dh_BHPN: Tensor,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused backward: (dq, dk, dv in the inputs' dtypes, d_cs, d_scale, d_γ (B, H, Tp) fp32, dS0)."""
+    """The backward kernels: (dq, dk, dv in the inputs' dtypes, d_cs, d_scale, d_γ (B, H, Tp) fp32, dS0)."""
     Bsz, H, T, R, N = q_BHTRN.shape
     Tp = cs_BHT.shape[-1]
     nc = Tp // chunk_size
+    P = v_BHTRP.shape[-1]
+    dev = q_BHTRN.device
     dq, dk, dv = torch.empty_like(q_BHTRN), torch.empty_like(k_BHTRN), torch.empty_like(v_BHTRP)
-    rows = [torch.empty(Bsz, H, Tp, R, dtype=torch.float32, device=q_BHTRN.device) for _ in range(3)]
-    dS0 = torch.empty(Bsz, H, N, v_BHTRP.shape[-1], dtype=torch.float32, device=q_BHTRN.device)
-    _kernels().scan_bwd[(Bsz * H,)](
-        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
-        cs_BHT if seg_BT is None else seg_BT, starts, dy_BHTRP.contiguous(), dh_BHPN.contiguous(),
-        dq, dk, dv, *rows, dS0,
-        T, Tp, nc, H, HAS_RESET=seg_BT is not None, **_launch_meta(q_BHTRN, v_BHTRP, chunk_size),
+    rows = [torch.empty(Bsz, H, Tp, R, dtype=torch.float32, device=dev) for _ in range(3)]
+    dS0 = torch.empty(Bsz, H, N, P, dtype=torch.float32, device=dev)
+    g_ends = torch.empty(Bsz, H, nc, N, P, dtype=torch.float32, device=dev)  # the gradient of each S_{c+1}
+    seg = cs_BHT if seg_BT is None else seg_BT
+    dy = dy_BHTRP.contiguous()
+    state_meta, chunk_meta = _launch_meta(q_BHTRN, v_BHTRP, chunk_size)
+    state_grid, chunk_grid = _grids(Bsz, H, P, nc, state_meta)
+    kernels = _kernels()
+    common = (T, Tp, nc, H)
+    kernels.state_bwd[state_grid](
+        q_BHTRN, dy, cs_BHT, scale_BHT, seg, dh_BHPN.contiguous(), g_ends, dS0,
+        *common, HAS_RESET=seg_BT is not None, **state_meta,
+    )  # fmt: skip
+    kernels.chunk_bwd[chunk_grid](
+        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg, starts, g_ends, dy,
+        dq, dk, dv, *rows, *common, HAS_RESET=seg_BT is not None, **chunk_meta,
     )  # fmt: skip
     d_cs, d_scale, d_gamma = (r.sum(-1) for r in rows)  # the R rows of each token
     return dq, dk, dv, d_cs, d_scale, d_gamma, dS0
