@@ -14,6 +14,7 @@ from mamba3lite.model.mamba3 import (
     Mamba3,
     _bias_rotate_autograd,
     _BiasRotate,
+    _Gate,
     cumulative_angles,
     heavy_tail,
     rotate_,
@@ -122,7 +123,7 @@ def test_cache_contents_after_prefill():
     layer(u, cache)
     _, x, Bp, Cp, _, _, _, dtheta = layer._project(u)
     theta = cumulative_angles(dtheta, None, None)
-    _, k = layer._qk(Bp, Cp, theta)
+    _, k = layer._qk(*layer._normed(Bp, Cp), theta)
     torch.testing.assert_close(cache.angle_BHS, theta[:, :, -1])
     torch.testing.assert_close(cache.k_BRHN, k[:, :, -1].transpose(1, 2))
     torch.testing.assert_close(cache.v_BHP, x[:, -1])
@@ -137,7 +138,7 @@ def test_exponential_euler_ablation_is_mamba2_recurrence():
     assert layer.in_proj.weight.shape[0] == ref.in_proj.weight.shape[0] - layer.nheads
     u = inputs(T=12)
     z, x, Bp, Cp, dt, A, _, dtheta = layer._project(u)
-    q, k = layer._qk(Bp, Cp, cumulative_angles(dtheta, None, None))
+    q, k = layer._qk(*layer._normed(Bp, Cp), cumulative_angles(dtheta, None, None))
     v = layer._values(x)
     h = torch.zeros(2, layer.nheads, layer.headdim, layer.d_state, dtype=F64)
     ys = []
@@ -228,10 +229,15 @@ def test_layer_in_its_compiled_form_equals_eager(kw, monkeypatch):
     y = layer(u)
     want = torch.autograd.grad(y.square().sum(), params)
     used = []
-    for module, name in ((mamba3_module, "_bias_rotate_autograd"), (scan, "_decay_weights_autograd")):
+    plain = (
+        (mamba3_module, "_bias_rotate_autograd"),
+        (mamba3_module, "_gate_autograd"),
+        (scan, "_decay_weights_autograd"),
+    )
+    for module, name in plain:
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name: used.append(_n) or _fn(*a))
-    for cls in (mamba3_module._BiasRotate, scan._DecayWeights, scan._ChunkCore):
+    for cls in (mamba3_module._BiasRotate, mamba3_module._Gate, scan._DecayWeights, scan._ChunkCore):
         monkeypatch.setattr(cls, "apply", lambda *a, _c=cls: pytest.fail(f"{_c.__name__} used under compile"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     y2 = layer(u)
@@ -239,7 +245,10 @@ def test_layer_in_its_compiled_form_equals_eager(kw, monkeypatch):
     torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-10)
     for (name, _), a, b in zip(layer.named_parameters(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
-    assert set(used) == ({"_decay_weights_autograd"} | ({"_bias_rotate_autograd"} if layer.rope else set()))
+    expected = {"_decay_weights_autograd", "_gate_autograd"} | (
+        {"_bias_rotate_autograd"} if layer.rope else set()
+    )
+    assert set(used) == expected
 
 
 def test_gradients_flow_to_every_parameter():
@@ -270,6 +279,21 @@ def test_bad_shape_names_the_field():
         Mamba3(32, headdim=48)
     with pytest.raises(ValueError, match="scan_impl"):
         Mamba3(32, d_state=16, headdim=8, scan_impl="fast")
+
+
+@pytest.mark.parametrize("z_ranks", [1, 3], ids=["z broadcast over ranks", "z per rank"])
+def test_gate_function_keeps_x_and_z_only_and_matches_autograd(z_ranks):
+    """_Gate: x ⊙ SiLU(z) with autograd's values and gradients (gradcheck, float64; z broadcast over
+    the rank axis as in SISO), and it saves x and z, not SiLU(z) as the two plain ops do."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 5, 3, 4, dtype=F64, generator=g, requires_grad=True)
+    z = torch.randn(2, 3, 5, z_ranks, 4, dtype=F64, generator=g, requires_grad=True)
+    torch.autograd.gradcheck(_Gate.apply, (x, z))
+    torch.testing.assert_close(_Gate.apply(x, z), x * torch.nn.functional.silu(z))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _Gate.apply(x, z)
+    assert len(saved) == 2 and saved[0] is x and saved[1] is z
 
 
 @pytest.mark.parametrize("impl", [_BiasRotate.apply, _bias_rotate_autograd], ids=["function", "plain"])

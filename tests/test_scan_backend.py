@@ -18,6 +18,8 @@ from mamba3lite.config import Config
 from mamba3lite.errors import ConfigError
 from mamba3lite.model import Mamba3, Mamba3Transformer, ModelConfig
 from mamba3lite.model import scan_backend as sb
+from mamba3lite.model.mamba3 import _bias_rotate_autograd
+from mamba3lite.model.rotation import per_head
 from mamba3lite.model.scan import chunked_scan
 from mamba3lite.pretrained import load_pretrained
 from mamba3lite.train.checkpoint import CheckpointManager
@@ -30,15 +32,26 @@ SHAPE = {"R": 1, "N": 16, "P": 8, "chunk_size": 8}
 
 
 def fake_triton(monkeypatch, *, reason: str | None = None, supports: bool = True) -> types.SimpleNamespace:
-    """Stand in for mamba3lite.model.scan_triton: K1's three functions, the scan recording its calls."""
+    """Stand in for mamba3lite.model.scan_triton: its availability checks and its two scans, which
+    record their calls."""
     calls = []
 
     def triton_chunked_scan(*args, **kwargs):
         calls.append(kwargs.get("chunk_size"))
         return chunked_scan(*args, **kwargs)
 
+    def triton_rotated_scan(k_hat, q_hat, k_bias, q_bias, theta, halves, v, *scalars, **kwargs):
+        """The fused op's contract, from the mixer's own bias and rotation."""
+        out_dtype = torch.promote_types(k_hat.dtype, v.dtype)
+        if theta is None:
+            k, q = per_head(k_hat, k_bias).to(out_dtype), per_head(q_hat, q_bias).to(out_dtype)
+        else:
+            k, q = _bias_rotate_autograd(k_hat, q_hat, k_bias, q_bias, theta, halves, out_dtype)
+        return triton_chunked_scan(q, k, v, *scalars, **kwargs)
+
     module = types.SimpleNamespace(
         triton_chunked_scan=triton_chunked_scan,
+        triton_rotated_scan=triton_rotated_scan,
         triton_unavailable_reason=lambda device: reason,
         triton_supports=lambda R, N, P, chunk_size: supports,
         calls=calls,

@@ -26,7 +26,7 @@ from mamba3lite.model import (
     ModelConfig,
     scan_triton,
 )
-from mamba3lite.model.mamba3 import Mamba3
+from mamba3lite.model.mamba3 import Mamba3, _bias_rotate_autograd
 from mamba3lite.model.scan import chunked_scan, sequential_scan
 from mamba3lite.model.scan_triton import triton_chunked_scan, triton_supports, triton_unavailable_reason
 from test_scan import make_inputs, make_state
@@ -158,11 +158,13 @@ def test_strong_decay_and_fp32_inputs():
 
 
 def test_bf16_autocast_dtypes_and_values():
-    """Under autocast y leaves in the autocast dtype and the state in fp32 (chunked_scan's contract);
-    the interpreter computes in fp32 (numpy has no bf16), so y is the fp32 result rounded to bf16."""
+    """Under autocast y leaves in the autocast dtype and the state in fp32 (chunked_scan's contract).
+    The op gets q, k, v in bf16, as the kernels do on a GPU; the interpreter computes on them in fp32
+    (numpy has no bf16), so y is exactly the fp32 result on the bf16-rounded inputs, rounded to bf16."""
     (q, k, v, adt, dt, lam), reset = make_inputs(T=50, R=2, resets=True)
     args = [x.float() for x in (q, k, v, adt, dt, lam)]
-    y32, h32 = triton_chunked_scan(*args, chunk_size=16, reset_BT=reset)
+    rounded = [x.to(torch.bfloat16).float() for x in args[:3]] + args[3:]
+    y32, h32 = triton_chunked_scan(*rounded, chunk_size=16, reset_BT=reset)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, h = triton_chunked_scan(*args, chunk_size=16, reset_BT=reset)
         y_ref, h_ref = chunked_scan(*args, chunk_size=16, reset_BT=reset)
@@ -225,6 +227,7 @@ MIXERS = [
     {"is_mimo": True, "mimo_rank": 2, "chunk_size": 8},
     {"is_mimo": True, "mimo_rank": 4, "is_outproj_norm": True, "chunk_size": 4},
     {"ngroups": 2},
+    {"rope": False},  # the fused op with biases and no rotation
 ]
 
 
@@ -281,7 +284,7 @@ def lm_loss_and_grads(model, ids_BT):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_lm_loss_and_gradients_equal_the_chunked_path(checkpointing):
+def test_lm_loss_and_gradients_equal_the_chunked_path(checkpointing, monkeypatch):
     """The whole LM with packed documents (EOS resets): loss and every gradient, triton == chunked;
     also with non-reentrant gradient checkpointing (each layer's scan runs again in the backward)."""
     ids_BT = torch.randint(4, 61, (2, 31), generator=torch.Generator().manual_seed(1))
@@ -289,53 +292,111 @@ def test_lm_loss_and_gradients_equal_the_chunked_path(checkpointing):
     model = tiny_lm(reset_at_eos=True)
     loss_ref, grads_ref = lm_loss_and_grads(model, ids_BT)
     use_triton(model)
-    calls = []
-    for m in model.modules():  # count the kernel launches: checkpointing runs each layer's twice
-        if isinstance(m, Mamba3):
-            m._scan = lambda *a, _scan=m._scan, **kw: calls.append(1) or _scan(*a, **kw)
+    calls = []  # the forward kernels' launches: checkpointing runs each layer's twice
+    run_forward = scan_triton._run_forward
+    monkeypatch.setattr(
+        scan_triton, "_run_forward", lambda *a, **kw: calls.append(kw["with_y"]) or run_forward(*a, **kw)
+    )
     model.grad_checkpointing = checkpointing
     model.train()
     loss, grads = lm_loss_and_grads(model, ids_BT)
-    assert len(calls) == 2 * (2 if checkpointing else 1)  # 2 layers
+    # 2 layers; each backward also reruns the state kernel (with_y False) for the chunk-start states
+    assert calls.count(True) == 2 * (2 if checkpointing else 1) and calls.count(False) == 2
     close(loss, loss_ref)
     for name in grads_ref:
         close(grads[name], grads_ref[name], name)
 
 
-def test_op_under_torch_compile():
+def rotated_scan_inputs(T=21, R=2, H=4, G=2, N=8, P=4, S=3):
+    """Inputs of triton_rotated_scan (fp32, all requiring grad but the resets): per-group q̂, k̂, per-head
+    biases, angles, v and the per-token scalars."""
+    (_, _, v, adt, dt, lam), reset = make_inputs(T=T, R=R, H=H, N=N, P=P, resets=True)
+    g = torch.Generator().manual_seed(6)
+    k_hat, q_hat = (torch.randn(2, G, T, R, N, generator=g) for _ in range(2))
+    k_bias, q_bias = (torch.randn(H, R, N, generator=g) for _ in range(2))
+    theta = torch.rand(2, H, T, S, generator=g) * 6
+    tensors = [k_hat, q_hat, k_bias, q_bias, theta, v.float(), adt.float(), dt.float(), lam.float()]
+    return [t.detach().requires_grad_() for t in tensors], reset
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["triton_chunked_scan", "triton_rotated_scan"])
+def test_op_under_torch_compile(fused):
     """torch.compile traces through the wrapper; the kernels are one opaque custom op (its fake
-    implementation gives the shapes), forward and backward. aot_eager: no C++ compiler needed."""
-    (q, k, v, adt, dt, lam), reset = make_inputs(T=21, R=2, resets=True, requires_grad=True)
-    args = [x.detach().float().requires_grad_() for x in (q, k, v, adt, dt, lam)]
-    fn = functools.partial(triton_chunked_scan, chunk_size=8, reset_BT=reset)
+    implementation gives the shapes), forward and backward; with the fused bias + rotation too.
+    aot_eager: no C++ compiler needed."""
+    if fused:
+        args, reset = rotated_scan_inputs()
+        halves = True
+        fn = functools.partial(scan_triton.triton_rotated_scan, chunk_size=8, reset_BT=reset)
+        fn_args = lambda a: (*a[:5], halves, *a[5:])  # noqa: E731
+    else:
+        (q, k, v, adt, dt, lam), reset = make_inputs(T=21, R=2, resets=True, requires_grad=True)
+        args = [x.detach().float().requires_grad_() for x in (q, k, v, adt, dt, lam)]
+        fn = functools.partial(triton_chunked_scan, chunk_size=8, reset_BT=reset)
+        fn_args = lambda a: a  # noqa: E731
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     results = []
     for f in (fn, compiled):
-        y, h = f(*args)
+        y, h = f(*fn_args(args))
         results.append((y, h, *torch.autograd.grad(y.square().sum() + h.sum(), args)))
     for a, b in zip(*results):
         close(a, b, rel=1e-6)
 
 
-def test_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("halves", [False, True], ids=["siso pairs", "mimo halves"])
+def test_rotated_scan_equals_bias_rotate_then_the_scan(halves):
+    """triton_rotated_scan == rotation.bias_rotate then the sequential scan, output, state and the
+    gradients of all nine inputs (ngroups 2: the per-group gradients sum over their heads), and its
+    autograd graph keeps no per-head (B, H, T, R, N) tensor."""
+    args, reset = rotated_scan_inputs()
+    y, h = scan_triton.triton_rotated_scan(*args[:5], halves, *args[5:], chunk_size=8, reset_BT=reset)
+    grads = torch.autograd.grad((y * y.detach().sin()).sum() + h.square().sum(), args)
+    k_hat, q_hat, k_bias, q_bias, theta, *rest = [a.double() for a in args]
+    k, q = _bias_rotate_autograd(k_hat, q_hat, k_bias, q_bias, theta, halves, F64)
+    y_ref, h_ref = sequential_scan(q, k, *rest, reset_BT=reset)
+    grads_ref = torch.autograd.grad(
+        (y_ref * y.detach().double().sin()).sum() + h_ref.square().sum(),
+        [k_hat, q_hat, k_bias, q_bias, theta, *rest],
+    )
+    close(y, y_ref.float())
+    close(h, h_ref.float())
+    names = ["k_hat", "q_hat", "k_bias", "q_bias", "theta", "v", "adt", "dt", "lam"]
+    for name, a, b in zip(names, grads, grads_ref):
+        assert b.abs().max() > 1e-3, name
+        close(a, b.float(), name, rel=2e-5)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        scan_triton.triton_rotated_scan(*args[:5], halves, *args[5:], chunk_size=8, reset_BT=reset)
+    per_head = (2, 4, 21, 2, 8)
+    assert saved and per_head not in [tuple(s) for s in saved], saved
+
+
+@pytest.mark.parametrize("prologue", [False, True], ids=["per-head q k", "bias and rotation"])
+def test_custom_ops_pass_opcheck(prologue):
     """torch.library.opcheck: the ops' schemas, fake implementations (the shapes, dtypes and strides
-    torch.compile plans with) and autograd registration agree with the real kernels."""
+    torch.compile plans with) and autograd registration agree with the real kernels; with per-head
+    q, k (triton_chunked_scan) and with per-group q̂, k̂, biases and angles (triton_rotated_scan)."""
     B, H, T, R, N, P, L = 1, 2, 21, 2, 16, 16, 8
     nc = 3
     g = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(B, H, T, R, N, generator=g).requires_grad_() for _ in range(2))
+    G = 1 if prologue else H
+    q, k = (torch.randn(B, G, T, R, N, generator=g).requires_grad_() for _ in range(2))
+    biases_theta = (None, None, None)
+    if prologue:
+        theta = torch.rand(B, H, T, 4, generator=g) * 6
+        biases_theta = (*(torch.randn(H, R, N, generator=g).requires_grad_() for _ in range(2)), theta)
     v = torch.randn(B, H, T, R, P, generator=g).requires_grad_()
     cs = -torch.rand(B, H, nc, L, generator=g).cumsum(-1).reshape(B, H, nc * L)
     scale, gamma = (torch.rand(B, H, nc * L, generator=g).requires_grad_() for _ in range(2))
     seg = torch.zeros(B, nc * L, dtype=torch.int32)
     seg[:, 10:16] = 1
     S0 = torch.randn(B, H, N, P, generator=g).requires_grad_()
-    args = (q, k, v, cs.requires_grad_(), scale, gamma, seg, S0, L)
+    args = (q, k, *biases_theta, prologue, v, cs.requires_grad_(), scale, gamma, seg, S0, L, torch.float32)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(scan_triton._triton_scan, args, test_utils=tests)
-    _, _, starts = scan_triton._triton_scan(*args)
     dy, dh = torch.randn(B, H, T, R, P, generator=g), torch.randn(B, H, P, N, generator=g)
-    bwd_args = (*(x.detach() for x in args[:6]), seg, starts.detach(), dy, dh, L)
+    detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in args[:-2]]
+    bwd_args = (*detached, dy, dh, L, torch.float32)
     torch.library.opcheck(
         scan_triton._triton_scan_backward, bwd_args, test_utils=("test_schema", "test_faketensor")
     )

@@ -24,8 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig, check_scan_impl
+from mamba3lite.model.rotation import (  # noqa: F401 (pair_views, rotate_, rotation_factors: tests)
+    bias_rotate,
+    bias_rotate_grads,
+    pair_views,
+    per_head,
+    rotate_,
+    rotation_factors,
+)
 from mamba3lite.model.scan import autocast_dtype, eager_or_traced, scan_step
-from mamba3lite.model.scan_backend import resolve_scan_impl, scan_function
+from mamba3lite.model.scan_backend import resolve_scan_impl, rotated_scan, scan_function
 
 
 class RMSNorm(nn.Module):
@@ -52,65 +60,6 @@ def heavy_tail(a: Tensor) -> Tensor:
     return torch.where(a >= 0, 1 + a, 1 / (1 - a.clamp(max=0)))
 
 
-def pair_views(x: Tensor, n_angles: int, halves: bool) -> tuple[Tensor, Tensor]:
-    """Views (a, b) of x (.., N): the two channels of each of the first `n_angles` rotating pairs,
-    (.., S) each. SISO pairs are interleaved (2i, 2i+1); MIMO pairs are split halves (i, i + N/2)."""
-    N = x.shape[-1]
-    if halves:
-        v = x.unflatten(-1, (2, N // 2))
-        return v[..., 0, :n_angles], v[..., 1, :n_angles]
-    v = x.unflatten(-1, (N // 2, 2))
-    return v[..., :n_angles, 0], v[..., :n_angles, 1]
-
-
-def rotation_factors(theta: Tensor, halves: bool) -> Tensor | tuple[Tensor, Tensor]:
-    """What `rotate_` multiplies by, from θ (.., S): e^{iθ} (SISO) or (cos θ, sin θ) (MIMO)."""
-    cos, sin = torch.cos(theta), torch.sin(theta)
-    return (cos, sin) if halves else torch.complex(cos, sin)
-
-
-def rotate_(
-    x: Tensor, factors: Tensor | tuple[Tensor, Tensor], halves: bool, inverse: bool = False
-) -> Tensor:
-    """R(θ)x in place (R(−θ)x if `inverse`): each of the first S pairs (a, b) ->
-    (a·cosθ − b·sinθ, a·sinθ + b·cosθ), the other channels unchanged. `factors` from `rotation_factors`
-    broadcast against x (.., N); x is fp32 or float64.
-
-    Interleaved pairs are complex numbers in memory, so SISO is one in-place complex product
-    (a + ib)·e^{iθ} over the first 2S channels; MIMO's halves are two contiguous runs per row."""
-    if not halves:
-        e = factors.conj() if inverse else factors
-        torch.view_as_complex(x.unflatten(-1, (-1, 2))[..., : e.shape[-1], :]).mul_(e)
-        return x
-    cos, sin = factors
-    sin = -sin if inverse else sin
-    a, b = pair_views(x, cos.shape[-1], halves)
-    new_a = torch.addcmul(a * cos, b, sin, value=-1)
-    b.mul_(cos).addcmul_(a, sin)
-    a.copy_(new_a)
-    return x
-
-
-def _angle_grad(g: Tensor, out: Tensor, S: int, halves: bool) -> Tensor:
-    """dL/dθ (.., S) per pair from the output gradient g (fp32/float64) and the rotated output: a rotated
-    pair (a', b') has d(a', b')/dθ = (−b', a'), so dL/dθ = g_b·a' − g_a·b' (= Im(g·conj(out)) as complex)."""
-    if not halves:
-        o = torch.view_as_complex(out[..., : 2 * S].to(g.dtype).unflatten(-1, (-1, 2)))
-        gc = torch.view_as_complex(g.unflatten(-1, (-1, 2))[..., :S, :])
-        return (gc * o.conj()).imag
-    ga, gb = pair_views(g, S, halves)
-    oa, ob = pair_views(out, S, halves)
-    return gb * oa - ga * ob
-
-
-def _per_head(x_BGTRN: Tensor, bias_HRN: Tensor) -> Tensor:
-    """x + bias per head (B, H, T, R, N) from per-group x (B, G, T, R, N): head h reads group h // (H / G);
-    one broadcast add makes the per-head copy."""
-    Bsz, G, T, R, N = x_BGTRN.shape
-    H = bias_HRN.shape[0]
-    return (x_BGTRN[:, :, None] + bias_HRN.view(G, H // G, 1, R, N).to(x_BGTRN.dtype)).view(Bsz, H, T, R, N)
-
-
 def _bias_rotate_autograd(k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype):
     """`_BiasRotate` in plain, out-of-place autograd ops (real arithmetic): the form torch.compile traces
     (`eager_or_traced`; on the H200 the compiler kept ~1.4x the eager Function's activations)."""
@@ -121,7 +70,7 @@ def _bias_rotate_autograd(k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, 
     sin = F.pad(torch.sin(theta), pad, value=0.0)
     outs = []
     for x, bias in ((k_BGTRN, k_bias_HRN), (q_BGTRN, q_bias_HRN)):
-        pairs = _per_head(x, bias).unflatten(-1, (2, N // 2) if halves else (N // 2, 2))
+        pairs = per_head(x, bias).unflatten(-1, (2, N // 2) if halves else (N // 2, 2))
         a, b = pairs.unbind(-2 if halves else -1)
         rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-2 if halves else -1)
         outs.append(rotated.flatten(-2).to(out_dtype))
@@ -134,40 +83,46 @@ class _BiasRotate(torch.autograd.Function):
     A Function for memory and speed: autograd would keep ~6 full (B, H, T, R, N) fp32 tensors per layer
     (the biased inputs, swapped copies, full-width cos/sin tables), the largest activations of the layer.
     This keeps the angles (B, H, T, S) and the outputs, which the scan keeps anyway (in the autocast
-    dtype under autocast). Backward: the inverse rotation R(−θ) of the output gradient, its sums over
-    heads (to k̂, q̂) and over batch and time (to the biases), and the angles' gradient (`_angle_grad`).
+    dtype under autocast). Forward and backward are rotation.py's `bias_rotate` / `bias_rotate_grads`.
     """
 
     @staticmethod
     def forward(ctx, k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype):
-        rot = rotation_factors(theta_BHTS.to(k_BGTRN.dtype)[:, :, :, None], halves)  # broadcast over R
-        outs = [
-            rotate_(_per_head(x, bias), rot, halves).to(out_dtype)
-            for x, bias in ((k_BGTRN, k_bias_HRN), (q_BGTRN, q_bias_HRN))
-        ]
+        outs = bias_rotate(k_BGTRN, q_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, out_dtype)
         ctx.save_for_backward(theta_BHTS, *outs)
         ctx.halves, ctx.G, ctx.in_dtype = halves, k_BGTRN.shape[1], k_BGTRN.dtype
-        return tuple(outs)
+        return outs
 
     @staticmethod
     def backward(ctx, g_k, g_q):
         theta, k, q = ctx.saved_tensors
-        halves, G, dt = ctx.halves, ctx.G, ctx.in_dtype
-        Bsz, H, T, R, N = k.shape
-        S = theta.shape[-1]
-        rot = rotation_factors(theta.to(dt)[:, :, :, None], halves)
-        d_theta = torch.zeros(Bsz, H, T, S, dtype=dt, device=theta.device)
-        grads = []
-        for g, out in ((g_k, k), (g_q, q)):
-            if g is None:
-                grads.append((None, None))
-                continue
-            gx = g.to(dt, memory_format=torch.contiguous_format, copy=True)
-            d_theta += _angle_grad(gx, out, S, halves).sum(3)
-            rotate_(gx, rot, halves, inverse=True)  # R(θ)ᵀ = R(−θ)
-            grads.append((gx.view(Bsz, G, H // G, T, R, N).sum(2), gx.sum((0, 2))))
-        (dk, dkb), (dq, dqb) = grads
-        return dk, dq, dkb, dqb, d_theta.to(theta.dtype), None, None
+        grads = bias_rotate_grads(theta, k, q, g_k, g_q, ctx.halves, ctx.G, ctx.in_dtype)
+        return *grads, None, None
+
+
+class _Gate(torch.autograd.Function):
+    """x ⊙ SiLU(z), saving x and z only: autograd's two ops would also keep SiLU(z), one more tensor of
+    the output's size per layer. The backward recomputes the sigmoid (in fp32, whatever the dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, z):
+        ctx.save_for_backward(x, z)
+        return x * F.silu(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, z = ctx.saved_tensors
+        wide = torch.promote_types(g.dtype, torch.float32)
+        gf, zf = g.to(wide), z.to(wide)
+        sig = torch.sigmoid(zf)
+        dx = (gf * zf * sig).to(x.dtype).sum_to_size(x.shape)
+        dz = (gf * x.to(wide) * sig * (1 + zf * (1 - sig))).to(z.dtype).sum_to_size(z.shape)
+        return dx, dz
+
+
+def _gate_autograd(x: Tensor, z: Tensor) -> Tensor:
+    """`_Gate` in plain autograd ops: the form torch.compile traces."""
+    return x * F.silu(z)
 
 
 def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
@@ -351,18 +306,19 @@ class Mamba3(nn.Module):
         x = x.unflatten(-1, (self.nheads, self.headdim))
         return z, x, Bp.unflatten(-1, (R, G, N)), Cp.unflatten(-1, (R, G, N)), dt, A, lam, dtheta
 
-    def _qk(self, Bp: Tensor, Cp: Tensor, theta_BHTS: Tensor | None) -> tuple[Tensor, Tensor]:
-        """BCNorm, per-head bias, rotation: (B, T, R, G, N) -> q, k (B, H, T, R, N), in the autocast
-        dtype under autocast (the scan's matmuls would cast them anyway), else the normed dtype."""
-        k = self.B_norm(Bp).permute(0, 3, 1, 2, 4)  # (B, G, T, R, N)
-        q = self.C_norm(Cp).permute(0, 3, 1, 2, 4)
-        dev = k.device.type
-        out_dtype = autocast_dtype(dev) or k.dtype
+    def _normed(self, Bp: Tensor, Cp: Tensor) -> tuple[Tensor, Tensor]:
+        """BCNorm: (B, T, R, G, N) -> k̂, q̂ (B, G, T, R, N) in ≥ fp32."""
+        return self.B_norm(Bp).permute(0, 3, 1, 2, 4), self.C_norm(Cp).permute(0, 3, 1, 2, 4)
+
+    def _qk(self, k_hat: Tensor, q_hat: Tensor, theta_BHTS: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Per-head bias, rotation: k̂, q̂ (B, G, T, R, N) -> q, k (B, H, T, R, N), in the autocast dtype
+        under autocast (the scan's matmuls would cast them anyway), else the normed dtype."""
+        out_dtype = autocast_dtype(k_hat.device.type) or k_hat.dtype
         if theta_BHTS is not None:
             bias_rotate = eager_or_traced(_BiasRotate, _bias_rotate_autograd)
-            k, q = bias_rotate(k, q, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, out_dtype)
+            k, q = bias_rotate(k_hat, q_hat, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, out_dtype)
             return q, k
-        return _per_head(q, self.C_bias).to(out_dtype), _per_head(k, self.B_bias).to(out_dtype)
+        return per_head(q_hat, self.C_bias).to(out_dtype), per_head(k_hat, self.B_bias).to(out_dtype)
 
     def _values(self, x_BTHP: Tensor) -> Tensor:
         """x -> v (B, H, T, R, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""
@@ -387,10 +343,12 @@ class Mamba3(nn.Module):
         # out_proj would cast it under autocast (the gate keeps the cast); without autocast it needs the
         # weights' dtype (a model built or cast to bf16: the scan's output is ≥ fp32).
         y = y.to(amp_dtype or self.out_proj.weight.dtype)
-        zr = z_BTE.unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
+        # z is a slice of in_proj's whole output: the gate saves it for backward, so a copy of the slice
+        # lets that output (about twice z's size) be freed after the forward.
+        zr = z_BTE.contiguous().unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
         if self.is_mimo:
             zr = zr * self.mimo_z[:, None].to(zr.dtype)
-        y = y * F.silu(zr)
+        y = eager_or_traced(_Gate, _gate_autograd)(y, zr)
         y = (y * self.mimo_o[:, None].to(y.dtype)).sum(3) if self.is_mimo else y.squeeze(3)
         return self.out_proj(y.transpose(1, 2).flatten(2))
 
@@ -402,14 +360,23 @@ class Mamba3(nn.Module):
         theta_BHTS = None
         if dtheta is not None:
             theta_BHTS = cumulative_angles(dtheta, None if cache is None else cache.angle_BHS, reset_BT)
-        q, k = self._qk(Bp, Cp, theta_BHTS)
+        k_hat, q_hat = self._normed(Bp, Cp)
         v = self._values(x_BTHP)
+        # The backend is resolved once per device type (the first forward there, or set_scan_impl).
+        scan = self._scan if self._scan_device_type == u_BTD.device.type else self._bind_scan(u_BTD.device)
+        if cache is None and self.scan_impl == "triton":
+            # Training's path: bias, rotation and scan in one op that recomputes the per-head q, k in
+            # its backward instead of keeping them (scan_triton.triton_rotated_scan).
+            y = rotated_scan(
+                k_hat, q_hat, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, v, A * dt, dt, lam,
+                chunk_size=self.chunk_size, reset_BT=reset_BT,
+            )[0]  # fmt: skip
+            return self._output(y, v, z)
+        q, k = self._qk(k_hat, q_hat, theta_BHTS)
         init = {}
         if cache is not None:
             v_prev = self._cache_values(cache.v_BHP)
             init = {"h0_BHPN": cache.ssm_BHPN, "k_prev_BRHN": cache.k_BRHN, "v_prev_BRHP": v_prev}
-        # The backend is resolved once per device type (the first forward there, or set_scan_impl).
-        scan = self._scan if self._scan_device_type == q.device.type else self._bind_scan(q.device)
         y, h_BHPN = scan(q, k, v, A * dt, dt, lam, reset_BT=reset_BT, **init)
         if cache is not None and u_BTD.shape[1] > 0:
             with torch.no_grad():
@@ -428,7 +395,7 @@ class Mamba3(nn.Module):
             if reset_B is not None:
                 prev_BHS = prev_BHS * (~reset_B).to(prev_BHS.dtype)[:, None, None]
             theta_BHTS = torch.remainder(prev_BHS[:, :, None] + dtheta, 2 * math.pi)
-        q, k = self._qk(Bp, Cp, theta_BHTS)
+        q, k = self._qk(*self._normed(Bp, Cp), theta_BHTS)
         v = self._values(x_BTHP)
         y_BHRP, h_BHPN = scan_step(
             q[:, :, 0], k[:, :, 0], v[:, :, 0], (A * dt)[:, :, 0], dt[:, :, 0], lam[:, :, 0],

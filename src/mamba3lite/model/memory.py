@@ -6,7 +6,10 @@ per-layer bf16 copies of the weights. `training_memory_bytes` scales that by mic
 layers (or, with gradient checkpointing, keeps one fp32 layer input per layer plus one layer's
 activations) and adds 16 bytes per parameter: fp32 weights, gradients and AdamW's two moments.
 On the H200 (benchmarks/RESULTS.md, GPU section) the measured eager peaks came out 4-7% below this
-estimate; the presets' micro batches are sized with it to fit an 80 GB accelerator. Under torch.compile
+estimate, for a layer that kept 8.75 KiB per token more than it does now (in_proj's whole output and
+SiLU(z)); the presets' micro batches are sized with it to fit an 80 GB accelerator. The estimate
+measures the layer with the config's scan (`chunked` on the CPU); benchmarks/activation_memory.py
+compares it with the Triton scan's and the Transformer's. Under torch.compile
 (`training.compile`) the compiler picks what to save and the peaks were ~1.4x this estimate.
 """
 

@@ -103,3 +103,9 @@ def scan_function(resolved: str, chunk_size: int) -> Callable:
     if resolved == "triton":
         return functools.partial(_triton_module().triton_chunked_scan, chunk_size=chunk_size)
     return functools.partial(chunked_scan, chunk_size=chunk_size)
+
+
+def rotated_scan(*args, **kwargs):
+    """`scan_triton.triton_rotated_scan`: the mixer's bias + rotation fused with the Triton scan (the
+    `triton` backend's training path; its arguments are documented there)."""
+    return _triton_module().triton_rotated_scan(*args, **kwargs)

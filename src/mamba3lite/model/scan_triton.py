@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from mamba3lite.errors import ConfigError
+from mamba3lite.model.rotation import bias_rotate, bias_rotate_grads
 from mamba3lite.model.scan import _state_dtype, autocast_dtype, sequential_scan
 
 # The largest shapes the kernels are built for: one program holds the (N, P) state, (L·R, N) and
@@ -110,10 +111,98 @@ def _grids(Bsz: int, H: int, P: int, nc: int, state_meta: dict) -> tuple[tuple, 
     return (Bsz * H, -(-P // state_meta["BLOCK_PS"])), (Bsz * H * nc,)
 
 
+def _work(x: Tensor) -> Tensor:
+    """x as the kernels read it: unchanged on a GPU; fp32 under the interpreter, which computes in numpy
+    (it has no bf16: it would return garbage, silently)."""
+    return x if x.device.type == "cuda" else x.float()
+
+
+def _run_forward(
+    q: Tensor, k: Tensor, v: Tensor, cs, scale, gamma, seg, S0, chunk_size: int, *, with_y: bool
+):
+    """Launch the state kernel (and with `with_y` the chunk kernel): (y or None, h_T (B, H, P, N) fp32,
+    starts (B, H, nc, N, P)), y and starts in the kernels' dtype (_work of q's)."""
+    q, k, v = _work(q), _work(k), _work(v)
+    Bsz, H, T, R, N = q.shape
+    P = v.shape[-1]
+    Tp = cs.shape[-1]
+    nc = Tp // chunk_size
+    h_T = torch.empty(Bsz, H, P, N, dtype=torch.float32, device=q.device)
+    starts = torch.empty(Bsz, H, nc, N, P, dtype=q.dtype, device=q.device)
+    has_reset, seg = seg is not None, cs if seg is None else seg  # an unread stand-in without resets
+    state_meta, chunk_meta = _launch_meta(q, v, chunk_size)
+    state_grid, chunk_grid = _grids(Bsz, H, P, nc, state_meta)
+    kernels, common = _kernels(), (T, Tp, nc, H)
+    kernels.state_fwd[state_grid](
+        k, v, cs, scale, seg, S0, starts, h_T, *common, HAS_RESET=has_reset, **state_meta
+    )
+    if not with_y:
+        return None, h_T, starts
+    y = torch.empty(Bsz, H, T, R, P, dtype=q.dtype, device=q.device)
+    kernels.chunk_fwd[chunk_grid](
+        q, k, v, cs, scale, gamma, seg, starts, y, *common, HAS_RESET=has_reset, **chunk_meta
+    )
+    return y, h_T, starts
+
+
+def _run_backward(q: Tensor, k: Tensor, v: Tensor, cs, scale, gamma, seg, S0, dy, dh, chunk_size: int):
+    """The backward kernels, after the state kernel recomputes the chunk-start states (a light pass:
+    one (N, L·R)·(L·R, P) product per chunk; saving them instead costs N·P per chunk per head of
+    activation memory, about as much as the rotated keys). Returns (dq, dk, dv in the kernels' dtype,
+    d_cs, d_scale, d_γ (B, H, Tp) fp32 summed over ranks, dS0 (B, H, N, P) fp32)."""
+    _, _, starts = _run_forward(q, k, v, cs, scale, gamma, seg, S0, chunk_size, with_y=False)
+    q, k, v, dy = _work(q), _work(k), _work(v), _work(dy).to(_work(q).dtype).contiguous()
+    Bsz, H, T, R, N = q.shape
+    P = v.shape[-1]
+    Tp = cs.shape[-1]
+    nc = Tp // chunk_size
+    dev = q.device
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rows = [torch.empty(Bsz, H, Tp, R, dtype=torch.float32, device=dev) for _ in range(3)]
+    dS0 = torch.empty(Bsz, H, N, P, dtype=torch.float32, device=dev)
+    g_ends = torch.empty(Bsz, H, nc, N, P, dtype=torch.float32, device=dev)  # the gradient of each S_{c+1}
+    has_reset, seg = seg is not None, cs if seg is None else seg
+    state_meta, chunk_meta = _launch_meta(q, v, chunk_size)
+    state_grid, chunk_grid = _grids(Bsz, H, P, nc, state_meta)
+    kernels, common = _kernels(), (T, Tp, nc, H)
+    kernels.state_bwd[state_grid](
+        q,
+        dy,
+        cs,
+        scale,
+        seg,
+        dh.float().contiguous(),
+        g_ends,
+        dS0,
+        *common,
+        HAS_RESET=has_reset,
+        **state_meta,
+    )
+    kernels.chunk_bwd[chunk_grid](
+        q, k, v, cs, scale, gamma, seg, starts, g_ends, dy, dq, dk, dv, *rows,
+        *common, HAS_RESET=has_reset, **chunk_meta,
+    )  # fmt: skip
+    d_cs, d_scale, d_gamma = (r.sum(-1) for r in rows)  # the R rows of each token
+    return dq, dk, dv, d_cs, d_scale, d_gamma, dS0
+
+
+def _prologue(q_in, k_in, q_bias, k_bias, theta, halves: bool, mm_dtype) -> tuple[Tensor, Tensor]:
+    """The scan's per-head q, k in `mm_dtype`: q_in, k_in themselves without biases (they are per head),
+    else rotation.bias_rotate of the per-group normed q̂, k̂."""
+    if q_bias is None:
+        return q_in.to(mm_dtype), k_in.to(mm_dtype)
+    k, q = bias_rotate(k_in, q_in, k_bias, q_bias, theta, halves, mm_dtype)
+    return q, k
+
+
 @torch.library.custom_op("mamba3lite::triton_scan", mutates_args=())
 def _triton_scan(
-    q_BHTRN: Tensor,
-    k_BHTRN: Tensor,
+    q_in: Tensor,
+    k_in: Tensor,
+    q_bias_HRN: Tensor | None,
+    k_bias_HRN: Tensor | None,
+    theta_BHTS: Tensor | None,
+    halves: bool,
     v_BHTRP: Tensor,
     cs_BHT: Tensor,
     scale_BHT: Tensor,
@@ -121,161 +210,127 @@ def _triton_scan(
     seg_BT: Tensor | None,
     S0_BHNP: Tensor,
     chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward kernels. cs/scale/γ (fp32) and seg (int32, or None without resets) are padded to
-    whole chunks (Tp = nc·L); q, k, v are not. Returns (y (B, H, T, R, P) in q's dtype, h_T (B, H, P, N)
-    fp32, starts (B, H, nc, N, P) in q's dtype: the state at each chunk start, for the backward)."""
-    Bsz, H, T, R, N = q_BHTRN.shape
-    P = v_BHTRP.shape[-1]
-    Tp = cs_BHT.shape[-1]
-    nc = Tp // chunk_size
-    y = torch.empty(Bsz, H, T, R, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
-    h_T = torch.empty(Bsz, H, P, N, dtype=torch.float32, device=q_BHTRN.device)
-    starts = torch.empty(Bsz, H, nc, N, P, dtype=q_BHTRN.dtype, device=q_BHTRN.device)
-    seg = cs_BHT if seg_BT is None else seg_BT  # an unread stand-in without resets
-    state_meta, chunk_meta = _launch_meta(q_BHTRN, v_BHTRP, chunk_size)
-    state_grid, chunk_grid = _grids(Bsz, H, P, nc, state_meta)
-    kernels = _kernels()
-    common = (T, Tp, nc, H)
-    kernels.state_fwd[state_grid](
-        k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, seg, S0_BHNP, starts, h_T,
-        *common, HAS_RESET=seg_BT is not None, **state_meta,
-    )  # fmt: skip
-    kernels.chunk_fwd[chunk_grid](
-        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg, starts, y,
-        *common, HAS_RESET=seg_BT is not None, **chunk_meta,
-    )  # fmt: skip
-    return y, h_T, starts
+    mm_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """The forward kernels on q, k = `_prologue(...)`: either per-head q, k (B, H, T, R, N) with no biases,
+    or the per-group normed q̂, k̂ (B, G, T, R, N) with their per-head biases (H, R, N) and angles θ (or
+    None), rotated here. cs/scale/γ (fp32) and seg (int32, or None without resets) are padded to whole
+    chunks (Tp = nc·L); q, k, v are not. Returns (y (B, H, T, R, P) in mm_dtype, h_T (B, H, P, N) fp32)."""
+    q, k = _prologue(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, mm_dtype)
+    y, h_T, _ = _run_forward(
+        q, k, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, chunk_size, with_y=True
+    )
+    return y.to(mm_dtype), h_T
 
 
 @_triton_scan.register_fake
-def _(q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, chunk_size):
-    Bsz, H, T, R, N = q_BHTRN.shape
-    P = v_BHTRP.shape[-1]
-    nc = cs_BHT.shape[-1] // chunk_size
-    y = q_BHTRN.new_empty(Bsz, H, T, R, P)
-    return y, q_BHTRN.new_empty(Bsz, H, P, N, dtype=torch.float32), q_BHTRN.new_empty(Bsz, H, nc, N, P)
+def _(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
+      seg_BT, S0_BHNP, chunk_size, mm_dtype):  # fmt: skip
+    Bsz, H, T, R, P = v_BHTRP.shape
+    N = q_in.shape[-1]
+    return v_BHTRP.new_empty(Bsz, H, T, R, P, dtype=mm_dtype), S0_BHNP.new_empty(Bsz, H, P, N)
 
 
 @torch.library.custom_op("mamba3lite::triton_scan_backward", mutates_args=())
 def _triton_scan_backward(
-    q_BHTRN: Tensor,
-    k_BHTRN: Tensor,
+    q_in: Tensor,
+    k_in: Tensor,
+    q_bias_HRN: Tensor | None,
+    k_bias_HRN: Tensor | None,
+    theta_BHTS: Tensor | None,
+    halves: bool,
     v_BHTRP: Tensor,
     cs_BHT: Tensor,
     scale_BHT: Tensor,
     gamma_BHT: Tensor,
     seg_BT: Tensor | None,
-    starts: Tensor,
+    S0_BHNP: Tensor,
     dy_BHTRP: Tensor,
     dh_BHPN: Tensor,
     chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward kernels: (dq, dk, dv in the inputs' dtypes, d_cs, d_scale, d_γ (B, H, Tp) fp32, dS0)."""
-    Bsz, H, T, R, N = q_BHTRN.shape
-    Tp = cs_BHT.shape[-1]
-    nc = Tp // chunk_size
-    P = v_BHTRP.shape[-1]
-    dev = q_BHTRN.device
-    dq, dk, dv = torch.empty_like(q_BHTRN), torch.empty_like(k_BHTRN), torch.empty_like(v_BHTRP)
-    rows = [torch.empty(Bsz, H, Tp, R, dtype=torch.float32, device=dev) for _ in range(3)]
-    dS0 = torch.empty(Bsz, H, N, P, dtype=torch.float32, device=dev)
-    g_ends = torch.empty(Bsz, H, nc, N, P, dtype=torch.float32, device=dev)  # the gradient of each S_{c+1}
-    seg = cs_BHT if seg_BT is None else seg_BT
-    dy = dy_BHTRP.contiguous()
-    state_meta, chunk_meta = _launch_meta(q_BHTRN, v_BHTRP, chunk_size)
-    state_grid, chunk_grid = _grids(Bsz, H, P, nc, state_meta)
-    kernels = _kernels()
-    common = (T, Tp, nc, H)
-    kernels.state_bwd[state_grid](
-        q_BHTRN, dy, cs_BHT, scale_BHT, seg, dh_BHPN.contiguous(), g_ends, dS0,
-        *common, HAS_RESET=seg_BT is not None, **state_meta,
-    )  # fmt: skip
-    kernels.chunk_bwd[chunk_grid](
-        q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg, starts, g_ends, dy,
-        dq, dk, dv, *rows, *common, HAS_RESET=seg_BT is not None, **chunk_meta,
-    )  # fmt: skip
-    d_cs, d_scale, d_gamma = (r.sum(-1) for r in rows)  # the R rows of each token
-    return dq, dk, dv, d_cs, d_scale, d_gamma, dS0
+    mm_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward: q, k recomputed by the prologue, then the kernels, then (with biases) the prologue's
+    backward (rotation.bias_rotate_grads). Returns the gradients of (q_in, k_in, q_bias, k_bias, θ, v,
+    cs, scale, γ, S0), each in its input's dtype; those of absent biases and θ are empty (0,) tensors."""
+    q, k = _prologue(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, mm_dtype)
+    dq, dk, dv, d_cs, d_scale, d_gamma, dS0 = _run_backward(
+        q, k, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, dy_BHTRP, dh_BHPN, chunk_size
+    )
+
+    def none() -> Tensor:  # one per absent gradient (outputs of a custom op may not alias)
+        return q_in.new_empty(0)
+
+    if q_bias_HRN is None:
+        d_q, d_k, d_qb, d_kb, d_theta = dq.to(q_in.dtype), dk.to(k_in.dtype), none(), none(), none()
+    else:
+        G = k_in.shape[1]
+        d_k, d_q, d_kb, d_qb, d_theta = bias_rotate_grads(theta_BHTS, k, q, dk, dq, halves, G, k_in.dtype)
+        d_qb, d_kb = d_qb.to(q_bias_HRN.dtype), d_kb.to(k_bias_HRN.dtype)
+        d_theta = none() if d_theta is None else d_theta
+    return d_q, d_k, d_qb, d_kb, d_theta, dv.to(v_BHTRP.dtype), d_cs, d_scale, d_gamma, dS0
 
 
 @_triton_scan_backward.register_fake
-def _(q_BHTRN, k_BHTRN, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, starts, dy_BHTRP, dh_BHPN, chunk_size):
-    N, P = q_BHTRN.shape[-1], v_BHTRP.shape[-1]
+def _(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
+      seg_BT, S0_BHNP, dy_BHTRP, dh_BHPN, chunk_size, mm_dtype):  # fmt: skip
+    def like(x):
+        return q_in.new_empty(0) if x is None else torch.empty_like(x)
+
     per_token = [torch.empty_like(cs_BHT) for _ in range(3)]
-    dS0 = q_BHTRN.new_empty(*q_BHTRN.shape[:2], N, P, dtype=torch.float32)
-    return torch.empty_like(q_BHTRN), torch.empty_like(k_BHTRN), torch.empty_like(v_BHTRP), *per_token, dS0
+    prologue = [like(q_bias_HRN), like(k_bias_HRN), like(theta_BHTS)]
+    return torch.empty_like(q_in), torch.empty_like(k_in), *prologue, torch.empty_like(v_BHTRP), *per_token, \
+        torch.empty_like(S0_BHNP)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cs, scale, gamma, seg, _, chunk_size = inputs
-    ctx.save_for_backward(q, k, v, cs, scale, gamma, seg, output[2])
-    ctx.chunk_size = chunk_size
+    *tensors, chunk_size, mm_dtype = inputs
+    halves = tensors.pop(5)
+    ctx.save_for_backward(*tensors)
+    ctx.halves, ctx.chunk_size, ctx.mm_dtype = halves, chunk_size, mm_dtype
 
 
-def _backward(ctx, dy, dh, _d_starts):
-    q, k, v, cs, scale, gamma, seg, starts = ctx.saved_tensors
+def _backward(ctx, dy, dh):
+    q_in, k_in, q_bias, k_bias, theta, v, cs, scale, gamma, seg, S0 = ctx.saved_tensors
     # an unused output's gradient may arrive as None
-    dy = q.new_zeros(*q.shape[:4], v.shape[-1]) if dy is None else dy.to(q.dtype)
-    dh = torch.zeros(*q.shape[:2], v.shape[-1], q.shape[-1], device=q.device) if dh is None else dh.float()
-    dq, dk, dv, d_cs, d_scale, d_gamma, dS0 = _triton_scan_backward(
-        q, k, v, cs, scale, gamma, seg, starts, dy, dh, ctx.chunk_size
-    )
-    return dq, dk, dv, d_cs, d_scale, d_gamma, None, dS0, None
+    Bsz, H, T, R, P = v.shape
+    dy = v.new_zeros(Bsz, H, T, R, P, dtype=ctx.mm_dtype) if dy is None else dy
+    dh = S0.new_zeros(Bsz, H, P, S0.shape[2]) if dh is None else dh
+    grads = list(_triton_scan_backward(
+        q_in, k_in, q_bias, k_bias, theta, ctx.halves, v, cs, scale, gamma, seg, S0, dy, dh,
+        ctx.chunk_size, ctx.mm_dtype,
+    ))  # fmt: skip
+    for i, given in ((2, q_bias), (3, k_bias), (4, theta)):
+        grads[i] = None if given is None else grads[i]
+    d_q, d_k, d_qb, d_kb, d_theta, dv, d_cs, d_scale, d_gamma, dS0 = grads
+    return d_q, d_k, d_qb, d_kb, d_theta, None, dv, d_cs, d_scale, d_gamma, None, dS0, None, None
 
 
 _triton_scan.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_chunked_scan(
-    q_BHTRN: Tensor,
-    k_BHTRN: Tensor,
-    v_BHTRP: Tensor,
-    adt_BHT: Tensor,
-    dt_BHT: Tensor,
-    lam_BHT: Tensor,
-    *,
-    chunk_size: int,
-    h0_BHPN: Tensor | None = None,
-    k_prev_BRHN: Tensor | None = None,
-    v_prev_BRHP: Tensor | None = None,
-    reset_BT: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`scan.chunked_scan` on the Triton kernels: (y_BHTRP in the matmul dtype — the autocast dtype
-    under autocast, else the inputs' promoted to ≥ fp32 — and the final state h_BHPN in the state dtype).
-
-    Raises ConfigError when the kernels cannot run on the inputs' device (no triton; a CPU tensor
-    without TRITON_INTERPRET=1) or the shape is beyond `triton_supports`.
-    """
-    Bsz, H, T, R, N = q_BHTRN.shape
-    P = v_BHTRP.shape[-1]
-    dev = q_BHTRN.device
-    init = {"h0_BHPN": h0_BHPN, "k_prev_BRHN": k_prev_BRHN, "v_prev_BRHP": v_prev_BRHP}
-    if T == 0:  # nothing to scan: the state is returned unchanged
-        return sequential_scan(q_BHTRN, k_BHTRN, v_BHTRP, adt_BHT, dt_BHT, lam_BHT, reset_BT=reset_BT, **init)
+def _check_runs(dev: torch.device, R: int, N: int, P: int, L: int) -> None:
+    """ConfigError unless the kernels can run on `dev` for this shape."""
     reason = triton_unavailable_reason(dev)
     if reason is not None:
         raise ConfigError(f"scan_impl 'triton': {reason}")
-    L = max(1, min(chunk_size, T))
     if not triton_supports(R, N, P, L):
         raise ConfigError(
             f"scan_impl 'triton' does not support MIMO rank {R}, d_state {N}, headdim {P}, chunk_size {L} "
             f"(limits: rank ≤ {MAX_RANK}, chunk_size·rank ≤ {MAX_CHUNK_ROWS}, d_state ≤ {MAX_STATE}, "
             f"headdim ≤ {MAX_HEADDIM}); fix: a smaller chunk_size, or scan_impl 'chunked'"
         )
+
+
+def _scalars(adt_BHT, dt_BHT, lam_BHT, reset_BT, h0_BHPN, k_prev_BRHN, v_prev_BRHP, N: int, P: int, L: int):
+    """The per-token scalars as chunked_scan forms them, padded to whole chunks (padded tokens: ΔA = 0
+    and zero weights, so the cumulative ΔA stays flat and they change nothing), and the starting state:
+    (cs, scale, γ (B, H, nc·L) fp32, seg (B, nc·L) int32 or None, S0 (B, H, N, P) fp32)."""
+    Bsz, H, T = adt_BHT.shape
+    dev = adt_BHT.device
     nc = -(-T // L)
     pad = nc * L - T
     sd = _state_dtype(adt_BHT.dtype)
-    mm_dtype = autocast_dtype(dev.type) or torch.promote_types(
-        torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd
-    )
-    # The operands' dtype in the kernels: the matmul dtype on a GPU; fp32 under the interpreter, which
-    # computes in numpy (no bf16: it would return garbage, silently), and for float64 inputs.
-    on_gpu = dev.type == "cuda"
-    kernel_dtype = mm_dtype if on_gpu and mm_dtype in _KERNEL_DTYPES else torch.float32
-
-    # Per-token scalars, as chunked_scan forms them, padded to whole chunks (padded tokens: ΔA = 0 and
-    # zero weights, so the cumulative ΔA stays flat and they change nothing).
     lam, dt = lam_BHT.to(sd), dt_BHT.to(sd)
     gamma = lam * dt
     boa = (1 - lam) * dt  # β/α = (1 − λ)Δ
@@ -298,10 +353,92 @@ def triton_chunked_scan(
         x = x.reshape(Bsz, H, -1)
         return torch.nn.functional.pad(x, (0, nc * L - x.shape[-1])).to(torch.float32).contiguous()
 
+    return f32(cs), f32(scale), f32(gamma), seg, S0.to(torch.float32).contiguous()
+
+
+def _op_dtype(mm_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the op's q, k, v and y have: the matmul dtype where the kernels take it (float64
+    inputs are computed at fp32: Triton has no float64 matmul on most GPUs)."""
+    return mm_dtype if mm_dtype in _KERNEL_DTYPES else torch.float32
+
+
+def triton_chunked_scan(
+    q_BHTRN: Tensor,
+    k_BHTRN: Tensor,
+    v_BHTRP: Tensor,
+    adt_BHT: Tensor,
+    dt_BHT: Tensor,
+    lam_BHT: Tensor,
+    *,
+    chunk_size: int,
+    h0_BHPN: Tensor | None = None,
+    k_prev_BRHN: Tensor | None = None,
+    v_prev_BRHP: Tensor | None = None,
+    reset_BT: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`scan.chunked_scan` on the Triton kernels: (y_BHTRP in the matmul dtype — the autocast dtype
+    under autocast, else the inputs' promoted to ≥ fp32 — and the final state h_BHPN in the state dtype).
+
+    Raises ConfigError when the kernels cannot run on the inputs' device (no triton; a CPU tensor
+    without TRITON_INTERPRET=1) or the shape is beyond `triton_supports`.
+    """
+    T, R, N = q_BHTRN.shape[2:]
+    P = v_BHTRP.shape[-1]
+    dev = q_BHTRN.device
+    init = {"h0_BHPN": h0_BHPN, "k_prev_BRHN": k_prev_BRHN, "v_prev_BRHP": v_prev_BRHP}
+    if T == 0:  # nothing to scan: the state is returned unchanged
+        return sequential_scan(q_BHTRN, k_BHTRN, v_BHTRP, adt_BHT, dt_BHT, lam_BHT, reset_BT=reset_BT, **init)
+    L = max(1, min(chunk_size, T))
+    _check_runs(dev, R, N, P, L)
+    sd = _state_dtype(adt_BHT.dtype)
+    mm_dtype = autocast_dtype(dev.type) or torch.promote_types(
+        torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd
+    )
+    op_dtype = _op_dtype(mm_dtype)
+    scalars = _scalars(adt_BHT, dt_BHT, lam_BHT, reset_BT, **init, N=N, P=P, L=L)
     with torch.autocast(dev.type, enabled=False):
-        y, h_T, _ = _triton_scan(
-            *(x.to(kernel_dtype).contiguous() for x in (q_BHTRN, k_BHTRN, v_BHTRP)),
-            f32(cs), f32(scale), f32(gamma),
-            seg, S0.to(torch.float32).contiguous(), L,
+        q, k, v = (x.to(op_dtype).contiguous() for x in (q_BHTRN, k_BHTRN, v_BHTRP))
+        y, h_T = _triton_scan(q, k, None, None, None, False, v, *scalars, L, op_dtype)
+    return y.to(mm_dtype), h_T.to(sd)
+
+
+def triton_rotated_scan(
+    k_hat_BGTRN: Tensor,
+    q_hat_BGTRN: Tensor,
+    k_bias_HRN: Tensor,
+    q_bias_HRN: Tensor,
+    theta_BHTS: Tensor | None,
+    halves: bool,
+    v_BHTRP: Tensor,
+    adt_BHT: Tensor,
+    dt_BHT: Tensor,
+    lam_BHT: Tensor,
+    *,
+    chunk_size: int,
+    reset_BT: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The mixer's bias + rotation (rotation.bias_rotate) and `triton_chunked_scan` from a zero state in
+    one op that saves the per-group normed q̂, k̂ (B, G, T, R, N) and the angles for its backward and
+    recomputes the per-head q, k there: those are the largest tensors of the layer (H/G copies of the
+    keys and the queries), which the unfused pair keeps for the backward. Same outputs and errors as
+    `triton_chunked_scan(q, k, ...)` with `k, q = bias_rotate(...)` in the matmul dtype."""
+    T, R, P = v_BHTRP.shape[2:]
+    N = k_hat_BGTRN.shape[-1]
+    dev = v_BHTRP.device
+    sd = _state_dtype(adt_BHT.dtype)
+    mm_dtype = autocast_dtype(dev.type) or torch.promote_types(
+        torch.promote_types(k_hat_BGTRN.dtype, v_BHTRP.dtype), sd
+    )
+    if T == 0:
+        k, q = bias_rotate(k_hat_BGTRN, q_hat_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, mm_dtype)
+        return triton_chunked_scan(q, k, v_BHTRP, adt_BHT, dt_BHT, lam_BHT, chunk_size=chunk_size)
+    L = max(1, min(chunk_size, T))
+    _check_runs(dev, R, N, P, L)
+    op_dtype = _op_dtype(mm_dtype)
+    scalars = _scalars(adt_BHT, dt_BHT, lam_BHT, reset_BT, None, None, None, N=N, P=P, L=L)
+    with torch.autocast(dev.type, enabled=False):
+        y, h_T = _triton_scan(
+            q_hat_BGTRN.contiguous(), k_hat_BGTRN.contiguous(), q_bias_HRN, k_bias_HRN, theta_BHTS, halves,
+            v_BHTRP.to(op_dtype).contiguous(), *scalars, L, op_dtype,
         )  # fmt: skip
     return y.to(mm_dtype), h_T.to(sd)

@@ -1,0 +1,104 @@
+"""Activation memory per layer, side by side: what autograd keeps for the backward of one layer, per token.
+
+    python benchmarks/activation_memory.py [--presets mamba3_180m,mamba3_440m] [--seq-len 2048]
+
+A CPU measurement of the term that dominates a training step's peak memory (issue 16's target: peak
+memory of the Triton path <= 1.25x the same-shape Transformer's). One layer's forward runs on the CPU
+under bf16 autocast, as the trainer runs on a GPU, with a saved-tensors hook that adds up the distinct
+storages saved for the backward (less the layer's bf16 weight copies), as `mamba3lite.model.memory`
+does for its estimate. Rows:
+  mamba3 chunked   the pure-PyTorch scan (its (L, L) blocks and chunk states are kept)
+  mamba3 triton    the Triton scan, fused with the bias + rotation prologue (TRITON_INTERPRET=1: the
+                   kernels run in the interpreter, but the op saves exactly the tensors, dtypes and shapes
+                   it saves on a GPU: it gets its operands in bf16 and keeps no kernel output)
+  transformer      the benchmarks' same-shape Transformer block (bench_model.py): RoPE attention through
+                   SDPA and the same MLP. On the CPU SDPA's flash kernel saves q, k, v, the output and
+                   the log-sum-exp, as the CUDA flash kernel does.
+The "model GiB" column is activations of every layer at --batch x --seq-len plus 16 bytes per parameter
+(fp32 weights, gradients, AdamW's two moments); the embedding and head activations (the same for
+both models) are left out. Ratios are against the Transformer of the same preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first built
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_model
+from mamba3lite.config import load_config
+from mamba3lite.model.flops import count_parameters
+from mamba3lite.model.transformer import Block
+
+
+def saved_bytes_per_token(layer: torch.nn.Module, d_model: int, seq_len: int) -> float:
+    """Bytes of the distinct storages saved for backward by one forward of `layer`, per token."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(1, seq_len, d_model, requires_grad=True)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    weight_copies = sum(2 * p.numel() for p in layer.parameters() if p.dim() >= 2)
+    return (sum(storages.values()) - weight_copies) / seq_len
+
+
+def transformer_parameters(cfg) -> int:
+    with torch.device("meta"):
+        model = bench_model.BaselineTransformer(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="mamba3_180m,mamba3_440m")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=16, help="micro batch of the model GiB column")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, bf16 autocast on the CPU, T={args.seq_len}; per layer, per token")
+    header = "| preset | layer | KiB/token/layer | vs Transformer | model GiB at {} x {} | vs Transformer |"
+    print(header.format(args.batch, args.seq_len))
+    print("|---|---|---|---|---|---|")
+    tokens = args.batch * args.seq_len
+    for preset in args.presets.split(","):
+        cfg = load_config(preset).model
+        torch.manual_seed(0)
+        twin = bench_model.TransformerBlock(cfg)
+        rows = {
+            "transformer": (
+                saved_bytes_per_token(twin, cfg.d_model, args.seq_len),
+                transformer_parameters(cfg),
+            )
+        }
+        for scan in ("chunked", "triton"):
+            block = Block(dataclasses.replace(cfg, scan_impl=scan))
+            rows[f"mamba3 {scan}"] = (
+                saved_bytes_per_token(block, cfg.d_model, args.seq_len),
+                count_parameters(cfg),
+            )
+        ref_layer, ref_params = rows["transformer"]
+        ref_gib = (cfg.n_layers * ref_layer * tokens + 16 * ref_params) / 2**30
+        for name, (per_layer, params) in rows.items():
+            gib = (cfg.n_layers * per_layer * tokens + 16 * params) / 2**30
+            print(
+                f"| {preset} | {name} | {per_layer / 1024:.1f} | {per_layer / ref_layer:.2f}x | {gib:.1f} | "
+                f"{gib / ref_gib:.2f}x |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
