@@ -7,7 +7,8 @@
 #   1. tests/test_cuda.py (-m gpu): the model's contracts on CUDA, and the Triton scan == the chunked
 #      scan in fp32 and bf16, values and gradients, alone and through the LM (eager/compiled/checkpointed);
 #   2. gpu_scan.py: the scan alone, Triton beside chunked at the presets' layer shapes (equality in
-#      fp32 and bf16, then fwd+bwd time and peak memory with ratios);
+#      fp32 and bf16, then fwd+bwd time and peak memory with ratios), and a profile of the Triton
+#      scan's kernels at the 440M shape;
 #   2b. optional: mamba-ssm into a scratch directory (MAMBA_SKIP_CUDA_BUILD=TRUE: its Mamba-3 kernels are
 #      Triton, no nvcc needed; MAMBA_FORCE_BUILD=TRUE: its setup.py does not try to download a prebuilt
 #      wheel from GitHub first; --no-deps: nothing of the machine's torch is touched); failure tolerated
@@ -52,7 +53,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 git log -1 --format='commit %h %s' 2>/dev/null || true
 
 part pytest_gpu 150 $PY -m pytest tests/test_cuda.py -m gpu -q -p no:cacheprovider -rs
-part gpu_scan 60 $PY benchmarks/gpu_scan.py --budget-s 45
+part gpu_scan 70 $PY benchmarks/gpu_scan.py --budget-s 45 --profile siso_440m
 part --optional install_mamba_ssm 60 env MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
     $PY -m pip install --no-build-isolation --no-deps --target "$SITE" --retries 0 --timeout 10 \
     --disable-pip-version-check mamba-ssm einops

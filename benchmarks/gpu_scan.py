@@ -13,7 +13,12 @@ rank R, chunk L; packed documents, i.e. resets, unless the case says otherwise):
    (torch.cuda.max_memory_allocated): chunked eager, chunked compiled (torch.compile of the function),
    triton; ratios against chunked eager.
 
+3. With --profile CASE: one forward + backward of the Triton scan at CASE under torch.profiler, the
+   kernels (the state and chunk kernels each way, and the wrapper's PyTorch ops) by GPU time: where the
+   time goes, should the ratios miss their targets.
+
     python benchmarks/gpu_scan.py [--cases siso_440m mimo_440m ...] [--steps 10] [--budget-s 240]
+                                  [--profile siso_440m]
 
 Without CUDA it runs under the Triton interpreter (TRITON_INTERPRET=1, set here) at --quick shapes, for
 a smoke test only; its numbers say nothing about a GPU.
@@ -136,12 +141,36 @@ def time_impl(fn, case: tuple, dev: torch.device, steps: int) -> tuple[float, fl
     return statistics.median(times), peak
 
 
+def profile(case: tuple, dev: torch.device) -> None:
+    """Print the profiler's table of one bf16 forward + backward of the Triton scan at `case` (after a
+    warm-up, so that autotuning is not in it), by GPU time (CPU time under the interpreter)."""
+    inputs, reset = make_inputs(case, dev)
+    B, H, T, N, P, R, L, _ = case
+    weights = (torch.ones(B, H, T, R, P, device=dev), torch.ones(B, H, P, N, device=dev))
+    fn = functools.partial(triton_chunked_scan, chunk_size=L)
+    cuda = dev.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    with amp:
+        run(fn, inputs, reset, weights)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+    )
+    with torch.profiler.profile(activities=activities) as prof, amp:
+        run(fn, inputs, reset, weights)
+        if cuda:
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(f"\nprofile: triton scan fwd+bwd, B={B} T={T} H={H} N={N} P={P} R={R} L={L}, by {sort}")
+    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=48))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=None)
     ap.add_argument("--quick", action="store_true", help="the CPU smoke shapes")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=240, help="skip cases that would start after this")
+    ap.add_argument("--profile", choices=sorted(CASES), help="profile the Triton scan at this case")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reason = triton_unavailable_reason(dev)
@@ -191,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         for impl, (ms, mem) in timings.items():
             memory = f"{mem:.0f} | {mem / mem0:.2f}x" if dev.type == "cuda" else "- | -"
             print(f"| {name} | {impl} | {ms:.2f} | {ms0 / ms:.2f}x | {memory} |")
+    if args.profile:
+        try:
+            profile(CASES[args.profile], dev)
+        except Exception:  # a profiler failure does not fail the check
+            print(f"profile failed: {traceback.format_exc().strip().splitlines()[-1]}")
     return 1 if failed else 0
 
 

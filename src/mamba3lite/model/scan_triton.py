@@ -8,8 +8,13 @@ differentiates them): γ = λΔ, scale_s = γ_s + (1 − λ_{s+1})Δ_{s+1} (the 
 as in chunked_scan), the chunk-local cumulative ΔA, the chunk-local reset count and the starting state
 (h0ᵀ plus the k_prev/v_prev term of the first token). Everything of size O(T·L·R²·(N+P)) — the masked
 quadratic form within chunks and the state passing between them — runs in the kernels, wrapped in one
-custom op (`mamba3lite::triton_scan`) with a registered autograd formula: the forward saves only its
-inputs and the state at each chunk start; the backward kernels recompute the rest, never an (L, L) block.
+custom op (`mamba3lite::triton_scan`) with a registered autograd formula. The forward saves only its
+inputs, not even the chunk-start states: the backward reruns the state kernel for them (a light pass),
+then recomputes the rest, never an (L, L) block.
+
+`triton_rotated_scan` is the mixer's training path: the same op, given the per-group normed keys and
+queries, their per-head biases and the angles, builds the per-head q, k itself (rotation.bias_rotate)
+and again in its backward, so that the layer never keeps them (its largest tensors) for the backward.
 
 The custom op is opaque to torch.compile (a fake implementation gives its shapes) and saves tensors
 through ctx.save_for_backward, so it works under non-reentrant gradient checkpointing.
@@ -19,8 +24,9 @@ set before the first use: triton reads it when the kernels are built; fp32 only,
 Accumulation is fp32; on a GPU the matmul operands are in the matmul dtype of chunked_scan (the
 autocast dtype, else fp32). The outputs always have chunked_scan's dtypes, but float64 inputs are
 computed at fp32 precision (Triton has no float64 matmul on most GPUs), so the float64 reference checks
-this path to fp32 tolerance, and under the interpreter the kernels compute in fp32 whatever the
-autocast dtype (numpy has no bf16), casting y to it at the end.
+this path to fp32 tolerance. The op gets its operands in the matmul dtype on every device, so it keeps
+on the CPU what it keeps on a GPU; under the interpreter the kernels compute on them in fp32 (numpy has
+no bf16) and cast y back.
 """
 
 from __future__ import annotations
