@@ -15,6 +15,7 @@ from mamba3lite.model.mamba3 import (
     _bias_rotate_autograd,
     _BiasRotate,
     _Gate,
+    _MimoGate,
     cumulative_angles,
     heavy_tail,
     rotate_,
@@ -232,12 +233,14 @@ def test_layer_in_its_compiled_form_equals_eager(kw, monkeypatch):
     plain = (
         (mamba3_module, "_bias_rotate_autograd"),
         (mamba3_module, "_gate_autograd"),
+        (mamba3_module, "_mimo_gate_autograd"),
         (scan, "_decay_weights_autograd"),
     )
     for module, name in plain:
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name: used.append(_n) or _fn(*a))
-    for cls in (mamba3_module._BiasRotate, mamba3_module._Gate, scan._DecayWeights, scan._ChunkCore):
+    functions = (mamba3_module._BiasRotate, mamba3_module._Gate, mamba3_module._MimoGate)
+    for cls in (*functions, scan._DecayWeights, scan._ChunkCore):
         monkeypatch.setattr(cls, "apply", lambda *a, _c=cls: pytest.fail(f"{_c.__name__} used under compile"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     y2 = layer(u)
@@ -245,9 +248,8 @@ def test_layer_in_its_compiled_form_equals_eager(kw, monkeypatch):
     torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-10)
     for (name, _), a, b in zip(layer.named_parameters(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
-    expected = {"_decay_weights_autograd", "_gate_autograd"} | (
-        {"_bias_rotate_autograd"} if layer.rope else set()
-    )
+    expected = {"_decay_weights_autograd", "_mimo_gate_autograd" if layer.is_mimo else "_gate_autograd"}
+    expected |= {"_bias_rotate_autograd"} if layer.rope else set()
     assert set(used) == expected
 
 
@@ -294,6 +296,28 @@ def test_gate_function_keeps_x_and_z_only_and_matches_autograd(z_ranks):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         _Gate.apply(x, z)
     assert len(saved) == 2 and saved[0] is x and saved[1] is z
+
+
+def test_mimo_gate_function_keeps_y_and_z_only_and_matches_autograd():
+    """_MimoGate: Σ_r mimo_o ⊙ y ⊙ SiLU(z ⊙ mimo_z) with the plain ops' values and all four gradients
+    (gradcheck, float64), saving y and z (and the two parameters), no rank-expanded product."""
+    g = torch.Generator().manual_seed(7)
+    B, H, T, R, P = 2, 3, 5, 4, 6
+    y = torch.randn(B, H, T, R, P, dtype=F64, generator=g, requires_grad=True)
+    z = torch.randn(B, H, T, 1, P, dtype=F64, generator=g, requires_grad=True)
+    mimo_z, mimo_o = (torch.randn(H, R, P, dtype=F64, generator=g, requires_grad=True) for _ in range(2))
+    args = (y, z, mimo_z, mimo_o)
+    torch.autograd.gradcheck(_MimoGate.apply, args)
+    out = _MimoGate.apply(*args)
+    assert out.shape == (B, H, T, P)
+    ref = (y * torch.nn.functional.silu(z * mimo_z[:, None]) * mimo_o[:, None]).sum(3)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), args), torch.autograd.grad(ref.sum(), args)):
+        torch.testing.assert_close(a, b)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _MimoGate.apply(*args)
+    assert len(saved) == 4 and all(s is a for s, a in zip(saved, args))
 
 
 @pytest.mark.parametrize("impl", [_BiasRotate.apply, _bias_rotate_autograd], ids=["function", "plain"])

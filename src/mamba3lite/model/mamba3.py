@@ -125,6 +125,41 @@ def _gate_autograd(x: Tensor, z: Tensor) -> Tensor:
     return x * F.silu(z)
 
 
+class _MimoGate(torch.autograd.Function):
+    """MIMO's gate and rank contraction, Σ_r mimo_o_r ⊙ y_r ⊙ SiLU(z ⊙ mimo_z_r): y (B, H, T, R, P),
+    z (B, H, T, 1, P), mimo_z and mimo_o (H, R, P) -> (B, H, T, P). Saves y and z only: autograd's ops
+    would also keep z ⊙ mimo_z and the gated y, two more rank-expanded tensors of y's size per layer.
+    The backward recomputes them (in fp32, whatever the dtype)."""
+
+    @staticmethod
+    def forward(ctx, y, z, mimo_z, mimo_o):
+        ctx.save_for_backward(y, z, mimo_z, mimo_o)
+        return _mimo_gate_autograd(y, z, mimo_z, mimo_o)
+
+    @staticmethod
+    def backward(ctx, g):
+        y, z, mimo_z, mimo_o = ctx.saved_tensors
+        wide = torch.promote_types(g.dtype, torch.float32)
+        yf, zf, gf = y.to(wide), z.to(wide), g.to(wide)[:, :, :, None]
+        mz, mo = mimo_z.to(wide)[:, None], mimo_o.to(wide)[:, None]  # (H, 1, R, P)
+        zm = zf * mz
+        sig = torch.sigmoid(zm)
+        silu = zm * sig
+        g_r = gf * mo
+        d_zm = g_r * yf * sig * (1 + zm * (1 - sig))
+        dy = (g_r * silu).to(y.dtype)
+        dz = (d_zm * mz).sum(3, keepdim=True).to(z.dtype)
+        d_mz = (d_zm * zf).sum((0, 2)).to(mimo_z.dtype)
+        d_mo = (gf * yf * silu).sum((0, 2)).to(mimo_o.dtype)
+        return dy, dz, d_mz, d_mo
+
+
+def _mimo_gate_autograd(y: Tensor, z: Tensor, mimo_z: Tensor, mimo_o: Tensor) -> Tensor:
+    """`_MimoGate` in plain autograd ops: the form torch.compile traces."""
+    gated = y * F.silu(z * mimo_z[:, None].to(z.dtype))
+    return (gated * mimo_o[:, None].to(y.dtype)).sum(3)
+
+
 def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
     """θ_t = (θ_{t−1} + dθ_t) mod 2π along T with θ_{−1} = theta0 (or 0), restarting from 0 at resets.
 
@@ -347,9 +382,9 @@ class Mamba3(nn.Module):
         # lets that output (about twice z's size) be freed after the forward.
         zr = z_BTE.contiguous().unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
         if self.is_mimo:
-            zr = zr * self.mimo_z[:, None].to(zr.dtype)
-        y = eager_or_traced(_Gate, _gate_autograd)(y, zr)
-        y = (y * self.mimo_o[:, None].to(y.dtype)).sum(3) if self.is_mimo else y.squeeze(3)
+            y = eager_or_traced(_MimoGate, _mimo_gate_autograd)(y, zr, self.mimo_z, self.mimo_o)
+        else:
+            y = eager_or_traced(_Gate, _gate_autograd)(y, zr).squeeze(3)
         return self.out_proj(y.transpose(1, 2).flatten(2))
 
     # ---- public ----
