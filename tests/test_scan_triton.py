@@ -371,6 +371,37 @@ def test_rotated_scan_equals_bias_rotate_then_the_scan(halves):
     assert saved and per_head not in [tuple(s) for s in saved], saved
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["siso pairs", "mimo halves"])
+@pytest.mark.parametrize("with_theta", [True, False], ids=["rotated", "no rope"])
+def test_prologue_kernels_equal_rotation_py(halves, with_theta):
+    """The prologue's kernels == rotation.bias_rotate and bias_rotate_grads, values and all five
+    gradients, at a shape that masks everywhere: N = 24 channels in a 32-wide block, 3 ranks, 5 of 12
+    pairs turning, T = 19 tokens in blocks of 8, 6 heads in 2 groups."""
+    from mamba3lite.model.rotation import bias_rotate, bias_rotate_grads
+
+    g = torch.Generator().manual_seed(8)
+    B, G, H, T, R, N, S = 2, 2, 6, 19, 3, 24, 5
+    k_hat, q_hat = (torch.randn(B, G, T, R, N, generator=g) for _ in range(2))
+    k_bias, q_bias = (torch.randn(H, R, N, generator=g) for _ in range(2))
+    theta = torch.rand(B, H, T, S, generator=g) * 6 if with_theta else None
+    q, k = scan_triton._prologue(q_hat, k_hat, q_bias, k_bias, theta, halves, torch.float32)
+    k_ref, q_ref = bias_rotate(k_hat, q_hat, k_bias, q_bias, theta, halves, torch.float32)
+    close(q, q_ref, "q")
+    close(k, k_ref, "k")
+    dq, dk = (torch.randn(B, H, T, R, N, generator=g) for _ in range(2))
+    got = scan_triton._prologue_grads(q_hat, k_hat, q_bias, k_bias, theta, halves, dq, dk)
+    dk_ref, dq_ref, dkb_ref, dqb_ref, dth_ref = bias_rotate_grads(
+        theta, k_ref, q_ref, dk, dq, halves, G, torch.float32
+    )
+    for name, a, b in zip(
+        ["dq_hat", "dk_hat", "dq_bias", "dk_bias"], got, (dq_ref, dk_ref, dqb_ref, dkb_ref)
+    ):
+        close(a, b, name)
+    assert (got[4] is None) == (dth_ref is None)
+    if with_theta:
+        close(got[4], dth_ref, "dtheta")
+
+
 @pytest.mark.parametrize("prologue", [False, True], ids=["per-head q k", "bias and rotation"])
 def test_custom_ops_pass_opcheck(prologue):
     """torch.library.opcheck: the ops' schemas, fake implementations (the shapes, dtypes and strides
@@ -404,7 +435,8 @@ def test_custom_ops_pass_opcheck(prologue):
 
 @pytest.mark.slow
 def test_kernels_compile_for_a_gpu():
-    """The kernels compile for sm_90 (H100/H200) with the ptxas bundled with triton, no GPU needed:
+    """The kernels (the scan's and the prologue's) compile for sm_90 (H100/H200) with the ptxas bundled
+    with triton, no GPU needed:
     the interpreter alone would accept code the GPU compiler rejects. A subprocess, since this process
     built them for the interpreter (tests/triton_aot.py; it prints registers and spills per kernel)."""
     import os
@@ -416,7 +448,7 @@ def test_kernels_compile_for_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    compiled = 3 * 4  # three shapes × (state, chunk) × (forward, backward)
+    compiled = 3 * 6  # three shapes × (state, chunk, prologue) × (forward, backward)
     assert proc.stdout.count(": ok,") == compiled, proc.stdout
     # and each fits the H100/H200's 227 KiB of shared memory per block at one pipeline stage
     shared = [int(n) for n in re.findall(r"shared (\d+) B", proc.stdout)]

@@ -27,11 +27,13 @@ from mamba3lite.model import _scan_triton_kernels as kernels
 from mamba3lite.model import scan_triton
 
 MM_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "y_ptr", "starts_ptr", "dy_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
-KERNELS = {  # name: (kernel, whether it is a state kernel: its P block is scan_triton.STATE_BLOCK_P)
-    "state_fwd": (kernels.state_fwd_kernel, True),
-    "chunk_fwd": (kernels.chunk_fwd_kernel, False),
-    "state_bwd": (kernels.state_bwd_kernel, True),
-    "chunk_bwd": (kernels.chunk_bwd_kernel, False),
+KERNELS = {  # name: (kernel, kind: a state kernel's P block is scan_triton.STATE_BLOCK_P)
+    "state_fwd": (kernels.state_fwd_kernel, "state"),
+    "chunk_fwd": (kernels.chunk_fwd_kernel, "chunk"),
+    "state_bwd": (kernels.state_bwd_kernel, "state"),
+    "chunk_bwd": (kernels.chunk_bwd_kernel, "chunk"),
+    "rotate_fwd": (kernels.rotate_fwd_kernel, "rotate"),
+    "rotate_bwd": (kernels.rotate_bwd_kernel, "rotate"),
 }
 
 
@@ -55,17 +57,24 @@ def signature(kernel, dtype: str, has_reset: bool, constexprs: dict) -> dict:
 def compile_one(
     which: str, dtype: str, R: int, L: int, N: int, P: int, warps: int, stages: int, arch: int
 ) -> str:
-    kernel, is_state = KERNELS[which]
+    kernel, kind = KERNELS[which]
     block = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731 (as scan_triton._block)
     constexprs = {
         "L": L, "R": R, "N": N, "P": P, "BLOCK_LR": block(L * R), "BLOCK_N": block(N),
         "HAS_RESET": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32",
     }  # fmt: skip
-    if is_state:
+    if kind == "state":
         constexprs["BLOCK_PS"] = min(block(P), scan_triton.STATE_BLOCK_P)
-    else:
+    elif kind == "chunk":
         constexprs["BLOCK_P"] = block(P)
+    else:  # the presets' RoPE: half the pairs turn; MIMO pairs split halves
+        constexprs = {
+            "R": R, "N": N, "S": N // 4, "BLOCK_T": scan_triton.ROTATE_BLOCK_T, "BLOCK_N": block(N),
+            "HAS_THETA": True, "HALVES": R > 1,
+        }  # fmt: skip
     src = ASTSource(kernel, signature(kernel, dtype, True, constexprs), constexprs)
+    if kind == "rotate":  # launched at a fixed number of warps, not autotuned
+        warps, stages = scan_triton.ROTATE_WARPS, 1
     compiled = triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
     )
@@ -99,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for dtype, R, L, N, P in cases:
         for which in KERNELS:
-            name = f"{which} {dtype} R={R} L={L} N={N} P={P} sm_{args.arch} warps={args.warps}"
-            name += f" stages={args.stages}"
+            warps = scan_triton.ROTATE_WARPS if which.startswith("rotate") else args.warps
+            stages = 1 if which.startswith("rotate") else args.stages
+            name = f"{which} {dtype} R={R} L={L} N={N} P={P} sm_{args.arch} warps={warps} stages={stages}"
             try:
                 usage = compile_one(which, dtype, R, L, N, P, args.warps, args.stages, args.arch)
                 print(f"{name}: ok, {usage}", flush=True)

@@ -10,7 +10,11 @@ cumsum of ΔA, scale, γ, seg the chunk-local count of resets; module docstring 
   (forward) or the state's gradient at every chunk end (backward);
 - a *chunk* kernel, one program per (batch row·head, chunk), then does the O(L²) work of all chunks at
   once, given those states: B·H·nc programs, so a long sequence with few rows still fills the GPU, and
-  no program holds a carried state next to its (L·R, L·R) blocks.
+  no program holds a carried state next to its (L·R, L·R) blocks;
+- the *prologue* kernels (`triton_rotated_scan`, the mixer's training path) build the per-head q, k from
+  the per-group normed q̂, k̂, the biases and the angles in one pass (and in the backward the gradients
+  of all five in one pass over a group's heads), where PyTorch's elementwise ops would make several
+  passes over (B, H, T, R, N) fp32 tensors; the math is at their section below.
 
 The math:
 
@@ -292,6 +296,189 @@ def chunk_bwd_kernel(
     tl.store(dgamma_ptr + row_offs, d_gamma, mask=row_in)
 
 
+# ---- the prologue: per-head keys and queries from the per-group normed ones (rotation.py's math) ----
+#
+# q[b, h, t, r] = R(θ[b, h, t]) (q̂[b, g, t, r] + C_bias[h, r]) with g = h // (H / G), the same for k.
+# Element n of a row rotates with its partner p(n): interleaved pairs (2i, 2i+1) for SISO, split
+# halves (i, i + N/2) for MIMO; pair i turns by θ_i for i < S and not at all past the first S pairs.
+# With c, s = cos θ_i, sin θ_i and σ = −1 on the first element of a pair, +1 on the second:
+#     out_n = x_n·c + σ·x_p·s            (a' = a·c − b·s, b' = a·s + b·c)
+#     dx_n  = g_n·c − σ·g_p·s            (the inverse rotation of the output gradient)
+#     dθ_i  = −g_a·b' + g_b·a'           (at the pair's first element, summed over ranks, q and k)
+# The partner is read by a second load at the partner's offsets: no shuffle within registers.
+
+
+@triton.jit
+def _pairs(n, N: tl.constexpr, S: tl.constexpr, HALVES: tl.constexpr):
+    """For channels n: (partner p(n), pair index i(n), first element of its pair, rotating: i < S)."""
+    if HALVES:
+        first = n < N // 2
+        partner = tl.where(first, n + N // 2, n - N // 2)
+        i = tl.where(first, n, n - N // 2)
+    else:
+        first = n % 2 == 0
+        partner = n ^ 1
+        i = n // 2
+    return partner, i, first, (i < S) & (n < N)
+
+
+@triton.jit
+def _biased(x_ptr, bias_ptr, row_offs, bias_offs, cols, ok, n_ok):
+    """x + bias at the (tokens, channels) tile `cols` (the channels or their partners) of rows row_offs,
+    the head's bias row at bias_offs; in fp32."""
+    x = tl.load(x_ptr + row_offs[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    return x + tl.load(bias_ptr + bias_offs + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _turn(theta_ptr, bh, t, T, i, first, turns, S: tl.constexpr):
+    """(c, σ·s) of the tile: cos and signed sin of each channel's pair angle (1, 0 past the first S)."""
+    theta = tl.load(
+        theta_ptr + (bh * T + t)[:, None] * S + i[None, :], mask=(t < T)[:, None] & turns[None, :], other=0.0
+    )
+    return tl.cos(theta), tl.where(first, -1.0, 1.0)[None, :] * tl.sin(theta)
+
+
+@triton.jit
+def _rotate_one(
+    x_ptr, bias_ptr, out_ptr, src, dst, bias, n, partner, ok, n_ok, c, sn, HAS_THETA: tl.constexpr
+):
+    x = _biased(x_ptr, bias_ptr, src, bias, n, ok, n_ok)
+    if HAS_THETA:
+        x = x * c + _biased(x_ptr, bias_ptr, src, bias, partner, ok, n_ok) * sn
+    tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rotate_fwd_kernel(
+    qh_ptr, kh_ptr, qb_ptr, kb_ptr, theta_ptr, q_ptr, k_ptr,
+    T, H, G,
+    R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_THETA: tl.constexpr, HALVES: tl.constexpr,
+):  # fmt: skip
+    """q, k (B, H, T, R, N) in q_ptr's dtype, one program per (batch row·head, block of tokens)."""
+    pid = tl.program_id(0).to(tl.int64)  # b·H + h
+    b, h = pid // H, pid % H
+    g = h // (H // G)
+    t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    partner, i, first, turns = _pairs(n, N, S, HALVES)
+    ok = (t < T)[:, None] & n_ok[None, :]
+    c = 1.0
+    sn = 0.0
+    if HAS_THETA:
+        c, sn = _turn(theta_ptr, pid, t, T, i, first, turns, S)
+    for r in tl.static_range(R):
+        src = ((b * G + g) * T + t) * R * N + r * N
+        dst = ((pid * T + t) * R + r)[:, None] * N + n[None, :]
+        bias = (h * R + r) * N
+        _rotate_one(qh_ptr, qb_ptr, q_ptr, src, dst, bias, n, partner, ok, n_ok, c, sn, HAS_THETA)
+        _rotate_one(kh_ptr, kb_ptr, k_ptr, src, dst, bias, n, partner, ok, n_ok, c, sn, HAS_THETA)
+
+
+@triton.jit
+def _unrotate_one(
+    x_ptr, bias_ptr, d_ptr, db_ptr, src, grad, bias, db_offs, n, partner, ok, n_ok, c, sn,
+    HAS_THETA: tl.constexpr,
+):  # fmt: skip
+    """(dx (tokens, channels) fp32, its dθ contribution at the pairs' first elements), and the tile's
+    bias gradient (dx summed over its tokens) stored at db_offs."""
+    gx = tl.load(d_ptr + grad[:, None] + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    dx = gx
+    d_theta = gx * 0.0
+    if HAS_THETA:
+        gp = tl.load(d_ptr + grad[:, None] + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+        dx = gx * c - gp * sn
+        x = _biased(x_ptr, bias_ptr, src, bias, n, ok, n_ok)
+        xp = _biased(x_ptr, bias_ptr, src, bias, partner, ok, n_ok)
+        s = -sn  # at a first element: a = x, b = xp, g_a = gx, g_b = gp, and σ·s = −s
+        d_theta = gp * (x * c - xp * s) - gx * (x * s + xp * c)
+    tl.store(db_ptr + db_offs + n, _sum(dx, 0), mask=n_ok)
+    return dx, d_theta
+
+
+@triton.jit
+def rotate_bwd_kernel(
+    qh_ptr, kh_ptr, qb_ptr, kb_ptr, theta_ptr, dq_ptr, dk_ptr,
+    dqh_ptr, dkh_ptr, dqb_ptr, dkb_ptr, dtheta_ptr,
+    T, H, G, n_tblocks,
+    R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_THETA: tl.constexpr, HALVES: tl.constexpr,
+):  # fmt: skip
+    """The prologue's backward, one program per (batch row·group, block of tokens), over the group's
+    heads: dq̂, dk̂ (B, G, T, R, N) fp32 summed over the heads; the biases' gradients summed over the
+    block's tokens into (B, n_tblocks, H, R, N) fp32 (the wrapper sums those); dθ per rank into
+    (R, B, H, T, S) fp32 (the wrapper sums the ranks)."""
+    pid = tl.program_id(0).to(tl.int64)  # b·G + g
+    b, g = pid // G, pid % G
+    tb = tl.program_id(1).to(tl.int64)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    partner, i, first, turns = _pairs(n, N, S, HALVES)
+    ok = (t < T)[:, None] & n_ok[None, :]
+    keep = (t < T)[:, None] & (first & turns)[None, :]
+    B = tl.num_programs(0) // G
+    heads = H // G
+    for r in tl.static_range(R):
+        src = (pid * T + t) * R * N + r * N
+        acc_q = tl.where(ok, 0.0, 0.0)
+        acc_k = tl.where(ok, 0.0, 0.0)
+        for hh in range(heads):
+            h = g * heads + hh
+            bh = b * H + h
+            grad = ((bh * T + t) * R + r) * N
+            bias = (h * R + r) * N
+            db_offs = ((b * n_tblocks + tb) * H + h) * R * N + r * N
+            c = 1.0
+            sn = 0.0
+            if HAS_THETA:
+                c, sn = _turn(theta_ptr, bh, t, T, i, first, turns, S)
+            dq, dth_q = _unrotate_one(
+                qh_ptr,
+                qb_ptr,
+                dq_ptr,
+                dqb_ptr,
+                src,
+                grad,
+                bias,
+                db_offs,
+                n,
+                partner,
+                ok,
+                n_ok,
+                c,
+                sn,
+                HAS_THETA,
+            )
+            dk, dth_k = _unrotate_one(
+                kh_ptr,
+                kb_ptr,
+                dk_ptr,
+                dkb_ptr,
+                src,
+                grad,
+                bias,
+                db_offs,
+                n,
+                partner,
+                ok,
+                n_ok,
+                c,
+                sn,
+                HAS_THETA,
+            )
+            acc_q += dq
+            acc_k += dk
+            if HAS_THETA:
+                th_offs = ((r * B + b) * H + h) * T * S + t[:, None] * S + i[None, :]
+                tl.store(dtheta_ptr + th_offs, dth_q + dth_k, mask=keep)
+        hat = src[:, None] + n[None, :]
+        tl.store(dqh_ptr + hat, acc_q, mask=ok)
+        tl.store(dkh_ptr + hat, acc_k, mask=ok)
+
+
 def _tuned(kernel, stages: tuple[int, ...]):
     """The kernel with a small explicit autotune list on a GPU (warps × software-pipeline stages of a
     chunk loop; chosen once per shape and dtype, at the first call); under the interpreter, which has
@@ -308,3 +495,6 @@ state_fwd = _tuned(state_fwd_kernel, stages=(1, 2))
 chunk_fwd = _tuned(chunk_fwd_kernel, stages=(1,))
 state_bwd = _tuned(state_bwd_kernel, stages=(1, 2))
 chunk_bwd = _tuned(chunk_bwd_kernel, stages=(1,))
+# The prologue's kernels are elementwise passes (and a loop over a group's heads): no autotuning.
+rotate_fwd = rotate_fwd_kernel
+rotate_bwd = rotate_bwd_kernel

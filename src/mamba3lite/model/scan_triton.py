@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from mamba3lite.errors import ConfigError
-from mamba3lite.model.rotation import bias_rotate, bias_rotate_grads
+from mamba3lite.model.rotation import bias_rotate
 from mamba3lite.model.scan import _state_dtype, autocast_dtype, sequential_scan
 
 # The largest shapes the kernels are built for: one program holds the (N, P) state, (L·R, N) and
@@ -192,13 +192,54 @@ def _run_backward(q: Tensor, k: Tensor, v: Tensor, cs, scale, gamma, seg, S0, dy
     return dq, dk, dv, d_cs, d_scale, d_gamma, dS0
 
 
+ROTATE_BLOCK_T, ROTATE_WARPS = 8, 4  # the prologue kernels' tokens per program, warps: no spills
+
+
 def _prologue(q_in, k_in, q_bias, k_bias, theta, halves: bool, mm_dtype) -> tuple[Tensor, Tensor]:
     """The scan's per-head q, k in `mm_dtype`: q_in, k_in themselves without biases (they are per head),
-    else rotation.bias_rotate of the per-group normed q̂, k̂."""
+    else the prologue kernel on the per-group normed q̂, k̂ (rotation.bias_rotate's function)."""
     if q_bias is None:
         return q_in.to(mm_dtype), k_in.to(mm_dtype)
-    k, q = bias_rotate(k_in, q_in, k_bias, q_bias, theta, halves, mm_dtype)
-    return q, k
+    Bsz, G, T, R, N = q_in.shape
+    H = q_bias.shape[0]
+    work = _work(torch.empty(0, dtype=mm_dtype, device=q_in.device)).dtype
+    q, k = (torch.empty(Bsz, H, T, R, N, dtype=work, device=q_in.device) for _ in range(2))
+    qh, kh, qb, kb = (_work(x).contiguous() for x in (q_in, k_in, q_bias, k_bias))
+    th = qh if theta is None else _work(theta).contiguous()  # an unread stand-in without angles
+    grid = (Bsz * H, -(-T // ROTATE_BLOCK_T))
+    _kernels().rotate_fwd[grid](
+        qh, kh, qb, kb, th, q, k, T, H, G, **_rotate_meta(R, N, theta, halves), num_warps=ROTATE_WARPS,
+    )  # fmt: skip
+    return q.to(mm_dtype), k.to(mm_dtype)
+
+
+def _rotate_meta(R: int, N: int, theta: Tensor | None, halves: bool) -> dict:
+    return {
+        "R": R, "N": N, "S": 1 if theta is None else theta.shape[-1], "BLOCK_T": ROTATE_BLOCK_T,
+        "BLOCK_N": 1 << (N - 1).bit_length(), "HAS_THETA": theta is not None, "HALVES": halves,
+    }  # fmt: skip
+
+
+def _prologue_grads(q_in, k_in, q_bias, k_bias, theta, halves: bool, dq: Tensor, dk: Tensor):
+    """The prologue's backward kernel: (dq̂, dk̂, dC_bias, dB_bias, dθ or None), each in its input's dtype,
+    from the gradients dq, dk (B, H, T, R, N) of the per-head q, k."""
+    Bsz, G, T, R, N = q_in.shape
+    H = q_bias.shape[0]
+    dev = q_in.device
+    n_tb = -(-T // ROTATE_BLOCK_T)
+    dqh, dkh = (torch.empty(Bsz, G, T, R, N, dtype=torch.float32, device=dev) for _ in range(2))
+    dqb, dkb = (torch.empty(Bsz, n_tb, H, R, N, dtype=torch.float32, device=dev) for _ in range(2))
+    S = 1 if theta is None else theta.shape[-1]
+    d_theta = torch.empty(R, Bsz, H, T, S, dtype=torch.float32, device=dev)
+    qh, kh, qb, kb = (_work(x).contiguous() for x in (q_in, k_in, q_bias, k_bias))
+    th = qh if theta is None else _work(theta).contiguous()
+    _kernels().rotate_bwd[(Bsz * G, n_tb)](
+        qh, kh, qb, kb, th, _work(dq).contiguous(), _work(dk).contiguous(), dqh, dkh, dqb, dkb, d_theta,
+        T, H, G, n_tb, **_rotate_meta(R, N, theta, halves), num_warps=ROTATE_WARPS,
+    )  # fmt: skip
+    d_theta = None if theta is None else d_theta.sum(0).to(theta.dtype)
+    d_qb, d_kb = dqb.sum((0, 1)).to(q_bias.dtype), dkb.sum((0, 1)).to(k_bias.dtype)
+    return dqh.to(q_in.dtype), dkh.to(k_in.dtype), d_qb, d_kb, d_theta
 
 
 @torch.library.custom_op("mamba3lite::triton_scan", mutates_args=())
@@ -270,9 +311,9 @@ def _triton_scan_backward(
     if q_bias_HRN is None:
         d_q, d_k, d_qb, d_kb, d_theta = dq.to(q_in.dtype), dk.to(k_in.dtype), none(), none(), none()
     else:
-        G = k_in.shape[1]
-        d_k, d_q, d_kb, d_qb, d_theta = bias_rotate_grads(theta_BHTS, k, q, dk, dq, halves, G, k_in.dtype)
-        d_qb, d_kb = d_qb.to(q_bias_HRN.dtype), d_kb.to(k_bias_HRN.dtype)
+        d_q, d_k, d_qb, d_kb, d_theta = _prologue_grads(
+            q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, dq, dk
+        )
         d_theta = none() if d_theta is None else d_theta
     return d_q, d_k, d_qb, d_kb, d_theta, dv.to(v_BHTRP.dtype), d_cs, d_scale, d_gamma, dS0
 
