@@ -35,6 +35,21 @@ def test_checkpoint_directory(run, capsys):
     assert "verified: every checkpoint" in out
 
 
+def test_a_run_where_no_step_loads_is_described_then_fails(run, capsys):
+    """Every step's weights damaged: the table still shows each as BAD, then one error line and a
+    non-zero exit, with or without --verify (nothing in it can be resumed, generated or evaluated)."""
+    for step in (4, 8):
+        path = checkpoint_files(run, step)["model"]
+        path.write_bytes(path.read_bytes()[:-3])
+    assert main(["inspect", str(run)]) == 2
+    captured = capsys.readouterr()
+    assert "0 of 2 steps loadable" in captured.out
+    assert sum(line.split()[1:2] == ["BAD"] for line in captured.out.splitlines()) == 2
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: no step in {run} can be loaded (step 4:"), err
+    assert main(["inspect", str(run), "--verify"]) == 2
+
+
 @pytest.mark.parametrize("kind", ["model", "optim"])
 def test_damaged_step_is_named_and_verify_fails(run, capsys, kind):
     path = checkpoint_files(run, 8)[kind]

@@ -563,11 +563,14 @@ def test_phase2_bad_input_is_one_clear_line(world, capsys, name):
 
 def test_inspect_reports_a_meta_that_is_a_device_as_bad_without_reading_it(world, capsys):
     """`inspect RUN` is a report: a damaged step is listed as BAD with the reason (one line per step),
-    and /dev/zero behind the meta's name is never read."""
+    and /dev/zero behind the meta's name is never read. The run's only step is that one, so nothing
+    in it can be used: after the report, one error line and a non-zero exit."""
     _link_meta(world, "/dev/zero")
-    assert _in(world, main, ["inspect", "run"]) == 0
-    out = capsys.readouterr().out
+    assert _in(world, main, ["inspect", "run"]) == 2
+    captured = capsys.readouterr()
+    out = captured.out
     assert "BAD" in out and "meta_step_2.json is a character device" in out and "0 of 1 steps loadable" in out
+    assert captured.err.startswith("error: no step in ") and len(captured.err.strip().splitlines()) == 1
 
 
 def test_phase2_mixture_accepts_exponent_weights_as_the_flags_do(world):

@@ -32,9 +32,10 @@ def _fmt_size(n: int | None) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
-def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int]]:
+def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int], bool]:
     """(the description, the problems: one line per step that cannot be loaded, the seed-format steps:
-    their metas record no sizes or hashes, so they are only checked for whole files)."""
+    their metas record no sizes or hashes, so they are only checked for whole files, whether any step
+    is usable: loadable, or with verified weights)."""
     from mamba3lite.train.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(path)
@@ -73,7 +74,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int]]:
     if superseded.is_dir():
         lines.append(f"superseded     {superseded} (checkpoints of an abandoned timeline, kept aside)")
     seed = [s for s in steps if statuses[s].format == "seed"]
-    return "\n".join(lines), problems, seed
+    return "\n".join(lines), problems, seed, bool(good or weights_only)
 
 
 def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
@@ -164,11 +165,17 @@ def last_metrics_rows(path: Path) -> list[str]:
 
 
 def inspect_checkpoint_dir(path: Path, verify: bool) -> int:
-    """Print the description; with `verify`, CheckpointError if any step is not loadable."""
-    text, problems, seed = describe_checkpoint_dir(path)
+    """Print the description; CheckpointError if no step can be used at all, or with `verify` if any step
+    is not loadable."""
+    text, problems, seed, usable = describe_checkpoint_dir(path)
     print(text)
     for line in last_metrics_rows(path):
         print(line)
+    if not usable:  # a report of nothing usable is a failure: scripts that check the exit status see it
+        raise CheckpointError(
+            f"no step in {path} can be loaded ({problems[0]}); fix: resume or generate from another run, "
+            "or restore the files from a copy"
+        )
     if problems and verify:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"verification failed: {problems[0]}{more}")
