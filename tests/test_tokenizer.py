@@ -37,6 +37,24 @@ def test_missing_tokenizer_file(tmp_path):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
 
 
+def test_a_tokenizer_path_that_is_no_regular_file_is_named_for_what_it_is(tmp_path):
+    """A directory, a FIFO (never opened: no hang) or a device behind the name: one ConfigError saying
+    what the path is, not "not found"."""
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "zero.json").symlink_to("/dev/zero")
+    for name, what in (
+        ("fifo.json", "a named pipe"),
+        ("dir.json", "a directory"),
+        ("zero.json", "a character device"),
+    ):
+        with pytest.raises(ConfigError, match=f"is {what}.*must be a regular file"):
+            load_tokenizer(str(tmp_path / name))
+
+
 def test_hf_tokenizer_json(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers

@@ -174,12 +174,12 @@ def load_tokenizer(name: str = "gpt2") -> Tokenizer:
     if name == "gpt2":
         return GPT2Tokenizer()
     if name.endswith(".json") or os.sep in name or "/" in name:
-        if not Path(name).is_file():
+        if not Path(name).exists():
             raise ConfigError(
                 f"tokenizer file not found: {name}; pass --tokenizer gpt2 or a path to an "
                 "existing tokenizer.json"
             )
-        return HFTokenizer(name)
+        return HFTokenizer(name)  # reads through intake: a directory, FIFO or device is named as such
     raise ConfigError(
         f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
         "or a path to a Hugging Face tokenizer.json"
