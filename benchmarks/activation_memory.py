@@ -5,8 +5,8 @@
 A CPU measurement of the term that dominates a training step's peak memory (issue 16's target: peak
 memory of the Triton path <= 1.25x the same-shape Transformer's). One layer's forward runs on the CPU
 under bf16 autocast, as the trainer runs on a GPU, with a saved-tensors hook that adds up the distinct
-storages saved for the backward (less the layer's bf16 weight copies), as `mamba3lite.model.memory`
-does for its estimate. Rows:
+storages saved for the backward, at --seq-len and half of it: the growth per token is the activations
+(weights and their copies drop out). It is `mamba3lite.model.memory`'s own measure. Rows:
   mamba3 chunked   the pure-PyTorch scan (its (L, L) blocks and chunk states are kept)
   mamba3 triton    the Triton scan, fused with the bias + rotation prologue (TRITON_INTERPRET=1: the
                    kernels run in the interpreter, but the op saves exactly the tensors, dtypes and shapes
@@ -36,24 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model
 from mamba3lite.config import load_config
 from mamba3lite.model.flops import count_parameters
+from mamba3lite.model.memory import saved_bytes_per_token
 from mamba3lite.model.transformer import Block
-
-
-def saved_bytes_per_token(layer: torch.nn.Module, d_model: int, seq_len: int) -> float:
-    """Bytes of the distinct storages saved for backward by one forward of `layer`, per token."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    x = torch.randn(1, seq_len, d_model, requires_grad=True)
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
-        layer(x)
-    weight_copies = sum(2 * p.numel() for p in layer.parameters() if p.dim() >= 2)
-    return (sum(storages.values()) - weight_copies) / seq_len
 
 
 def transformer_parameters(cfg) -> int:

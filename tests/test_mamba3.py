@@ -15,6 +15,8 @@ from mamba3lite.model.mamba3 import (
     _bias_rotate_autograd,
     _BiasRotate,
     _Gate,
+    _gated_out_proj_autograd,
+    _GatedOutProj,
     _MimoGate,
     cumulative_angles,
     heavy_tail,
@@ -234,12 +236,18 @@ def test_layer_in_its_compiled_form_equals_eager(kw, monkeypatch):
         (mamba3_module, "_bias_rotate_autograd"),
         (mamba3_module, "_gate_autograd"),
         (mamba3_module, "_mimo_gate_autograd"),
+        (mamba3_module, "_gated_out_proj_autograd"),
         (scan, "_decay_weights_autograd"),
     )
     for module, name in plain:
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name: used.append(_n) or _fn(*a))
-    functions = (mamba3_module._BiasRotate, mamba3_module._Gate, mamba3_module._MimoGate)
+    functions = (
+        mamba3_module._BiasRotate,
+        mamba3_module._Gate,
+        mamba3_module._MimoGate,
+        mamba3_module._GatedOutProj,
+    )
     for cls in (*functions, scan._DecayWeights, scan._ChunkCore):
         monkeypatch.setattr(cls, "apply", lambda *a, _c=cls: pytest.fail(f"{_c.__name__} used under compile"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -248,7 +256,8 @@ def test_layer_in_its_compiled_form_equals_eager(kw, monkeypatch):
     torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-10)
     for (name, _), a, b in zip(layer.named_parameters(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
-    expected = {"_decay_weights_autograd", "_mimo_gate_autograd" if layer.is_mimo else "_gate_autograd"}
+    gate = "_mimo_gate_autograd" if layer.is_mimo else "_gate_autograd"
+    expected = {"_decay_weights_autograd", "_gated_out_proj_autograd", gate}
     expected |= {"_bias_rotate_autograd"} if layer.rope else set()
     assert set(used) == expected
 
@@ -296,6 +305,44 @@ def test_gate_function_keeps_x_and_z_only_and_matches_autograd(z_ranks):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         _Gate.apply(x, z)
     assert len(saved) == 2 and saved[0] is x and saved[1] is z
+
+
+@pytest.mark.parametrize("mimo", [False, True], ids=["siso", "mimo"])
+def test_gated_out_proj_keeps_no_out_proj_input_and_matches_autograd(mimo):
+    """_GatedOutProj: out_proj of the gated output with the plain ops' value and all gradients (gradcheck,
+    float64), and under bf16 autocast the same as the plain ops to bf16 rounding; it keeps the gate's
+    inputs and the weight, never the (B, T, E) input of out_proj."""
+    g = torch.Generator().manual_seed(9)
+    B, H, T, R, P, D = 2, 3, 5, 2 if mimo else 1, 4, 7
+    y = torch.randn(B, H, T, R, P, dtype=F64, generator=g, requires_grad=True)
+    z = torch.randn(B, H, T, 1, P, dtype=F64, generator=g, requires_grad=True)
+    mz, mo = (
+        torch.randn(H, R, P, dtype=F64, generator=g, requires_grad=True) if mimo else None for _ in range(2)
+    )
+    w = torch.randn(D, H * P, dtype=F64, generator=g, requires_grad=True)
+    args = (y, z, mz, mo, w)
+    torch.autograd.gradcheck(_GatedOutProj.apply, args)
+    leaves = [a for a in args if a is not None]
+    out, ref = _GatedOutProj.apply(*args), _gated_out_proj_autograd(*args)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), leaves), torch.autograd.grad(ref.sum(), leaves)):
+        torch.testing.assert_close(a, b)
+    f32 = [None if a is None else a.detach().float().requires_grad_() for a in args]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16 = f32[0].to(torch.bfloat16)  # the mixer casts y to the autocast dtype before the gate
+        outs = [fn(y16, *f32[1:]) for fn in (_GatedOutProj.apply, _gated_out_proj_autograd)]
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0], outs[1])
+    got, want = (
+        torch.autograd.grad(o.float().square().sum(), [a for a in f32 if a is not None]) for o in outs
+    )
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        _GatedOutProj.apply(*args)
+    assert (B, T, H * P) not in shapes and len(shapes) == len(leaves)
 
 
 def test_mimo_gate_function_keeps_y_and_z_only_and_matches_autograd():

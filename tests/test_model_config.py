@@ -243,10 +243,10 @@ def test_every_preset_micro_batch_fits_an_80gb_accelerator(name):
 def test_memory_estimate_tracks_the_h200_measurement(preset, measured_gib):
     """Eager peaks at 16 x 2048 on the H200 (session 6, benchmarks/RESULTS.md GPU section; no optimizer
     state there): 180M 31.8 GiB, 440M 81.8 GiB. The estimate less the optimizer's 8 bytes per parameter
-    was then an upper bound (33.0, 87.5 GiB). The layer has since stopped keeping in_proj's whole output
-    and SiLU(z) for the backward (8.75 KiB per token and layer less, by the estimate's own hook), which
-    the measured peaks predate: the estimate (30.5, 80.9 GiB) must stay within 10% of them either way
-    until the next GPU run measures the new layer (micro batches are sized with it)."""
+    was then an upper bound (33.0, 87.5 GiB). The layer has since stopped keeping in_proj's whole output,
+    SiLU(z) and out_proj's input for the backward (12.75 KiB per token and layer less, by the estimate's
+    own hook), which the measured peaks predate: the estimate (29.4, 77.9 GiB) must stay within 10% of
+    them either way until the next GPU run measures the new layer (micro batches are sized with it)."""
     from mamba3lite.config import load_config
     from mamba3lite.model import count_parameters
     from mamba3lite.model.memory import training_memory_bytes

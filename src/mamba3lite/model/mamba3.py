@@ -160,6 +160,50 @@ def _mimo_gate_autograd(y: Tensor, z: Tensor, mimo_z: Tensor, mimo_o: Tensor) ->
     return (gated * mimo_o[:, None].to(y.dtype)).sum(3)
 
 
+def _gated(y: Tensor, z: Tensor, mimo_z: Tensor | None, mimo_o: Tensor | None) -> Tensor:
+    """The gate (and MIMO's rank contraction): y (B, H, T, R, P), z (B, H, T, 1, P) -> (B, H, T, P)."""
+    if mimo_z is None:
+        return eager_or_traced(_Gate, _gate_autograd)(y, z).squeeze(3)
+    return eager_or_traced(_MimoGate, _mimo_gate_autograd)(y, z, mimo_z, mimo_o)
+
+
+def _gated_out_proj_autograd(y, z, mimo_z, mimo_o, weight) -> Tensor:
+    """`_GatedOutProj` in plain autograd ops: the form torch.compile traces."""
+    return F.linear(_gated(y, z, mimo_z, mimo_o).transpose(1, 2).flatten(2), weight)
+
+
+class _GatedOutProj(torch.autograd.Function):
+    """out_proj of the gated output, (B, T, D), keeping the gate's inputs (which the gate keeps anyway)
+    and not out_proj's input: that is one more (B, T, E) tensor per layer, which the backward gets back
+    by redoing the gate (elementwise) instead. The matmuls run in the forward's dtype (the autocast
+    dtype under autocast), as out_proj's would."""
+
+    @staticmethod
+    def forward(ctx, y, z, mimo_z, mimo_o, weight):
+        out = _gated_out_proj_autograd(y, z, mimo_z, mimo_o, weight)
+        ctx.save_for_backward(y, z, mimo_z, mimo_o, weight)
+        ctx.mm_dtype = out.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        *inputs, weight = ctx.saved_tensors
+        leaves = [
+            None if t is None else t.detach().requires_grad_(need)
+            for t, need in zip(inputs, ctx.needs_input_grad[:4])
+        ]
+        with torch.enable_grad():
+            x = _gated(*leaves).transpose(1, 2).flatten(2)
+        dt = ctx.mm_dtype
+        g = g.to(dt)
+        d_weight = None
+        if ctx.needs_input_grad[4]:
+            d_weight = (g.flatten(0, -2).mT @ x.detach().to(dt).flatten(0, -2)).to(weight.dtype)
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(x, wanted, (g @ weight.to(dt)).to(x.dtype)) if wanted else ())
+        return (*(next(grads) if t is not None and t.requires_grad else None for t in leaves), d_weight)
+
+
 def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: Tensor | None) -> Tensor:
     """θ_t = (θ_{t−1} + dθ_t) mod 2π along T with θ_{−1} = theta0 (or 0), restarting from 0 at resets.
 
@@ -381,11 +425,9 @@ class Mamba3(nn.Module):
         # z is a slice of in_proj's whole output: the gate saves it for backward, so a copy of the slice
         # lets that output (about twice z's size) be freed after the forward.
         zr = z_BTE.contiguous().unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
-        if self.is_mimo:
-            y = eager_or_traced(_MimoGate, _mimo_gate_autograd)(y, zr, self.mimo_z, self.mimo_o)
-        else:
-            y = eager_or_traced(_Gate, _gate_autograd)(y, zr).squeeze(3)
-        return self.out_proj(y.transpose(1, 2).flatten(2))
+        mimo = (self.mimo_z, self.mimo_o) if self.is_mimo else (None, None)
+        gated_out_proj = eager_or_traced(_GatedOutProj, _gated_out_proj_autograd)
+        return gated_out_proj(y, zr, *mimo, self.out_proj.weight)
 
     # ---- public ----
     def forward(

@@ -1,16 +1,17 @@
 """Training memory of a config, by measurement: what autograd keeps per token and layer, times the batch.
 
 `activation_bytes_per_token` runs one `Block` forward on the CPU under bf16 autocast (as the trainer
-runs on accelerators) and adds up the distinct storages saved for the backward pass, less the
-per-layer bf16 copies of the weights. `training_memory_bytes` scales that by micro batch × window ×
-layers (or, with gradient checkpointing, keeps one fp32 layer input per layer plus one layer's
-activations) and adds 16 bytes per parameter: fp32 weights, gradients and AdamW's two moments.
-On the H200 (benchmarks/RESULTS.md, GPU section) the measured eager peaks came out 4-7% below this
-estimate, for a layer that kept 8.75 KiB per token more than it does now (in_proj's whole output and
-SiLU(z)); the presets' micro batches are sized with it to fit an 80 GB accelerator. The estimate
-measures the layer with the config's scan (`chunked` on the CPU); benchmarks/activation_memory.py
-compares it with the Triton scan's and the Transformer's. Under torch.compile
-(`training.compile`) the compiler picks what to save and the peaks were ~1.4x this estimate.
+runs on accelerators) and adds up the distinct storages saved for the backward pass, at two lengths:
+the growth per token leaves out the weights and their bf16 copies. `training_memory_bytes` scales
+that by micro batch × window × layers (or, with gradient checkpointing, keeps one fp32 layer input
+per layer plus one layer's activations) and adds 16 bytes per parameter: fp32 weights, gradients and
+AdamW's two moments. On the H200 (benchmarks/RESULTS.md, GPU section) the measured eager peaks came
+out 4-7% below this estimate, for a layer that kept 12.75 KiB per token more than it does now (in_proj's
+whole output, SiLU(z), out_proj's input); the presets' micro batches are sized with it to fit an 80 GB
+accelerator. The estimate measures the layer with the config's scan (`chunked` on the CPU);
+benchmarks/activation_memory.py compares it with the Triton scan's and the Transformer's. Under
+torch.compile (`training.compile`) the compiler picks what to save and the peaks were ~1.4x this
+estimate.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.flops import count_parameters
 
 
-def activation_bytes_per_token(cfg: ModelConfig, seq_len: int = 2048) -> float:
-    """Bytes saved for backward per token by one layer (bf16 autocast, batch 1, `seq_len` tokens)."""
-    from mamba3lite.model.transformer import Block
-
-    block = Block(cfg)
-    x = torch.randn(1, seq_len, cfg.d_model, requires_grad=True)
+def saved_bytes(layer: torch.nn.Module, d_model: int, seq_len: int) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of one forward of `layer` on
+    (1, seq_len, d_model) under bf16 autocast on the CPU, weights and their bf16 copies included."""
+    x = torch.randn(1, seq_len, d_model, requires_grad=True)
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -36,9 +35,22 @@ def activation_bytes_per_token(cfg: ModelConfig, seq_len: int = 2048) -> float:
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
-        block(x)
-    weight_copies = sum(2 * p.numel() for p in block.parameters() if p.dim() >= 2)
-    return (sum(storages.values()) - weight_copies) / seq_len
+        layer(x)
+    return sum(storages.values())
+
+
+def saved_bytes_per_token(layer: torch.nn.Module, d_model: int, seq_len: int = 2048) -> float:
+    """What `layer` keeps for its backward per token: the growth of `saved_bytes` from seq_len / 2 to
+    seq_len tokens, so that the weights and their copies (the same at every length) drop out."""
+    half = seq_len // 2
+    return (saved_bytes(layer, d_model, seq_len) - saved_bytes(layer, d_model, half)) / (seq_len - half)
+
+
+def activation_bytes_per_token(cfg: ModelConfig, seq_len: int = 2048) -> float:
+    """Bytes saved for backward per token by one layer (bf16 autocast, batch 1, `seq_len` tokens)."""
+    from mamba3lite.model.transformer import Block
+
+    return saved_bytes_per_token(Block(cfg), cfg.d_model, seq_len)
 
 
 def training_memory_bytes(
