@@ -40,8 +40,12 @@ def fake_triton(monkeypatch, *, reason: str | None = None, supports: bool = True
         calls.append(kwargs.get("chunk_size"))
         return chunked_scan(*args, **kwargs)
 
-    def triton_rotated_scan(k_hat, q_hat, k_bias, q_bias, theta, halves, v, *scalars, **kwargs):
-        """The fused op's contract, from the mixer's own bias and rotation."""
+    def triton_rotated_scan(
+        k_hat, q_hat, k_bias, q_bias, theta, halves, v, *scalars, v_scale_HRP=None, **kwargs
+    ):
+        """The fused op's contract, from the mixer's own bias, rotation and MIMO values."""
+        if v_scale_HRP is not None:
+            v = v * v_scale_HRP[:, None].to(v.dtype)
         out_dtype = torch.promote_types(k_hat.dtype, v.dtype)
         if theta is None:
             k, q = per_head(k_hat, k_bias).to(out_dtype), per_head(q_hat, q_bias).to(out_dtype)

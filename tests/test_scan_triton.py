@@ -402,11 +402,12 @@ def test_prologue_kernels_equal_rotation_py(halves, with_theta):
         close(got[4], dth_ref, "dtheta")
 
 
-@pytest.mark.parametrize("prologue", [False, True], ids=["per-head q k", "bias and rotation"])
+@pytest.mark.parametrize("prologue", [False, True], ids=["per-head q k v", "bias, rotation, mimo values"])
 def test_custom_ops_pass_opcheck(prologue):
     """torch.library.opcheck: the ops' schemas, fake implementations (the shapes, dtypes and strides
     torch.compile plans with) and autograd registration agree with the real kernels; with per-head
-    q, k (triton_chunked_scan) and with per-group q̂, k̂, biases and angles (triton_rotated_scan)."""
+    q, k and v (triton_chunked_scan) and with per-group q̂, k̂, biases, angles and MIMO's raw x with its
+    per-rank scale (triton_rotated_scan)."""
     B, H, T, R, N, P, L = 1, 2, 21, 2, 16, 16, 8
     nc = 3
     g = torch.Generator().manual_seed(0)
@@ -416,13 +417,28 @@ def test_custom_ops_pass_opcheck(prologue):
     if prologue:
         theta = torch.rand(B, H, T, 4, generator=g) * 6
         biases_theta = (*(torch.randn(H, R, N, generator=g).requires_grad_() for _ in range(2)), theta)
-    v = torch.randn(B, H, T, R, P, generator=g).requires_grad_()
+    v = torch.randn(B, H, T, 1 if prologue else R, P, generator=g).requires_grad_()  # MIMO's raw x
+    v_scale = torch.randn(H, R, P, generator=g).requires_grad_() if prologue else None
     cs = -torch.rand(B, H, nc, L, generator=g).cumsum(-1).reshape(B, H, nc * L)
     scale, gamma = (torch.rand(B, H, nc * L, generator=g).requires_grad_() for _ in range(2))
     seg = torch.zeros(B, nc * L, dtype=torch.int32)
     seg[:, 10:16] = 1
     S0 = torch.randn(B, H, N, P, generator=g).requires_grad_()
-    args = (q, k, *biases_theta, prologue, v, cs.requires_grad_(), scale, gamma, seg, S0, L, torch.float32)
+    args = (
+        q,
+        k,
+        *biases_theta,
+        prologue,
+        v,
+        v_scale,
+        cs.requires_grad_(),
+        scale,
+        gamma,
+        seg,
+        S0,
+        L,
+        torch.float32,
+    )
     tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(scan_triton._triton_scan, args, test_utils=tests)
     dy, dh = torch.randn(B, H, T, R, P, generator=g), torch.randn(B, H, P, N, generator=g)

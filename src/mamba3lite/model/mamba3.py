@@ -399,12 +399,15 @@ class Mamba3(nn.Module):
             return q, k
         return per_head(q_hat, self.C_bias).to(out_dtype), per_head(k_hat, self.B_bias).to(out_dtype)
 
-    def _values(self, x_BTHP: Tensor) -> Tensor:
+    def _raw_values(self, x_BTHP: Tensor) -> Tensor:
+        """x (B, T, H, P) -> (B, H, T, 1, P), head-major as the scan wants it."""
+        return x_BTHP.transpose(1, 2).contiguous().unsqueeze(3)
+
+    def _values(self, x_BHT1P: Tensor) -> Tensor:
         """x -> v (B, H, T, R, P): x ⊙ mimo_x per rank (MIMO), x itself (SISO)."""
-        x = x_BTHP.transpose(1, 2).contiguous().unsqueeze(3)
         if self.is_mimo:
-            return x * self.mimo_x[:, None].to(x.dtype)
-        return x
+            return x_BHT1P * self.mimo_x[:, None].to(x_BHT1P.dtype)
+        return x_BHT1P
 
     def _cache_values(self, x_BHP: Tensor) -> Tensor:
         """Cached raw x (B, H, P) -> v_prev (B, R, H, P)."""
@@ -412,10 +415,12 @@ class Mamba3(nn.Module):
             return x_BHP[:, None] * self.mimo_x.transpose(0, 1).to(x_BHP.dtype)
         return x_BHP[:, None]
 
-    def _output(self, y_BHTRP: Tensor, v_BHTRP: Tensor, z_BTE: Tensor) -> Tensor:
+    def _output(self, y_BHTRP: Tensor, x_BHT1P: Tensor, z_BTE: Tensor) -> Tensor:
         """+ D·v, optional per-head RMSNorm, ⊙ SiLU(z), Σ_r mimo_o, out_proj: -> (B, T, D)."""
         H, P = self.nheads, self.headdim
-        y = torch.addcmul(y_BHTRP, self.D[:, None, None, None].to(y_BHTRP.dtype), v_BHTRP)
+        # D·v = (D·mimo_x) ⊙ x for MIMO: the skip keeps the raw x for its backward, not the rank copies.
+        skip = self.D[:, None, None] * self.mimo_x if self.is_mimo else self.D[:, None, None]
+        y = torch.addcmul(y_BHTRP, skip[:, None].to(y_BHTRP.dtype), x_BHT1P)
         if self.is_outproj_norm:
             y = F.rms_norm(y, (P,), eps=self.norm.eps) * self.norm.weight.view(H, 1, 1, P).to(y.dtype)
         amp_dtype = autocast_dtype(y.device.type)
@@ -438,17 +443,20 @@ class Mamba3(nn.Module):
         if dtheta is not None:
             theta_BHTS = cumulative_angles(dtheta, None if cache is None else cache.angle_BHS, reset_BT)
         k_hat, q_hat = self._normed(Bp, Cp)
-        v = self._values(x_BTHP)
+        x = self._raw_values(x_BTHP)
         # The backend is resolved once per device type (the first forward there, or set_scan_impl).
         scan = self._scan if self._scan_device_type == u_BTD.device.type else self._bind_scan(u_BTD.device)
         if cache is None and self.scan_impl == "triton":
-            # Training's path: bias, rotation and scan in one op that recomputes the per-head q, k in
-            # its backward instead of keeping them (scan_triton.triton_rotated_scan).
+            # Training's path: bias, rotation (and MIMO's per-rank values) and scan in one op that
+            # recomputes the per-head q, k and v in its backward instead of keeping them
+            # (scan_triton.triton_rotated_scan).
+            mimo_x = self.mimo_x if self.is_mimo else None
             y = rotated_scan(
-                k_hat, q_hat, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, v, A * dt, dt, lam,
-                chunk_size=self.chunk_size, reset_BT=reset_BT,
+                k_hat, q_hat, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, x, A * dt, dt, lam,
+                chunk_size=self.chunk_size, reset_BT=reset_BT, v_scale_HRP=mimo_x,
             )[0]  # fmt: skip
-            return self._output(y, v, z)
+            return self._output(y, x, z)
+        v = self._values(x)
         q, k = self._qk(k_hat, q_hat, theta_BHTS)
         init = {}
         if cache is not None:
@@ -462,7 +470,7 @@ class Mamba3(nn.Module):
                 cache.ssm_BHPN.copy_(h_BHPN)
                 cache.k_BRHN.copy_(k[:, :, -1].transpose(1, 2))
                 cache.v_BHP.copy_(x_BTHP[:, -1])
-        return self._output(y, v, z)
+        return self._output(y, x, z)
 
     def step(self, u_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None = None) -> Tensor:
         z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BD[:, None])  # T = 1
@@ -473,7 +481,8 @@ class Mamba3(nn.Module):
                 prev_BHS = prev_BHS * (~reset_B).to(prev_BHS.dtype)[:, None, None]
             theta_BHTS = torch.remainder(prev_BHS[:, :, None] + dtheta, 2 * math.pi)
         q, k = self._qk(*self._normed(Bp, Cp), theta_BHTS)
-        v = self._values(x_BTHP)
+        x = self._raw_values(x_BTHP)
+        v = self._values(x)
         y_BHRP, h_BHPN = scan_step(
             q[:, :, 0], k[:, :, 0], v[:, :, 0], (A * dt)[:, :, 0], dt[:, :, 0], lam[:, :, 0],
             cache.ssm_BHPN, cache.k_BRHN, self._cache_values(cache.v_BHP), reset_B,
@@ -484,7 +493,7 @@ class Mamba3(nn.Module):
             cache.ssm_BHPN.copy_(h_BHPN)
             cache.k_BRHN.copy_(k[:, :, 0].transpose(1, 2))
             cache.v_BHP.copy_(x_BTHP[:, 0])
-        return self._output(y_BHRP[:, :, None], v, z)[:, 0]
+        return self._output(y_BHRP[:, :, None], x, z)[:, 0]
 
     def allocate_cache(self, batch_size: int, device=None, dtype=None) -> Mamba3Cache:
         """Zero decode state for `batch_size` rows. dtype: model dtype (default: in_proj's); states ≥ fp32."""

@@ -242,6 +242,19 @@ def _prologue_grads(q_in, k_in, q_bias, k_bias, theta, halves: bool, dq: Tensor,
     return dqh.to(q_in.dtype), dkh.to(k_in.dtype), d_qb, d_kb, d_theta
 
 
+def _op_values(v_in: Tensor, v_scale: Tensor | None) -> Tensor:
+    """The scan's v: v_in itself, or (MIMO) the raw x (B, H, T, 1, P) times its per-rank scale (H, R, P),
+    in v_in's dtype, as the mixer's `_values`."""
+    if v_scale is None:
+        return v_in
+    return (v_in * v_scale[:, None].to(v_in.dtype)).contiguous()
+
+
+def _shape_BHTRP(v_in: Tensor, v_scale: Tensor | None) -> tuple[int, int, int, int, int]:
+    Bsz, H, T, R, P = v_in.shape
+    return Bsz, H, T, R if v_scale is None else v_scale.shape[1], P
+
+
 @torch.library.custom_op("mamba3lite::triton_scan", mutates_args=())
 def _triton_scan(
     q_in: Tensor,
@@ -250,7 +263,8 @@ def _triton_scan(
     k_bias_HRN: Tensor | None,
     theta_BHTS: Tensor | None,
     halves: bool,
-    v_BHTRP: Tensor,
+    v_in: Tensor,
+    v_scale_HRP: Tensor | None,
     cs_BHT: Tensor,
     scale_BHT: Tensor,
     gamma_BHT: Tensor,
@@ -259,23 +273,24 @@ def _triton_scan(
     chunk_size: int,
     mm_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """The forward kernels on q, k = `_prologue(...)`: either per-head q, k (B, H, T, R, N) with no biases,
-    or the per-group normed q̂, k̂ (B, G, T, R, N) with their per-head biases (H, R, N) and angles θ (or
-    None), rotated here. cs/scale/γ (fp32) and seg (int32, or None without resets) are padded to whole
-    chunks (Tp = nc·L); q, k, v are not. Returns (y (B, H, T, R, P) in mm_dtype, h_T (B, H, P, N) fp32)."""
+    """The forward kernels on q, k = `_prologue(...)` and v = `_op_values(v_in, v_scale)`: either per-head
+    q, k (B, H, T, R, N) with no biases, or the per-group normed q̂, k̂ (B, G, T, R, N) with their per-head
+    biases (H, R, N) and angles θ (or None), rotated here; v (B, H, T, R, P) itself, or MIMO's raw x
+    (B, H, T, 1, P) with mimo_x (H, R, P). cs/scale/γ (fp32) and seg (int32, or None without resets) are
+    padded to whole chunks (Tp = nc·L); q, k, v are not. Returns (y (B, H, T, R, P) in mm_dtype,
+    h_T (B, H, P, N) fp32)."""
     q, k = _prologue(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, mm_dtype)
-    y, h_T, _ = _run_forward(
-        q, k, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, chunk_size, with_y=True
-    )
+    v = _op_values(v_in, v_scale_HRP)
+    y, h_T, _ = _run_forward(q, k, v, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, chunk_size, with_y=True)
     return y.to(mm_dtype), h_T
 
 
 @_triton_scan.register_fake
-def _(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
-      seg_BT, S0_BHNP, chunk_size, mm_dtype):  # fmt: skip
-    Bsz, H, T, R, P = v_BHTRP.shape
+def _(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, v_in, v_scale_HRP, cs_BHT, scale_BHT,
+      gamma_BHT, seg_BT, S0_BHNP, chunk_size, mm_dtype):  # fmt: skip
+    Bsz, H, T, R, P = _shape_BHTRP(v_in, v_scale_HRP)
     N = q_in.shape[-1]
-    return v_BHTRP.new_empty(Bsz, H, T, R, P, dtype=mm_dtype), S0_BHNP.new_empty(Bsz, H, P, N)
+    return v_in.new_empty(Bsz, H, T, R, P, dtype=mm_dtype), S0_BHNP.new_empty(Bsz, H, P, N)
 
 
 @torch.library.custom_op("mamba3lite::triton_scan_backward", mutates_args=())
@@ -286,7 +301,8 @@ def _triton_scan_backward(
     k_bias_HRN: Tensor | None,
     theta_BHTS: Tensor | None,
     halves: bool,
-    v_BHTRP: Tensor,
+    v_in: Tensor,
+    v_scale_HRP: Tensor | None,
     cs_BHT: Tensor,
     scale_BHT: Tensor,
     gamma_BHT: Tensor,
@@ -296,13 +312,15 @@ def _triton_scan_backward(
     dh_BHPN: Tensor,
     chunk_size: int,
     mm_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward: q, k recomputed by the prologue, then the kernels, then (with biases) the prologue's
-    backward (rotation.bias_rotate_grads). Returns the gradients of (q_in, k_in, q_bias, k_bias, θ, v,
-    cs, scale, γ, S0), each in its input's dtype; those of absent biases and θ are empty (0,) tensors."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward: q, k and v recomputed, then the kernels, then (with biases) the prologue's backward
+    kernel and (with v_scale) the values' chain rule. Returns the gradients of (q_in, k_in, q_bias,
+    k_bias, θ, v_in, v_scale, cs, scale, γ, S0), each in its input's dtype; those of absent inputs are
+    empty (0,) tensors."""
     q, k = _prologue(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, mm_dtype)
+    v = _op_values(v_in, v_scale_HRP)
     dq, dk, dv, d_cs, d_scale, d_gamma, dS0 = _run_backward(
-        q, k, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, dy_BHTRP, dh_BHPN, chunk_size
+        q, k, v, cs_BHT, scale_BHT, gamma_BHT, seg_BT, S0_BHNP, dy_BHTRP, dh_BHPN, chunk_size
     )
 
     def none() -> Tensor:  # one per absent gradient (outputs of a custom op may not alias)
@@ -315,18 +333,25 @@ def _triton_scan_backward(
             q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, dq, dk
         )
         d_theta = none() if d_theta is None else d_theta
-    return d_q, d_k, d_qb, d_kb, d_theta, dv.to(v_BHTRP.dtype), d_cs, d_scale, d_gamma, dS0
+    if v_scale_HRP is None:
+        d_v, d_vs = dv.to(v_in.dtype), none()
+    else:  # v = x ⊙ scale, x broadcast over the ranks
+        dvf = dv.float()
+        d_v = (dvf * v_scale_HRP[:, None].float()).sum(3, keepdim=True).to(v_in.dtype)
+        d_vs = (dvf * v_in.float()).sum((0, 2)).to(v_scale_HRP.dtype)
+    return d_q, d_k, d_qb, d_kb, d_theta, d_v, d_vs, d_cs, d_scale, d_gamma, dS0
 
 
 @_triton_scan_backward.register_fake
-def _(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, v_BHTRP, cs_BHT, scale_BHT, gamma_BHT,
-      seg_BT, S0_BHNP, dy_BHTRP, dh_BHPN, chunk_size, mm_dtype):  # fmt: skip
+def _(q_in, k_in, q_bias_HRN, k_bias_HRN, theta_BHTS, halves, v_in, v_scale_HRP, cs_BHT, scale_BHT,
+      gamma_BHT, seg_BT, S0_BHNP, dy_BHTRP, dh_BHPN, chunk_size, mm_dtype):  # fmt: skip
     def like(x):
         return q_in.new_empty(0) if x is None else torch.empty_like(x)
 
     per_token = [torch.empty_like(cs_BHT) for _ in range(3)]
     prologue = [like(q_bias_HRN), like(k_bias_HRN), like(theta_BHTS)]
-    return torch.empty_like(q_in), torch.empty_like(k_in), *prologue, torch.empty_like(v_BHTRP), *per_token, \
+    values = [torch.empty_like(v_in), like(v_scale_HRP)]
+    return torch.empty_like(q_in), torch.empty_like(k_in), *prologue, *values, *per_token, \
         torch.empty_like(S0_BHNP)  # fmt: skip
 
 
@@ -338,19 +363,19 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dy, dh):
-    q_in, k_in, q_bias, k_bias, theta, v, cs, scale, gamma, seg, S0 = ctx.saved_tensors
+    q_in, k_in, q_bias, k_bias, theta, v_in, v_scale, cs, scale, gamma, seg, S0 = ctx.saved_tensors
     # an unused output's gradient may arrive as None
-    Bsz, H, T, R, P = v.shape
-    dy = v.new_zeros(Bsz, H, T, R, P, dtype=ctx.mm_dtype) if dy is None else dy
+    Bsz, H, T, R, P = _shape_BHTRP(v_in, v_scale)
+    dy = v_in.new_zeros(Bsz, H, T, R, P, dtype=ctx.mm_dtype) if dy is None else dy
     dh = S0.new_zeros(Bsz, H, P, S0.shape[2]) if dh is None else dh
     grads = list(_triton_scan_backward(
-        q_in, k_in, q_bias, k_bias, theta, ctx.halves, v, cs, scale, gamma, seg, S0, dy, dh,
+        q_in, k_in, q_bias, k_bias, theta, ctx.halves, v_in, v_scale, cs, scale, gamma, seg, S0, dy, dh,
         ctx.chunk_size, ctx.mm_dtype,
     ))  # fmt: skip
-    for i, given in ((2, q_bias), (3, k_bias), (4, theta)):
+    for i, given in ((2, q_bias), (3, k_bias), (4, theta), (6, v_scale)):
         grads[i] = None if given is None else grads[i]
-    d_q, d_k, d_qb, d_kb, d_theta, dv, d_cs, d_scale, d_gamma, dS0 = grads
-    return d_q, d_k, d_qb, d_kb, d_theta, None, dv, d_cs, d_scale, d_gamma, None, dS0, None, None
+    d_q, d_k, d_qb, d_kb, d_theta, d_v, d_vs, d_cs, d_scale, d_gamma, dS0 = grads
+    return d_q, d_k, d_qb, d_kb, d_theta, None, d_v, d_vs, d_cs, d_scale, d_gamma, None, dS0, None, None
 
 
 _triton_scan.register_autograd(_backward, setup_context=_setup_context)
@@ -445,7 +470,7 @@ def triton_chunked_scan(
     scalars = _scalars(adt_BHT, dt_BHT, lam_BHT, reset_BT, **init, N=N, P=P, L=L)
     with torch.autocast(dev.type, enabled=False):
         q, k, v = (x.to(op_dtype).contiguous() for x in (q_BHTRN, k_BHTRN, v_BHTRP))
-        y, h_T = _triton_scan(q, k, None, None, None, False, v, *scalars, L, op_dtype)
+        y, h_T = _triton_scan(q, k, None, None, None, False, v, None, *scalars, L, op_dtype)
     return y.to(mm_dtype), h_T.to(sd)
 
 
@@ -463,13 +488,17 @@ def triton_rotated_scan(
     *,
     chunk_size: int,
     reset_BT: Tensor | None = None,
+    v_scale_HRP: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The mixer's bias + rotation (rotation.bias_rotate) and `triton_chunked_scan` from a zero state in
     one op that saves the per-group normed q̂, k̂ (B, G, T, R, N) and the angles for its backward and
     recomputes the per-head q, k there: those are the largest tensors of the layer (H/G copies of the
-    keys and the queries), which the unfused pair keeps for the backward. Same outputs and errors as
-    `triton_chunked_scan(q, k, ...)` with `k, q = bias_rotate(...)` in the matmul dtype."""
+    keys and the queries), which the unfused pair keeps for the backward. With `v_scale_HRP` (MIMO's
+    mimo_x), v_BHTRP is the raw x (B, H, T, 1, P) and the op forms v = x ⊙ mimo_x per rank itself, also
+    recomputed in the backward. Same outputs and errors as `triton_chunked_scan(q, k, v, ...)` with
+    `k, q = bias_rotate(...)` in the matmul dtype (and that v)."""
     T, R, P = v_BHTRP.shape[2:]
+    R = R if v_scale_HRP is None else v_scale_HRP.shape[1]
     N = k_hat_BGTRN.shape[-1]
     dev = v_BHTRP.device
     sd = _state_dtype(adt_BHT.dtype)
@@ -478,7 +507,8 @@ def triton_rotated_scan(
     )
     if T == 0:
         k, q = bias_rotate(k_hat_BGTRN, q_hat_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, mm_dtype)
-        return triton_chunked_scan(q, k, v_BHTRP, adt_BHT, dt_BHT, lam_BHT, chunk_size=chunk_size)
+        v = v_BHTRP if v_scale_HRP is None else v_BHTRP * v_scale_HRP[:, None].to(v_BHTRP.dtype)
+        return triton_chunked_scan(q, k, v, adt_BHT, dt_BHT, lam_BHT, chunk_size=chunk_size)
     L = max(1, min(chunk_size, T))
     _check_runs(dev, R, N, P, L)
     op_dtype = _op_dtype(mm_dtype)
@@ -486,6 +516,6 @@ def triton_rotated_scan(
     with torch.autocast(dev.type, enabled=False):
         y, h_T = _triton_scan(
             q_hat_BGTRN.contiguous(), k_hat_BGTRN.contiguous(), q_bias_HRN, k_bias_HRN, theta_BHTS, halves,
-            v_BHTRP.to(op_dtype).contiguous(), *scalars, L, op_dtype,
+            v_BHTRP.to(op_dtype).contiguous(), v_scale_HRP, *scalars, L, op_dtype,
         )  # fmt: skip
     return y.to(mm_dtype), h_T.to(sd)
