@@ -321,6 +321,56 @@ def sequential_scan(
     return y, h
 
 
+def matmul_dtype(
+    device_type: str, q_dtype: torch.dtype, v_dtype: torch.dtype, sd: torch.dtype
+) -> torch.dtype:
+    """The chunked form's matmul dtype: autocast's, else the inputs' promoted with the state dtype sd
+    (at least fp32)."""
+    return autocast_dtype(device_type) or torch.promote_types(torch.promote_types(q_dtype, v_dtype), sd)
+
+
+def token_weights(
+    dt_BHT: Tensor, lam_BHT: Tensor, reset_BT: Tensor | None, sd: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked form's per-token weights in the state dtype sd: (γ = λΔ; β/α = (1 − λ)Δ, 0 on a
+    token that starts a fresh state; boa_next, the next token's β/α, 0 past the end). A weight within
+    a chunk is scale_s = γ_s + boa_next_s (the `chunked_scan` docstring)."""
+    lam, dt = lam_BHT.to(sd), dt_BHT.to(sd)
+    gamma = lam * dt
+    boa = (1 - lam) * dt
+    if reset_BT is not None:
+        boa = boa * (~reset_BT).to(sd)[:, None, :]
+    return gamma, boa, torch.nn.functional.pad(boa[:, :, 1:], (0, 1))
+
+
+def chunk_segments(reset_BT: Tensor, nc: int, L: int) -> Tensor:
+    """(B, nc, L) int32: the number of resets in the chunk up to and including each token (tokens past
+    the end, zero-padded, start none)."""
+    rs = torch.nn.functional.pad(reset_BT, (0, nc * L - reset_BT.shape[1])).view(-1, nc, L)
+    return torch.cumsum(rs.to(torch.int32), dim=-1, dtype=torch.int32)
+
+
+def start_state(
+    h0_BHPN: Tensor | None,
+    k_prev_BRHN: Tensor | None,
+    v_prev_BRHP: Tensor | None,
+    boa_BHT: Tensor,
+    N: int,
+    P: int,
+) -> Tensor:
+    """The carried matrix before token 0, (B, H, N, P) in boa's dtype: h0ᵀ (zeros when None), plus on a
+    resume the first token's β term without its α (MAMBA3.md §2.4), which `boa_BHT` (from
+    `token_weights`) carries."""
+    Bsz, H = boa_BHT.shape[:2]
+    sd = boa_BHT.dtype
+    S = torch.zeros(Bsz, H, N, P, dtype=sd, device=boa_BHT.device) if h0_BHPN is None else h0_BHPN.to(sd).mT
+    if k_prev_BRHN is not None:
+        assert v_prev_BRHP is not None
+        prev_BHNP = torch.einsum("brhp,brhn->bhnp", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
+        S = S + boa_BHT[:, :, 0, None, None] * prev_BHNP
+    return S
+
+
 def chunked_scan(
     q_BHTRN: Tensor,
     k_BHTRN: Tensor,
@@ -363,14 +413,7 @@ def chunked_scan(
     pad = nc * L - T
     sd = _state_dtype(adt_BHT.dtype)
     dev = q_BHTRN.device
-    amp_dtype = autocast_dtype(dev.type)
-
-    lam, dt = lam_BHT.to(sd), dt_BHT.to(sd)
-    gamma = lam * dt
-    boa = (1 - lam) * dt  # β/α = (1 − λ)Δ
-    if reset_BT is not None:
-        boa = boa * (~reset_BT).to(sd)[:, None, :]
-    boa_next = torch.nn.functional.pad(boa[:, :, 1:], (0, 1))
+    gamma, boa, boa_next = token_weights(dt_BHT, lam_BHT, reset_BT, sd)
     scale = gamma + boa_next
 
     def chunks(x: Tensor, *inner: int) -> Tensor:
@@ -388,8 +431,7 @@ def chunked_scan(
 
     # Masks: causal (s ≤ t) and, with resets, same segment. seg_t = number of resets in the chunk up to t.
     if reset_BT is not None:
-        rs = torch.nn.functional.pad(reset_BT, (0, pad)).view(Bsz, 1, nc, L).to(torch.int32)
-        seg_B1cL = torch.cumsum(rs, dim=-1)
+        seg_B1cL = chunk_segments(reset_BT, nc, L)[:, None]
         mask = torch.ones(L, L, dtype=torch.bool, device=dev).tril() & (
             seg_B1cL[..., :, None] == seg_B1cL[..., None, :]
         )
@@ -397,8 +439,7 @@ def chunked_scan(
         to_end_B1cL = seg_B1cL == seg_B1cL[..., -1:]  # no reset in (s, chunk end]
     else:
         mask = None  # causal only: lower-triangular
-    # Matmul dtype: autocast's, else the inputs' promoted with the state dtype (at least fp32).
-    mm_dtype = amp_dtype or torch.promote_types(torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd)
+    mm_dtype = matmul_dtype(dev.type, q_BHTRN.dtype, v_BHTRP.dtype, sd)
     decay_weights = eager_or_traced(_DecayWeights, _decay_weights_autograd)
     W_BHcLL = decay_weights(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, mm_dtype)
 
@@ -412,12 +453,7 @@ def chunked_scan(
         to_end_BHcL = to_end_BHcL * to_end_B1cL
         chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
         from_start = from_start * from_start_B1cL
-    S = torch.zeros(Bsz, H, N, P, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd).mT
-    if k_prev_BRHN is not None:
-        assert v_prev_BRHP is not None
-        # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
-        prev_BHNP = torch.einsum("brhp,brhn->bhnp", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
-        S = S + boa[:, :, 0, None, None] * prev_BHNP
+    S = start_state(h0_BHPN, k_prev_BRHN, v_prev_BRHP, boa, N, P)
     core = eager_or_traced(_ChunkCore, _chunk_core_autograd)
     q_c, k_c, v_c = (x.to(mm_dtype) for x in (q_c, k_c, v_c))
     # Under autocast y stays in the autocast dtype (the mixer's gate and out_proj would cast it there).

@@ -40,7 +40,14 @@ from torch import Tensor
 
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.rotation import bias_rotate
-from mamba3lite.model.scan import _state_dtype, autocast_dtype, sequential_scan
+from mamba3lite.model.scan import (
+    _state_dtype,
+    chunk_segments,
+    matmul_dtype,
+    sequential_scan,
+    start_state,
+    token_weights,
+)
 
 # The largest shapes the kernels are built for: one program holds the (N, P) state, (L·R, N) and
 # (L·R, P) tiles and (L·R, L·R) score blocks in registers / shared memory.
@@ -117,10 +124,15 @@ def _grids(Bsz: int, H: int, P: int, nc: int, state_meta: dict) -> tuple[tuple, 
     return (Bsz * H, -(-P // state_meta["BLOCK_PS"])), (Bsz * H * nc,)
 
 
+def _work_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels read a `dtype` tensor in: itself on a GPU; fp32 under the interpreter, which
+    computes in numpy (it has no bf16: it would return garbage, silently)."""
+    return dtype if device.type == "cuda" else torch.float32
+
+
 def _work(x: Tensor) -> Tensor:
-    """x as the kernels read it: unchanged on a GPU; fp32 under the interpreter, which computes in numpy
-    (it has no bf16: it would return garbage, silently)."""
-    return x if x.device.type == "cuda" else x.float()
+    """x as the kernels read it (`_work_dtype`): no copy on a GPU, nor of an fp32 tensor."""
+    return x.to(_work_dtype(x.device, x.dtype))
 
 
 def _run_forward(
@@ -156,8 +168,9 @@ def _run_backward(q: Tensor, k: Tensor, v: Tensor, cs, scale, gamma, seg, S0, dy
     one (N, L·R)·(L·R, P) product per chunk; saving them instead costs N·P per chunk per head of
     activation memory, about as much as the rotated keys). Returns (dq, dk, dv in the kernels' dtype,
     d_cs, d_scale, d_γ (B, H, Tp) fp32 summed over ranks, dS0 (B, H, N, P) fp32)."""
+    q, k, v = _work(q), _work(k), _work(v)
+    dy = _work(dy).to(q.dtype).contiguous()
     _, _, starts = _run_forward(q, k, v, cs, scale, gamma, seg, S0, chunk_size, with_y=False)
-    q, k, v, dy = _work(q), _work(k), _work(v), _work(dy).to(_work(q).dtype).contiguous()
     Bsz, H, T, R, N = q.shape
     P = v.shape[-1]
     Tp = cs.shape[-1]
@@ -172,18 +185,9 @@ def _run_backward(q: Tensor, k: Tensor, v: Tensor, cs, scale, gamma, seg, S0, dy
     state_grid, chunk_grid = _grids(Bsz, H, P, nc, state_meta)
     kernels, common = _kernels(), (T, Tp, nc, H)
     kernels.state_bwd[state_grid](
-        q,
-        dy,
-        cs,
-        scale,
-        seg,
-        dh.float().contiguous(),
-        g_ends,
-        dS0,
-        *common,
-        HAS_RESET=has_reset,
-        **state_meta,
-    )
+        q, dy, cs, scale, seg, dh.float().contiguous(), g_ends, dS0,
+        *common, HAS_RESET=has_reset, **state_meta,
+    )  # fmt: skip
     kernels.chunk_bwd[chunk_grid](
         q, k, v, cs, scale, gamma, seg, starts, g_ends, dy, dq, dk, dv, *rows,
         *common, HAS_RESET=has_reset, **chunk_meta,
@@ -202,15 +206,20 @@ def _prologue(q_in, k_in, q_bias, k_bias, theta, halves: bool, mm_dtype) -> tupl
         return q_in.to(mm_dtype), k_in.to(mm_dtype)
     Bsz, G, T, R, N = q_in.shape
     H = q_bias.shape[0]
-    work = _work(torch.empty(0, dtype=mm_dtype, device=q_in.device)).dtype
+    work = _work_dtype(q_in.device, mm_dtype)
     q, k = (torch.empty(Bsz, H, T, R, N, dtype=work, device=q_in.device) for _ in range(2))
-    qh, kh, qb, kb = (_work(x).contiguous() for x in (q_in, k_in, q_bias, k_bias))
-    th = qh if theta is None else _work(theta).contiguous()  # an unread stand-in without angles
     grid = (Bsz * H, -(-T // ROTATE_BLOCK_T))
     _kernels().rotate_fwd[grid](
-        qh, kh, qb, kb, th, q, k, T, H, G, **_rotate_meta(R, N, theta, halves), num_warps=ROTATE_WARPS,
+        *_prologue_operands(q_in, k_in, q_bias, k_bias, theta), q, k, T, H, G,
+        **_rotate_meta(R, N, theta, halves), num_warps=ROTATE_WARPS,
     )  # fmt: skip
     return q.to(mm_dtype), k.to(mm_dtype)
+
+
+def _prologue_operands(q_in, k_in, q_bias, k_bias, theta) -> list[Tensor]:
+    """q̂, k̂, the biases and θ as the prologue kernels read them (θ: an unread stand-in when None)."""
+    operands = [_work(x).contiguous() for x in (q_in, k_in, q_bias, k_bias)]
+    return [*operands, operands[0] if theta is None else _work(theta).contiguous()]
 
 
 def _rotate_meta(R: int, N: int, theta: Tensor | None, halves: bool) -> dict:
@@ -229,12 +238,13 @@ def _prologue_grads(q_in, k_in, q_bias, k_bias, theta, halves: bool, dq: Tensor,
     n_tb = -(-T // ROTATE_BLOCK_T)
     dqh, dkh = (torch.empty(Bsz, G, T, R, N, dtype=torch.float32, device=dev) for _ in range(2))
     dqb, dkb = (torch.empty(Bsz, n_tb, H, R, N, dtype=torch.float32, device=dev) for _ in range(2))
-    S = 1 if theta is None else theta.shape[-1]
-    d_theta = torch.empty(R, Bsz, H, T, S, dtype=torch.float32, device=dev)
-    qh, kh, qb, kb = (_work(x).contiguous() for x in (q_in, k_in, q_bias, k_bias))
-    th = qh if theta is None else _work(theta).contiguous()
+    # dθ per rank (the kernel writes it only with angles; without, dqh stands in unwritten)
+    d_theta = (
+        dqh if theta is None else torch.empty(R, Bsz, H, T, theta.shape[-1], dtype=torch.float32, device=dev)
+    )
     _kernels().rotate_bwd[(Bsz * G, n_tb)](
-        qh, kh, qb, kb, th, _work(dq).contiguous(), _work(dk).contiguous(), dqh, dkh, dqb, dkb, d_theta,
+        *_prologue_operands(q_in, k_in, q_bias, k_bias, theta),
+        _work(dq).contiguous(), _work(dk).contiguous(), dqh, dkh, dqb, dkb, d_theta,
         T, H, G, n_tb, **_rotate_meta(R, N, theta, halves), num_warps=ROTATE_WARPS,
     )  # fmt: skip
     d_theta = None if theta is None else d_theta.sum(0).to(theta.dtype)
@@ -395,37 +405,23 @@ def _check_runs(dev: torch.device, R: int, N: int, P: int, L: int) -> None:
 
 
 def _scalars(adt_BHT, dt_BHT, lam_BHT, reset_BT, h0_BHPN, k_prev_BRHN, v_prev_BRHP, N: int, P: int, L: int):
-    """The per-token scalars as chunked_scan forms them, padded to whole chunks (padded tokens: ΔA = 0
-    and zero weights, so the cumulative ΔA stays flat and they change nothing), and the starting state:
-    (cs, scale, γ (B, H, nc·L) fp32, seg (B, nc·L) int32 or None, S0 (B, H, N, P) fp32)."""
+    """The per-token scalars as chunked_scan forms them (scan.token_weights), padded to whole chunks
+    (padded tokens: ΔA = 0 and zero weights, so the cumulative ΔA stays flat and they change nothing),
+    and the starting state (scan.start_state): (cs, scale, γ (B, H, nc·L) fp32, seg (B, nc·L) int32 or
+    None, S0 (B, H, N, P) fp32)."""
     Bsz, H, T = adt_BHT.shape
-    dev = adt_BHT.device
     nc = -(-T // L)
-    pad = nc * L - T
     sd = _state_dtype(adt_BHT.dtype)
-    lam, dt = lam_BHT.to(sd), dt_BHT.to(sd)
-    gamma = lam * dt
-    boa = (1 - lam) * dt  # β/α = (1 − λ)Δ
-    if reset_BT is not None:
-        boa = boa * (~reset_BT).to(sd)[:, None, :]
-    scale = gamma + torch.nn.functional.pad(boa[:, :, 1:], (0, 1))
-    cs = torch.cumsum(torch.nn.functional.pad(adt_BHT.to(sd), (0, pad)).view(Bsz, H, nc, L), -1)
-    seg = None
-    if reset_BT is not None:
-        rs = torch.nn.functional.pad(reset_BT, (0, pad)).view(Bsz, nc, L).to(torch.int32)
-        seg = torch.cumsum(rs, dim=-1, dtype=torch.int32).view(Bsz, nc * L)
-    S0 = torch.zeros(Bsz, H, N, P, dtype=sd, device=dev) if h0_BHPN is None else h0_BHPN.to(sd).mT
-    if k_prev_BRHN is not None:
-        assert v_prev_BRHP is not None
-        # Resume: fold the first token's β term (without α) into the carried matrix (MAMBA3.md §2.4).
-        prev_BHNP = torch.einsum("brhp,brhn->bhnp", v_prev_BRHP.to(sd), k_prev_BRHN.to(sd))
-        S0 = S0 + boa[:, :, 0, None, None] * prev_BHNP
+    gamma, boa, boa_next = token_weights(dt_BHT, lam_BHT, reset_BT, sd)
+    cs = torch.cumsum(torch.nn.functional.pad(adt_BHT.to(sd), (0, nc * L - T)).view(Bsz, H, nc, L), -1)
+    seg = None if reset_BT is None else chunk_segments(reset_BT, nc, L).view(Bsz, nc * L)
+    S0 = start_state(h0_BHPN, k_prev_BRHN, v_prev_BRHP, boa, N, P)
 
     def f32(x: Tensor) -> Tensor:  # (B, H, T or nc·L) -> (B, H, nc·L) fp32, zero-padded
         x = x.reshape(Bsz, H, -1)
         return torch.nn.functional.pad(x, (0, nc * L - x.shape[-1])).to(torch.float32).contiguous()
 
-    return f32(cs), f32(scale), f32(gamma), seg, S0.to(torch.float32).contiguous()
+    return f32(cs), f32(gamma + boa_next), f32(gamma), seg, S0.to(torch.float32).contiguous()
 
 
 def _op_dtype(mm_dtype: torch.dtype) -> torch.dtype:
@@ -463,9 +459,7 @@ def triton_chunked_scan(
     L = max(1, min(chunk_size, T))
     _check_runs(dev, R, N, P, L)
     sd = _state_dtype(adt_BHT.dtype)
-    mm_dtype = autocast_dtype(dev.type) or torch.promote_types(
-        torch.promote_types(q_BHTRN.dtype, v_BHTRP.dtype), sd
-    )
+    mm_dtype = matmul_dtype(dev.type, q_BHTRN.dtype, v_BHTRP.dtype, sd)
     op_dtype = _op_dtype(mm_dtype)
     scalars = _scalars(adt_BHT, dt_BHT, lam_BHT, reset_BT, **init, N=N, P=P, L=L)
     with torch.autocast(dev.type, enabled=False):
@@ -502,12 +496,10 @@ def triton_rotated_scan(
     N = k_hat_BGTRN.shape[-1]
     dev = v_BHTRP.device
     sd = _state_dtype(adt_BHT.dtype)
-    mm_dtype = autocast_dtype(dev.type) or torch.promote_types(
-        torch.promote_types(k_hat_BGTRN.dtype, v_BHTRP.dtype), sd
-    )
+    mm_dtype = matmul_dtype(dev.type, k_hat_BGTRN.dtype, v_BHTRP.dtype, sd)
     if T == 0:
         k, q = bias_rotate(k_hat_BGTRN, q_hat_BGTRN, k_bias_HRN, q_bias_HRN, theta_BHTS, halves, mm_dtype)
-        v = v_BHTRP if v_scale_HRP is None else v_BHTRP * v_scale_HRP[:, None].to(v_BHTRP.dtype)
+        v = _op_values(v_BHTRP, v_scale_HRP)
         return triton_chunked_scan(q, k, v, adt_BHT, dt_BHT, lam_BHT, chunk_size=chunk_size)
     L = max(1, min(chunk_size, T))
     _check_runs(dev, R, N, P, L)
