@@ -48,16 +48,21 @@ def _interrupt_after(monkeypatch, n_snapshots: int) -> None:
     monkeypatch.setattr(P._Run, "_snapshot", snapshot)
 
 
+def _prepare_interrupted(monkeypatch, n_snapshots: int, sources, out, **kw) -> None:
+    """A prepare of `sources` into `out` interrupted right after its n-th snapshot."""
+    with monkeypatch.context() as m:
+        _interrupt_after(m, n_snapshots)
+        with pytest.raises(_Interrupt):
+            P.prepare(sources, out, **{**KW, **kw})
+
+
 @pytest.mark.parametrize("n_snapshots", [1, 5, 17])
 def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch, n_snapshots):
     sources = _corpus(tmp_path)
     ref = P.prepare(sources, tmp_path / "ref", **KW)
     assert len(ref.manifest.shards) > 20
     out = tmp_path / "ds"
-    with monkeypatch.context() as m:
-        _interrupt_after(m, n_snapshots)
-        with pytest.raises(_Interrupt):
-            P.prepare(sources, out, **KW)
+    _prepare_interrupted(monkeypatch, n_snapshots, sources, out)
     stage = out / staging.STAGE_DIRNAME
     assert (stage / staging.STATE_NAME).is_file() and not (out / "manifest.json").exists()
     # What a write killed mid-way (SIGKILL, power loss) leaves behind; the finished dataset must not carry it.
@@ -71,29 +76,20 @@ def test_stale_or_damaged_state_starts_afresh(tmp_path, monkeypatch, capsys):
     sources = _corpus(tmp_path)
     P.prepare(sources, tmp_path / "ref", **KW)
     out = tmp_path / "ds"
-    with monkeypatch.context() as m:
-        _interrupt_after(m, 4)
-        with pytest.raises(_Interrupt):
-            P.prepare(sources, out, **KW)
+    _prepare_interrupted(monkeypatch, 4, sources, out)
     shard = out / staging.STAGE_DIRNAME / "train" / "shard_00001.bin"
     shard.write_bytes(shard.read_bytes()[:-2])  # a damaged shard: resuming would be wrong
     s = P.prepare(sources, out, **KW)
     assert s.resumed_shards == 0 and "does not verify" in capsys.readouterr().err
     assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
     # A state from other arguments is not resumed either.
-    with monkeypatch.context() as m:
-        _interrupt_after(m, 4)
-        with pytest.raises(_Interrupt):
-            P.prepare(sources, tmp_path / "ds2", **{**KW, "seed": 1})
+    _prepare_interrupted(monkeypatch, 4, sources, tmp_path / "ds2", seed=1)
     s = P.prepare(sources, tmp_path / "ds2", **KW)
     assert s.resumed_shards == 0 and "arguments differ" in capsys.readouterr().err
     assert tree_hashes(tmp_path / "ds2") == tree_hashes(tmp_path / "ref")
 
     # Nor one whose source files changed since (here: touched).
-    with monkeypatch.context() as m:
-        _interrupt_after(m, 4)
-        with pytest.raises(_Interrupt):
-            P.prepare(sources, tmp_path / "ds3", **KW)
+    _prepare_interrupted(monkeypatch, 4, sources, tmp_path / "ds3")
     src = tmp_path / "a.jsonl"
     os.utime(src, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns + 1_000_000_000))
     s = P.prepare(sources, tmp_path / "ds3", **KW)
@@ -131,10 +127,7 @@ def test_a_staging_record_that_does_not_read_is_not_restored_and_never_blocks(
     sources = _corpus(tmp_path)
     P.prepare(sources, tmp_path / "ref", **KW)
     out = tmp_path / "ds"
-    with monkeypatch.context() as m:
-        _interrupt_after(m, 3)
-        with pytest.raises(_Interrupt):
-            P.prepare(sources, out, **KW)
+    _prepare_interrupted(monkeypatch, 3, sources, out)
     damage(out / staging.STAGE_DIRNAME)
     s = P.prepare(sources, out, **KW)
     assert s.resumed_shards == 0 and "not resuming" in capsys.readouterr().err.lower()
