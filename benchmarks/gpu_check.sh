@@ -7,8 +7,9 @@
 #   1. tests/test_cuda.py (-m gpu): the model's contracts on CUDA, and the Triton scan == the chunked
 #      scan in fp32 and bf16, values and gradients, alone and through the LM (eager/compiled/checkpointed);
 #   2. gpu_scan.py: the scan alone, Triton beside chunked at the presets' layer shapes (equality in
-#      fp32 and bf16, then fwd+bwd time and peak memory with ratios), and a profile of the Triton
-#      scan's kernels at the 440M shape;
+#      fp32 and bf16, then fwd+bwd time and peak memory with ratios), the decode step (scan_step
+#      beside the fused step kernel, 1 and 16 rows), and a profile of the Triton scan's kernels at the
+#      440M shape;
 #   2b. optional: mamba-ssm into a scratch directory (MAMBA_SKIP_CUDA_BUILD=TRUE: its Mamba-3 kernels are
 #      Triton, no nvcc needed; MAMBA_FORCE_BUILD=TRUE: its setup.py does not try to download a prebuilt
 #      wheel from GitHub first; --no-deps: nothing of the machine's torch is touched); failure tolerated

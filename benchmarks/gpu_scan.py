@@ -13,7 +13,11 @@ rank R, chunk L; packed documents, i.e. resets, unless the case says otherwise):
    (torch.cuda.max_memory_allocated): chunked eager, chunked compiled (torch.compile of the function),
    triton; ratios against chunked eager.
 
-3. With --profile CASE: one forward + backward of the Triton scan at CASE under torch.profiler, the
+3. Decode: one token of the recurrence, `scan.scan_step` (PyTorch) beside the fused Triton step kernel
+   (`triton_scan_step`), at each case's widths for 1 and 16 rows (bf16 q, k, v, an fp32 state, as in
+   decode under bf16): largest relative difference and median µs per step, with the speed-up.
+
+4. With --profile CASE: one forward + backward of the Triton scan at CASE under torch.profiler, the
    kernels (the state and chunk kernels each way, and the wrapper's PyTorch ops) by GPU time: where the
    time goes, should the ratios miss their targets.
 
@@ -36,8 +40,8 @@ import traceback
 
 import torch
 
-from mamba3lite.model.scan import chunked_scan
-from mamba3lite.model.scan_triton import triton_chunked_scan, triton_unavailable_reason
+from mamba3lite.model.scan import chunked_scan, scan_step
+from mamba3lite.model.scan_triton import triton_chunked_scan, triton_scan_step, triton_unavailable_reason
 
 START = time.perf_counter()
 if not torch.cuda.is_available():  # the interpreter is chosen when the kernels are first built
@@ -141,6 +145,41 @@ def time_impl(fn, case: tuple, dev: torch.device, steps: int) -> tuple[float, fl
     return statistics.median(times), peak
 
 
+def time_decode(case: tuple, rows: int, dev: torch.device, steps: int) -> dict:
+    """{impl: median µs of one decode step} and the kernel's largest relative difference, at `rows`."""
+    _, H, _, N, P, R, _, _ = case
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32):
+        return torch.randn(*shape, generator=g, device=dev).to(dtype)
+
+    dt = torch.rand(rows, H, generator=g, device=dev) * 0.1 + 0.001
+    adt = -(torch.rand(rows, H, generator=g, device=dev) * 2 + 0.01) * dt
+    lam = torch.rand(rows, H, generator=g, device=dev)
+    inputs = (
+        randn(rows, H, R, N), randn(rows, H, R, N), randn(rows, H, R, P), adt, dt, lam,
+        randn(rows, H, P, N, dtype=torch.float32), randn(rows, R, H, N), randn(rows, R, H, P),
+    )  # fmt: skip
+    out = {}
+    with torch.no_grad():
+        want, got = scan_step(*inputs), triton_scan_step(*inputs)
+        out["err"] = max(rel_err(a, b) for a, b in zip(got, want))
+        for impl, fn in (("scan_step", scan_step), ("triton", triton_scan_step)):
+            for _ in range(3):
+                fn(*inputs)
+            times = []
+            for _ in range(steps):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(*inputs)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e6)
+            out[impl] = statistics.median(times)
+    return out
+
+
 def profile(case: tuple, dev: torch.device) -> None:
     """Print the profiler's table of one bf16 forward + backward of the Triton scan at `case` (after a
     warm-up, so that autotuning is not in it), by GPU time (CPU time under the interpreter)."""
@@ -220,6 +259,20 @@ def main(argv: list[str] | None = None) -> int:
         for impl, (ms, mem) in timings.items():
             memory = f"{mem:.0f} | {mem / mem0:.2f}x" if dev.type == "cuda" else "- | -"
             print(f"| {name} | {impl} | {ms:.2f} | {ms0 / ms:.2f}x | {memory} |")
+    print("\n| case | rows | decode step err | scan_step µs | triton µs | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for name, _ in speed_rows:
+        for rows in (1, 16):
+            try:
+                t = time_decode(CASES[name], rows, dev, 5 if quick else 100)
+                print(
+                    f"| {name} | {rows} | {t['err']:.1e} | {t['scan_step']:.0f} | {t['triton']:.0f} "
+                    f"| {t['scan_step'] / t['triton']:.2f}x |"
+                )
+                failed |= t["err"] > 1e-4
+            except Exception:
+                failed = True
+                print(f"| {name} | {rows} | failed: {traceback.format_exc().strip().splitlines()[-1]} |")
     if args.profile:
         try:
             profile(CASES[args.profile], dev)

@@ -332,7 +332,7 @@ def test_chaos_smallest_campaign_survives():
 @pytest.mark.slow
 def test_gpu_scan_runs_under_the_triton_interpreter():
     """benchmarks/gpu_scan.py on the CPU: the Triton kernels under the interpreter at its quick shapes,
-    equal to the chunked scan (its exit status) and both tables printed."""
+    equal to the chunked scan (its exit status) and the three tables printed."""
     pytest.importorskip("triton")
     out = run_script("gpu_scan.py", "--quick")
     for case in ("quick_siso", "quick_mimo"):
@@ -340,6 +340,9 @@ def test_gpu_scan_runs_under_the_triton_interpreter():
         assert err and float(err.group(1)) < 1e-4, out
         for impl in ("chunked eager", "triton"):
             assert re.search(rf"^\| {case} \| {impl} \| [\d.]+ \| [\d.]+x \|", out, re.M), out
+        for rows in (1, 16):  # the decode step: the kernel's difference from scan_step, both timed
+            step = re.search(rf"^\| {case} \| {rows} \| ([\d.e+-]+) \| \d+ \| \d+ \| [\d.]+x \|$", out, re.M)
+            assert step and float(step.group(1)) < 1e-4, out
 
 
 @pytest.mark.slow

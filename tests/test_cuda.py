@@ -365,3 +365,48 @@ def test_rotated_scan_bf16_is_as_accurate_as_the_unfused_chunked_path_on_cuda(ha
         assert a.dtype == c.dtype, f"{name}: {a.dtype} != the unfused path's {c.dtype}"
         err, ref = rel_err(a, e), rel_err(c, e)
         assert err <= 2 * ref + 1e-3 and err < 0.05, f"{name}: fused {err:.2e}, unfused chunked {ref:.2e}"
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_triton_decode_step_equals_scan_step_on_cuda(R):
+    """The fused decode kernel at the 440M widths (32 heads, N 128, P 64), SISO and MIMO rank 4, with a
+    reset row, == scan.scan_step to fp32 rounding in its dtypes: from fp32 inputs, and from bf16 ones with
+    an fp32 state as the cache holds them (both compute in fp32 from the same bf16 values)."""
+    module = triton_scan()
+    (q, k, v, adt, dt, lam), state, _ = scan_inputs(3, 32, 1, R, 128, 64, torch.float32)
+    inputs = [q[:, :, 0], k[:, :, 0], v[:, :, 0], adt[..., 0], dt[..., 0], lam[..., 0], *state.values()]
+    reset = torch.tensor([False, True, False], device=CUDA)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        cast = [x.to(dtype) if i in (0, 1, 2, 7, 8) else x for i, x in enumerate(inputs)]
+        with torch.no_grad():
+            want = module.scan_step(*cast, reset)
+            got = module.triton_scan_step(*cast, reset)
+        for name, a, b in zip(("y", "h"), got, want):
+            assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape, name
+            assert rel_err(a, b) < tol, f"{dtype} {name}: relative error {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_mimo": True, "mimo_rank": 2, "chunk_size": 8}])
+def test_teacher_forced_decode_with_triton_equals_forward_on_cuda(kw):
+    """scan_impl=triton on the GPU (fp32): prefill (the Triton scan from a cache) + the fused step kernel
+    token by token, across EOS resets, == the chunked forward's logits."""
+    module = triton_scan()
+    model = make_model(reset_at_eos=True, dtype=torch.float32, **kw).to(CUDA)
+    x = ids(T=25)
+    x[:, 9] = x[:, 17] = EOS
+    x = x.to(CUDA)
+    model.set_scan_impl("chunked", CUDA)
+    with torch.no_grad():
+        logits = model(x)
+        model.set_scan_impl("triton", CUDA)
+        calls = []
+        step = module.triton_scan_step
+        module.triton_scan_step = lambda *a: calls.append(1) or step(*a)
+        try:
+            cache = model.allocate_cache(2)
+            first, _ = model.prefill(x[:, :11], cache)
+            steps = [first] + [model.step(x[:, t], cache) for t in range(11, 25)]
+        finally:
+            module.triton_scan_step = step
+    assert len(calls) == 14 * len(model.layers)
+    assert rel_err(torch.stack(steps, dim=1), logits[:, 10:]) < 1e-4

@@ -27,7 +27,7 @@ from mamba3lite.model import (
     scan_triton,
 )
 from mamba3lite.model.mamba3 import Mamba3, _bias_rotate_autograd
-from mamba3lite.model.scan import chunked_scan, sequential_scan
+from mamba3lite.model.scan import chunked_scan, scan_step, sequential_scan
 from mamba3lite.model.scan_triton import triton_chunked_scan, triton_supports, triton_unavailable_reason
 from test_scan import make_inputs, make_state
 
@@ -231,7 +231,11 @@ MIXERS = [
 ]
 
 
-@pytest.mark.parametrize("kw", MIXERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "siso")
+def mixer_id(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in kw.items()) or "siso"
+
+
+@pytest.mark.parametrize("kw", MIXERS, ids=mixer_id)
 def test_mixer_output_and_every_parameter_gradient_equal_sequential(kw):
     torch.manual_seed(0)
     layer = Mamba3(32, **{"d_state": 16, "headdim": 8, "chunk_size": 8, **kw}).to(F64)
@@ -305,6 +309,81 @@ def test_lm_loss_and_gradients_equal_the_chunked_path(checkpointing, monkeypatch
     close(loss, loss_ref)
     for name in grads_ref:
         close(grads[name], grads_ref[name], name)
+
+
+def step_inputs(B=3, H=2, R=1, N=24, P=40, seed=0) -> list[torch.Tensor]:
+    """scan_step's inputs at T = 1 (float64): the last token of make_inputs, and a state."""
+    (q, k, v, adt, dt, lam), _ = make_inputs(B=B, H=H, T=1, R=R, N=N, P=P, seed=seed)
+    state = make_state(B=B, H=H, R=R, N=N, P=P, seed=seed + 1)
+    return [q[:, :, 0], k[:, :, 0], v[:, :, 0], adt[..., 0], dt[..., 0], lam[..., 0], *state.values()]
+
+
+STEPS = [  # (R, N, P): P = 40 spans three 16-row blocks of the state, the last one partial
+    (1, 24, 40),
+    (2, 8, 5),
+    (4, 16, 16),
+]
+
+
+@pytest.mark.parametrize("R, N, P", STEPS)
+@pytest.mark.parametrize("resets", [False, True])
+def test_step_kernel_equals_scan_step(R, N, P, resets):
+    """One decode token: y and the new state == scan.scan_step, in its dtypes (float64 here, computed
+    at fp32), with a reset row (its state and the previous token's term dropped)."""
+    inputs = step_inputs(R=R, N=N, P=P)
+    reset = torch.tensor([True, False, False]) if resets else None
+    y_ref, h_ref = scan_step(*inputs, reset)
+    y, h = scan_triton.triton_scan_step(*inputs, reset)
+    close(y, y_ref, "y")
+    close(h, h_ref, "h")
+    # every term matters (else the check above would be vacuous): drop one input's contribution
+    for i, name in ((6, "h"), (7, "k_prev"), (2, "v")):
+        dropped = [torch.zeros_like(x) if j == i else x for j, x in enumerate(inputs)]
+        assert (scan_step(*dropped, reset)[1] - h_ref).abs().max() > 1e-2 * h_ref.abs().max(), name
+
+
+def test_step_kernel_dtypes_and_grad_mode():
+    """bf16 inputs with an fp32 state: y and h in fp32, as scan_step. Where autograd records, the step
+    is scan_step itself (differentiable); without grad the kernel runs (no graph)."""
+    inputs = step_inputs()
+    mixed = [x.to(torch.bfloat16) if i in (0, 1, 2, 7, 8) else x.float() for i, x in enumerate(inputs)]
+    y_ref, h_ref = scan_step(*mixed)
+    y, h = scan_triton.triton_scan_step(*mixed)
+    close(y, y_ref, "y")
+    close(h, h_ref, "h")
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    y, h = scan_triton.triton_scan_step(*leaves)
+    grads = torch.autograd.grad(y.sum() + h.sum(), leaves)
+    grads_ref = torch.autograd.grad(sum(t.sum() for t in scan_step(*leaves)), leaves)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        assert scan_triton.triton_scan_step(*leaves)[0].grad_fn is None
+
+
+@pytest.mark.parametrize("kw", MIXERS[:4], ids=mixer_id)
+def test_mixer_decode_steps_run_the_step_kernel_and_equal_sequential(kw, monkeypatch):
+    """Prefill, then token-by-token decode (a reset on one row midway): the Triton backend's step is
+    the fused kernel, and its outputs and final state == the sequential backend's."""
+    torch.manual_seed(0)
+    layer = Mamba3(32, **{"d_state": 16, "headdim": 8, "chunk_size": 8, **kw}).to(F64)
+    u = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
+    launches = []
+    step = scan_triton.triton_scan_step
+    monkeypatch.setattr(scan_triton, "triton_scan_step", lambda *a: launches.append(1) or step(*a))
+    results = []
+    for impl in ("triton", "sequential"):
+        layer.set_scan_impl(impl, CPU)
+        with torch.no_grad():
+            cache = layer.allocate_cache(2, dtype=F64)
+            outs = [layer(u[:, :4], cache=cache)]
+            for t in range(4, 9):
+                reset = torch.tensor([t == 6, False])
+                outs.append(layer.step(u[:, t], cache, reset)[:, None])
+        results.append((torch.cat(outs, 1), cache.ssm_BHPN.clone()))
+    assert len(launches) == 5
+    close(results[0][0], results[1][0], "outputs")
+    close(results[0][1], results[1][1], "final state")
 
 
 def rotated_scan_inputs(T=21, R=2, H=4, G=2, N=8, P=4, S=3):
@@ -451,10 +530,10 @@ def test_custom_ops_pass_opcheck(prologue):
 
 @pytest.mark.slow
 def test_kernels_compile_for_a_gpu():
-    """The kernels (the scan's and the prologue's) compile for sm_90 (H100/H200) with the ptxas bundled
-    with triton, no GPU needed:
-    the interpreter alone would accept code the GPU compiler rejects. A subprocess, since this process
-    built them for the interpreter (tests/triton_aot.py; it prints registers and spills per kernel)."""
+    """The kernels (the scan's, the prologue's and the decode step's) compile for sm_90 (H100/H200)
+    with the ptxas bundled with triton, no GPU needed: the interpreter alone would accept code the GPU
+    compiler rejects. A subprocess, since this process built them for the interpreter
+    (tests/triton_aot.py; it prints registers and spills per kernel)."""
     import os
     import subprocess
     import sys
@@ -464,7 +543,7 @@ def test_kernels_compile_for_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    compiled = 3 * 6  # three shapes × (state, chunk, prologue) × (forward, backward)
+    compiled = 3 * 7  # three shapes × ((state, chunk, prologue) × (forward, backward) + the decode step)
     assert proc.stdout.count(": ok,") == compiled, proc.stdout
     # and each fits the H100/H200's 227 KiB of shared memory per block at one pipeline stage
     shared = [int(n) for n in re.findall(r"shared (\d+) B", proc.stdout)]

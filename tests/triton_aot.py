@@ -34,7 +34,10 @@ KERNELS = {  # name: (kernel, kind: a state kernel's P block is scan_triton.STAT
     "chunk_bwd": (kernels.chunk_bwd_kernel, "chunk"),
     "rotate_fwd": (kernels.rotate_fwd_kernel, "rotate"),
     "rotate_bwd": (kernels.rotate_bwd_kernel, "rotate"),
+    "step": (kernels.step_kernel, "step"),
 }
+# the kernels launched at a fixed number of warps (triton's default for the step kernel)
+FIXED_WARPS = {"rotate": scan_triton.ROTATE_WARPS, "step": 4}
 
 
 def signature(kernel, dtype: str, has_reset: bool, constexprs: dict) -> dict:
@@ -47,7 +50,7 @@ def signature(kernel, dtype: str, has_reset: bool, constexprs: dict) -> dict:
             out[name] = f"*{dtype}"
         elif name == "gends_ptr":  # the state's gradient per chunk, fp32
             out[name] = "*fp32"
-        elif name == "seg_ptr":
+        elif name in ("seg_ptr", "reset_ptr"):
             out[name] = "*i32" if has_reset else "*fp32"
         else:
             out[name] = "*fp32" if name.endswith("_ptr") else "i32"
@@ -67,14 +70,19 @@ def compile_one(
         constexprs["BLOCK_PS"] = min(block(P), scan_triton.STATE_BLOCK_P)
     elif kind == "chunk":
         constexprs["BLOCK_P"] = block(P)
+    elif kind == "step":  # decode: L is 1
+        constexprs = {
+            "R": R, "N": N, "P": P, "BLOCK_N": block(N), "BLOCK_P": scan_triton.STEP_BLOCK_P,
+            "HAS_RESET": True,
+        }  # fmt: skip
     else:  # the presets' RoPE: half the pairs turn; MIMO pairs split halves
         constexprs = {
             "R": R, "N": N, "S": N // 4, "BLOCK_T": scan_triton.ROTATE_BLOCK_T, "BLOCK_N": block(N),
             "HAS_THETA": True, "HALVES": R > 1,
         }  # fmt: skip
     src = ASTSource(kernel, signature(kernel, dtype, True, constexprs), constexprs)
-    if kind == "rotate":  # launched at a fixed number of warps, not autotuned
-        warps, stages = scan_triton.ROTATE_WARPS, 1
+    if kind in ("rotate", "step"):  # launched at a fixed number of warps, not autotuned
+        warps, stages = FIXED_WARPS[kind], 1
     compiled = triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
     )
@@ -108,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for dtype, R, L, N, P in cases:
         for which in KERNELS:
-            warps = scan_triton.ROTATE_WARPS if which.startswith("rotate") else args.warps
-            stages = 1 if which.startswith("rotate") else args.stages
+            kind = KERNELS[which][1]
+            warps = FIXED_WARPS.get(kind, args.warps)
+            stages = 1 if kind in FIXED_WARPS else args.stages
             name = f"{which} {dtype} R={R} L={L} N={N} P={P} sm_{args.arch} warps={warps} stages={stages}"
             try:
                 usage = compile_one(which, dtype, R, L, N, P, args.warps, args.stages, args.arch)

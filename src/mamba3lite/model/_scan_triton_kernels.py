@@ -14,7 +14,9 @@ cumsum of ΔA, scale, γ, seg the chunk-local count of resets; module docstring 
 - the *prologue* kernels (`triton_rotated_scan`, the mixer's training path) build the per-head q, k from
   the per-group normed q̂, k̂, the biases and the angles in one pass (and in the backward the gradients
   of all five in one pass over a group's heads), where PyTorch's elementwise ops would make several
-  passes over (B, H, T, R, N) fp32 tensors; the math is at their section below.
+  passes over (B, H, T, R, N) fp32 tensors; the math is at their section below;
+- a *step* kernel (`triton_scan_step`, decode) does one token of the recurrence in one pass over the
+  state (its section below).
 
 The math:
 
@@ -479,6 +481,55 @@ def rotate_bwd_kernel(
         tl.store(dkh_ptr + hat, acc_k, mask=ok)
 
 
+# ---- decode: one token of the recurrence (scan.scan_step), fused ----
+#
+#     h'  = α·h + β·Σ_r v_prev[r] k_prev[r]ᵀ + γ·Σ_r v[r] k[r]ᵀ      α = e^{ΔA}, β = (1 − λ)Δα, γ = λΔ
+#     y_r = h' q_r                                                   (α, β = 0 on a reset row)
+#
+# PyTorch does this in about a dozen small kernels (casts, three einsums, the update); one program per
+# (batch row·head, block of P rows of the state) does it in one pass over the state, in fp32 registers.
+
+
+@triton.jit
+def step_kernel(
+    q_ptr, k_ptr, v_ptr, adt_ptr, dt_ptr, lam_ptr, h_ptr, kp_ptr, vp_ptr, reset_ptr, y_ptr, h_out_ptr,
+    H,
+    R: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_RESET: tl.constexpr,
+):  # fmt: skip
+    """h' and y for a (BLOCK_P, N) block of one (row, head)'s state. Layouts (contiguous): q, k (B, H,
+    R, N); v, y (B, H, R, P); h, h' (B, H, P, N); k_prev (B, R, H, N); v_prev (B, R, H, P); the scalars
+    (B, H); reset (B,) int32. Computes in fp32; h' and y are stored in their buffers' dtypes."""
+    pid = tl.program_id(0).to(tl.int64)  # b·H + head
+    b, head = pid // H, pid % H
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    p_ok, n_ok = p < P, n < N
+    ok = p_ok[:, None] & n_ok[None, :]
+    adt = tl.load(adt_ptr + pid).to(tl.float32)
+    dt = tl.load(dt_ptr + pid).to(tl.float32)
+    lam = tl.load(lam_ptr + pid).to(tl.float32)
+    alpha = tl.exp(adt)
+    beta = (1.0 - lam) * dt * alpha
+    if HAS_RESET:
+        keep = 1.0 - (tl.load(reset_ptr + b) != 0).to(tl.float32)
+        alpha, beta = alpha * keep, beta * keep
+    state = pid * P * N + p[:, None] * N + n[None, :]
+    h = alpha * tl.load(h_ptr + state, mask=ok, other=0.0).to(tl.float32)
+    for r in tl.static_range(R):
+        cur_k = tl.load(k_ptr + (pid * R + r) * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        cur_v = tl.load(v_ptr + (pid * R + r) * P + p, mask=p_ok, other=0.0).to(tl.float32)
+        prev = (b * R + r) * H + head
+        prev_k = tl.load(kp_ptr + prev * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        prev_v = tl.load(vp_ptr + prev * P + p, mask=p_ok, other=0.0).to(tl.float32)
+        h += (beta * prev_v)[:, None] * prev_k[None, :] + (lam * dt * cur_v)[:, None] * cur_k[None, :]
+    tl.store(h_out_ptr + state, h.to(h_out_ptr.dtype.element_ty), mask=ok)
+    for r in tl.static_range(R):
+        q = tl.load(q_ptr + (pid * R + r) * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        y = _sum(h * q[None, :], 1)
+        tl.store(y_ptr + (pid * R + r) * P + p, y.to(y_ptr.dtype.element_ty), mask=p_ok)
+
+
 def _tuned(kernel, stages: tuple[int, ...]):
     """The kernel with a small explicit autotune list on a GPU (warps × software-pipeline stages of a
     chunk loop; chosen once per shape and dtype, at the first call); under the interpreter, which has
@@ -498,3 +549,4 @@ chunk_bwd = _tuned(chunk_bwd_kernel, stages=(1,))
 # The prologue's kernels are elementwise passes (and a loop over a group's heads): no autotuning.
 rotate_fwd = rotate_fwd_kernel
 rotate_bwd = rotate_bwd_kernel
+step = step_kernel  # one light pass per token: no autotuning either

@@ -32,8 +32,8 @@ from mamba3lite.model.rotation import (  # noqa: F401 (pair_views, rotate_, rota
     rotate_,
     rotation_factors,
 )
-from mamba3lite.model.scan import autocast_dtype, eager_or_traced, scan_step
-from mamba3lite.model.scan_backend import resolve_scan_impl, rotated_scan, scan_function
+from mamba3lite.model.scan import autocast_dtype, eager_or_traced
+from mamba3lite.model.scan_backend import resolve_scan_impl, rotated_scan, scan_function, step_function
 
 
 class RMSNorm(nn.Module):
@@ -360,12 +360,13 @@ class Mamba3(nn.Module):
         )
         return resolved, scan_function(resolved, self.chunk_size), device.type
 
-    def _bind_scan(self, device: torch.device) -> Callable:
-        """Resolve the requested backend for `device` (a forward on a new device type), keep and return
-        its scan callable."""
-        self.scan_impl, self._scan, self._scan_device_type = self._resolve_scan(
-            self.scan_impl_requested, device
-        )
+    def _bound_scan(self, device: torch.device) -> Callable:
+        """The scan callable for `device`: the one bound, else the requested backend resolved for it
+        (a forward or step on a new device type), kept."""
+        if self._scan_device_type != device.type:
+            self.scan_impl, self._scan, self._scan_device_type = self._resolve_scan(
+                self.scan_impl_requested, device
+            )
         return self._scan
 
     # ---- pieces shared by forward and step; head-major layout (B, H, T, ...) as the scan wants ----
@@ -445,7 +446,7 @@ class Mamba3(nn.Module):
         k_hat, q_hat = self._normed(Bp, Cp)
         x = self._raw_values(x_BTHP)
         # The backend is resolved once per device type (the first forward there, or set_scan_impl).
-        scan = self._scan if self._scan_device_type == u_BTD.device.type else self._bind_scan(u_BTD.device)
+        scan = self._bound_scan(u_BTD.device)
         if cache is None and self.scan_impl == "triton":
             # Training's path: bias, rotation (and MIMO's per-rank values) and scan in one op that
             # recomputes the per-head q, k and v in its backward instead of keeping them
@@ -483,7 +484,8 @@ class Mamba3(nn.Module):
         q, k = self._qk(*self._normed(Bp, Cp), theta_BHTS)
         x = self._raw_values(x_BTHP)
         v = self._values(x)
-        y_BHRP, h_BHPN = scan_step(
+        self._bound_scan(u_BD.device)
+        y_BHRP, h_BHPN = step_function(self.scan_impl)(
             q[:, :, 0], k[:, :, 0], v[:, :, 0], (A * dt)[:, :, 0], dt[:, :, 0], lam[:, :, 0],
             cache.ssm_BHPN, cache.k_BRHN, self._cache_values(cache.v_BHP), reset_B,
         )  # fmt: skip

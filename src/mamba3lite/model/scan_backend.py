@@ -1,6 +1,7 @@
 """Which scan runs a mixer's forward: the backend names, the `auto` rule and the Triton availability check.
 
-Every backend implements `scan.chunked_scan`'s contract (same inputs, outputs and dtypes):
+Every backend implements `scan.chunked_scan`'s contract (same inputs, outputs and dtypes), and has a
+decode step with `scan.scan_step`'s (`step_function`: triton's is one fused kernel):
 
     sequential   the reference recurrence (the spec; slow)
     chunked      the pure-PyTorch chunked parallel scan (every device)
@@ -29,9 +30,16 @@ import torch
 
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import SCAN_IMPLS, check_scan_impl
-from mamba3lite.model.scan import chunked_scan, sequential_scan
+from mamba3lite.model.scan import chunked_scan, scan_step, sequential_scan
 
-__all__ = ["AUTO_PREFERS_TRITON", "SCAN_IMPLS", "check_scan_impl", "resolve_scan_impl", "scan_function"]
+__all__ = [
+    "AUTO_PREFERS_TRITON",
+    "SCAN_IMPLS",
+    "check_scan_impl",
+    "resolve_scan_impl",
+    "scan_function",
+    "step_function",
+]
 
 # `auto` picks `triton` only while this is True. It stays False until a GPU run has shown the Triton path
 # equal to `chunked` (tests/test_cuda.py) and faster (benchmarks/gpu_model.py); it flips in the commit
@@ -103,6 +111,12 @@ def scan_function(resolved: str, chunk_size: int) -> Callable:
     if resolved == "triton":
         return functools.partial(_triton_module().triton_chunked_scan, chunk_size=chunk_size)
     return functools.partial(chunked_scan, chunk_size=chunk_size)
+
+
+def step_function(resolved: str) -> Callable:
+    """The decode step of a resolved backend, with `scan.scan_step`'s contract: the fused Triton step
+    kernel for `triton`, `scan.scan_step` for the others."""
+    return _triton_module().triton_scan_step if resolved == "triton" else scan_step
 
 
 def rotated_scan(*args, **kwargs):

@@ -44,6 +44,7 @@ from mamba3lite.model.scan import (
     _state_dtype,
     chunk_segments,
     matmul_dtype,
+    scan_step,
     sequential_scan,
     start_state,
     token_weights,
@@ -511,3 +512,49 @@ def triton_rotated_scan(
             v_BHTRP.to(op_dtype).contiguous(), v_scale_HRP, *scalars, L, op_dtype,
         )  # fmt: skip
     return y.to(mm_dtype), h_T.to(sd)
+
+
+STEP_BLOCK_P = 16  # state rows per step program: B·H·P/16 programs, so one row of decode fills the GPU
+
+
+def triton_scan_step(
+    q_BHRN: Tensor,
+    k_BHRN: Tensor,
+    v_BHRP: Tensor,
+    adt_BH: Tensor,
+    dt_BH: Tensor,
+    lam_BH: Tensor,
+    h_BHPN: Tensor,
+    k_prev_BRHN: Tensor,
+    v_prev_BRHP: Tensor,
+    reset_B: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`scan.scan_step` (one token of decode) as one Triton kernel: the same arguments, outputs and
+    dtypes (y_BHRP and the new h_BHPN in the state dtype; float64 is computed at fp32 precision).
+
+    An inference kernel: where autograd records (grad mode on and an input that requires grad) it is
+    `scan.scan_step` itself, the differentiable spec, so a step is never silently cut from the graph.
+    Raises ConfigError where the kernels cannot run (`triton_chunked_scan`'s errors).
+    """
+    inputs = (q_BHRN, k_BHRN, v_BHRP, adt_BH, dt_BH, lam_BH, h_BHPN, k_prev_BRHN, v_prev_BRHP)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return scan_step(*inputs, reset_B)
+    Bsz, H, R, N = q_BHRN.shape
+    P = v_BHRP.shape[-1]
+    dev = q_BHRN.device
+    _check_runs(dev, R, N, P, 1)
+    sd = _state_dtype(h_BHPN.dtype)
+    y = torch.empty(Bsz, H, R, P, device=dev, dtype=sd)
+    h = torch.empty(Bsz, H, P, N, device=dev, dtype=sd)
+    if y.numel() == 0:
+        return y, h
+    work = [_work(x).contiguous() for x in inputs]
+    reset = work[0] if reset_B is None else reset_B.to(torch.int32).contiguous()
+    # (the kernels store in the outputs' dtype; under the interpreter a float64 one gets an fp32 buffer)
+    out = [x if _work_dtype(dev, sd) == sd else torch.empty_like(x, dtype=torch.float32) for x in (y, h)]
+    grid = (Bsz * H, -(-P // STEP_BLOCK_P))
+    _kernels().step[grid](
+        *work, reset, *out, H, R=R, N=N, P=P, BLOCK_N=_block(N), BLOCK_P=STEP_BLOCK_P,
+        HAS_RESET=reset_B is not None,
+    )  # fmt: skip
+    return tuple(x if x is buf else x.copy_(buf) for x, buf in zip((y, h), out))
