@@ -528,6 +528,29 @@ def test_train_init_from_starts_a_fresh_run_from_the_weights(tmp_path, capsys):
     assert not (tmp_path / "other").exists()
 
 
+def test_a_run_started_from_init_from_resumes_without_its_source(tmp_path, capsys):
+    """The same command re-run after the source moved (a cleared hub cache, a deleted directory): the run
+    resumes from its own checkpoint, which holds the weights, with the model config recorded there."""
+    src = write_official(tmp_path / "official", BASE, official_state_dict(BASE, dtype=torch.float32), "bin")
+    import_official(str(src), tmp_path / "imported")
+    data = _word_dataset(tmp_path / "data", tmp_path / "imported" / "tokenizer.json")
+    args = _train_args(data, tmp_path / "new", tmp_path / "imported")
+    assert main([*args, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    (tmp_path / "imported").rename(tmp_path / "moved")
+    assert main([*args, "--max-steps", "4"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "not loaded" in out and "checkpoint step 2" in out, out
+    ckpt = CheckpointManager(tmp_path / "new")
+    assert ckpt.list_steps()[-1] == 4
+    assert ckpt.read_meta(4)["config"]["model"] == ckpt.read_meta(2)["config"]["model"]
+    assert ckpt.read_meta(4)["tokens_seen"] == 4 * 2 * 16  # continued, not restarted
+    # a fresh run (another directory) still needs the source, and says so
+    code = main([*_train_args(data, tmp_path / "fresh", tmp_path / "imported"), "--max-steps", "2"])
+    err = capsys.readouterr().err
+    assert code != 0 and str(tmp_path / "imported") in err and not (tmp_path / "fresh").exists(), err
+
+
 def test_init_from_an_official_directory_translates_it_as_import_does(tmp_path):
     from mamba3lite.interop.init_from import load_init_source
 

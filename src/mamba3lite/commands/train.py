@@ -9,7 +9,8 @@ the checkpoints. `--resume latest` (default) continues from the newest verified 
 `--resume N` from exactly step N; `--resume none` starts fresh (and refuses a directory with
 checkpoints). `--init-from SRC` starts a new run (step 0, fresh optimizer and schedule) from the weights
 of a run directory or an official mamba_ssm directory, with that model's config (`--set model.*` may
-change what does not change a parameter's shape); data tokenized with another tokenizer is refused.
+change what does not change a parameter's shape); data tokenized with another tokenizer is refused;
+once the new run has a checkpoint, a resume takes the weights from it and never reads SRC again.
 `--dry-run` trains 2 steps end to end, evaluates, and writes a checkpoint (the seed's smoke test),
 always as a fresh run in a directory without checkpoints. SIGTERM / Ctrl-C: the current step
 finishes, a checkpoint is written, exit code 0.
@@ -226,12 +227,50 @@ def resolve_init_from(args: argparse.Namespace, cfg):
     return cfg, source.build_model(cfg.model)
 
 
+def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
+    """(step, its recorded model config) of the checkpoint this command will resume from, or None when
+    it starts fresh or will be refused: `plan_resume`, which the trainer applies again, decides."""
+    import warnings
+
+    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.train.checkpoint.resume import plan_resume
+
+    ckpt = CheckpointManager(cfg.training.checkpoint_dir)
+    if resume == "none" or not ckpt.dir.is_dir():
+        return None
+    with warnings.catch_warnings():  # the trainer prints them, once
+        warnings.simplefilter("ignore")
+        plan = plan_resume(ckpt, resume)
+    if plan.refusal is not None or plan.target < 0:
+        return None
+    model = ckpt.read_meta(plan.target).get("config", {}).get("model")
+    return (plan.target, model) if isinstance(model, dict) else None
+
+
+def init_or_resume(args: argparse.Namespace, cfg):
+    """(cfg, the model holding the init weights or None) for a run with `training.init_from`. A run
+    that resumes from its own checkpoint takes the model config recorded there (with `--set model.*` on
+    top) and leaves the source alone: the checkpoint holds the weights, so a resume neither reloads the
+    source nor needs it to still exist."""
+    resumed = resumed_checkpoint(cfg, parse_resume(args.resume))
+    if resumed is None:
+        return resolve_init_from(args, cfg)
+    step, model = resumed
+    cfg = cfg.replace("model", **model)
+    cfg = cfg.with_overrides([o for o in args.overrides if o.strip().startswith("model.")])
+    print(
+        f"init-from {cfg.training.init_from}: not loaded; {cfg.training.checkpoint_dir} resumes from its "
+        f"checkpoint step {step}, which holds the weights"
+    )
+    return cfg, None
+
+
 def run(args: argparse.Namespace) -> int:
     resume = parse_resume(args.resume)
     cfg = build_config(args)
     init_model = None
     if cfg.training.init_from is not None:  # --init-from, or --set training.init_from=
-        cfg, init_model = resolve_init_from(args, cfg)
+        cfg, init_model = init_or_resume(args, cfg)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
@@ -285,8 +324,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(cfg, resume: str | int, info, stop, init_model=None):
     """Build the trainer and run it; errors a user can act on become TrainingError. `init_model`
-    (--init-from) arrives holding the source's weights; a resumed run's checkpoint replaces them, so a
-    re-run of the same command after a preemption continues the run."""
+    (--init-from) arrives holding the source's weights, or None where the run resumes from its own
+    checkpoint (`init_or_resume`), so a re-run of the same command after a preemption continues the run."""
     from mamba3lite.train import distributed as D
     from mamba3lite.train.trainer import Pretrainer
 
