@@ -206,6 +206,15 @@ def test_availability_and_supported_shapes(monkeypatch):
 
 def test_device_reasons(monkeypatch):
     assert "CUDA" in triton_unavailable_reason(torch.device("meta"))
+    import triton
+
+    for version in ("3.2.0", "2.3.1", "garbage"):  # older than the kernels build with (3.2 aborts)
+        monkeypatch.setattr(triton, "__version__", version)
+        reason = triton_unavailable_reason(CPU)
+        assert reason and f"triton >= 3.3, found {version}" in reason, reason
+    for version in ("3.3.1", "3.10.0+git5bd3f2a"):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert triton_unavailable_reason(CPU) is None
     monkeypatch.setitem(__import__("sys").modules, "triton", None)  # as if not installed
     assert "pip install triton" in triton_unavailable_reason(CPU)
 

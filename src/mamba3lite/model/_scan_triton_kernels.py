@@ -43,6 +43,8 @@ reads TRITON_INTERPRET when the kernels are decorated, i.e. when this module is 
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -530,12 +532,24 @@ def step_kernel(
         tl.store(y_ptr + (pid * R + r) * P + p, y.to(y_ptr.dtype.element_ty), mask=p_ok)
 
 
+def _interpreted() -> bool:
+    """Whether triton builds these kernels for its interpreter: triton.knobs where it has them (triton
+    ≥ 3.4), else TRITON_INTERPRET=1 as older versions read it."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRETED = _interpreted()  # read once, as the kernels above were decorated: what they are built for
+
+
 def _tuned(kernel, stages: tuple[int, ...]):
     """The kernel with a small explicit autotune list on a GPU (warps × software-pipeline stages of a
     chunk loop; chosen once per shape and dtype, at the first call); under the interpreter, which has
     no timing to choose by, the kernel itself at 4 warps. Re-running a launch is harmless (every output
     is overwritten, nothing accumulates), so the tuner needs no reset between its trials."""
-    if triton.knobs.runtime.interpret:
+    if INTERPRETED:
         return kernel
     configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in stages]
     return triton.autotune(configs=configs, key=["L", "R", "N", "P", "HAS_RESET", "PRECISION"])(kernel)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from types import ModuleType
 
 import torch
@@ -64,12 +65,30 @@ def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+# The oldest triton the kernels build with: triton 3.2's compiler aborts the process (an assertion in
+# its layout code) on the backward chunk kernel in bf16; 3.3 and later build all of them for sm_90.
+MIN_TRITON = (3, 3)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as 3.3.1 or 3.4.0+git1234 ((0, 0) if unreadable)."""
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """None when the Triton scan can run on `device`, else one line naming the fix."""
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         return "the Triton scan needs the `triton` package; fix: pip install triton"
+    found = getattr(triton, "__version__", "?")
+    if _version(found) < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        return (
+            f"the Triton scan needs triton >= {need}, found {found}; fix: a newer torch (2.7 or later "
+            f"ships triton >= {need}) or pip install 'triton>={need}'"
+        )
     device = torch.device(device)
     if device.type == "cuda":
         if _kernels_interpreted:
@@ -96,7 +115,7 @@ def _kernels() -> ModuleType:
     global _kernels_interpreted
     module = importlib.import_module("mamba3lite.model._scan_triton_kernels")
     if _kernels_interpreted is None:
-        _kernels_interpreted = _interpret_requested()
+        _kernels_interpreted = module.INTERPRETED
     return module
 
 
