@@ -344,3 +344,25 @@ def test_hf_rows_that_fail_or_hold_no_text(monkeypatch):
     mode["kind"] = RuntimeError
     with pytest.raises(DataError, match=r"hf:org/x: cannot read row 2: RuntimeError: bad shard"):
         list(S.Source("hf:org/x").units())
+
+
+def test_a_prepared_dataset_below_a_source_directory_is_not_read_as_text(tmp_path):
+    """`prepare --source corpus --out corpus/data`, then another prepare of corpus: the dataset's shards
+    and manifest are output, not documents (a walk, a `**` glob and a plain glob skip it); a
+    manifest.json of another program is text like any file; the dataset itself as the source is refused."""
+    from userside_helpers import make_dataset
+
+    corpus = tmp_path / "corpus"
+    for rel in ["a.txt", "ext/manifest.json", "ext/b.js"]:
+        (corpus / rel).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / rel).write_text(rel)
+    (corpus / "ext" / "manifest.json").write_text('{"manifest_version": 3, "name": "x"}')
+    make_dataset(corpus / "data")
+    assert (corpus / "data" / "manifest.json").is_file()
+    want = ["a.txt", "ext/b.js", "ext/manifest.json"]
+    for spec in (str(corpus), f"{corpus}/**", f"{corpus}/*"):
+        src = S.Source(spec)
+        assert sorted(p.relative_to(corpus).as_posix() for p in src.files) == want, spec
+        assert src.skipped_datasets == [corpus / "data"], spec  # prepare names them in a note
+    with pytest.raises(DataError, match="is a dataset `prepare` wrote"):
+        S.Source(str(corpus / "data"))

@@ -495,8 +495,14 @@ def _manifest(run: _Run, tok) -> Manifest:
 
 
 def _skip_own_output(sources: list[Source], out: Path) -> None:
-    """Drop the files under `out` from directory and glob sources (an --out inside the corpus directory):
-    a re-run would otherwise read the previous run's manifest and shards as documents."""
+    """Say which prepared datasets the sources' walks skipped (`sources.is_prepared_dataset`), and drop
+    the files under `out` from directory and glob sources (an --out inside the corpus directory), in
+    whatever state an interrupted run left it: a re-run would otherwise read them as documents."""
+    for src in sources:
+        if src.skipped_datasets:
+            names = ", ".join(map(str, src.skipped_datasets[:3]))
+            more = f" and {len(src.skipped_datasets) - 3} more" if len(src.skipped_datasets) > 3 else ""
+            print(f"note: source {src.spec}: skipping the prepared dataset(s) {names}{more}", file=sys.stderr)
     if not out.exists():  # a first run: nothing of ours to skip, and no file needs resolving
         return
     root = out.resolve()

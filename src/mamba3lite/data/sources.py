@@ -4,8 +4,9 @@ A source spec is one of
 
     path/to/file        .txt .md .py (any other name is read as UTF-8 text too), .jsonl, .jsonl.gz, .parquet
                         (suffixes in any case: DATA.JSONL is JSON lines)
-    path/to/dir         every regular file below it, hidden files/dirs and __pycache__ skipped; symlinked
-                        directories followed, each real directory once
+    path/to/dir         every regular file below it, hidden files/dirs and __pycache__ skipped, and so are
+                        datasets `prepare` wrote below it (their shards and manifest are not text);
+                        symlinked directories followed, each real directory once
     'glob/**/*.md'      a glob (recursive `**` allowed, walked as a directory is: each real directory
                         once); matching directories are walked as above
     stdlib              the running interpreter's standard-library .py files (see `stdlib_files`)
@@ -43,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mamba3lite import intake
+from mamba3lite.data.shards import MANIFEST_NAME
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError, TransientError
 
 KIND_TEXT_BYTES = 0
@@ -197,10 +199,31 @@ def stdlib_files() -> list[Path]:
     return [p for _, p in sorted(found) if p.is_file()]
 
 
-def _walk_dir(root: Path) -> list[Path]:
-    """Every regular file below `root` by relative posix path; hidden entries and __pycache__ skipped.
-    Symlinked directories are followed (as `**` globs do), each real directory walked once: a link back
-    to a directory already walked (a cycle, or a second link to it) adds nothing."""
+MANIFEST_MAX_BYTES = 64 << 20  # a larger manifest.json is not read: it is not one of ours
+
+
+def is_prepared_dataset(directory: str | Path, filenames: list[str] | None = None) -> bool:
+    """Whether `directory` holds a dataset `prepare` wrote: its manifest.json is a regular file with a
+    JSON object of a manifest's fields (format_version, vocab_size, shards); another program's
+    manifest.json (a browser extension's, say) is not one. `filenames`: its listing, if known."""
+    names = os.listdir(directory) if filenames is None else filenames
+    path = os.path.join(directory, MANIFEST_NAME)
+    if MANIFEST_NAME not in names or not os.path.isfile(path):  # (a pipe of that name is never opened)
+        return False
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read(MANIFEST_MAX_BYTES + 1))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"format_version", "vocab_size", "shards"} <= manifest.keys()
+
+
+def _walk_dir(root: Path, skipped: list[Path] | None = None) -> list[Path]:
+    """Every regular file below `root` by relative posix path; hidden entries, __pycache__ and prepared
+    datasets (`is_prepared_dataset`: a corpus directory that holds the dataset made from it, or an
+    earlier one) skipped. Symlinked directories are followed (as `**` globs do), each real directory
+    walked once: a link back to a directory already walked (a cycle, or a second link to it) adds
+    nothing. The datasets skipped are appended to `skipped`; DataError if `root` itself is one."""
     out = []
 
     def unreadable(e: OSError) -> None:  # os.walk skips a directory it cannot list, silently
@@ -210,6 +233,16 @@ def _walk_dir(root: Path) -> list[Path]:
 
     seen = {os.path.realpath(root)}
     for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
+        if is_prepared_dataset(dirpath, filenames):
+            if os.path.realpath(dirpath) == os.path.realpath(root):
+                raise DataError(
+                    f"source {root} is a dataset `prepare` wrote (its {MANIFEST_NAME}), not text; pass "
+                    "the text it was prepared from, or train on it (--data-path)"
+                )
+            dirnames[:] = []
+            if skipped is not None:
+                skipped.append(Path(dirpath))
+            continue
         keep = []
         # Real directories before links, each group sorted: which name a directory is read under is fixed.
         for d in sorted(dirnames, key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d)):
@@ -223,7 +256,7 @@ def _walk_dir(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _glob(spec: str) -> list[Path]:
+def _glob(spec: str, skipped: list[Path] | None = None) -> list[Path]:
     """What a glob source matches (files and directories; the caller walks the directories), in sorted
     order (with `**`: by root, then by path below it).
     A `**` component is expanded by `_walk_dir` and matched component by component, not by glob.glob,
@@ -239,7 +272,7 @@ def _glob(spec: str) -> list[Path]:
     for root in map(Path, sorted(globlib.glob(head)) if _is_glob(head) else [head]):
         if not root.is_dir():
             continue
-        for f in _walk_dir(root):
+        for f in _walk_dir(root, skipped):
             comps = f.relative_to(root).parts
             # A file counts when its path, or a directory above it, matches (matched directories are walked).
             if any(_match_parts(rest, comps[:k]) for k in range(len(comps), 0, -1)):
@@ -272,6 +305,7 @@ class Source:
         self.max_docs = max_docs
         self.files: list[Path] = []
         self.hf: tuple[str, str | None] | None = None
+        self.skipped_datasets: list[Path] = []  # prepared datasets found below the source, not read
         if not spec.strip():
             # Path("") is the current directory: an unset shell variable (`--source "$CORPUS"`) would
             # tokenize whatever directory the command runs in.
@@ -288,17 +322,23 @@ class Source:
             self.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
             _import_datasets()  # fail now, not after the other sources were read
         elif _is_glob(spec) and not Path(spec).exists():  # a name with [ or ? that exists is that file
-            matches = _glob(spec)
+            matches = _glob(spec, self.skipped_datasets)
             if not matches:
                 raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
             for m in matches:
                 p = Path(m)
-                self.files.extend(_walk_dir(p) if p.is_dir() else [p] if p.is_file() else [])
+                if p.is_dir() and is_prepared_dataset(p):
+                    self.skipped_datasets.append(p)
+                elif p.is_dir():
+                    self.files.extend(_walk_dir(p, self.skipped_datasets))
+                elif p.is_file():
+                    self.files.append(p)
             self.files = list(dict.fromkeys(self.files))  # `dir/**` matches dir and its files: once each
+            self.skipped_datasets = list(dict.fromkeys(self.skipped_datasets))
         else:
             p = Path(spec)
             if p.is_dir():
-                self.files = _walk_dir(p)
+                self.files = _walk_dir(p, self.skipped_datasets)
             elif p.is_file():
                 self.files = [p]
             elif p.exists():  # a pipe, a device, `<(cmd)`: read once, cannot be resumed or fingerprinted
