@@ -163,6 +163,17 @@ def test_piqa_first_items_fast_path(lm):
     assert got["n"] == 5 and got["acc"] == pytest.approx(sum(lls) / 5)
 
 
+def test_no_git_message_outside_a_git_checkout(lm, capfd, monkeypatch, tmp_path):
+    """lm-eval probes the current directory with `git describe`; run from a directory that is no git
+    checkout, nothing of git's reaches the terminal (its stderr is the process's own file descriptor)."""
+    from mamba3lite.downstream.harness import run_tasks
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # git looks no further up
+    run_tasks(lm, ["piqa"], limit=1)
+    assert "not a git repository" not in capfd.readouterr().err
+
+
 # ---- state reuse == the plain path
 def test_state_reuse_gives_the_plain_paths_scores_in_float64(lm):
     """HellaSwag's real items (4 choices of one context each) plus pairs with one-token continuations and

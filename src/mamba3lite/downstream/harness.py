@@ -244,7 +244,7 @@ def run_tasks(
     # lm-eval prints progress ("bootstrapping for stddev") on stdout: keep stdout for our own report
     # (`eval --json` prints one object and nothing else).
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), _no_git_probe():
             results = simple_evaluate(
                 model=lm,
                 tasks=specs,
@@ -265,6 +265,24 @@ def run_tasks(
         if bars:
             datasets.utils.logging.enable_progress_bar()
     return summarise(results, names)
+
+
+@contextlib.contextmanager
+def _no_git_probe():
+    """Without lm-eval's `git describe` in the current directory: it records a commit hash in results we
+    do not read, and outside a git checkout git prints "fatal: not a git repository" on the terminal
+    (a subprocess: its stderr is the process's, which no Python-level redirect reaches)."""
+    import lm_eval.evaluator as evaluator
+
+    if not hasattr(evaluator, "get_git_commit_hash"):  # another lm-eval layout: leave it alone
+        yield
+        return
+    probe = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = probe
 
 
 def summarise(results: dict, names: list[str]) -> dict[str, dict]:
