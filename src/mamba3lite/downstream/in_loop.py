@@ -12,8 +12,11 @@ recorded (lm-eval's bootstrap for perplexity would cost more than the evaluation
 Everything that could fail later fails at the start, in `in_loop_evaluator`: lm-eval missing, a task
 name it does not know, task data missing offline, a tokenizer that does not fit the model. With
 `eval_tasks_every` 0 the evaluator is `NoDownstream`, which does nothing (and imports nothing).
-The main process evaluates (the model's weights are the same on every rank); the others wait at
-their next collective.
+Under torchrun every rank scores its share of the items (lm-eval's split: every world_size-th item;
+the weights are the same on every rank) and rank 0 gathers them and writes the row, so the time an
+evaluation takes shrinks with the job's size instead of holding every other rank in its next
+collective. With fewer items per task than ranks (a tiny eval_tasks_limit), some rank would have none,
+which lm-eval does not handle: rank 0 then scores them all while the others wait.
 """
 
 from __future__ import annotations
@@ -52,16 +55,23 @@ class DownstreamEvaluator:
 
     def maybe_evaluate(self, step: int, model: Any, logger: Any, tokens: int) -> dict | None:
         """At a multiple of `every`: evaluate `model` (left in the mode it was in), write the row through
-        `logger.log_eval` and return its values; else None."""
+        `logger.log_eval` and return its values (on rank 0; every rank of a job calls it); else None."""
         if step <= 0 or step % self.every:
             return None
         from mamba3lite.downstream.harness import Mamba3LiteLM, run_tasks
 
         t0 = time.time()
+        rank, ranks = _job()
+        shared = ranks > 1 and (self.limit is None or self.limit >= ranks)
+        if rank > 0 and not shared:
+            return None
         lm = Mamba3LiteLM(
-            model, self.tokenizer, batch_size=self.batch_size, max_length=self.max_length, bf16=self.bf16
-        )
+            model, self.tokenizer, batch_size=self.batch_size, max_length=self.max_length, bf16=self.bf16,
+            distributed=shared,
+        )  # fmt: skip
         results = run_tasks(lm, self.tasks, limit=self.limit, bootstrap_iters=0)
+        if results is None:  # a rank other than 0: its share is scored, rank 0 writes the row
+            return None
         values: dict[str, float | int] = {}
         for task, metrics in results.items():
             for key, value in metrics.items():
@@ -70,6 +80,15 @@ class DownstreamEvaluator:
         values["downstream_s"] = round(time.time() - t0, 3)
         logger.log_eval(step, tokens, values)
         return values
+
+
+def _job() -> tuple[int, int]:
+    """(rank, world size) of this process's torch.distributed job; (0, 1) outside one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def in_loop_evaluator(config: Any, tokenizer_name: str | None, *, bf16: bool = False):

@@ -297,8 +297,8 @@ class Pretrainer:
         # last_eval, what `inspect` and a resume report).
         if tc.eval_every and self.step % tc.eval_every == 0:
             self.evaluate()
-        if self.dist.is_main:  # one process scores the benchmarks; the others wait at the next collective
-            self.downstream.maybe_evaluate(self.step, self.raw_model, self.logger, self.tokens_seen)
+        # every rank scores its share of the benchmarks' items; rank 0 writes the row
+        self.downstream.maybe_evaluate(self.step, self.raw_model, self.logger, self.tokens_seen)
         if self.step % tc.save_every == 0:
             self.save_checkpoint()
         self.logger.exclude_time(time.time() - t0)
