@@ -10,10 +10,14 @@
 #      fp32 and bf16, then fwd+bwd time and peak memory with ratios), the decode step (scan_step
 #      beside the fused step kernel, 1 and 16 rows), and a profile of the Triton scan's kernels at the
 #      440M shape;
-#   2b. optional: mamba-ssm into a scratch directory (MAMBA_SKIP_CUDA_BUILD=TRUE: its Mamba-3 kernels are
-#      Triton, no nvcc needed; MAMBA_FORCE_BUILD=TRUE: its setup.py does not try to download a prebuilt
-#      wheel from GitHub first; --no-deps: nothing of the machine's torch is touched); failure tolerated
-#      (no package index reachable, say): the official rows then say why;
+#   2b. optional: the official Mamba-3 kernels into a scratch directory. From $OFFICIAL (default
+#      benchmarks/.official: `python benchmarks/fetch_official.py` fills it where PyPI is reachable, and
+#      the run carries it, since a lent GPU machine reaches no index) the mamba-ssm source release and the
+#      einops wheel are unpacked, no pip (its Mamba-3 kernels are Triton; gpu_model.py imports them
+#      without the package's compiled extensions). Without that directory: pip install mamba-ssm
+#      (MAMBA_SKIP_CUDA_BUILD=TRUE: no nvcc; MAMBA_FORCE_BUILD=TRUE: no prebuilt-wheel download from
+#      GitHub; --no-deps: nothing of the machine's torch is touched). Failure is tolerated: the official
+#      rows then say why;
 #   3. the CLI on cuda: train the tiny preset with the triton scan, resume it with scan_impl=auto (another
 #      backend: the checkpoint must resume);
 #   4. gpu_model.py --baseline --official: mamba3_440m at 16 x 2048 and 4 x 8192 and mamba3_180m at
@@ -55,9 +59,26 @@ git log -1 --format='commit %h %s' 2>/dev/null || true
 
 part pytest_gpu 150 $PY -m pytest tests/test_cuda.py -m gpu -q -p no:cacheprovider -rs
 part gpu_scan 70 $PY benchmarks/gpu_scan.py --budget-s 45 --profile siso_440m
-part --optional install_mamba_ssm 60 env MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
-    $PY -m pip install --no-build-isolation --no-deps --target "$SITE" --retries 0 --timeout 10 \
-    --disable-pip-version-check mamba-ssm einops
+OFFICIAL=${OFFICIAL:-benchmarks/.official}
+if ls "$OFFICIAL"/mamba_ssm-*.tar.gz "$OFFICIAL"/einops-*.whl >/dev/null 2>&1; then
+    part --optional unpack_mamba_ssm 30 $PY -c "
+import sys, tarfile, zipfile, pathlib
+site = pathlib.Path(sys.argv[1]); site.mkdir(parents=True, exist_ok=True)
+src, wheel = sorted(pathlib.Path(sys.argv[2]).glob('mamba_ssm-*.tar.gz'))[-1], sorted(pathlib.Path(sys.argv[2]).glob('einops-*.whl'))[-1]
+with tarfile.open(src) as t:  # the package directory only, under site/
+    top = t.getnames()[0].split('/')[0]
+    members = [m for m in t.getmembers() if m.name.startswith(top + '/mamba_ssm/') and (m.isfile() or m.isdir())]
+    for m in members:
+        m.name = m.name[len(top) + 1:]
+    t.extractall(site, members=members, filter='data')
+zipfile.ZipFile(wheel).extractall(site)
+print('unpacked', src.name, 'and', wheel.name, 'into', site)
+" "$SITE" "$OFFICIAL"
+else
+    part --optional install_mamba_ssm 60 env MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+        $PY -m pip install --no-build-isolation --no-deps --target "$SITE" --retries 0 --timeout 10 \
+        --disable-pip-version-check mamba-ssm einops
+fi
 
 run=$(mktemp -d)
 cli=($PY -m mamba3lite train --config tiny --dummy --set training.device=cuda --set training.eval_every=10)
