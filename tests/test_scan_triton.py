@@ -439,6 +439,35 @@ def test_op_under_torch_compile(fused):
         close(a, b, rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    "kw", [{}, pytest.param({"is_mimo": True, "mimo_rank": 2}, marks=pytest.mark.slow)], ids=["siso", "mimo"]
+)
+def test_a_block_with_the_triton_scan_compiles_as_one_graph(kw):
+    """What the trainer compiles (each block, training.compile): with the triton backend, forward and
+    backward in one graph (fullgraph=True: any graph break is an error), in fp32 equal to the eager
+    block, and under bf16 autocast as the trainer runs it. A break per layer (once: an import on every
+    call) splits the compiled layer and stops the fusion of the ops around the op. aot_eager: no C++
+    compiler needed."""
+    model = tiny_lm(n_layers=1, reset_at_eos=True, **kw).float()
+    use_triton(model)
+    block = model.layers[0]
+    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    reset = torch.zeros(2, 21, dtype=torch.bool)
+    reset[0, 5] = True
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (block, compiled):
+        out = f(x, reset)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [x, *block.parameters()])))
+    for a, b in zip(*results):
+        close(a, b, rel=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x, reset)
+    grads = torch.autograd.grad(out.float().square().sum(), [x, *block.parameters()])
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("halves", [False, True], ids=["siso pairs", "mimo halves"])
 def test_rotated_scan_equals_bias_rotate_then_the_scan(halves):
     """triton_rotated_scan == rotation.bias_rotate then the sequential scan, output, state and the

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -49,9 +50,17 @@ AUTO_PREFERS_TRITON = False
 TRITON_MODULE = "mamba3lite.model.scan_triton"
 
 
-def _triton_module():
-    """The Triton scan module (imported on first use: importing it imports triton)."""
-    return importlib.import_module(TRITON_MODULE)
+_triton: ModuleType | None = None
+
+
+def _triton_module() -> ModuleType:
+    """The Triton scan module (imported on first use: importing it imports triton). Kept in a global:
+    torch.compile traces through a call of this (the mixer's `rotated_scan`) without a graph break
+    once it is set, where an import_module call on every forward would break the graph there."""
+    global _triton
+    if _triton is None:
+        _triton = importlib.import_module(TRITON_MODULE)
+    return _triton
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
