@@ -4,6 +4,8 @@
 # 9 minutes on an H200 at most: every part has its own time limit, capped by what is left of TOTAL
 # seconds (default 540); a part that fails or runs out of time does not stop the next ones, and the
 # exit status is non-zero if any required part failed. Logs go to $OUT (default /tmp/gpu_check).
+# Before it, where PyPI is reachable: python benchmarks/fetch_official.py, and carry benchmarks/.official
+# to the GPU machine with the run (the official kernels for part 2b; the machine reaches no index).
 #   1. tests/test_cuda.py (-m gpu): the model's contracts on CUDA, and the Triton scan == the chunked
 #      scan in fp32 and bf16, values and gradients, alone and through the LM (eager/compiled/checkpointed);
 #   2. gpu_scan.py: the scan alone, Triton beside chunked at the presets' layer shapes (equality in
