@@ -8,6 +8,7 @@ import random
 import re
 import struct
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -250,6 +251,27 @@ def test_torn_seed_format_checkpoint_falls_back(tmp_path, kind):
         mgr.load(10, *_fresh())
     with pytest.warns(UserWarning, match="seed-format"):
         assert mgr.load(5, *_fresh())["step"] == 5
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_a_seed_format_optimizer_file_that_would_run_code_is_one_line_naming_it(tmp_path):
+    """No hashes vouch for a seed-format checkpoint: an optimizer file whose pickle would call a
+    function is refused by the weights-only loader, in one line that names the file and does not pass
+    on torch's advice to load it with weights_only=False."""
+    model, opt = _trained()
+    _save_seed_format(tmp_path, 5, model, opt)
+    path = checkpoint_files(tmp_path, 5)["optim"]
+    torch.save({"state": {}, "param_groups": [], "x": _Exploit()}, path)
+    with pytest.raises(CheckpointError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the seed-format notice, if it comes first)
+        CheckpointManager(tmp_path).load(5, *_fresh())
+    message = str(info.value)
+    assert str(path) in message and "without running pickled code" in message, message
+    assert "\n" not in message and "weights_only" not in message, message
 
 
 def _flip_format_bit(meta: dict) -> None:

@@ -292,6 +292,16 @@ def _nan_weights(root: Path) -> None:
     torch.save(sd, root / "pytorch_model.bin")
 
 
+def _pickle_with_code(root: Path) -> None:
+    """A pytorch_model.bin whose pickle would call a function when loaded without weights_only."""
+    torch.save({"backbone.embedding.weight": torch.zeros(2), "x": _Exploit()}, root / "pytorch_model.bin")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
 def _index_names(target: str):
     def damage(root: Path) -> None:
         index = json.loads((root / "model.safetensors.index.json").read_text())
@@ -305,6 +315,8 @@ BAD = {
     "no-config": ("bin", lambda r: (r / "config.json").unlink(), "no config.json"),
     "no-weights": ("bin", lambda r: (r / "pytorch_model.bin").unlink(), "no weights"),
     "truncated-bin": ("bin", _truncate("pytorch_model.bin"), "damaged or incomplete"),
+    "bin-not-a-pickle": ("bin", _write("pytorch_model.bin", "not weights at all\n"), "is not a PyTorch file"),
+    "bin-runs-code": ("bin", _pickle_with_code, "without running pickled code"),
     "truncated-safetensors": ("safetensors", _truncate("model.safetensors"), "damaged or incomplete"),
     "missing-shard": ("sharded", lambda r: (r / "model-00002-of-00002.safetensors").unlink(), "is missing"),
     "shape-disagrees": ("bin", _edit_config(d_intermediate=300), "has shape"),

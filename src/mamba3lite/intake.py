@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -134,6 +135,23 @@ def describe_mode(mode: int) -> str:
         if test(mode):
             return name
     return "not a regular file"
+
+
+def torch_load_refusal(e: Exception) -> str:
+    """Why torch.load(..., weights_only=True) refused a file, in one clause. For a file its weights-only
+    unpickler rejects (not a pickle of tensors: garbage, another format, or a pickle that would run
+    code), torch's paragraph opens with advice to load with weights_only=False, i.e. to run whatever
+    the file holds: only its reason is kept. Other errors (a truncated archive): their first line."""
+    text = str(e)
+    reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|Check the documentation|$)", text, re.S)
+    if reason:  # its first sentence (the rest is advice on allowing more globals)
+        why = " ".join(reason.group(1).split()).split(". ")[0].rstrip(".")[:200]
+        return (
+            f"it holds more than tensors, or is not a PyTorch file: {why}; mamba3lite reads it without "
+            "running pickled code, so a damaged or foreign file stops here"
+        )
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
+    return f"{first}; the file is damaged or incomplete"
 
 
 def regular_file_size(path: str | os.PathLike, kind: FileKind) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD
 
@@ -40,10 +41,7 @@ def _read_bin(path: Path) -> dict[str, Tensor]:
         except RuntimeError:  # a legacy (pre-zip) file cannot be mapped: read it whole
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a pickle with code in it, ...
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"{path}: cannot read weights ({first}); the file is damaged or incomplete"
-        ) from None
+        raise CheckpointError(f"{path}: cannot read weights ({intake.torch_load_refusal(e)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: not a state_dict (a mapping of names to tensors)")
     return state

@@ -301,7 +301,9 @@ class CheckpointManager:
         try:
             saved = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"{path}: cannot read optimizer state ({e})") from None
+            raise CheckpointError(
+                f"{path}: cannot read optimizer state ({intake.torch_load_refusal(e)})"
+            ) from None
         if not (isinstance(saved, dict) and saved.get("format") == OPTIM_FORMAT):
             load_seed_optimizer(optimizer, model, saved, path)
             return
