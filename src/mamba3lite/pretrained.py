@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 
 
@@ -117,7 +118,8 @@ def check_run_dir(run_dir: str | Path) -> Path:
             "run (e.g. mamba3lite-quickstart/run)"
         )
     if not p.is_dir():
-        raise CheckpointError(f"{p} is a file, not a checkpoint directory; pass the run directory")
+        what = "a file" if p.is_file() else intake.describe_mode(p.stat().st_mode)
+        raise CheckpointError(f"{p} is {what}, not a checkpoint directory; pass the run directory")
     if not CheckpointManager(p).list_steps():
         raise CheckpointError(
             f"{p} holds no checkpoints (no model_step_N.safetensors / meta_step_N.json); train first, "

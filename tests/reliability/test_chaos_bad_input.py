@@ -384,6 +384,11 @@ CASES = {
         "data/.prepare.lock is a symbolic link",
     ),
     "inspect-missing": (lambda w: ["inspect", "nope"], "does not exist"),
+    "plot-run-is-a-fifo": (lambda w: ["plot", _fifo(w / "pipe")], "named pipe (FIFO), not a run directory"),
+    "generate-run-is-a-device": (
+        lambda w: ["generate", "--checkpoint-dir", "/dev/null"],
+        "/dev/null is a character device, not a checkpoint directory",
+    ),
     "inspect-random-dir": (lambda w: (w / "emptydir").mkdir() or ["inspect", "emptydir"], "emptydir"),
 }
 

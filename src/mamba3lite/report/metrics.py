@@ -77,12 +77,14 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
     path = metrics_path(run_dir)
     if not path.exists():
         where = Path(run_dir)
-        raise DataError(
-            f"no {METRICS_NAME} in {where}: is it a run directory (the --checkpoint-dir of "
-            "`mamba3lite train`)?"
-            if where.is_dir()
-            else f"run directory not found: {where}"
-        )
+        if where.is_dir():
+            raise DataError(
+                f"no {METRICS_NAME} in {where}: is it a run directory (the --checkpoint-dir of "
+                "`mamba3lite train`)?"
+            )
+        if where.exists():  # a pipe, a device: named for what it is
+            raise DataError(f"{where} is {intake.describe_mode(where.stat().st_mode)}, not a run directory")
+        raise DataError(f"run directory not found: {where}")
     out = RunMetrics()
     for line in intake.iter_jsonl(path, intake.METRICS):
         row, problem = line.value, line.problem
