@@ -18,6 +18,7 @@ import yaml
 from mamba3lite.cli import build_parser
 from mamba3lite.config import load_config
 from mamba3lite.data.shards import write_dataset
+from mamba3lite.errors import ConfigError
 from mamba3lite.tokenizer import load_tokenizer
 from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import Pretrainer
@@ -260,6 +261,8 @@ def test_sigterm_after_the_run_finished_still_exits_zero(tmp_path):
     [
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB."), "the accelerator"),
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 8 bytes"), "host memory"),
+        # numpy's, gathering a batch on the host: a MemoryError, not a RuntimeError
+        (MemoryError("Unable to allocate 29.8 GiB for an array with shape (4, 1000000001)"), "host memory"),
     ],
 )
 def test_out_of_memory_is_one_clear_error_naming_the_knobs(tmp_path, monkeypatch, capsys, error, where):
@@ -311,6 +314,26 @@ def test_out_of_memory_while_the_model_is_built_does_not_advise_smaller_batches(
         and f"{n / 1e6:,.1f}M parameters" in err
     )
     assert "Use a smaller model" in err and "micro_batch_size" not in err and "Traceback" not in err
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
+    """10^8 layers: no single allocation fails, building them would take hours. Refused at once, one
+    line naming the size and the memory, nothing written; on a device, by its memory (16 bytes per
+    parameter for weights, gradients, AdamW), here a simulated 1 GiB one."""
+    from mamba3lite import cli
+    from mamba3lite.model import memory
+
+    run = tmp_path / "run"
+    config = tiny_yaml(tmp_path, max_steps=2, checkpoint_dir=str(run))
+    assert cli.main(["train", "--config", config, "--set", "model.n_layers=100000000"]) == 2
+    err = capsys.readouterr().err
+    assert "more than this machine's RAM" in err and "n_layers 100000000" in err and "Traceback" not in err
+    assert not run.exists()
+    cfg = load_config(config).model
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda d: 1 << 30 if d.type == "cuda" else None)
+    with pytest.raises(ConfigError, match=r"cuda:0's memory, 1\.0 GiB"):
+        memory.check_model_fits(cfg.__class__(**{**cfg.__dict__, "d_model": 4096}), torch.device("cuda:0"))
+    memory.check_model_fits(cfg, torch.device("cuda:0"))  # the tiny model fits
 
 
 def test_out_of_memory_advice_names_compile_when_it_is_on():

@@ -173,7 +173,8 @@ def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str
     import torch
 
     text = str(exc)
-    if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text):
+    # torch's allocators raise RuntimeError subclasses; numpy's (a batch gathered on the host) MemoryError
+    if not (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text):
         return None
     t = cfg.training
     where = "the accelerator" if isinstance(exc, torch.OutOfMemoryError) else "host memory"
@@ -333,8 +334,10 @@ def _train(cfg, resume: str | int, info, stop, init_model=None):
     try:
         trainer = Pretrainer(cfg, resume=resume, dist=info, model=init_model, stop=stop)
         return trainer.train()
-    except RuntimeError as e:
-        if D.lost_a_peer(e, info):  # e.g. rank 0 could not write a checkpoint: its error says why
+    except (RuntimeError, MemoryError) as e:
+        if isinstance(e, RuntimeError) and D.lost_a_peer(
+            e, info
+        ):  # e.g. rank 0 could not write a checkpoint: its error says why
             raise TrainingError(
                 f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
                 "`error:` line says why (torchrun's summary, if it was killed)"

@@ -16,8 +16,11 @@ estimate.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.flops import count_parameters
 
@@ -64,3 +67,39 @@ def training_memory_bytes(
     else:
         activations = cfg.n_layers * per_layer
     return activations + 16 * count_parameters(cfg)
+
+
+def physical_memory_bytes(device: torch.device) -> int | None:
+    """The memory `device` has in all: a CUDA device's total, the host's RAM for the CPU; None where
+    unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX host
+            return None
+    return None
+
+
+def check_model_fits(cfg: ModelConfig, device: torch.device) -> None:
+    """ConfigError, before anything is built, for a model whose training state cannot fit `device` at
+    all: 16 bytes per parameter (fp32 weights, gradients, AdamW's two moments) beyond its whole memory,
+    or fp32 weights beyond the host's RAM, where the model is built first. (Building 10^8 layers one
+    small allocation at a time would not fail: it would take hours.)"""
+    n = count_parameters(cfg)
+    for where, need, have in (
+        (
+            "this machine's RAM (the model is built on the host)",
+            4 * n,
+            physical_memory_bytes(torch.device("cpu")),
+        ),
+        (f"{torch.device(device)}'s memory", 16 * n, physical_memory_bytes(device)),
+    ):
+        if have is not None and need > have:
+            raise ConfigError(
+                f"the model has {n / 1e6:,.1f}M parameters (d_model {cfg.d_model}, n_layers {cfg.n_layers}, "
+                f"vocab_size {cfg.vocab_size}): ~{need / 2**30:,.1f} GiB, more than {where}, "
+                f"{have / 2**30:,.1f} GiB; use a smaller model (e.g. --config tiny)"
+            )

@@ -203,7 +203,9 @@ class Pretrainer:
         tc = self.tc
         if model is None:
             from mamba3lite.model import Mamba3Transformer
+            from mamba3lite.model.memory import check_model_fits
 
+            check_model_fits(self.cfg.model, self.device)
             model = Mamba3Transformer(self.cfg.model)
         raw = model.to(self.device)
         if hasattr(raw, "set_scan_impl"):
