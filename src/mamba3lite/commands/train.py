@@ -335,9 +335,8 @@ def _train(cfg, resume: str | int, info, stop, init_model=None):
         trainer = Pretrainer(cfg, resume=resume, dist=info, model=init_model, stop=stop)
         return trainer.train()
     except (RuntimeError, MemoryError) as e:
-        if isinstance(e, RuntimeError) and D.lost_a_peer(
-            e, info
-        ):  # e.g. rank 0 could not write a checkpoint: its error says why
+        # e.g. rank 0 could not write a checkpoint: its error says why
+        if isinstance(e, RuntimeError) and D.lost_a_peer(e, info):
             raise TrainingError(
                 f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
                 "`error:` line says why (torchrun's summary, if it was killed)"
