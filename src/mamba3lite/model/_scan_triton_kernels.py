@@ -439,40 +439,9 @@ def rotate_bwd_kernel(
             sn = 0.0
             if HAS_THETA:
                 c, sn = _turn(theta_ptr, bh, t, T, i, first, turns, S)
-            dq, dth_q = _unrotate_one(
-                qh_ptr,
-                qb_ptr,
-                dq_ptr,
-                dqb_ptr,
-                src,
-                grad,
-                bias,
-                db_offs,
-                n,
-                partner,
-                ok,
-                n_ok,
-                c,
-                sn,
-                HAS_THETA,
-            )
-            dk, dth_k = _unrotate_one(
-                kh_ptr,
-                kb_ptr,
-                dk_ptr,
-                dkb_ptr,
-                src,
-                grad,
-                bias,
-                db_offs,
-                n,
-                partner,
-                ok,
-                n_ok,
-                c,
-                sn,
-                HAS_THETA,
-            )
+            at = (src, grad, bias, db_offs, n, partner, ok, n_ok, c, sn)  # what q and k share
+            dq, dth_q = _unrotate_one(qh_ptr, qb_ptr, dq_ptr, dqb_ptr, *at, HAS_THETA)
+            dk, dth_k = _unrotate_one(kh_ptr, kb_ptr, dk_ptr, dkb_ptr, *at, HAS_THETA)
             acc_q += dq
             acc_k += dk
             if HAS_THETA:
