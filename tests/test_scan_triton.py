@@ -218,11 +218,13 @@ def test_device_reasons(monkeypatch):
 
     for version in ("3.2.0", "2.3.1", "garbage"):  # older than the kernels build with (3.2 aborts)
         monkeypatch.setattr(triton, "__version__", version)
+        monkeypatch.setattr(scan_triton, "_triton_ok", False)  # (kept once found good: look again)
         reason = triton_unavailable_reason(CPU)
         assert reason and f"triton >= 3.3, found {version}" in reason, reason
     for version in ("3.3.1", "3.10.0+git5bd3f2a"):
         monkeypatch.setattr(triton, "__version__", version)
         assert triton_unavailable_reason(CPU) is None
+    monkeypatch.setattr(scan_triton, "_triton_ok", False)
     monkeypatch.setitem(__import__("sys").modules, "triton", None)  # as if not installed
     assert "pip install triton" in triton_unavailable_reason(CPU)
 

@@ -76,8 +76,12 @@ def _version(text: str) -> tuple[int, ...]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """None when the Triton scan can run on `device`, else one line naming the fix."""
+def _installed_triton_problem() -> str | None:
+    """Why the installed triton cannot build the kernels (missing, too old), or None. Checked on every
+    forward and decode step (`_check_runs`), so the answer is kept once it is None."""
+    global _triton_ok
+    if _triton_ok:
+        return None
     try:
         import triton
     except ImportError:
@@ -89,6 +93,17 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
             f"the Triton scan needs triton >= {need}, found {found}; fix: a newer torch (2.7 or later "
             f"ships triton >= {need}) or pip install 'triton>={need}'"
         )
+    _triton_ok = True
+    return None
+
+
+_triton_ok = False  # set by _installed_triton_problem once triton imported and was new enough
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None when the Triton scan can run on `device`, else one line naming the fix."""
+    if (problem := _installed_triton_problem()) is not None:
+        return problem
     device = torch.device(device)
     if device.type == "cuda":
         if _kernels_interpreted:
