@@ -47,11 +47,16 @@ class DownstreamEvaluator:
         max_length: int,
         batch_size: int,
         bf16: bool,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         assert every > 0 and tasks
         self.tasks, self.every, self.limit = list(tasks), every, limit
         self.tokenizer = tokenizer
         self.max_length, self.batch_size, self.bf16 = max_length, batch_size, bf16
+        self.rank = rank
+        # the ranks share the items, unless some rank would get none (module docstring)
+        self.shared = world_size > 1 and (limit is None or limit >= world_size)
 
     def maybe_evaluate(self, step: int, model: Any, logger: Any, tokens: int) -> dict | None:
         """At a multiple of `every`: evaluate `model` (left in the mode it was in), write the row through
@@ -60,14 +65,12 @@ class DownstreamEvaluator:
             return None
         from mamba3lite.downstream.harness import Mamba3LiteLM, run_tasks
 
-        t0 = time.time()
-        rank, ranks = _job()
-        shared = ranks > 1 and (self.limit is None or self.limit >= ranks)
-        if rank > 0 and not shared:
+        if self.rank > 0 and not self.shared:
             return None
+        t0 = time.time()
         lm = Mamba3LiteLM(
             model, self.tokenizer, batch_size=self.batch_size, max_length=self.max_length, bf16=self.bf16,
-            distributed=shared,
+            distributed=self.shared,
         )  # fmt: skip
         results = run_tasks(lm, self.tasks, limit=self.limit, bootstrap_iters=0)
         if results is None:  # a rank other than 0: its share is scored, rank 0 writes the row
@@ -82,20 +85,14 @@ class DownstreamEvaluator:
         return values
 
 
-def _job() -> tuple[int, int]:
-    """(rank, world size) of this process's torch.distributed job; (0, 1) outside one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def in_loop_evaluator(config: Any, tokenizer_name: str | None, *, bf16: bool = False):
+def in_loop_evaluator(
+    config: Any, tokenizer_name: str | None, *, bf16: bool = False, rank: int = 0, world_size: int = 1
+):
     """The run's downstream evaluator, checked now: `NoDownstream` when training.eval_tasks_every is 0,
     else a `DownstreamEvaluator` whose tasks, data, lm-eval and tokenizer have been verified
     (ConfigError / DataError otherwise, before the first step). `tokenizer_name`: the training data's
-    tokenizer (None for dummy data: GPT-2 when the vocabulary is GPT-2's)."""
+    tokenizer (None for dummy data: GPT-2 when the vocabulary is GPT-2's). `rank`, `world_size`: this
+    process's place in the job (the trainer's `DistInfo`)."""
     tc, mc = config.training, config.model
     if not tc.eval_tasks_every:
         return NoDownstream()
@@ -124,4 +121,6 @@ def in_loop_evaluator(config: Any, tokenizer_name: str | None, *, bf16: bool = F
         max_length=tc.max_seq_len,
         batch_size=tc.micro_batch_size,
         bf16=bf16,
+        rank=rank,
+        world_size=world_size,
     )

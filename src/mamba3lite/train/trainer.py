@@ -146,7 +146,10 @@ class Pretrainer:
         # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
         manifest = getattr(self.data.train, "manifest", None)
         tok_name = (manifest.tokenizer or {}).get("name") if manifest is not None else None
-        self.downstream = in_loop_evaluator(config, tok_name, bf16=self.autocast_dtype is not None)
+        self.downstream = in_loop_evaluator(
+            config, tok_name, bf16=self.autocast_dtype is not None, rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )  # fmt: skip
         from mamba3lite.data import WindowSampler
 
         self.sampler = WindowSampler(
