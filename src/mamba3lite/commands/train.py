@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mamba3lite import intake
 from mamba3lite.commands.options import add_override_option
-from mamba3lite.errors import ConfigError, TrainingError
+from mamba3lite.errors import CheckpointError, ConfigError, TrainingError
 from mamba3lite.outdir import check_run_dir
 
 HELP = "pretrain a Mamba-3 language model from a YAML config"
@@ -229,23 +229,27 @@ def resolve_init_from(args: argparse.Namespace, cfg):
 
 
 def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
-    """(step, its recorded model config) of the checkpoint this command will resume from, or None when
-    it starts fresh or will be refused: `plan_resume`, which the trainer applies again, decides."""
-    import warnings
-
-    from mamba3lite.train.checkpoint import CheckpointManager
-    from mamba3lite.train.checkpoint.resume import plan_resume
+    """(newest finished step, its recorded model config) when this command resumes the run (or the
+    trainer will refuse its damaged checkpoints) rather than start it fresh; None for a fresh start or
+    a `--resume N` of a step that was never saved. Decided as `plan_resume` decides, from which saves
+    finished (their meta), without hashing the checkpoint that the trainer then verifies: `latest`
+    starts fresh only where no save finished."""
+    from mamba3lite.train.checkpoint import CheckpointManager, finished_save
 
     ckpt = CheckpointManager(cfg.training.checkpoint_dir)
     if resume == "none" or not ckpt.dir.is_dir():
         return None
-    with warnings.catch_warnings():  # the trainer prints them, once
-        warnings.simplefilter("ignore")
-        plan = plan_resume(ckpt, resume)
-    if plan.refusal is not None or plan.target < 0:
-        return None
-    model = ckpt.read_meta(plan.target).get("config", {}).get("model")
-    return (plan.target, model) if isinstance(model, dict) else None
+    steps = [s for s in ckpt.list_steps() if finished_save(ckpt.dir, s)]
+    if resume != "latest" and resume not in steps:
+        return None  # the trainer refuses it; the source's config makes no difference
+    for step in reversed([resume] if resume != "latest" else steps):
+        try:
+            model = ckpt.read_meta(step).get("config", {}).get("model")
+        except CheckpointError:
+            continue  # a damaged meta: an older step is what the trainer would fall back to
+        if isinstance(model, dict):
+            return step, model
+    return None
 
 
 def init_or_resume(args: argparse.Namespace, cfg):
@@ -261,7 +265,7 @@ def init_or_resume(args: argparse.Namespace, cfg):
     cfg = cfg.with_overrides([o for o in args.overrides if o.strip().startswith("model.")])
     print(
         f"init-from {cfg.training.init_from}: not loaded; {cfg.training.checkpoint_dir} resumes from its "
-        f"checkpoint step {step}, which holds the weights"
+        f"own checkpoints (newest: checkpoint step {step}), which hold the weights"
     )
     return cfg, None
 
