@@ -113,6 +113,23 @@ def check(case: tuple, dev: torch.device) -> dict:
     return out
 
 
+def median_s(fn, dev: torch.device, steps: int, warmup: int) -> float:
+    """Median seconds of `fn()` over `steps` timed calls after `warmup` untimed ones (synchronized on a
+    GPU around each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def time_impl(fn, case: tuple, dev: torch.device, steps: int) -> tuple[float, float]:
     """(median ms of forward + backward under bf16 autocast on a GPU, peak MiB above the inputs)."""
     inputs, reset = make_inputs(case, dev)
@@ -130,19 +147,13 @@ def time_impl(fn, case: tuple, dev: torch.device, steps: int) -> tuple[float, fl
 
     for _ in range(2 if dev.type == "cuda" else 0):
         step()
-    times = []
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
+    ms = 1e3 * median_s(step, dev, steps, warmup=0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else float("nan")
-    return statistics.median(times), peak
+    return ms, peak
 
 
 def time_decode(case: tuple, rows: int, dev: torch.device, steps: int) -> dict:
@@ -165,18 +176,7 @@ def time_decode(case: tuple, rows: int, dev: torch.device, steps: int) -> dict:
         want, got = scan_step(*inputs), triton_scan_step(*inputs)
         out["err"] = max(rel_err(a, b) for a, b in zip(got, want))
         for impl, fn in (("scan_step", scan_step), ("triton", triton_scan_step)):
-            for _ in range(3):
-                fn(*inputs)
-            times = []
-            for _ in range(steps):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn(*inputs)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e6)
-            out[impl] = statistics.median(times)
+            out[impl] = 1e6 * median_s(lambda f=fn: f(*inputs), dev, steps, warmup=3)
     return out
 
 
