@@ -45,7 +45,7 @@ from pathlib import Path
 
 from mamba3lite import intake
 from mamba3lite.data.shards import MANIFEST_NAME
-from mamba3lite.errors import ConfigError, DataError, DataNotFoundError, TransientError
+from mamba3lite.errors import ConfigError, DataError, DataNotFoundError, Mamba3LiteError, TransientError
 
 KIND_TEXT_BYTES = 0
 KIND_JSONL = 1
@@ -199,23 +199,19 @@ def stdlib_files() -> list[Path]:
     return [p for _, p in sorted(found) if p.is_file()]
 
 
-MANIFEST_MAX_BYTES = 64 << 20  # a larger manifest.json is not read: it is not one of ours
-
-
 def is_prepared_dataset(directory: str | Path, filenames: list[str] | None = None) -> bool:
-    """Whether `directory` holds a dataset `prepare` wrote: its manifest.json is a regular file with a
-    JSON object of a manifest's fields (format_version, vocab_size, shards); another program's
-    manifest.json (a browser extension's, say) is not one. `filenames`: its listing, if known."""
+    """Whether `directory` holds a dataset `prepare` wrote: its manifest.json reads (through the border
+    reader: a pipe of that name is never opened) as a JSON object of a manifest's fields
+    (format_version, vocab_size, shards); another program's manifest.json (a browser extension's, say)
+    is not one. `filenames`: its listing, if known."""
     names = os.listdir(directory) if filenames is None else filenames
-    path = os.path.join(directory, MANIFEST_NAME)
-    if MANIFEST_NAME not in names or not os.path.isfile(path):  # (a pipe of that name is never opened)
+    if MANIFEST_NAME not in names:
         return False
     try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read(MANIFEST_MAX_BYTES + 1))
-    except (OSError, ValueError):
+        manifest = intake.read_json(os.path.join(directory, MANIFEST_NAME), intake.MANIFEST)
+    except Mamba3LiteError:  # not JSON, not an object, too large, not a regular file: not one of ours
         return False
-    return isinstance(manifest, dict) and {"format_version", "vocab_size", "shards"} <= manifest.keys()
+    return {"format_version", "vocab_size", "shards"} <= manifest.keys()
 
 
 def _walk_dir(root: Path, skipped: list[Path] | None = None) -> list[Path]:
