@@ -249,3 +249,26 @@ def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
     assert [e["event"] for e in events if e.get("kind") == "event" and e.get("event") in ("stop", "end")] == [
         "stop"
     ]
+
+
+def test_quickstart_refuses_what_train_refuses(tmp_path, capsys):
+    """The quickstart trains through the one training entry (train/entry.py), so `train`'s checks are
+    its checks too, made before the calibration spends any time: a run directory another trainer holds,
+    and a dataset whose tokenizer does not fit the model."""
+    from mamba3lite.train.checkpoint import RunLock
+
+    work = tmp_path / "qs"
+    (work / "run").mkdir(parents=True)
+    with RunLock(work / "run"):  # another trainer holds the run directory
+        assert main(quickstart_args(tmp_path, work)) != 0
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and "in use by another trainer" in err and "Traceback" not in err
+    assert "before    step" not in out  # refused before the calibration trained anything
+    assert not CheckpointManager(work / "run").list_steps()
+
+    # the quickstart's dataset is GPT-2's; a model of another vocabulary cannot read it
+    other_vocab = ["--set", "model.vocab_size=300", "--set", "model.eos_id=1"]
+    assert main([*quickstart_args(tmp_path, work), *other_vocab]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "prepared with tokenizer gpt2" in err and "vocab_size is 300" in err
+    assert not CheckpointManager(work / "run").list_steps()

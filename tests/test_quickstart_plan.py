@@ -67,30 +67,26 @@ def test_run_settings_cadence():
     assert one["eval_every"] == 1 and one["save_every"] == 1 and one["log_every"] == 1
 
 
-class _Trainer:
-    def __init__(self) -> None:
-        self.stopped_for: list[str] = []
+def test_budget_timer_sets_the_shared_stop_flag_once_the_budget_is_spent():
+    from mamba3lite.train.stop import StopFlag
 
-    def request_stop(self, why: str) -> None:
-        self.stopped_for.append(why)
-
-
-def test_budget_timer_stops_the_watched_trainer_and_any_later_one():
-    with BudgetTimer(0.0) as timer:
-        first = timer.watch(_Trainer())
+    stop = StopFlag(announce=False)
+    with BudgetTimer(0.0, stop) as timer:
         deadline = time.monotonic() + 10
         while not timer.fired and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert timer.fired and first.stopped_for == ["the time budget"]
-        later = timer.watch(_Trainer())  # built after the timer fired: stopped at once
-        assert later.stopped_for == ["the time budget"]
+        # every trainer of the quickstart shares the flag: one started now stops after its first step
+        assert timer.fired and stop.is_set() and stop.reason == "the time budget"
 
 
 def test_budget_timer_cancelled_never_fires():
-    with BudgetTimer(0.2) as timer:
-        trainer = timer.watch(_Trainer())
+    from mamba3lite.train.stop import StopFlag
+
+    stop = StopFlag(announce=False)
+    with BudgetTimer(0.2, stop) as timer:
+        pass
     time.sleep(0.4)
-    assert not timer.fired and trainer.stopped_for == []
+    assert not timer.fired and not stop.is_set()
 
 
 class _Manifest:

@@ -337,8 +337,8 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path, capsys,
 
 
 def test_out_of_memory_advice_names_compile_when_it_is_on():
-    from mamba3lite.commands.train import out_of_memory_advice
     from mamba3lite.config import load_config
+    from mamba3lite.train.entry import out_of_memory_advice
 
     cfg = load_config("tiny")
     oom = torch.OutOfMemoryError("CUDA out of memory.")

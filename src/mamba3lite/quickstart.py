@@ -1,7 +1,8 @@
 """The quickstart: the whole pipeline on one machine in a bounded time, with real learning to show.
 
     prepare   the `stdlib` corpus (this interpreter's standard-library sources) -> WORKDIR/data/stdlib
-    train     the `tiny` preset for what is left of the time budget      -> WORKDIR/run (run directory)
+    train     the `tiny` preset for what is left of the time budget      -> WORKDIR/run (run directory),
+              through the one training entry (train/entry.py): the checks of `mamba3lite train`
     evaluate  validation loss and bits per byte, before and after training
     sample    a continuation of "def" from the newest checkpoint
     plot      WORKDIR/run/metrics.png (when matplotlib is installed)
@@ -13,7 +14,7 @@ costs on this machine (a few steps of a throw-away trainer of the same config, w
 evaluations and checkpoints, the final evaluation, the sample and the plot fit in what is left after
 preparing the data (see PLAN_FRACTION). The measurement is made under whatever else the machine
 is doing; if the machine gets slower during the run, a timer stops the trainer cleanly
-(`Pretrainer.request_stop`: the step finishes, a checkpoint is written) when only the time for the
+(the run's stop flag: the step finishes, a checkpoint is written) when only the time for the
 final evaluation, the sample and the plot is left, and the summary says so. Ctrl-C or SIGTERM while
 training (the probe included) stops it the same way, and the quickstart then evaluates, samples and plots
 what was trained (exit 0, as `mamba3lite train` after a stop).
@@ -292,35 +293,25 @@ def run_settings(
 
 
 class BudgetTimer:
-    """Stops the trainer being run (`watch`) cleanly when the budget is spent (`Pretrainer.request_stop`:
-    the step finishes, a checkpoint is written); a trainer watched after that is stopped at once. Its
-    state is the trainer and whether it fired, shared with its timer thread under a lock."""
+    """Sets the quickstart's stop flag when the budget is spent (`StopFlag.request`: the trainer finishes
+    its step and writes a checkpoint). Every trainer of the quickstart shares that flag, so one started
+    after the timer fired stops after its first step. Its state: the flag and whether it fired."""
 
-    def __init__(self, delay_s: float) -> None:
-        self._fired = False
-        self._trainer = None
-        self._lock = threading.Lock()
+    REASON = "the time budget"
+
+    def __init__(self, delay_s: float, stop) -> None:
+        self.stop = stop
         self._timer = threading.Timer(delay_s, self._fire)
         self._timer.daemon = True
+        self._fired = threading.Event()
 
     def _fire(self) -> None:
-        with self._lock:
-            self._fired = True
-            if self._trainer is not None:
-                self._trainer.request_stop("the time budget")
+        self._fired.set()
+        self.stop.request(self.REASON)
 
     @property
     def fired(self) -> bool:
-        with self._lock:
-            return self._fired
-
-    def watch(self, trainer):
-        """`trainer`, now the one to stop (stopped already when the time is up)."""
-        with self._lock:
-            self._trainer = trainer
-            if self._fired:
-                trainer.request_stop("the time budget")
-        return trainer
+        return self._fired.is_set()
 
     def __enter__(self) -> BudgetTimer:
         self._timer.start()
@@ -366,66 +357,69 @@ class _Evaluator:
 
 
 def calibrate(
-    cfg, run_dir: Path, start_step: int, evaluate: _Evaluator, opts: QuickstartOptions
+    cfg, run_dir: Path, start_step: int, evaluate: _Evaluator, opts: QuickstartOptions, stop
 ) -> Calibration:
-    """Measure a step, an evaluation and the sample with a throw-away trainer of the same config (nothing
-    written to the run directory). Its untrained model is also what "before" means on a fresh start;
-    a resumed run's "before" is its newest checkpoint."""
+    """Measure a step, an evaluation and the sample with a throw-away trainer of the same config, built
+    by the one training entry in a scratch directory (nothing written to the run directory). Its
+    untrained model is also what "before" means on a fresh start; a resumed run's "before" is its
+    newest checkpoint."""
     from mamba3lite.generation import generate_text
     from mamba3lite.pretrained import load_pretrained
     from mamba3lite.tokenizer import load_tokenizer
-    from mamba3lite.train.trainer import Pretrainer
+    from mamba3lite.train.entry import TrainOptions, training_session
 
     with tempfile.TemporaryDirectory(prefix="mamba3lite-calibrate-") as scratch:
-        calib = Pretrainer(cfg.replace("training", checkpoint_dir=scratch, progress=False), resume="none")
-        t0 = time.monotonic()
-        if start_step:
-            loaded = load_pretrained(run_dir, start_step, device=calib.device)
-            start_eval = evaluate(loaded.model)
-            del loaded
-        else:
-            start_eval = evaluate(calib.raw_model)
-        eval_s = time.monotonic() - t0
-        step_s, threads = _time_steps(calib, cpu=calib.device.type == "cpu")
-        tok = load_tokenizer(evaluate.tokenizer_name)
-        t0 = time.monotonic()
-        generate_text(calib.raw_model, tok, opts.prompt, max_new_tokens=4, seed=opts.seed)
-        sample_s = (time.monotonic() - t0) / 4 * opts.sample_tokens
-        n_params = sum(p.numel() for p in calib.raw_model.parameters())
-        del calib
+        scratch_cfg = cfg.replace("training", checkpoint_dir=scratch, progress=False)
+        with training_session(scratch_cfg, TrainOptions(resume="none"), stop) as calib:
+            t0 = time.monotonic()
+            if start_step:
+                loaded = load_pretrained(run_dir, start_step, device=calib.device)
+                start_eval = evaluate(loaded.model)
+                del loaded
+            else:
+                start_eval = evaluate(calib.raw_model)
+            eval_s = time.monotonic() - t0
+            step_s, threads = _time_steps(calib, cpu=calib.device.type == "cpu")
+            tok = load_tokenizer(evaluate.tokenizer_name)
+            t0 = time.monotonic()
+            generate_text(calib.raw_model, tok, opts.prompt, max_new_tokens=4, seed=opts.seed)
+            sample_s = (time.monotonic() - t0) / 4 * opts.sample_tokens
+            n_params = sum(p.numel() for p in calib.raw_model.parameters())
+            del calib
     return Calibration(step_s, eval_s, sample_s, n_params, threads, start_eval)
 
 
 def _train(
-    cfg, run_dir: Path, start_step: int, plan: Plan, budget: Budget, log
+    cfg, run_dir: Path, start_step: int, plan: Plan, budget: Budget, stop, log
 ) -> tuple[object, int, str | None]:
-    """Train for the plan (re-planned after the probe), stopped by the budget's timer when time is up.
-    Returns (the train result, the steps planned, "time" / "signal" when stopped short, else None)."""
-    from mamba3lite.train.trainer import Pretrainer
+    """Train for the plan (re-planned after the probe) through the one training entry, stopped by the
+    budget's timer when time is up. Returns (the train result, the steps planned, "time" / "signal" when
+    stopped short, else None)."""
+    from mamba3lite.train.entry import TrainOptions, run_training
 
     tc, n_steps = cfg.training, plan.n_steps
     warmup = warmup_for(n_steps, tc.warmup_steps, start_step)
     probe = probe_steps(warmup, start_step, n_steps)
     eval_batches = max(1, EVAL_WINDOWS // tc.micro_batch_size)
 
-    def trainer(n: int, is_probe: bool):
+    def train(n: int, is_probe: bool, until_step: int | None = None):
         fields = run_settings(
             n, probe=is_probe, start_step=start_step, warmup=warmup, log_every=tc.log_every,
             eval_batches=eval_batches,
         )  # fmt: skip
-        return timer.watch(Pretrainer(cfg.replace("training", **fields), resume="latest"))
+        return run_training(cfg.replace("training", **fields), TrainOptions(), stop, until_step)
 
-    with BudgetTimer(budget.stop_in_s()) as timer:
+    with BudgetTimer(budget.stop_in_s(), stop) as timer:
         # A probe stopped by a signal (Ctrl-C, SIGTERM) ends the training as the main run's stop would.
         result = None
         if probe:
-            result = trainer(n_steps, True).train(until_step=start_step + probe)
+            result = train(n_steps, True, until_step=start_step + probe)
             measured = _logged_step_s(run_dir, start_step, start_step + probe)
             if measured and not timer.fired and not result.stopped:
                 n_steps = probe + budget.steps_for(measured).n_steps
                 log(f"re-plan   {measured:.2f} s/step in the first {probe} steps -> {n_steps} steps in all")
         if result is None or not (timer.fired or result.stopped):  # >= 1 step, even with no time
-            result = trainer(n_steps, False).train()
+            result = train(n_steps, False)
     stopped_by = None  # a run short of its plan without a signal (or a stop request) met the timer
     if result.stopped or result.step < start_step + n_steps:
         stopped_by = "time" if timer.fired else "signal"
@@ -512,12 +506,20 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     run_dir = workdir / "run"
     cfg = cfg.replace("data", train_data_path=str(data_path), val_data_path=None, dummy=False)
     cfg = cfg.replace("training", checkpoint_dir=str(run_dir))
+    # train's checks (train/entry.py) on the real run directory before the calibration spends time:
+    # a busy run directory, data whose tokenizer does not fit the model
+    from mamba3lite.train.entry import TrainOptions, prepare_run
+
+    prepare_run(cfg, TrainOptions())
     evaluate = _evaluator(cfg, data_path, log)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a damaged newest checkpoint: the trainer reports its own choice
         start_step = CheckpointManager(run_dir).latest_step() or 0
 
-    cal = calibrate(cfg, run_dir, start_step, evaluate, opts)
+    from mamba3lite.train.stop import StopFlag
+
+    stop = StopFlag()  # one for the whole quickstart: its signals and its timer stop whichever trainer runs
+    cal = calibrate(cfg, run_dir, start_step, evaluate, opts, stop)
     if cal.threads:
         log(f"threads   {cal.threads}")
     vocab = cfg.model.vocab_size
@@ -527,7 +529,7 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     tokens = plan.n_steps * cfg.training.tokens_per_step()
     log(f"plan      {cal.step_s:.2f} s/step measured -> {plan.n_steps} steps ({tokens:,} tokens)")
     try:
-        result, n_steps, stopped_by = _train(cfg, run_dir, start_step, plan, budget, log)
+        result, n_steps, stopped_by = _train(cfg, run_dir, start_step, plan, budget, stop, log)
     except CheckpointError as e:
         raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
     _log_stop(stopped_by, result.step, start_step + n_steps, log)

@@ -1,0 +1,267 @@
+"""The one training entry: a resolved config and `TrainOptions` -> every check -> the distributed set-up
+-> a `Pretrainer`. `mamba3lite train`, `train --init-from` and the quickstart all go through it, so a
+check added here reaches every command that trains.
+
+    with training_session(cfg, opts) as trainer:    # checks, init_distributed, SIGTERM, build
+        result = trainer.train(until_step)          # errors a user can act on become TrainingError
+    run_training(cfg, opts)                         # the same in one call
+
+What happens, in order, before anything is written:
+    1. `--init-from` (training.init_from): the source's model config and weights, or, once the run has
+       checkpoints of its own, their recorded model config and no source at all (`resolve_init`)
+    2. a dry run is a fresh 2-step run: a directory with checkpoints is refused
+    3. the run directory is new, empty or a run directory (outdir.check_run_dir), and no other trainer
+       holds its lock
+    4. the data's tokenizer loads here and fits the model (`check_data_tokenizer`), by the rule
+       `generate` and `eval` apply later
+    5. init_distributed; SIGTERM sets the run's stop flag from here on (the run stops after a step,
+       with a checkpoint); the model is refused before it is built when it cannot fit the device
+       (model.memory.check_model_fits, in the trainer's build)
+    6. out of memory (CUDA or host) is one line naming the knobs; a rank that stops because another
+       one did says so
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mamba3lite.errors import CheckpointError, ConfigError, TrainingError
+from mamba3lite.outdir import check_run_dir
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How to run a resolved config (what `mamba3lite train`'s flags add to it).
+
+    resume: "latest" (newest verified checkpoint, or a fresh start), "none" (fresh; a directory with
+        checkpoints is refused) or a step number.
+    dry_run: the config is a 2-step smoke test (see commands/train.py); only a fresh directory.
+    model_overrides: the `--set model.*` items, re-applied over an --init-from source's model config.
+    own_process: the caller is the CLI's own process: after the run SIGTERM is ignored (the run is
+        saved; a signal on the way out must not turn it into exit -15).
+    """
+
+    resume: str | int = "latest"
+    dry_run: bool = False
+    model_overrides: tuple[str, ...] = ()
+    own_process: bool = False
+
+    def __post_init__(self) -> None:
+        ok = self.resume in ("latest", "none") or (isinstance(self.resume, int) and self.resume >= 0)
+        if not ok or isinstance(self.resume, bool):
+            raise ConfigError(f"resume must be 'latest', 'none' or a step number >= 0, got {self.resume!r}")
+
+
+def resolve_init(cfg, opts: TrainOptions):
+    """(cfg, the model holding the init weights or None). Without training.init_from: (cfg, None). With
+    it, a run that resumes from its own checkpoint takes the model config recorded there (with the model
+    overrides on top) and leaves the source alone: the checkpoint holds the weights, so a resume neither
+    reloads the source nor needs it to still exist."""
+    if cfg.training.init_from is None:
+        return cfg, None
+    resumed = resumed_checkpoint(cfg, opts.resume)
+    if resumed is None:
+        return init_from_source(cfg, opts)
+    step, model = resumed
+    cfg = cfg.replace("model", **model).with_overrides(list(opts.model_overrides))
+    print(
+        f"init-from {cfg.training.init_from}: not loaded; {cfg.training.checkpoint_dir} resumes from its "
+        f"own checkpoints (newest: checkpoint step {step}), which hold the weights"
+    )
+    return cfg, None
+
+
+def init_from_source(cfg, opts: TrainOptions):
+    """(cfg with the source's model config and the model overrides on top, the model holding the
+    source's weights); DataError when the training data was tokenized with another tokenizer."""
+    from mamba3lite.data.shards import Manifest, has_manifest
+    from mamba3lite.evaluate import check_compatible
+    from mamba3lite.interop.init_from import load_init_source
+
+    source = load_init_source(cfg.training.init_from)
+    cfg = cfg.replace("model", **asdict(source.config)).with_overrides(list(opts.model_overrides))
+    data = Path(cfg.data.train_data_path)
+    if not cfg.data.dummy and has_manifest(data):
+        check_compatible(
+            Manifest.load(data), cfg.model.vocab_size, cfg.model.eos_id, source.vocab_hash,
+            source.tokenizer_name, where=f"the training data ({data})", reference="the --init-from model",
+        )  # fmt: skip
+    print(f"init-from {source.description}: its weights and model config; optimizer and schedule fresh")
+    return cfg, source.build_model(cfg.model)
+
+
+def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
+    """(newest finished step, its recorded model config) when the run resumes (or the trainer will
+    refuse its damaged checkpoints) rather than start fresh; None for a fresh start or a `--resume N` of
+    a step that was never saved. Decided as `plan_resume` decides, from which saves finished (their
+    meta), without hashing the checkpoint that the trainer then verifies: `latest` starts fresh only
+    where no save finished."""
+    from mamba3lite.train.checkpoint import CheckpointManager, finished_save
+
+    ckpt = CheckpointManager(cfg.training.checkpoint_dir)
+    if resume == "none" or not ckpt.dir.is_dir():
+        return None
+    steps = [s for s in ckpt.list_steps() if finished_save(ckpt.dir, s)]
+    if resume != "latest" and resume not in steps:
+        return None  # the trainer refuses it; the source's config makes no difference
+    for step in reversed([resume] if resume != "latest" else steps):
+        try:
+            model = ckpt.read_meta(step).get("config", {}).get("model")
+        except CheckpointError:
+            continue  # a damaged meta: an older step is what the trainer would fall back to
+        if isinstance(model, dict):
+            return step, model
+    return None
+
+
+def check_run_directory(cfg, opts: TrainOptions) -> None:
+    """The run directory may be written (new, empty or a run directory), is not busy (another trainer
+    holds its lock), and for a dry run holds no checkpoints."""
+    from mamba3lite.train.checkpoint import CheckpointManager, RunLock
+
+    run_dir = Path(cfg.training.checkpoint_dir)
+    check_run_dir(run_dir)  # before anything is written there
+    if opts.dry_run and (steps := CheckpointManager(run_dir).list_steps()):
+        # in a directory with checkpoints a dry run would resume past step 2 and train nothing (or,
+        # forced fresh, mix its checkpoint into a real run's)
+        raise ConfigError(
+            f"--dry-run trains a fresh 2-step run, but {run_dir} already holds checkpoints (steps "
+            f"{steps[:5]}{'...' if len(steps) > 5 else ''}); point --checkpoint-dir at a new directory"
+        )
+    if run_dir.is_dir():
+        with RunLock(run_dir):  # refused now, not after the data and model were built
+            pass
+
+
+def check_data_tokenizer(cfg) -> None:
+    """`generate` and `eval` refuse a run whose data's tokenizer they cannot load: refuse it before the
+    run is trained, by their rule (`load_recorded_tokenizer`), when the manifest names a tokenizer this
+    project knows (gpt2, a tokenizer.json path). A name it does not know is only a warning: token data
+    may come from a tokenizer that lives elsewhere (pre-tokenized data, a test's byte vocabulary), and
+    the training itself needs none."""
+    from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir, has_manifest
+    from mamba3lite.tokenizer import KNOWN_TOKENIZERS, is_tokenizer_file, load_recorded_tokenizer
+
+    data = dataset_dir(cfg.data.train_data_path or "")
+    if cfg.data.dummy or not has_manifest(data):
+        return  # no manifest: nothing records a tokenizer (the dataset's own errors come later)
+    recorded = Manifest.load(data).tokenizer or {}
+    name = str(recorded.get("name", ""))
+    if name in KNOWN_TOKENIZERS or is_tokenizer_file(name):
+        load_recorded_tokenizer(
+            name,
+            recorded.get("vocab_hash"),
+            cfg.model.vocab_size,
+            subject=f"the data at {data} (its {MANIFEST_NAME}) was prepared with",
+        )
+        return
+    warnings.warn(
+        f"the tokenizer recorded in {data / MANIFEST_NAME}, {name!r}, is not one mamba3lite knows "
+        f"({', '.join(KNOWN_TOKENIZERS)} or a tokenizer.json path); the run will train, but `generate` and "
+        "`eval` need that tokenizer to read its output",
+        stacklevel=2,
+    )
+
+
+def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str | None:
+    """The message for an allocation failure (CUDA or CPU), naming the knobs; None for other errors.
+    A step that ran out of memory never reaches the optimizer or a checkpoint: the run directory holds
+    what the last save wrote, and `train` resumes from it. `building`: it happened while the model and
+    optimizer were built, before any step, where the batch knobs cannot help."""
+    import torch
+
+    text = str(exc)
+    # torch's allocators raise RuntimeError subclasses; numpy's (a batch gathered on the host) MemoryError
+    if not (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text):
+        return None
+    t = cfg.training
+    where = "the accelerator" if isinstance(exc, torch.OutOfMemoryError) else "host memory"
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    if building:
+        from mamba3lite.model import count_parameters
+
+        n = count_parameters(cfg.model)
+        return (
+            f"out of memory on {where} while building the model ({first}): {n / 1e6:,.1f}M parameters "
+            f"need ~{16 * n / 2**30:,.1f} GiB for fp32 weights, gradients and AdamW moments before any "
+            "activation. Use a smaller model (e.g. --config tiny) or a device with more memory."
+        )
+    fix = (
+        f"--set training.micro_batch_size={t.micro_batch_size // 2} "
+        f"--set training.gradient_accumulation_steps={2 * t.gradient_accumulation_steps}"
+        if t.micro_batch_size > 1
+        else f"--set training.max_seq_len={max(1, t.max_seq_len // 2)}"
+    )
+    ckpt = ""
+    if not t.grad_checkpointing:
+        ckpt = ", or --set training.grad_checkpointing=true (recomputes each layer)"
+    if t.compile:
+        ckpt += ", or --set training.compile=false (the compiled model keeps ~1.4x the activations)"
+    return (
+        f"out of memory on {where} with micro_batch_size {t.micro_batch_size} x max_seq_len {t.max_seq_len} "
+        f"({first}). Use less per micro-step and keep the batch: {fix}{ckpt}. "
+        f"Checkpoints in {t.checkpoint_dir} are untouched; the run resumes from the newest one."
+    )
+
+
+def prepare_run(cfg, opts: TrainOptions):
+    """(cfg, init model or None) after every check that needs no process group (points 1-4 above)."""
+    cfg, init_model = resolve_init(cfg, opts)
+    check_run_directory(cfg, opts)
+    check_data_tokenizer(cfg)
+    return cfg, init_model
+
+
+@contextlib.contextmanager
+def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None) -> Iterator[Any]:
+    """A built `Pretrainer` for `cfg` after every check, inside the distributed set-up and the SIGTERM
+    handling (see the module docstring). `stop`: the run's `StopFlag` (default a new one), e.g. one that
+    a caller's timer sets. Allocation failures and a lost peer, in the build or in the block, become
+    one-line TrainingErrors."""
+    from mamba3lite.train import distributed as D
+    from mamba3lite.train.stop import StopFlag
+    from mamba3lite.train.trainer import Pretrainer
+
+    cfg, init_model = prepare_run(cfg, opts)
+    info = D.init_distributed(cfg.training.device)
+    stop = stop or StopFlag(announce=info.is_main)
+    after = signal.SIG_IGN if opts.own_process else None
+    resume = "none" if opts.dry_run else opts.resume
+    trainer, finished = None, False
+    with stop.installed(signal.SIGTERM, on_exit=after):
+        try:
+            trainer = Pretrainer(cfg, resume=resume, dist=info, model=init_model, stop=stop)
+            yield trainer
+            finished = True
+        except (RuntimeError, MemoryError) as e:
+            if (actionable := _actionable(e, cfg, info, building=trainer is None)) is e:
+                raise
+            raise actionable from None
+        finally:
+            D.teardown(after_error=not finished)
+
+
+def _actionable(e: BaseException, cfg, info, building: bool) -> BaseException:
+    """The TrainingError a user can act on for `e` (a lost peer, out of memory), else `e` itself."""
+    from mamba3lite.train import distributed as D
+
+    if isinstance(e, RuntimeError) and D.lost_a_peer(e, info):
+        return TrainingError(
+            f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
+            "`error:` line says why (torchrun's summary, if it was killed)"
+        )
+    advice = out_of_memory_advice(e, cfg, building=building)
+    return e if advice is None else TrainingError(advice)
+
+
+def run_training(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None, until_step: int | None = None):
+    """Check, set up, build and train `cfg` (to training.max_steps, or to `until_step` then save):
+    the `TrainResult`."""
+    with training_session(cfg, opts, stop) as trainer:
+        return trainer.train(until_step=until_step)
