@@ -26,7 +26,7 @@ import torch
 
 from mamba3lite.config import load_config
 from mamba3lite.model import Mamba3Transformer
-from mamba3lite.train.checkpoint import CheckpointManager
+from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from mamba3lite.train.optim import build_optimizer
 
 
@@ -95,7 +95,7 @@ def main() -> None:
         for i in range(args.repeat):
             d = root / f"ours{i}"
             t = time.perf_counter()
-            CheckpointManager(d).save(1, model, opt, meta={"note": "bench"})
+            CheckpointManager(d).save(1, model, opt, RunState(step=1))
             times[names[0]]["save"].append(time.perf_counter() - t)
             sizes[names[0]] = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
             t = time.perf_counter()

@@ -21,6 +21,7 @@ from mamba3lite.errors import CheckpointError
 from mamba3lite.train.checkpoint import (
     CheckpointManager,
     RunLock,
+    RunState,
     capture_rng_state,
     checkpoint_files,
     param_names,
@@ -75,7 +76,7 @@ def _fresh(reverse: bool = False) -> tuple[TinyLM, torch.optim.Optimizer]:
 def test_roundtrip_restores_weights_optimizer_and_tie(tmp_path):
     model, opt = _trained()
     mgr = CheckpointManager(tmp_path)
-    mgr.save(7, model, opt, meta={"tokens_seen": 70, "sampler": {"epoch": 0, "consumed": 14}})
+    mgr.save(7, model, opt, RunState(step=7, tokens_seen=70, sampler={"epoch": 0, "consumed": 14}))
     m2, o2 = _fresh()
     meta = mgr.load(7, m2, o2)
     assert meta["step"] == 7 and meta["tokens_seen"] == 70 and meta["sampler"]["consumed"] == 14
@@ -314,8 +315,8 @@ def test_older_meta_without_digest_with_a_badly_typed_field_is_not_loadable(tmp_
     # A v1 meta has no meta_sha256 to catch an edit; every reader relies on these fields' types.
     model, opt = _trained()
     mgr = CheckpointManager(tmp_path)
-    mgr.save(1, model, opt, {"tokens_seen": 10, "config": {}, "data": {}})
-    mgr.save(2, model, opt, {"tokens_seen": 20, "config": {}, "data": {}})
+    mgr.save(1, model, opt, RunState(step=1, tokens_seen=10, config={}, data={}))
+    mgr.save(2, model, opt, RunState(step=2, tokens_seen=20, config={}, data={}))
     path = checkpoint_files(tmp_path, 2)["meta"]
     meta = json.loads(path.read_text())
     del meta["meta_sha256"]
@@ -389,8 +390,8 @@ def test_rng_state_roundtrip_through_json():
 def test_a_meta_whose_files_entry_is_not_a_mapping_is_a_bad_step_not_a_crash(tmp_path, with_digest):
     model, opt = _trained()
     mgr = CheckpointManager(tmp_path)
-    mgr.save(4, model, opt, meta={})
-    mgr.save(6, model, opt, meta={})
+    mgr.save(4, model, opt)
+    mgr.save(6, model, opt)
     path = checkpoint_files(tmp_path, 6)["meta"]
     meta = json.loads(path.read_text())
     meta["files"]["model"] = 5
@@ -406,7 +407,7 @@ def test_a_meta_whose_files_entry_is_not_a_mapping_is_a_bad_step_not_a_crash(tmp
 def test_forget_hashes_sees_corruption_that_kept_size_and_mtime(tmp_path):
     model, opt = _trained()
     mgr = CheckpointManager(tmp_path)
-    mgr.save(4, model, opt, meta={})
+    mgr.save(4, model, opt)
     path = checkpoint_files(tmp_path, 4)["model"]
     st = os.stat(path)
     data = bytearray(path.read_bytes())

@@ -281,14 +281,14 @@ def test_missing_lm_eval_gives_the_install_hint(run_dir, capsys, monkeypatch):
 def test_tokenizer_that_cannot_be_loaded(tmp_path, capsys):
     """A run trained with a tokenizer.json that is gone: its token ids cannot be produced."""
     from mamba3lite.model import Mamba3Transformer
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.train.checkpoint import CheckpointManager, RunState
     from userside_helpers import tiny_config
 
     run = tmp_path / "run"
     cfg = tiny_config(run, "data/x")
     gone = str(tmp_path / "gone" / "tokenizer.json")
-    meta = {"config": cfg.to_dict(), "tokens_seen": 0, "data": {"tokenizer": gone, "vocab_size": 50257}}
-    CheckpointManager(run).save(1, Mamba3Transformer(cfg.model), None, meta)
+    state = RunState(step=1, config=cfg.to_dict(), data={"tokenizer": gone, "vocab_size": 50257})
+    CheckpointManager(run).save(1, Mamba3Transformer(cfg.model), None, state)
     assert main(["eval", "--checkpoint-dir", str(run), "--tasks", "piqa", "--limit", "1"]) == 2
     line = _err(capsys)
     assert "tokenizer file" in line and gone in line and "put it back" in line

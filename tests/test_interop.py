@@ -24,7 +24,7 @@ from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.export import export_run
 from mamba3lite.interop.import_ import import_official
 from mamba3lite.model import Mamba3Transformer
-from mamba3lite.train.checkpoint import CheckpointManager
+from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from official_lm import F64, official_logits, official_shapes, official_state_dict, padded_vocab, resolved
 from userside_helpers import save_tiny_checkpoint, tiny_config
 
@@ -162,10 +162,9 @@ def test_our_run_exports_for_the_official_lm_and_imports_back_bit_identical(tmp_
     meta_path = tmp_path / "run" / "meta_step_5.json"
     meta = json.loads(meta_path.read_text())
     assert meta["config"]["model"]["n_layers"] == 1  # the helper records the tiny config: fix it up
-    CheckpointManager(tmp_path / "run").save(
-        5, model, None, {**{k: meta[k] for k in ("tokens_seen", "data", "metrics", "last_eval")},
-                         "config": Config(model=cfg).to_dict()},
-    )  # fmt: skip
+    kept = {k: meta[k] for k in ("tokens_seen", "data", "metrics", "last_eval")}
+    state = RunState(step=5, **kept, config=Config(model=cfg).to_dict())
+    CheckpointManager(tmp_path / "run").save(5, model, None, state)
     res = export_run(tmp_path / "run", tmp_path / "out")
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
@@ -403,7 +402,7 @@ def test_export_refuses_what_the_official_model_cannot_do(tmp_path):
         6,
         Mamba3Transformer(model_cfg),
         None,
-        {"data": meta["data"], "config": Config(model=model_cfg).to_dict()},
+        RunState(step=6, data=meta["data"], config=Config(model=model_cfg).to_dict()),
     )
     with pytest.raises(ConfigError, match=r"model\.trapezoid=false"):
         export_run(tmp_path / "run", tmp_path / "out", step=6)
@@ -492,13 +491,14 @@ def _train_args(data: Path, run: Path, source: Path) -> list[str]:
 def test_train_init_from_starts_a_fresh_run_from_the_weights(tmp_path, capsys):
     from mamba3lite.cli import build_parser
     from mamba3lite.commands import train as train_cmd
+    from mamba3lite.train.entry import init_from_source
 
     src = write_official(tmp_path / "official", BASE, official_state_dict(BASE, dtype=torch.float32), "bin")
     import_official(str(src), tmp_path / "imported")
     data = _word_dataset(tmp_path / "data", tmp_path / "imported" / "tokenizer.json")
     args = _train_args(data, tmp_path / "new", tmp_path / "imported")
     ns = build_parser().parse_args(args)
-    cfg, model = train_cmd.resolve_init_from(ns, train_cmd.build_config(ns))
+    cfg, model = init_from_source(train_cmd.build_config(ns), train_cmd.train_options(ns))
     source = load_f64(tmp_path / "imported")
     for (k, a), b in zip(model.state_dict().items(), source.state_dict().values()):
         assert torch.equal(a.to(F64), b), k
@@ -520,14 +520,14 @@ def test_train_init_from_starts_a_fresh_run_from_the_weights(tmp_path, capsys):
     flag_free = [a for a in args if a not in ("--init-from", str(tmp_path / "imported"))]
     ns_set = build_parser().parse_args([*flag_free, "--set", f"training.init_from={tmp_path / 'imported'}"])
     assert ns_set.init_from is None
-    cfg_set, model_set = train_cmd.resolve_init_from(ns_set, train_cmd.build_config(ns_set))
+    cfg_set, model_set = init_from_source(train_cmd.build_config(ns_set), train_cmd.train_options(ns_set))
     assert cfg_set == cfg and cfg_set.training.init_from == str(tmp_path / "imported")
     for (k, a), b in zip(model_set.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
 
     # --set model.* applies on top of the source's config (here the A activation)
     ns = build_parser().parse_args([*args, "--set", "model.a_activation=softplus"])
-    cfg, _ = train_cmd.resolve_init_from(ns, train_cmd.build_config(ns))
+    cfg, _ = init_from_source(train_cmd.build_config(ns), train_cmd.train_options(ns))
     assert cfg.model.a_activation == "softplus" and cfg.model.d_model == source.cfg.d_model
 
     # a dataset tokenized with GPT-2 is refused, naming the tokenizer, before anything is written
@@ -631,7 +631,7 @@ def test_export_refuses_a_run_without_a_usable_tokenizer(tmp_path):
         **{**tiny_config("x").model.__dict__, "vocab_size": 300, "eos_id": 0}
     )
     CheckpointManager(tmp_path / "dummy").save(
-        1, Mamba3Transformer(cfg), None, {"config": Config(model=cfg).to_dict()}
+        1, Mamba3Transformer(cfg), None, RunState(step=1, config=Config(model=cfg).to_dict())
     )
     with pytest.raises(CheckpointError, match="records no tokenizer"):
         export_run(tmp_path / "dummy", tmp_path / "out")

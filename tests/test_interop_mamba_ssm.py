@@ -12,7 +12,7 @@ import torch
 from mamba3lite.config import Config
 from mamba3lite.interop.export import export_run
 from mamba3lite.model import Mamba3Transformer
-from mamba3lite.train.checkpoint import CheckpointManager
+from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from userside_helpers import tiny_config
 
 pytestmark = [
@@ -33,7 +33,7 @@ def test_mamba_ssm_from_pretrained_loads_an_export_and_gives_our_logits(tmp_path
     model = Mamba3Transformer(cfg)
     data = {"tokenizer": "gpt2", "vocab_size": 50257, "eos_id": 50256}
     CheckpointManager(tmp_path / "run").save(
-        1, model, None, {"config": Config(model=cfg).to_dict(), "data": data}
+        1, model, None, RunState(step=1, config=Config(model=cfg).to_dict(), data=data)
     )
     export_run(tmp_path / "run", tmp_path / "out")
 

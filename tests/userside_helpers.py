@@ -13,7 +13,7 @@ from mamba3lite.config import Config
 from mamba3lite.data.shards import write_dataset
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.tokenizer import load_tokenizer
-from mamba3lite.train.checkpoint import CheckpointManager
+from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from tiny_shapes import TINY_MODEL_SHAPE
 
 TINY_MODEL = dict(vocab_size=50257, **TINY_MODEL_SHAPE)
@@ -86,14 +86,15 @@ def save_tiny_checkpoint(
         torch.manual_seed(0)
         model = Mamba3Transformer(cfg.model)
     tok = load_tokenizer("gpt2")
-    meta = {
-        "config": cfg.to_dict(),
-        "tokens_seen": step * 32,
-        "data": {"tokenizer": "gpt2", "vocab_hash": tok.vocab_hash, "vocab_size": 50257, "eos_id": 50256},
-        "metrics": {"kind": "train", "step": step, "loss": 7.5, "lr": 1e-3, "tokens_per_s": 1000.0},
-        "last_eval": {"step": step, "val_loss": 7.75, "val_bpb": 3.25},
-    }
-    CheckpointManager(run_dir).save(step, model, None, meta)
+    state = RunState(
+        step=step,
+        config=cfg.to_dict(),
+        tokens_seen=step * 32,
+        data={"tokenizer": "gpt2", "vocab_hash": tok.vocab_hash, "vocab_size": 50257, "eos_id": 50256},
+        metrics={"kind": "train", "step": step, "loss": 7.5, "lr": 1e-3, "tokens_per_s": 1000.0},
+        last_eval={"step": step, "val_loss": 7.75, "val_bpb": 3.25},
+    )
+    CheckpointManager(run_dir).save(step, model, None, state)
     return run_dir
 
 

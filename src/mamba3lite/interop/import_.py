@@ -227,32 +227,33 @@ def import_official(
         if any(t.numel() for t in w.padding.values()):
             save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
         write_resolved_config(cfg, tmp / RESOLVED_CONFIG_NAME)
-        meta = _import_meta(cfg, tok, source, src, a_activation, tmp)
-        CheckpointManager(tmp).save(0, model, None, meta)
+        state = _import_state(cfg, tok, source, src, a_activation, tmp)
+        CheckpointManager(tmp).save(0, model, None, state)
     final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
     return ImportResult(out, w.config, final_tok, [*w.notes, TOKENS_SEEN_NOTE])
 
 
-def _import_meta(cfg, tok: TokenizerIdentity, source: OfficialSource, src: str, a_activation: str, tmp: Path):
-    """The meta of the imported step 0: the config, the tokenizer and what the import came from.
+def _import_state(
+    cfg, tok: TokenizerIdentity, source: OfficialSource, src: str, a_activation: str, tmp: Path
+):
+    """The run state of the imported step 0: the config, the tokenizer and what the import came from.
     The tokenizer copy is recorded relative to the run directory, so the run can be moved
     (pretrained.recorded_tokenizer resolves it)."""
     from mamba3lite.data.shards import sha256_file
+    from mamba3lite.train.checkpoint import RunState
 
     padding = tmp / PADDING_NAME
-    return {
-        "config": cfg.to_dict(),
-        "tokens_seen": 0,
-        "data": {
+    return RunState(
+        step=0,
+        config=cfg.to_dict(),
+        data={
             "tokenizer": TOKENIZER_NAME if tok.path is not None else "gpt2",
             "vocab_hash": tok.vocab_hash,
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
             "manifest_sha256": None,
         },
-        "metrics": None,
-        "last_eval": None,
-        "imported_from": {
+        imported_from={
             "source": src,
             "format": "mamba_ssm MambaLMHeadModel",
             "official_config": source.config,
@@ -261,4 +262,4 @@ def _import_meta(cfg, tok: TokenizerIdentity, source: OfficialSource, src: str, 
             "padding_sha256": sha256_file(padding) if padding.exists() else None,
             "note": TOKENS_SEEN_NOTE,
         },
-    }
+    )

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
+from mamba3lite.rundir import SUPERSEDED_DIRNAME
 
 PREVIEW_TOKENS = 64
 
@@ -70,7 +71,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int], bool
         lines.append(f"{len(weights_only)} more with verified weights only (generate, eval): {weights_only}")
     if good or weights_only:
         lines += ["", *_describe_meta(ckpt.read_meta(max(good + weights_only)), path)]
-    superseded = path / "superseded"
+    superseded = path / SUPERSEDED_DIRNAME
     if superseded.is_dir():
         lines.append(f"superseded     {superseded} (checkpoints of an abandoned timeline, kept aside)")
     seed = [s for s in steps if statuses[s].format == "seed"]
@@ -78,60 +79,61 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int], bool
 
 
 def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
-    from mamba3lite.config import Config
-    from mamba3lite.errors import ConfigError
-    from mamba3lite.model import count_parameters
+    from mamba3lite.train.checkpoint import RunState
 
-    lines = [f"newest loadable step {meta['step']:,}"]
-    raw = meta.get("config")
-    if isinstance(raw, dict) and "model" in raw:
-        try:
-            cfg = Config.from_dict(raw, source="checkpoint meta")
-        except ConfigError as e:
-            lines.append(f"config         (does not validate: {e})")
-        else:
-            m, t, d = cfg.model, cfg.training, cfg.data
-            kind = f"MIMO rank {m.mimo_rank}" if m.is_mimo else "SISO"
-            lines += [
-                f"model          {m.n_layers} layers, d_model {m.d_model}, d_state {m.d_state}, "
-                f"headdim {m.headdim}, expand {m.expand}, {kind}, vocab {m.vocab_size:,}, "
-                f"A {m.a_activation}",
-                f"parameters     {count_parameters(m):,}",
-                f"training       max_seq_len {t.max_seq_len}, {t.windows_per_step()} windows/step "
-                "per process "
-                f"(micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps}), lr {t.lr:g}, "
-                f"max_steps {t.max_steps:,}, dtype {t.dtype}",
-                f"data           {'dummy (random tokens)' if d.dummy else d.train_data_path}",
-            ]
-    else:
-        lines.append("config         (none recorded: a seed-format checkpoint)")
-    tokens = meta.get("tokens_seen")
-    if tokens is not None:
-        lines.append(f"tokens seen    {int(tokens):,}")
-    imported = meta.get("imported_from")
+    state = RunState.from_meta(meta)
+    lines = [f"newest loadable step {state.step:,}", *_describe_config(state.config)]
+    if "tokens_seen" in meta:  # a seed-format step may not say
+        lines.append(f"tokens seen    {int(state.tokens_seen):,}")
+    imported = state.imported_from
     if isinstance(imported, dict):
         lines.append(
             f"imported from  {imported.get('source')} ({imported.get('format')}; A activation "
             f"{imported.get('a_activation')} chosen at import: the format does not record it)"
         )
-    data = meta.get("data") or {}
+    data = state.data or {}
     if data.get("tokenizer"):
         from mamba3lite.pretrained import recorded_tokenizer
 
         where = recorded_tokenizer(data["tokenizer"], run_dir)
         lines.append(f"tokenizer      {where} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")
-    row = meta.get("metrics")
+    row = state.metrics
     if isinstance(row, dict):
         parts = [f"step {row.get('step')}"]
         for key, fmt in (("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f")):
             if isinstance(row.get(key), (int, float)):
                 parts.append(f"{key} {format(row[key], fmt)}")
         lines.append("last metrics   " + ", ".join(parts))
-    ev = meta.get("last_eval")
+    ev = state.last_eval
     if isinstance(ev, dict) and isinstance(ev.get("val_loss"), (int, float)):
         bpb = f", bits/byte {ev['val_bpb']:.4f}" if isinstance(ev.get("val_bpb"), (int, float)) else ""
         lines.append(f"last eval      step {ev.get('step')}: val loss {ev['val_loss']:.4f}{bpb}")
     return lines
+
+
+def _describe_config(raw: dict) -> list[str]:
+    """The model, training and data lines of a recorded config (a seed-format step has none)."""
+    from mamba3lite.config import Config
+    from mamba3lite.model import count_parameters
+
+    if not (isinstance(raw, dict) and "model" in raw):
+        return ["config         (none recorded: a seed-format checkpoint)"]
+    try:
+        cfg = Config.from_dict(raw, source="checkpoint meta")
+    except ConfigError as e:
+        return [f"config         (does not validate: {e})"]
+    m, t, d = cfg.model, cfg.training, cfg.data
+    kind = f"MIMO rank {m.mimo_rank}" if m.is_mimo else "SISO"
+    return [
+        f"model          {m.n_layers} layers, d_model {m.d_model}, d_state {m.d_state}, "
+        f"headdim {m.headdim}, expand {m.expand}, {kind}, vocab {m.vocab_size:,}, "
+        f"A {m.a_activation}",
+        f"parameters     {count_parameters(m):,}",
+        f"training       max_seq_len {t.max_seq_len}, {t.windows_per_step()} windows/step per process "
+        f"(micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps}), lr {t.lr:g}, "
+        f"max_steps {t.max_steps:,}, dtype {t.dtype}",
+        f"data           {'dummy (random tokens)' if d.dummy else d.train_data_path}",
+    ]
 
 
 def last_metrics_rows(path: Path) -> list[str]:

@@ -210,3 +210,24 @@ def broadcast_int(value: int, info: DistInfo, src: int = 0) -> int:
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()
+
+
+@contextlib.contextmanager
+def held_on_rank0(lock, info: DistInfo, busy: str):
+    """`lock` (a DirLock) acquired by rank 0 for the block; its refusal is raised on every rank (rank 0
+    raising alone would leave the others waiting in their next collective). `busy`: the other ranks'
+    message."""
+    from mamba3lite.errors import CheckpointError
+
+    error: CheckpointError | None = None
+    if info.is_main:
+        try:
+            lock.acquire()
+        except CheckpointError as e:
+            error = e
+    if any_rank(error is not None, info):
+        raise error or CheckpointError(busy)
+    try:
+        yield
+    finally:
+        lock.release()

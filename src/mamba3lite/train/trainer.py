@@ -30,10 +30,10 @@ Fault injection for tests: faults.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,9 @@ from mamba3lite.config import Config
 from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
-from mamba3lite.evaluate import spread_picks, window_loss_sum
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.train import distributed as D
-from mamba3lite.train.checkpoint import CheckpointManager, RunLock, capture_rng_state, restore_rng_state
+from mamba3lite.train.checkpoint import CheckpointManager, RngState, RunLock, RunState
 from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
 from mamba3lite.train.data import (
     build_train_data,
@@ -59,9 +58,11 @@ from mamba3lite.train.data import (
 from mamba3lite.train.faults import INJECT_ENV, FaultInjector, parse_injection
 from mamba3lite.train.logging import TrainingLogger, build_logger, peak_flops
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
+from mamba3lite.train.notes import epoch_summary, start_warnings
 from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
 from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
 from mamba3lite.train.stop import StopFlag
+from mamba3lite.train.validation import eval_row, validation_loss_sum
 
 __all__ = ["INJECT_ENV", "Pretrainer", "TrainResult", "code_version", "parse_injection"]
 
@@ -162,6 +163,7 @@ class Pretrainer:
         )
         self.ckpt = CheckpointManager(tc.checkpoint_dir, keep_last_n=tc.keep_last_n)
         self.guard = NonFiniteGuard(tc.nan_guard_max_consecutive, tc.max_rollbacks)
+        self.rng = RngState()
         self.progress = Progress()
         self.logger = TrainingLogger.disabled()  # the real one is opened by train(), on rank 0
         self.wandb_run_id: str | None = None
@@ -244,7 +246,8 @@ class Pretrainer:
         target = self.tc.max_steps if until_step is None else min(until_step, self.tc.max_steps)
         # Handlers from the start: a SIGTERM while a big checkpoint is verified and restored must stop
         # cleanly.
-        with self._run_lock(), self.stop.installed():
+        busy = f"{self.run_dir} is in use by another trainer"
+        with D.held_on_rank0(RunLock(self.run_dir), self.dist, busy), self.stop.installed():
             try:
                 self._start(target, until_step)
                 stopped = self._loop(target)
@@ -308,23 +311,6 @@ class Pretrainer:
             self.save_checkpoint()
         self.logger.exclude_time(time.time() - t0)
 
-    @contextlib.contextmanager
-    def _run_lock(self) -> Iterator[None]:
-        """The run directory's lock, taken by rank 0; a refusal is raised on every rank."""
-        lock = RunLock(self.run_dir)
-        error: CheckpointError | None = None
-        if self.dist.is_main:
-            try:
-                lock.acquire()
-            except CheckpointError as e:
-                error = e
-        if D.any_rank(error is not None, self.dist):
-            raise error or CheckpointError(f"{self.run_dir} is in use by another trainer")
-        try:
-            yield
-        finally:
-            lock.release()
-
     def _start(self, target: int, until_step: int | None) -> None:
         """Resume (or start afresh), open the logger and the run record, and say what will happen."""
         plan = self._plan_resume()
@@ -340,12 +326,17 @@ class Pretrainer:
             self.step,
             "start",
             f"{what} at step {self.step} -> {target} on {self.dist.world_size} x {self.device}; "
-            f"{self.tc.tokens_per_step(self.dist.world_size):,} tokens/step; {self._epoch_summary()}"
+            f"{self.tc.tokens_per_step(self.dist.world_size):,} tokens/step; {epoch_summary(self.sampler)}"
             + (f"; {scan} scan" if scan else ""),
             tokens_total=self.tokens_seen,
             **({"scan_impl": scan} if scan else {}),
         )
-        for warning in self._start_warnings(target, until_step):
+        no_val = None if self.val_data is not None else self.data.no_val_reason
+        lr_at_step = functools.partial(lr_at, **self._sched_kw())
+        for warning in start_warnings(
+            self.tc, step=self.step, target=target, until_step=until_step, no_val_reason=no_val,
+            lr_at_step=lr_at_step,
+        ):  # fmt: skip
             self._event("warning", warning)
         self.logger.restart_window(self.step)
         self.progress.history = []
@@ -364,37 +355,6 @@ class Pretrainer:
     def _event(self, kind: str, message: str) -> None:
         self.logger.event(self.step, kind, message, tokens_total=self.tokens_seen)
 
-    def _start_warnings(self, target: int, until_step: int | None) -> list[str]:
-        """Settings that make the run other than it looks: no validation although evaluation is on, a
-        warmup that never reaches the peak learning rate, nothing left to train."""
-        tc, out = self.tc, []
-        if tc.eval_every and self.val_data is None:
-            out.append(f"no validation data, so training.eval_every has no effect: {self.data.no_val_reason}")
-        if tc.warmup_steps > tc.max_steps:
-            peak = lr_at(tc.max_steps - 1, **self._sched_kw())
-            out.append(
-                f"training.warmup_steps {tc.warmup_steps} > training.max_steps {tc.max_steps}: the learning "
-                f"rate only warms up, to {peak:.3g} instead of training.lr {tc.lr:g}; lower warmup_steps"
-            )
-        if self.step >= target and until_step is None:
-            out.append(
-                f"the run is at step {self.step}, not before training.max_steps {tc.max_steps}: nothing to "
-                "train; raise --max-steps to continue it"
-            )
-        return out
-
-    def _epoch_summary(self) -> str:
-        """An epoch's size in steps, and the windows each epoch skips (made visible: the seed's DataLoader
-        dropped them silently)."""
-        s = self.sampler
-        text = f"epoch {s.epoch} of {s.batches_per_epoch:,} steps over {s.n_windows:,} windows"
-        if s.tail_per_epoch:
-            text += (
-                f", {s.tail_per_epoch:,} skipped per epoch (n_windows % global batch {s.global_batch_size}; "
-                f"{'different ones each epoch' if s.shuffle else 'always the last ones'})"
-            )
-        return text
-
     def _open_logger(self, resume_target: int) -> TrainingLogger:
         """Rank 0's logger (the others keep the disabled one); a resumed run continues its W&B run."""
         if not self.dist.is_main:
@@ -402,7 +362,7 @@ class Pretrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_target >= 0:
             with contextlib.suppress(CheckpointError):
-                self.wandb_run_id = self.ckpt.read_meta(resume_target).get("wandb_run_id")
+                self.wandb_run_id = RunState.from_meta(self.ckpt.read_meta(resume_target)).wandb_run_id
         tc = self.tc
         peak = peak_flops(self.device, tc.peak_tflops)
         flops = None
@@ -430,31 +390,30 @@ class Pretrainer:
     def save_checkpoint(self) -> None:
         """Write the checkpoint of the current step (rank 0 writes; all ranks wait)."""
         if self.dist.is_main:
-            self.ckpt.save(self.step, self.raw_model, self.optimizer, self._checkpoint_meta())
+            self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state())
         D.barrier(self.dist)
         self.progress.last_saved = self.step
         self.guard.on_saved(self.step)
 
-    def _checkpoint_meta(self) -> dict:
-        return {
-            "config": self.cfg.to_dict(),
-            "tokens_seen": self.tokens_seen,
-            "scheduler": {
-                "kind": "warmup_cosine",
-                "step": self.step,
-                "lr": lr_at(max(self.step - 1, 0), **self._sched_kw()),
-            },
-            "sampler": self.sampler.state_dict(),
-            "rng": capture_rng_state(),
-            "data": self._data_identity(),
-            "metrics": self.logger.last_row,
-            "last_eval": self.last_eval,
-            "wandb_run_id": self.wandb_run_id,
-            "world_size": self.dist.world_size,
-            "global_batch_windows": self.global_windows,
-            "rollbacks": self.rollbacks,
-            "code_version": self._code_version,
-        }
+    def _run_state(self) -> RunState:
+        """What the checkpoint of the current step records of the run (its meta: run_state.py)."""
+        return RunState(
+            step=self.step,
+            config=self.cfg.to_dict(),
+            tokens_seen=self.tokens_seen,
+            scheduler={"kind": "warmup_cosine", "step": self.step,
+                       "lr": lr_at(max(self.step - 1, 0), **self._sched_kw())},
+            sampler=self.sampler.state_dict(),
+            rng=self.rng.state_dict(),
+            data=self._data_identity(),
+            metrics=self.logger.last_row,
+            last_eval=self.last_eval,
+            wandb_run_id=self.wandb_run_id,
+            world_size=self.dist.world_size,
+            global_batch_windows=self.global_windows,
+            rollbacks=self.rollbacks,
+            code_version=self._code_version,
+        )  # fmt: skip
 
     def _save_unsaved(self) -> bool:
         """Save the current step unless it is step 0 or saved already; True if it saved."""
@@ -512,7 +471,7 @@ class Pretrainer:
         )
         D.barrier(self.dist)
 
-    def _restore(self, step: int) -> dict:
+    def _restore(self, step: int) -> RunState:
         """Load checkpoint `step` into model, optimizer, sampler, RNG and counters (all ranks)."""
         meta = self.ckpt.load(step, self.raw_model, self.optimizer, map_location=self.device)
         facts = {
@@ -523,8 +482,8 @@ class Pretrainer:
             "run_dir": self.run_dir,
         }
         warnings = resume_warnings(meta, facts)  # raises for another model or tokenizer
-        p = self.progress
-        p.step, p.tokens_seen = int(meta["step"]), int(meta.get("tokens_seen", 0))
+        state, p = RunState.from_meta(meta), self.progress
+        p.step, p.tokens_seen = int(state.step), int(state.tokens_seen)
         for warning in warnings:
             self.logger.event(self.step, "warning", warning)
         tc = self.tc
@@ -536,20 +495,20 @@ class Pretrainer:
                 "config",
                 f"AdamW settings from the config, not from checkpoint step {step}: {', '.join(changed)}",
             )
-        if "sampler" in meta:
-            self.sampler.load_state_dict(meta["sampler"])
+        if state.sampler is not None:
+            self.sampler.load_state_dict(state.sampler)
         else:
             self.logger.event(
                 self.step, "warning", "seed-format checkpoint: no sampler state, data order restarts"
             )
-        if "rng" in meta:
-            restore_rng_state(meta["rng"])
-        self.wandb_run_id = meta.get("wandb_run_id") or self.wandb_run_id
-        p.last_eval = meta.get("last_eval")
+        if state.rng is not None:
+            self.rng.load_state_dict(state.rng)
+        self.wandb_run_id = state.wandb_run_id or self.wandb_run_id
+        p.last_eval = state.last_eval
         if isinstance(p.last_eval, dict) and p.last_eval.get("step") == p.step:
             p.evaluated_at = p.step  # a re-run of a finished run does not evaluate (and log) it again
         p.last_saved = p.step
-        return meta
+        return state
 
     # ------------------------------------------------------------------------------------ steps
     def _next_indices(self) -> list[int]:
@@ -632,7 +591,7 @@ class Pretrainer:
         indices = self._next_indices()
         assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
         if self.sampler.epoch != sampler_before["epoch"]:
-            self._event("epoch", f"{self._epoch_summary()} begins at step {self.step + 1}")
+            self._event("epoch", f"{epoch_summary(self.sampler)} begins at step {self.step + 1}")
         bad: DataError | None = None
         try:
             batches = [self._batch(indices[i * mb : (i + 1) * mb]) for i in range(accum)]
@@ -713,7 +672,8 @@ class Pretrainer:
         if self.val_data is None:
             return None
         self.progress.evaluated_at = self.step
-        loss_sum, count = self._val_loss_sum()
+        use_autocast = self.autocast_dtype is not None
+        loss_sum, count = validation_loss_sum(self.raw_model, self.val_data, self.tc, self.dist, use_autocast)
         val_loss = loss_sum / max(count, 1)
         if not math.isfinite(val_loss):
             # A diverging model (or an overflow in the eval's dtype). Not an evaluation to record (the
@@ -724,35 +684,10 @@ class Pretrainer:
                 "recorded as an evaluation",
             )
             return None
-        out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_windows": int(count)}
-        bpt = getattr(self.val_data, "bytes_per_token", None)
-        if bpt:
-            out["val_bpb"] = val_loss / math.log(2) / bpt
+        out = eval_row(val_loss, count, getattr(self.val_data, "bytes_per_token", None))
         self.progress.last_eval = {"step": self.step, **out}
         self.logger.log_eval(self.step, self.tokens_seen, out)
         return out
-
-    def _val_loss_sum(self) -> tuple[float, float]:
-        """(sum of window losses, windows) over all ranks; DataError on every rank for a damaged shard."""
-        tc = self.tc
-        n = len(self.val_data)
-        total = min(tc.eval_batches * tc.micro_batch_size, n)
-        mine = spread_picks(n, total)[self.dist.rank :: self.dist.world_size]
-        self.raw_model.eval()
-        bad: DataError | None = None
-        try:
-            use_autocast = self.autocast_dtype is not None
-            loss_sum = window_loss_sum(
-                self.raw_model, self.val_data, mine, tc.micro_batch_size, self.device, use_autocast
-            )
-        except DataError as e:  # a damaged val shard
-            loss_sum, bad = 0.0, e
-        finally:
-            self.raw_model.train()
-        if (err := self._damaged_on_any_rank(bad, "validation batch")) is not None:
-            raise err
-        loss_sum, count = D.sum_across([loss_sum, float(len(mine))], self.dist)
-        return loss_sum, count
 
 
 def _seed_everything(seed: int) -> None:

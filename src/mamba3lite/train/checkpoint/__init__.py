@@ -11,6 +11,7 @@
 The modules, read in this order:
 
     files.py        the file names and the one pattern that matches them
+    run_state.py    RunState: what a meta records of the run, one field per meta key (its schema)
     manager.py      CheckpointManager: save, verify (status), find, load, prune, move aside
     resume.py       plan_resume: which step a starting run continues from, and what to tidy first;
                     compatibility of a checkpoint with the run that loads it
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
     )
     from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
     from mamba3lite.train.checkpoint.rng import capture_rng_state, restore_rng_state
+    from mamba3lite.train.checkpoint.run_state import RngState, RunState
     from mamba3lite.train.checkpoint.weights import load_model_file, split_tied, write_safetensors
 
 _WHERE = {
@@ -58,6 +60,8 @@ _WHERE = {
     "RunLock": "mamba3lite.train.checkpoint.lock",
     "SLOW_SAVE_ENV": "mamba3lite.train.checkpoint.manager",
     "capture_rng_state": "mamba3lite.train.checkpoint.rng",
+    "RngState": "mamba3lite.train.checkpoint.run_state",
+    "RunState": "mamba3lite.train.checkpoint.run_state",
     "checkpoint_files": "mamba3lite.train.checkpoint.files",
     "finished_save": "mamba3lite.train.checkpoint.files",
     "load_model_file": "mamba3lite.train.checkpoint.weights",
@@ -83,7 +87,9 @@ __all__ = [
     "CheckpointStatus",
     "HashingAtomicFile",
     "ResumePlan",
+    "RngState",
     "RunLock",
+    "RunState",
     "_meta_digest",
     "capture_rng_state",
     "checkpoint_files",

@@ -31,6 +31,7 @@ from mamba3lite.train.checkpoint.optim_state import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
 )
+from mamba3lite.train.checkpoint.run_state import RunState
 from mamba3lite.train.checkpoint.seed_format import is_seed_meta, load_seed_optimizer, seed_file_problems
 from mamba3lite.train.checkpoint.weights import load_model_file, split_tied, write_safetensors
 
@@ -89,12 +90,14 @@ class CheckpointManager:
         step: int,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        meta: dict | None = None,
+        state: RunState | None = None,
     ) -> Path:
         """Write the triple for `step` (model, optimizer, then meta last), each atomically; then apply
-        retention. `meta` must be JSON-serialisable (no tensors): it is merged into the meta file.
-        Returns the meta path."""
+        retention. The meta is `state.to_meta()` (default: a RunState of only the step) with the
+        manager's file-integrity fields. Returns the meta path."""
         assert step >= 0
+        state = RunState(step=step) if state is None else state
+        assert state.step == step, f"the run state is of step {state.step}, saved as step {step}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.remove_stale_temp_files()
         paths = checkpoint_files(self.dir, step)
@@ -109,7 +112,7 @@ class CheckpointManager:
             optim_state = {"format": OPTIM_FORMAT, "state": {}, "param_groups": []}
         files = self._write_data_files(paths, unique, aliases, optim_state)
         record = {
-            **(meta or {}),
+            **state.to_meta(),
             "format": META_FORMAT,
             "step": step,
             "saved_at": time.time(),

@@ -1,8 +1,9 @@
 """The meta file of a step (meta_step_N.json): written last, it vouches for the other two files.
 
-It records the step, the config, counters, scheduler/sampler/RNG states, the dataset identity, the
-last metrics, the W&B run id, the size and sha256 of the weights and optimizer files, and the sha256
-of its own content (`meta_sha256`), so an edit that still parses is detected too.
+It records the run state (run_state.py's `RunState`: the step, the config, counters, scheduler/sampler/
+RNG states, the dataset identity, the last metrics, the W&B run id, ...) and the manager's own fields:
+the size and sha256 of the weights and optimizer files, the tied aliases, and the sha256 of its own
+content (`meta_sha256`), so an edit that still parses is detected too.
 """
 
 from __future__ import annotations
@@ -14,29 +15,18 @@ from pathlib import Path
 
 from mamba3lite import intake
 from mamba3lite.errors import CheckpointError
+from mamba3lite.train.checkpoint.run_state import RunState
 
 META_FORMAT = "mamba3lite-checkpoint-v1"
 # The shape of our metas (absent fields are not checked: older metas lack some): every reader (trainer,
 # eval, generate, inspect, export) indexes into them without checks of its own. A meta whose digest was
-# recomputed after an edit (`config.model` a string) passes the digest; this is what catches it.
-_NONE = type(None)
+# recomputed after an edit (`config.model` a string) passes the digest; this is what catches it. The run
+# state's fields come from RunState itself; the rest are the manager's file-integrity fields.
 _META_SCHEMA: dict[str, type | tuple[type, ...]] = {
-    "tokens_seen": int,
+    **RunState.meta_schema(),
     "files": dict,
-    "config": dict,
-    "data": (dict, _NONE),
-    "metrics": (dict, _NONE),
-    "last_eval": (dict, _NONE),
-    "scheduler": dict,
-    "sampler": dict,
-    "rng": dict,
     "tied": dict,
     "has_optimizer": bool,
-    "wandb_run_id": (str, _NONE),
-    "world_size": int,
-    "global_batch_windows": int,
-    "rollbacks": int,
-    "code_version": (dict, _NONE),
 }
 _CONFIG_SECTIONS: dict[str, type | tuple[type, ...]] = {"model": dict, "training": dict, "data": dict}
 _FILE_ENTRY: dict[str, type | tuple[type, ...]] = {"name": str, "size": int, "sha256": str}

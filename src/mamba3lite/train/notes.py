@@ -1,0 +1,47 @@
+"""What a starting run says about itself: pure functions of its settings and its sampler.
+
+epoch_summary(sampler)        an epoch's size in steps and the windows each epoch skips
+start_warnings(...)           settings that make the run other than it looks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def epoch_summary(sampler) -> str:
+    """An epoch's size in steps, and the windows each epoch skips (made visible: the seed's DataLoader
+    dropped them silently). `sampler`: a WindowSampler."""
+    s = sampler
+    text = f"epoch {s.epoch} of {s.batches_per_epoch:,} steps over {s.n_windows:,} windows"
+    if s.tail_per_epoch:
+        text += (
+            f", {s.tail_per_epoch:,} skipped per epoch (n_windows % global batch {s.global_batch_size}; "
+            f"{'different ones each epoch' if s.shuffle else 'always the last ones'})"
+        )
+    return text
+
+
+def start_warnings(
+    tc, *, step: int, target: int, until_step: int | None, no_val_reason: str | None,
+    lr_at_step: Callable[[int], float],
+) -> list[str]:  # fmt: skip
+    """Settings that make the run other than it looks: no validation although evaluation is on
+    (`no_val_reason`: why there is none, None when there is validation data), a warmup that never
+    reaches the peak learning rate, nothing left to train. `tc`: the TrainingConfig; `lr_at_step`: the
+    schedule."""
+    out = []
+    if tc.eval_every and no_val_reason is not None:
+        out.append(f"no validation data, so training.eval_every has no effect: {no_val_reason}")
+    if tc.warmup_steps > tc.max_steps:
+        peak = lr_at_step(tc.max_steps - 1)
+        out.append(
+            f"training.warmup_steps {tc.warmup_steps} > training.max_steps {tc.max_steps}: the learning "
+            f"rate only warms up, to {peak:.3g} instead of training.lr {tc.lr:g}; lower warmup_steps"
+        )
+    if step >= target and until_step is None:
+        out.append(
+            f"the run is at step {step}, not before training.max_steps {tc.max_steps}: nothing to "
+            "train; raise --max-steps to continue it"
+        )
+    return out

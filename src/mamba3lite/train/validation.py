@@ -1,0 +1,47 @@
+"""The trainer's validation: mean loss over a fixed, evenly spread set of validation windows.
+
+    validation_loss_sum(model, val_data, tc, dist, autocast) -> (sum of window losses, windows), all
+        ranks together; each rank scores its share of the picks (evaluate.spread_picks: the same windows
+        at every evaluation, whatever the world size)
+    eval_row(val_loss, windows, bytes_per_token) -> {"val_loss", "val_ppl", "val_windows"[, "val_bpb"]}
+
+A damaged validation shard on any rank is a DataError on every rank (one rank raising alone would
+leave the others waiting in the next collective).
+"""
+
+from __future__ import annotations
+
+import math
+
+from mamba3lite.errors import DataError
+from mamba3lite.evaluate import spread_picks, window_loss_sum
+from mamba3lite.train import distributed as D
+
+
+def validation_loss_sum(model, val_data, tc, dist: D.DistInfo, use_autocast: bool) -> tuple[float, float]:
+    """(sum of window losses, windows) over all ranks of `tc.eval_batches` micro-batches of windows;
+    the model is put back in train mode."""
+    n = len(val_data)
+    total = min(tc.eval_batches * tc.micro_batch_size, n)
+    mine = spread_picks(n, total)[dist.rank :: dist.world_size]
+    model.eval()
+    bad: DataError | None = None
+    try:
+        loss_sum = window_loss_sum(model, val_data, mine, tc.micro_batch_size, dist.device, use_autocast)
+    except DataError as e:  # a damaged val shard
+        loss_sum, bad = 0.0, e
+    finally:
+        model.train()
+    if D.any_rank(bad is not None, dist):
+        raise bad or DataError("another rank's validation batch is damaged (its log names the shard)")
+    loss_sum, count = D.sum_across([loss_sum, float(len(mine))], dist)
+    return loss_sum, count
+
+
+def eval_row(val_loss: float, windows: float, bytes_per_token: float | None) -> dict:
+    """The evaluation's numbers: loss (nats/token), perplexity, windows, and bits per byte when the
+    dataset knows its bytes per token."""
+    out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_windows": int(windows)}
+    if bytes_per_token:
+        out["val_bpb"] = val_loss / math.log(2) / bytes_per_token
+    return out
