@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from mamba3lite.train.logging import (
+from mamba3lite.train.metrics import (
     ConsoleSink,
     JsonlSink,
     TrainingLogger,
@@ -224,7 +224,7 @@ def test_jsonl_drops_a_torn_last_line_instead_of_gluing_the_next_row_to_it(tmp_p
 def test_damaged_bytes_in_metrics_jsonl_are_bad_lines_not_a_crash(tmp_path):
     """Invalid UTF-8 (or a row without an integer step) is counted like a torn line by the readers
     (`plot`, `inspect`), and a resume's supersede pass drops it instead of raising."""
-    from mamba3lite.report.metrics import read_metrics
+    from mamba3lite.train.metrics.jsonl import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     good = [{"kind": "train", "step": s, "loss": 2.0} for s in (1, 2)]
@@ -288,7 +288,7 @@ def test_supersede_drops_lines_of_huge_numbers_or_deep_nesting_instead_of_raisin
     ],
 )
 def test_the_torn_tail_is_found_from_the_end_of_the_log(tmp_path, content, kept):
-    from mamba3lite.train.logging import _drop_torn_tail
+    from mamba3lite.train.metrics.jsonl import _drop_torn_tail
 
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(content)

@@ -8,7 +8,8 @@ import struct
 
 import pytest
 
-from mamba3lite.report.metrics import ema, read_metrics
+from mamba3lite.report.metrics import ema
+from mamba3lite.train.metrics.jsonl import read_metrics
 
 pytest.importorskip("matplotlib")
 

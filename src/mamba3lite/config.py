@@ -1,10 +1,11 @@
 """The run configuration: typed, documented, validated dataclasses, loaded from YAML, overridable.
 
-A config file has three sections, in the seed's layout:
+A config file has three sections, in the seed's layout, and a fourth of its own:
 
     model:     ModelConfig (mamba3lite.model): the architecture
     training:  TrainingConfig: optimisation, schedule, cadence, checkpoints
     data:      DataConfig: where the token shards are (`train_data_path`, as in the seed)
+    logging:   LoggingConfig: where the metrics rows go (train/metrics/: one sink each)
 
 Every field carries `metadata={"help": ...}` (meaning and unit); `config_reference_markdown()` renders
 them for the README. Values are validated on creation (`__post_init__`) with a `ConfigError` that names
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import types
 import typing
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from mamba3lite.model import ModelConfig
 
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
-SECTIONS = ("model", "training", "data")
+SECTIONS = ("model", "training", "data", "logging")
 DTYPES = ("bf16", "fp32")
 
 
@@ -205,6 +207,55 @@ class DataConfig:
             )
 
 
+LOGGING_SINKS = ("console", "tensorboard", "wandb", "progress", "jsonl")  # the order rows reach them
+
+
+@dataclass
+class LoggingConfig:
+    """Where the metrics rows go (how often: training.log_every); `auto` is every sink that is available."""
+
+    sinks: list[str] = _f(  # noqa: RUF009 (_f gives a list default its default_factory)
+        ["auto"],
+        "metrics sinks: console, jsonl (RUN/metrics.jsonl; required), tensorboard (RUN/tb), wandb, progress "
+        "(a bar when stderr is a terminal and training.progress is on); auto = console, jsonl, progress, "
+        "tensorboard when it is installed and wandb when a project is set, plus any named beside it. A "
+        "named sink whose package is missing is an error",
+    )
+    wandb_project: str | None = _f(
+        None,
+        "Weights & Biases project of the wandb sink; unset: the WANDB_PROJECT environment variable (if "
+        "that is unset too, auto has no wandb)",
+    )
+    wandb_run_name: str | None = _f(
+        None, "display name of the W&B run; unset: the WANDB_RUN_NAME environment variable, else W&B's own"
+    )
+
+    def __post_init__(self) -> None:
+        # The environment is read here, where the config is resolved (and recorded in config.yaml), not
+        # by the logger's builder.
+        self.wandb_project = self.wandb_project or os.environ.get("WANDB_PROJECT") or None
+        self.wandb_run_name = self.wandb_run_name or os.environ.get("WANDB_RUN_NAME") or None
+        names = [str(s).strip() for s in self.sinks]
+        for name in names:
+            if name not in (*LOGGING_SINKS, "auto"):
+                known = ("auto", *LOGGING_SINKS)
+                hint = did_you_mean_hint(name, known, otherwise=f"; known: {', '.join(known)}")
+                raise ConfigError(f"logging.sinks: unknown sink `{name}`{hint}")
+        if len(set(names)) != len(names) or not names:
+            raise ConfigError(f"logging.sinks must name distinct sinks, got {list(self.sinks)}")
+        if "auto" not in names and "jsonl" not in names:
+            raise ConfigError(
+                f"logging.sinks must include jsonl (or auto), got {names}: RUN/metrics.jsonl is the "
+                "record that plot, inspect and resume read"
+            )
+        if "wandb" in names and not self.wandb_project:
+            raise ConfigError(
+                "logging.sinks names wandb but no project is set: set logging.wandb_project (or the "
+                "WANDB_PROJECT environment variable)"
+            )
+        self.sinks = names
+
+
 def _model_config_cls() -> type:
     from mamba3lite.model import ModelConfig
 
@@ -217,15 +268,21 @@ def _default_model() -> ModelConfig:
 
 @dataclass
 class Config:
-    """A whole run: the three sections. Build with `load_config`, `Config.from_dict` or directly."""
+    """A whole run: the four sections. Build with `load_config`, `Config.from_dict` or directly."""
 
     model: ModelConfig = field(default_factory=_default_model)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @classmethod
     def section_classes(cls) -> dict[str, type]:
-        return {"model": _model_config_cls(), "training": TrainingConfig, "data": DataConfig}
+        return {
+            "model": _model_config_cls(),
+            "training": TrainingConfig,
+            "data": DataConfig,
+            "logging": LoggingConfig,
+        }
 
     @classmethod
     def from_dict(cls, raw: dict | None, *, source: str = "config") -> Config:

@@ -54,7 +54,7 @@ def is_run_dir(path: Path) -> bool:
     config.yaml that is a run's resolved config (its first line is train's header)."""
     from mamba3lite import intake
     from mamba3lite.config import RESOLVED_CONFIG_NAME, RESOLVED_HEADER
-    from mamba3lite.report.metrics import METRICS_NAME
+    from mamba3lite.rundir import METRICS_NAME
     from mamba3lite.train.checkpoint.files import step_of
     from mamba3lite.train.run_record import RUN_RECORD_NAME
 

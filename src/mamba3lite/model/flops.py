@@ -1,5 +1,7 @@
 """Parameter count and forward FLOPs per token, from the config alone (no model is built).
 
+The peak FLOP/s of the accelerator that MFU divides by is `model/hardware.py`'s.
+
 `count_parameters` is tested equal to the real count on the meta device for every preset, and to the
 MAMBA3.md §5 table with the Llama-3.1 vocabulary. FLOPs count 2 per multiply-add of every matmul, as
 implemented (the chunked scan computes full L×L blocks, causal half included); elementwise work

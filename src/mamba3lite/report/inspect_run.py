@@ -138,7 +138,8 @@ def _describe_config(raw: dict) -> list[str]:
 
 def last_metrics_rows(path: Path) -> list[str]:
     """The last train and eval rows of DIR/metrics.jsonl, one line each ([] if there is none)."""
-    from mamba3lite.report.metrics import METRICS_NAME, read_metrics
+    from mamba3lite.rundir import METRICS_NAME
+    from mamba3lite.train.metrics.jsonl import read_metrics
 
     if not (path / METRICS_NAME).is_file():
         return []
@@ -156,7 +157,7 @@ def last_metrics_rows(path: Path) -> list[str]:
         out.append(f"               last eval row: step {r['step']}, val loss {r['val_loss']:.4f}")
     tasks = [r for r in m.eval if "val_loss" not in r]
     if tasks:  # downstream benchmarks (training.eval_tasks)
-        from mamba3lite.train.logging import downstream_summary
+        from mamba3lite.train.metrics.console import downstream_summary
 
         r = tasks[-1]
         out.append(f"               last downstream row: step {r['step']}: {downstream_summary(r)}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mamba3lite.errors import ConfigError, DataError
-from mamba3lite.report.metrics import ema, read_metrics
+from mamba3lite.report.metrics import ema
+from mamba3lite.train.metrics.jsonl import read_metrics
 
 _EVENT_STYLE = {"rollback": ("tab:red", "rollback"), "resume": ("tab:green", "resume")}
 

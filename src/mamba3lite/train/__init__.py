@@ -1,4 +1,4 @@
-"""The training loop and its parts: Pretrainer, optimizer/schedule, checkpoints, logging, distributed.
+"""The training loop and its parts: Pretrainer, optimizer/schedule, checkpoints, metrics, distributed.
 
 `from mamba3lite.train import Pretrainer, CheckpointManager, TrainingLogger`. Imports are lazy so that
 `mamba3lite.train.checkpoint` (used by eval/generate/inspect) does not pull in the trainer.
@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mamba3lite.train.checkpoint import CheckpointManager
-    from mamba3lite.train.logging import TrainingLogger
+    from mamba3lite.train.metrics import TrainingLogger
     from mamba3lite.train.trainer import Pretrainer
 
 __all__ = ["CheckpointManager", "Pretrainer", "TrainingLogger"]
 
 _WHERE = {
     "CheckpointManager": "mamba3lite.train.checkpoint",
-    "TrainingLogger": "mamba3lite.train.logging",
+    "TrainingLogger": "mamba3lite.train.metrics",
     "Pretrainer": "mamba3lite.train.trainer",
 }
 

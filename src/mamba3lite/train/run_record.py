@@ -94,7 +94,8 @@ def run_records_problem(run_dir: Path) -> str | None:
     """Why the records in `run_dir` that a start rewrites (run.json, metrics.jsonl) cannot be carried
     on, or None. Checked before a start changes anything (a resume moves newer checkpoints aside, the
     metrics log is rewritten): a damaged record is refused then, not dropped or crashed on later."""
-    from mamba3lite.report.metrics import METRICS_NAME, check_row
+    from mamba3lite.rundir import METRICS_NAME
+    from mamba3lite.train.metrics.jsonl import check_row
 
     try:
         read_run_record(run_dir / RUN_RECORD_NAME)
