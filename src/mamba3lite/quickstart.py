@@ -178,7 +178,7 @@ def _time_steps(trainer, cpu: bool) -> tuple[float, str]:
 def _logged_step_s(run_dir: Path, after_step: int, upto_step: int) -> float | None:
     """Mean seconds per step of the logged steps (after_step, upto_step] of `run_dir`'s metrics, the
     start-up window left out (it includes building and loading); None without such rows."""
-    from mamba3lite.report.metrics import read_metrics
+    from mamba3lite.train.metrics import read_metrics
 
     rows = [
         r

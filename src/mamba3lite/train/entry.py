@@ -13,7 +13,7 @@ What happens, in order, before anything is written:
     3. the run directory is new, empty or a run directory (outdir.check_run_dir), and no other trainer
        holds its lock
     4. the data's tokenizer loads here and fits the model (`check_data_tokenizer`), by the rule
-       `generate` and `eval` apply later
+       `generate` and `eval` apply later; the sinks of `logging.sinks` can be built
     5. init_distributed; SIGTERM sets the run's stop flag from here on (the run stops after a step,
        with a checkpoint); the model is refused before it is built when it cannot fit the device
        (model.memory.check_model_fits, in the trainer's build)
@@ -212,9 +212,12 @@ def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str
 
 def prepare_run(cfg, opts: TrainOptions):
     """(cfg, init model or None) after every check that needs no process group (points 1-4 above)."""
+    from mamba3lite.train.metrics import resolve_sinks
+
     cfg, init_model = resolve_init(cfg, opts)
     check_run_directory(cfg, opts)
     check_data_tokenizer(cfg)
+    resolve_sinks(cfg.logging)  # a named sink whose package is missing: refused now, not at the start
     return cfg, init_model
 
 

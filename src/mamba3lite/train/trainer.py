@@ -56,7 +56,7 @@ from mamba3lite.train.data import (
     check_fits_global_batch,
 )
 from mamba3lite.train.faults import INJECT_ENV, FaultInjector, parse_injection
-from mamba3lite.train.logging import TrainingLogger, build_logger, peak_flops
+from mamba3lite.train.metrics import TrainingLogger, run_logger
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
 from mamba3lite.train.notes import epoch_summary, start_warnings
 from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
@@ -363,26 +363,8 @@ class Pretrainer:
         if resume_target >= 0:
             with contextlib.suppress(CheckpointError):
                 self.wandb_run_id = RunState.from_meta(self.ckpt.read_meta(resume_target)).wandb_run_id
-        tc = self.tc
-        peak = peak_flops(self.device, tc.peak_tflops)
-        flops = None
-        with contextlib.suppress(ImportError, KeyError):
-            from mamba3lite.model import model_flops_per_token
-
-            flops = model_flops_per_token(self.cfg.model, tc.max_seq_len)["train"]
-        logger = build_logger(
-            self.run_dir,
-            log_every=tc.log_every,
-            flops_per_token=flops,
-            # tokens/s is the rate of all processes together, so the peak is all their devices'
-            peak_flops_per_s=None if peak is None else peak * self.dist.world_size,
-            device=self.device,
-            max_steps=tc.max_steps,
-            start_step=self.step,
-            progress=tc.progress,
-            wandb_run_id=self.wandb_run_id,
-            config=self.cfg.to_dict(),
-        )
+        logger = run_logger(self.cfg, self.run_dir, device=self.device, world_size=self.dist.world_size,
+                            start_step=self.step, wandb_run_id=self.wandb_run_id)  # fmt: skip
         self.wandb_run_id = logger.wandb_run_id or self.wandb_run_id
         return logger
 

@@ -9,7 +9,8 @@
     wandb.py        Weights & Biases
     progress.py     the tqdm bar (only on a terminal)
     memory.py       the peak-memory probe of a train row
-    build.py        build_logger / resolve_sinks: the sinks of `logging.sinks` (config.LoggingConfig)
+    build.py        build_logger / resolve_sinks: the sinks of `logging.sinks` (config.LoggingConfig);
+                    run_logger: a training run's logger from its resolved config
 
 The peak FLOP/s table MFU divides by is `mamba3lite.model.hardware` (`peak_flops`, also importable from
 here lazily: it is the one name of this package that imports torch when called). Importing the package
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mamba3lite.train.metrics.build import build_logger, resolve_sinks
+from mamba3lite.train.metrics.build import build_logger, resolve_sinks, run_logger
 from mamba3lite.train.metrics.console import ConsoleSink, downstream_summary, format_console
 from mamba3lite.train.metrics.jsonl import JsonlSink, RunMetrics, check_row, metrics_path, read_metrics
 from mamba3lite.train.metrics.logger import TrainingLogger
@@ -50,6 +51,7 @@ __all__ = [
     "read_metrics",
     "resolve_sinks",
     "row_scalars",
+    "run_logger",
 ]
 
 

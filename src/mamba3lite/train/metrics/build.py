@@ -18,6 +18,7 @@ no environment variable: `WANDB_PROJECT` and `WANDB_RUN_NAME` are resolved into 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -104,4 +105,33 @@ def build_logger(
         peak_flops_per_s=peak_flops_per_s,
         device=device,
         progress=bar,
+    )
+
+
+def run_logger(cfg, run_dir: str | Path, *, device: Any, world_size: int, start_step: int,
+               wandb_run_id: str | None) -> TrainingLogger:  # fmt: skip
+    """The logger of a training run of the resolved config `cfg` (a `Config`): its cadence, its sinks
+    (`cfg.logging`), and MFU from the model's FLOPs per token over the peak of all `world_size` devices
+    (tokens/s is the rate of all processes together)."""
+    from mamba3lite.model.hardware import peak_flops
+
+    tc = cfg.training
+    peak = peak_flops(device, tc.peak_tflops)
+    flops = None
+    with contextlib.suppress(ImportError, KeyError):
+        from mamba3lite.model import model_flops_per_token
+
+        flops = model_flops_per_token(cfg.model, tc.max_seq_len)["train"]
+    return build_logger(
+        run_dir,
+        log_every=tc.log_every,
+        flops_per_token=flops,
+        peak_flops_per_s=None if peak is None else peak * world_size,
+        device=device,
+        max_steps=tc.max_steps,
+        start_step=start_step,
+        progress=tc.progress,
+        wandb_run_id=wandb_run_id,
+        config=cfg.to_dict(),
+        logging_config=cfg.logging,
     )
