@@ -22,8 +22,19 @@ def epoch_summary(sampler) -> str:
     return text
 
 
+def start_message(step: int, target: int, dist, tc, sampler, scan: str | None) -> str:
+    """The "start" event's text: from where to where, on what, the step's tokens, the epoch, the scan
+    backend that runs. `dist`: the DistInfo; `tc`: the TrainingConfig."""
+    what = "resumed" if step else "start"
+    return (
+        f"{what} at step {step} -> {target} on {dist.world_size} x {dist.device}; "
+        f"{tc.tokens_per_step(dist.world_size):,} tokens/step; {epoch_summary(sampler)}"
+        + (f"; {scan} scan" if scan else "")
+    )
+
+
 def start_warnings(
-    tc, *, step: int, target: int, until_step: int | None, no_val_reason: str | None,
+    tc, step: int, target: int, until_step: int | None, no_val_reason: str | None,
     lr_at_step: Callable[[int], float],
 ) -> list[str]:  # fmt: skip
     """Settings that make the run other than it looks: no validation although evaluation is on

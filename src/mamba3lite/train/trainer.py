@@ -1,10 +1,12 @@
-"""Pretrainer: the training loop.
+"""Pretrainer: the training loop. Commands build it through the one training entry (entry.py), which
+makes every check first; what a checkpoint records of the run is one RunState (checkpoint/run_state.py);
+what the run logs goes through one logger to the sinks of `logging.sinks` (metrics/).
 
 One optimizer step = `gradient_accumulation_steps` micro-steps of `micro_batch_size` windows on each
 process. The global batch (micro × accumulation × world size windows) is drawn by `WindowSampler`,
 whose order is a pure function of (seed, epoch, consumed), so it is the same for any world size.
 
-    build          data (data.py), model, optimizer, sampler, checkpoint manager
+    build          data (data.py), model (model_setup.py), optimizer, sampler, checkpoint manager
     train()        lock the run directory, plan and apply the resume (checkpoint/resume.py), write
                    the run record (run_record.py), then loop: train_step, every `eval_every` steps
                    evaluate, every `save_every` steps save_checkpoint; stop at max_steps or when the
@@ -34,7 +36,6 @@ import functools
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,48 +58,16 @@ from mamba3lite.train.data import (
 )
 from mamba3lite.train.faults import INJECT_ENV, FaultInjector, parse_injection
 from mamba3lite.train.metrics import TrainingLogger, run_logger
+from mamba3lite.train.model_setup import build_model
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
-from mamba3lite.train.notes import epoch_summary, start_warnings
+from mamba3lite.train.notes import epoch_summary, start_message, start_warnings
 from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
+from mamba3lite.train.progress import Progress, TrainData, TrainResult
 from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
 from mamba3lite.train.stop import StopFlag
-from mamba3lite.train.validation import eval_row, validation_loss_sum
+from mamba3lite.train.validation import nonfinite_note, validate
 
 __all__ = ["INJECT_ENV", "Pretrainer", "TrainResult", "code_version", "parse_injection"]
-
-
-@dataclass
-class TrainResult:
-    """What `Pretrainer.train()` did."""
-
-    step: int  # optimizer steps completed (the run's global step)
-    tokens_seen: int
-    stopped: bool  # ended early by a signal (a checkpoint was written)
-    history: list[tuple[int, float | None]] = field(default_factory=list)  # (step, loss) this call
-    last_eval: dict | None = None
-    steady_tokens_per_s: float | None = None
-    rollbacks: int = 0
-
-
-@dataclass
-class Progress:
-    """Where the run is: the counters a checkpoint restores, and what this `train()` call did."""
-
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0
-    last_eval: dict | None = None  # {"step", "val_loss", ...} of the newest evaluation
-    evaluated_at: int = -1  # the step of the last evaluation (its loss finite or not)
-    last_saved: int = -1  # the step of the newest checkpoint this run wrote or loaded
-    history: list[tuple[int, float | None]] = field(default_factory=list)  # (step, loss) this call
-
-
-@dataclass
-class TrainData:
-    """The datasets of a run, and why there is no validation data when there is none."""
-
-    train: Any
-    val: Any
-    no_val_reason: str = ""
 
 
 class Pretrainer:
@@ -142,7 +111,10 @@ class Pretrainer:
         self.faults = FaultInjector.from_env(self.dist.rank)
         _seed_everything(tc.seed)
         self.data = self._build_data(train_data, val_data)
-        self.raw_model, self.model, self.optimizer = self._build_model(model)
+        self.raw_model, self.model = build_model(self.cfg, self.dist, model)
+        self.optimizer = build_optimizer(
+            self.raw_model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps
+        )
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
         # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
         manifest = getattr(self.data.train, "manifest", None)
@@ -194,36 +166,10 @@ class Pretrainer:
 
     # ---------------------------------------------------------------------------------- building
     def _build_data(self, train_data: Any, val_data: Any) -> TrainData:
-        train = train_data if train_data is not None else self._build_train_data()
+        train = train_data if train_data is not None else build_train_data(self.cfg)
         val, why = (val_data, "") if val_data is not None else build_val_data(self.cfg, train)
         check_data_matches(self.cfg, train, val)
         return TrainData(train, val, why)
-
-    def _build_train_data(self) -> Any:
-        return build_train_data(self.cfg)
-
-    def _build_model(self, model: torch.nn.Module | None) -> tuple[torch.nn.Module, Any, Any]:
-        """(raw model on the device, the model the step runs: DDP-wrapped and compiled as configured,
-        its AdamW). The place where a fresh run's initial weights would be loaded."""
-        tc = self.tc
-        if model is None:
-            from mamba3lite.model import Mamba3Transformer
-            from mamba3lite.model.memory import check_model_fits
-
-            check_model_fits(self.cfg.model, self.device)
-            model = Mamba3Transformer(self.cfg.model)
-        raw = model.to(self.device)
-        if hasattr(raw, "set_scan_impl"):
-            # The scan backend is chosen here, where the device is known: a `triton` that cannot run
-            # on it is one ConfigError now, before anything is written or compiled.
-            raw.set_scan_impl(self.cfg.model.scan_impl, self.device)
-        if hasattr(raw, "grad_checkpointing"):
-            raw.grad_checkpointing = tc.grad_checkpointing
-        wrapped = D.wrap_ddp(raw, self.dist)
-        if tc.compile:
-            wrapped = torch.compile(wrapped)
-        optimizer = build_optimizer(raw, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps)
-        return raw, wrapped, optimizer
 
     def _data_identity(self) -> dict | None:
         path = None if self.cfg.data.dummy else self.cfg.data.train_data_path
@@ -319,24 +265,14 @@ class Pretrainer:
         if self.dist.is_main:  # after the resume's checks: a refused resume leaves the records as they were
             start = {"world_size": self.dist.world_size, "resume": self.resume, "device": str(self.device)}
             self._code_version = write_run_records(self.cfg, self.run_dir, start, self._data_identity())
-        what = "resumed" if self.step else "start"
         # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
         scan = getattr(self.raw_model, "scan_impl", None)
-        self.logger.event(
-            self.step,
-            "start",
-            f"{what} at step {self.step} -> {target} on {self.dist.world_size} x {self.device}; "
-            f"{self.tc.tokens_per_step(self.dist.world_size):,} tokens/step; {epoch_summary(self.sampler)}"
-            + (f"; {scan} scan" if scan else ""),
-            tokens_total=self.tokens_seen,
-            **({"scan_impl": scan} if scan else {}),
-        )
+        message = start_message(self.step, target, self.dist, self.tc, self.sampler, scan)
+        scan_field = {"scan_impl": scan} if scan else {}
+        self.logger.event(self.step, "start", message, tokens_total=self.tokens_seen, **scan_field)
         no_val = None if self.val_data is not None else self.data.no_val_reason
         lr_at_step = functools.partial(lr_at, **self._sched_kw())
-        for warning in start_warnings(
-            self.tc, step=self.step, target=target, until_step=until_step, no_val_reason=no_val,
-            lr_at_step=lr_at_step,
-        ):  # fmt: skip
+        for warning in start_warnings(self.tc, self.step, target, until_step, no_val, lr_at_step):
             self._event("warning", warning)
         self.logger.restart_window(self.step)
         self.progress.history = []
@@ -437,14 +373,7 @@ class Pretrainer:
                 )
             return
         self._restore(plan.target)
-        note = ""
-        if self.dist.is_main and plan.torn:
-            for s in plan.torn:
-                self.ckpt.delete(s)
-            note = f"; unfinished save(s) of step(s) {plan.torn} (no meta) deleted"
-        if self.dist.is_main and plan.newer:
-            where = self.ckpt.move_aside(plan.newer, from_step=plan.target)
-            note += f"; newer checkpoints {plan.newer} moved to {where}"
+        note = plan.tidy(self.ckpt) if self.dist.is_main else ""
         marked = self.logger.supersede_after(plan.target)
         self._event(
             "resume",
@@ -655,18 +584,11 @@ class Pretrainer:
             return None
         self.progress.evaluated_at = self.step
         use_autocast = self.autocast_dtype is not None
-        loss_sum, count = validation_loss_sum(self.raw_model, self.val_data, self.tc, self.dist, use_autocast)
-        val_loss = loss_sum / max(count, 1)
-        if not math.isfinite(val_loss):
-            # A diverging model (or an overflow in the eval's dtype). Not an evaluation to record (the
-            # metrics and the checkpoint meta are strict JSON), and no reason to lose the step: say so.
-            self._event(
-                "eval_nonfinite",
-                f"validation loss is {val_loss} at step {self.step} (the model may be diverging); not "
-                "recorded as an evaluation",
-            )
+        out = validate(self.raw_model, self.val_data, self.tc, self.dist, use_autocast)
+        if not math.isfinite(out["val_loss"]):
+            # not an evaluation to record (metrics and meta are strict JSON), and no reason to lose the step
+            self._event("eval_nonfinite", nonfinite_note(out["val_loss"], self.step))
             return None
-        out = eval_row(val_loss, count, getattr(self.val_data, "bytes_per_token", None))
         self.progress.last_eval = {"step": self.step, **out}
         self.logger.log_eval(self.step, self.tokens_seen, out)
         return out

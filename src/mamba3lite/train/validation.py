@@ -4,6 +4,7 @@
         ranks together; each rank scores its share of the picks (evaluate.spread_picks: the same windows
         at every evaluation, whatever the world size)
     eval_row(val_loss, windows, bytes_per_token) -> {"val_loss", "val_ppl", "val_windows"[, "val_bpb"]}
+    validate(...)   the two together: the evaluation's row
 
 A damaged validation shard on any rank is a DataError on every rank (one rank raising alone would
 leave the others waiting in the next collective).
@@ -45,3 +46,18 @@ def eval_row(val_loss: float, windows: float, bytes_per_token: float | None) -> 
     if bytes_per_token:
         out["val_bpb"] = val_loss / math.log(2) / bytes_per_token
     return out
+
+
+def validate(model, val_data, tc, dist: D.DistInfo, use_autocast: bool) -> dict:
+    """The evaluation's row (eval_row) over all ranks; its val_loss may be non-finite (a diverging model,
+    or an overflow in the evaluation's dtype): see nonfinite_note."""
+    loss_sum, count = validation_loss_sum(model, val_data, tc, dist, use_autocast)
+    return eval_row(loss_sum / max(count, 1), count, getattr(val_data, "bytes_per_token", None))
+
+
+def nonfinite_note(val_loss: float, step: int) -> str:
+    """What the run says instead of recording a non-finite evaluation."""
+    return (
+        f"validation loss is {val_loss} at step {step} (the model may be diverging); not recorded as an "
+        "evaluation"
+    )

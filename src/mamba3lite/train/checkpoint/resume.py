@@ -29,6 +29,19 @@ class ResumePlan:
     torn: list[int] = field(default_factory=list)  # newer saves without a meta: deleted
     newer: list[int] = field(default_factory=list)  # newer checkpoints: moved aside
 
+    def tidy(self, ckpt: CheckpointManager) -> str:
+        """Delete the torn saves and move the newer checkpoints aside (rank 0, once the target loaded);
+        the clause that says what was done, or ""."""
+        note = ""
+        if self.torn:
+            for s in self.torn:
+                ckpt.delete(s)
+            note = f"; unfinished save(s) of step(s) {self.torn} (no meta) deleted"
+        if self.newer:
+            where = ckpt.move_aside(self.newer, from_step=self.target)
+            note += f"; newer checkpoints {self.newer} moved to {where}"
+        return note
+
 
 def plan_resume(ckpt: CheckpointManager, resume: str | int) -> ResumePlan:
     """The plan for `resume` ("latest", "none" or a step) over the checkpoints of `ckpt`."""
