@@ -31,9 +31,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
-    from mamba3lite.atomicfile import HashingAtomicFile
     from mamba3lite.train.checkpoint.files import checkpoint_files, finished_save, steps_in
-    from mamba3lite.train.checkpoint.lock import LOCK_NAME, RunLock
+    from mamba3lite.train.checkpoint.lock import RunLock
     from mamba3lite.train.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
     from mamba3lite.train.checkpoint.meta import META_FORMAT
     from mamba3lite.train.checkpoint.meta import meta_digest as _meta_digest
@@ -50,8 +49,6 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
 _WHERE = {
     "CheckpointManager": "mamba3lite.train.checkpoint.manager",
     "CheckpointStatus": "mamba3lite.train.checkpoint.manager",
-    "HashingAtomicFile": "mamba3lite.atomicfile",
-    "LOCK_NAME": "mamba3lite.train.checkpoint.lock",
     "META_FORMAT": "mamba3lite.train.checkpoint.meta",
     "OPTIM_FORMAT": "mamba3lite.train.checkpoint.optim_state",
     "ResumePlan": "mamba3lite.train.checkpoint.resume",
@@ -75,13 +72,11 @@ _WHERE = {
 _RENAMED = {"_meta_digest": "meta_digest"}
 
 __all__ = [
-    "LOCK_NAME",
     "META_FORMAT",
     "OPTIM_FORMAT",
     "SLOW_SAVE_ENV",
     "CheckpointManager",
     "CheckpointStatus",
-    "HashingAtomicFile",
     "ResumePlan",
     "RunLock",
     "_meta_digest",
