@@ -30,12 +30,12 @@ from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.names import EMBED_OURS, HEAD, official_name, our_name
 from mamba3lite.interop.official_config import KERNEL_ONLY_SSM_KEYS, OfficialVocab, model_config_from_official
-from mamba3lite.interop.source import TOKENIZER_NAME, OfficialSource, open_source
+from mamba3lite.interop.source import OfficialSource, open_source
 from mamba3lite.interop.weights import read_official_weights
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
+from mamba3lite.rundir import CONFIG_NAME, PADDING_NAME, TOKENIZER_NAME
 
 DEFAULT_A_ACTIVATION = "heavy_tail"  # the official code's since mid-2026 (MAMBA3.md §1.3)
-PADDING_NAME = "official_padding.safetensors"
 TOKENS_SEEN_NOTE = (
     "tokens_seen is 0 because the official format does not record how many tokens the model was trained on"
 )
@@ -201,7 +201,7 @@ def import_official(
     hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
     from safetensors.torch import save_file
 
-    from mamba3lite.config import RESOLVED_CONFIG_NAME, Config, write_resolved_config
+    from mamba3lite.config import Config, write_resolved_config
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.train.checkpoint import CheckpointManager
 
@@ -226,7 +226,7 @@ def import_official(
             (tmp / TOKENIZER_NAME).write_bytes(data)
         if any(t.numel() for t in w.padding.values()):
             save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
-        write_resolved_config(cfg, tmp / RESOLVED_CONFIG_NAME)
+        write_resolved_config(cfg, tmp / CONFIG_NAME)
         meta = _import_meta(cfg, tok, source, src, a_activation, tmp)
         CheckpointManager(tmp).save(0, model, None, meta)
     final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
@@ -237,7 +237,7 @@ def _import_meta(cfg, tok: TokenizerIdentity, source: OfficialSource, src: str, 
     """The meta of the imported step 0: the config, the tokenizer and what the import came from.
     The tokenizer copy is recorded relative to the run directory, so the run can be moved
     (pretrained.recorded_tokenizer resolves it)."""
-    from mamba3lite.data.shards import sha256_file
+    from mamba3lite.atomicfile import sha256_file
 
     padding = tmp / PADDING_NAME
     return {

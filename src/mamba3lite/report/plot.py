@@ -6,6 +6,7 @@ from pathlib import Path
 
 from mamba3lite.errors import ConfigError, DataError
 from mamba3lite.report.metrics import ema, read_metrics
+from mamba3lite.rundir import PLOT_NAME
 
 _EVENT_STYLE = {"rollback": ("tab:red", "rollback"), "resume": ("tab:green", "resume")}
 
@@ -19,9 +20,6 @@ def _pyplot():
     except ImportError as e:
         raise ConfigError("plotting needs matplotlib; fix: pip install 'mamba3lite[plot]'") from e
     return plt
-
-
-PLOT_NAME = "metrics.png"
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
