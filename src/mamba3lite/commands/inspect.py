@@ -152,7 +152,7 @@ def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
 def describe_dataset(path: Path) -> str:
     """The human-readable description of a dataset directory (its manifest)."""
     from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir
-    from mamba3lite.report.dataset import split_table, stats_lines
+    from mamba3lite.data.tables import split_table, stats_lines
 
     path = dataset_dir(path)
     m = Manifest.load(path)
