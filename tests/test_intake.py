@@ -79,21 +79,25 @@ def test_directories_devices_and_links_to_devices_are_not_regular_files(tmp_path
 def test_a_named_pipe_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "pipe.yaml"
     os.mkfifo(fifo)
+    error = _error_without_blocking(lambda: I.read_yaml(fifo, I.CONFIG))
+    assert isinstance(error, ConfigError) and "named pipe" in str(error)
+
+
+def _error_without_blocking(fn) -> BaseException | None:
+    """What `fn()` raised, run in a thread that must end within 10 s (None if it raised nothing)."""
     result: list[BaseException] = []
-    reader = threading.Thread(
-        target=lambda: _capture(result, lambda: I.read_yaml(fifo, I.CONFIG)), daemon=True
-    )
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # the test inspects it
+            result.append(e)
+
+    reader = threading.Thread(target=run, daemon=True)
     reader.start()
     reader.join(timeout=10)
     assert not reader.is_alive(), "reading a FIFO blocked"
-    assert isinstance(result[0], ConfigError) and "named pipe" in str(result[0])
-
-
-def _capture(out: list, fn) -> None:
-    try:
-        fn()
-    except BaseException as e:  # the test inspects it
-        out.append(e)
+    return result[0] if result else None
 
 
 def test_the_size_cap_refuses_before_reading(tmp_path):
@@ -240,15 +244,8 @@ def test_a_gz_that_inflates_past_the_kinds_cap_is_refused(tmp_path):
 def test_a_named_pipe_named_jsonl_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)
-    result: list[BaseException] = []
-    reader = threading.Thread(
-        target=lambda: _capture(result, lambda: list(I.iter_lines(fifo, I.SOURCE_JSONL, max_line_bytes=64))),
-        daemon=True,
-    )
-    reader.start()
-    reader.join(timeout=10)
-    assert not reader.is_alive(), "reading a FIFO blocked"
-    assert isinstance(result[0], DataError) and "named pipe" in str(result[0])
+    error = _error_without_blocking(lambda: list(I.iter_lines(fifo, I.SOURCE_JSONL, max_line_bytes=64)))
+    assert isinstance(error, DataError) and "named pipe" in str(error)
 
 
 def test_json_problem_follows_the_kinds_number_rules():
