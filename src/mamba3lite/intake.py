@@ -19,8 +19,10 @@ The rules, in order:
 3. A size cap per kind of file (`FileKind.max_bytes`), checked on the stat and again while reading
    (a file that grows while read is cut at the cap, not followed).
 4. Decoding: UTF-8 (strict), then JSON (integers of more than `MAX_INT_DIGITS` digits, NaN/Infinity
-   and floats that overflow to infinity refused) or YAML (the project's strict loader: duplicate keys
-   refused); a nesting depth beyond Python's recursion limit is an error, not a RecursionError.
+   and floats that overflow to infinity refused, unless the kind is the user's documents) or YAML (the
+   project's strict loader, defined here: duplicate keys refused); a nesting depth beyond Python's
+   recursion limit is an error, not a RecursionError. Line files (JSONL, and their `.gz`) are read in
+   bounded pieces (`iter_lines`): a line past its cap is never read whole, a damaged .gz is one error.
 5. The top-level type and, with `expect`, the fields: the schema helpers below are the checks that
    manifest, meta, run.json, metrics rows and mixture files share.
 """
