@@ -120,14 +120,12 @@ def a_cycle_through(component: list[str], graph: dict[str, set[str]]) -> list[st
     raise AssertionError(f"{component} is not a cycle")
 
 
-def part_of(module: str) -> str:
-    """The layer a module belongs to: its folder ("data/") or, at the top level, itself ("config")."""
-    parts = module.split(".")[1:]
-    return f"{parts[0]}/" if len(parts) > 1 or _is_package(module) else parts[0]
-
-
-def _is_package(module: str) -> bool:
-    return package_modules().get(module, Path()).name == "__init__.py"
+def part_of(module: str, graph: dict[str, set[str]]) -> str:
+    """The part of the package a module belongs to: its folder ("data/"; a package's __init__ too) or,
+    at the top level, itself ("config")."""
+    top = ".".join(module.split(".")[:2])
+    is_folder = top != module or any(m.startswith(f"{module}.") for m in graph)
+    return f"{top.split('.')[1]}/" if is_folder else top.split(".")[1]
 
 
 def part_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
@@ -135,7 +133,7 @@ def part_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
     edges: dict[tuple[str, str], list[str]] = {}
     for src, targets in graph.items():
         for dst in targets:
-            a, b = part_of(src), part_of(dst)
+            a, b = part_of(src, graph), part_of(dst, graph)
             if a != b:
                 edges.setdefault((a, b), []).append(f"{src} -> {dst}")
     return edges
@@ -218,9 +216,9 @@ def test_the_bottom_layer_imports_only_errors(part):
     above = sorted(
         f"{m} -> {t}"
         for m, ts in graph.items()
-        if part_of(m) == part
+        if part_of(m, graph) == part
         for t in ts
-        if part_of(t) not in ("errors", part)
+        if part_of(t, graph) not in ("errors", part)
     )
     assert not above, f"{part} must import nothing above errors: " + ", ".join(above)
 
