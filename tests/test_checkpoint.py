@@ -18,11 +18,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mamba3lite.errors import CheckpointError
+from mamba3lite.rundir import checkpoint_files
 from mamba3lite.train.checkpoint import (
     CheckpointManager,
     RunLock,
     capture_rng_state,
-    checkpoint_files,
     param_names,
     restore_rng_state,
 )

@@ -52,10 +52,9 @@ def is_run_dir(path: Path) -> bool:
     config.yaml that is a run's resolved config (its first line is train's header)."""
     from mamba3lite import intake
     from mamba3lite.config import RESOLVED_HEADER
-    from mamba3lite.train.checkpoint.files import step_of
 
     for p in path.iterdir():
-        if step_of(p.name) is not None or p.name in (rundir.RUN_RECORD_NAME, rundir.METRICS_NAME):
+        if rundir.step_of(p.name) is not None or p.name in (rundir.RUN_RECORD_NAME, rundir.METRICS_NAME):
             return True
     config = path / rundir.CONFIG_NAME
     if config.is_file():

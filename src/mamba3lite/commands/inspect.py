@@ -14,7 +14,7 @@ from pathlib import Path
 from mamba3lite import intake
 from mamba3lite.config import TOKEN_DTYPES
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
-from mamba3lite.train.checkpoint.files import looks_like_checkpoint_file  # (no torch: a cheap module)
+from mamba3lite.rundir import looks_like_checkpoint_file  # (no torch: a cheap module)
 
 HELP = "describe (and --verify) a dataset directory, a checkpoint directory or a shard file"
 

@@ -189,7 +189,7 @@ def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> d
     verified, strict) into a model of the widest stored dtype, then every tensor given its stored dtype
     back (no value is rounded on the way), renamed, the padding rows appended, a tied head dropped."""
     from mamba3lite.model import Mamba3Transformer
-    from mamba3lite.train.checkpoint import checkpoint_files
+    from mamba3lite.rundir import checkpoint_files
 
     dtypes = _stored_dtypes(checkpoint_files(ckpt.dir, step)["model"])
     widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
