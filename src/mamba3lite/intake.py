@@ -326,17 +326,19 @@ def iter_lines(
         try:
             for lineno, line in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), 1):
                 total += len(line)
-                if len(line) > max_line_bytes:
-                    yield lineno, None
-                    while line and not line.endswith(b"\n"):  # skip the rest of that line, bounded per read
-                        line = f.readline(max_line_bytes + 1)
-                        total += len(line)
-                elif line.strip():
-                    yield lineno, line
-                if total > kind.max_bytes:
+                too_long = len(line) > max_line_bytes
+                # skip the rest of a long line, bounded per read and by the cap (a .gz of no newlines)
+                while too_long and line and not line.endswith(b"\n") and total <= kind.max_bytes:
+                    line = f.readline(max_line_bytes + 1)
+                    total += len(line)
+                if total > kind.max_bytes:  # checked before the line is handed out: cut, not followed
                     raise kind.fail(
                         f"{path} holds more than the {kind.max_bytes / MiB:,.0f} MiB a {kind.what} can be"
                     )
+                if too_long:
+                    yield lineno, None
+                elif line.strip():
+                    yield lineno, line
         except Mamba3LiteError:
             raise
         except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz, an I/O error
