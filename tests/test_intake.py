@@ -235,9 +235,12 @@ def test_a_damaged_gz_is_one_error_naming_the_file(tmp_path, damage):
 
 def test_a_gz_that_inflates_past_the_kinds_cap_is_refused(tmp_path):
     p = _gz(tmp_path, "bomb.jsonl.gz", [b'{"a": 1}\n' * 10_000])  # 90 KB inflated from a few hundred bytes
+    no_newline = _gz(tmp_path, "line.jsonl.gz", [b"x" * 100_000])  # one line past the line cap, skipped
     small = I.FileKind("thing", 1000, DataError, "fix it")
-    with pytest.raises(DataError, match=r"holds more than .* a thing can be; fix it"):
-        list(I.iter_lines(p, small, max_line_bytes=100))
+    for bomb in (p, no_newline):
+        lines = I.iter_lines(bomb, small, max_line_bytes=100)
+        with pytest.raises(DataError, match=r"holds more than .* a thing can be; fix it"):
+            list(lines)
 
 
 @needs_fifo
