@@ -49,9 +49,7 @@ def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
         else:
             continue
-        for target in targets:
-            while target not in mods and "." in target:  # `import a.b.c` of a name, not a module
-                target = target.rsplit(".", 1)[0]
+        for target in targets:  # (a name that is no module here, e.g. a broken import, is not an edge)
             if target in mods and target not in (name, PACKAGE):
                 out.add(target)
     return out
