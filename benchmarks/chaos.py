@@ -49,7 +49,7 @@ def _corruption(work: Path, data: Path, flips: int, seed: int) -> tuple[int, int
     config = H.write_config(work / "base.yaml", data, base, max_steps=4, eval_every=0, keep_last_n=0)
     r = H.run_train(config)
     assert r.returncode == 0, r.stderr
-    from mamba3lite.train.checkpoint import checkpoint_files
+    from mamba3lite.rundir import checkpoint_files
 
     rng = random.Random(seed)
     damages = []

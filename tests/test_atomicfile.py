@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -52,14 +53,30 @@ def test_hashing_file_fsync_failure_is_raised_and_the_name_untouched(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
 
 
-def test_one_protocol_for_shards_and_checkpoints():
-    """Datasets and checkpoints write through the same functions, not two copies of the protocol."""
-    from mamba3lite.data import shards
-    from mamba3lite.train import checkpoint
+def test_every_writer_takes_the_protocol_from_atomicfile_itself():
+    """One protocol, one home: every module imports the atomic writers from mamba3lite.atomicfile, none
+    through a module that happens to import them (data.shards once re-exported them)."""
+    import ast
 
-    assert shards.atomic_write_bytes is atomicfile.atomic_write_bytes
-    assert shards.atomic_write_json is atomicfile.atomic_write_json
-    assert checkpoint.HashingAtomicFile is atomicfile.HashingAtomicFile
+    own = {n for n, v in vars(atomicfile).items() if getattr(v, "__module__", None) == atomicfile.__name__}
+    names = {n for n in own if not n.startswith("_")} | {"HASH_CHUNK_BYTES"}
+    src = Path(atomicfile.__file__).parent
+    wrong = []
+    for f in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module != "mamba3lite.atomicfile":
+                wrong += [
+                    f"{f.relative_to(src)}: {a.name} from {node.module}"
+                    for a in node.names
+                    if a.name in names
+                ]
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in names
+                and getattr(node.value, "id", "") != "atomicfile"
+            ):
+                wrong.append(f"{f.relative_to(src)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "atomic-file names taken from elsewhere than mamba3lite.atomicfile: " + ", ".join(wrong)
 
 
 def test_every_public_checkpoint_name_is_importable_from_the_package():

@@ -18,12 +18,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mamba3lite.errors import CheckpointError
+from mamba3lite.rundir import checkpoint_files
 from mamba3lite.train.checkpoint import (
     CheckpointManager,
     RunLock,
     RunState,
     capture_rng_state,
-    checkpoint_files,
     param_names,
     restore_rng_state,
 )

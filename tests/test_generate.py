@@ -10,8 +10,8 @@ from mamba3lite.cli import main
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.generation import generate_text
 from mamba3lite.pretrained import load_pretrained
+from mamba3lite.rundir import checkpoint_files
 from mamba3lite.tokenizer import load_tokenizer
-from mamba3lite.train.checkpoint import checkpoint_files
 from userside_helpers import eos_model, save_tiny_checkpoint
 
 

@@ -9,8 +9,8 @@ import torch
 from mamba3lite.cli import main
 from mamba3lite.data.shards import Manifest
 from mamba3lite.model import count_parameters
+from mamba3lite.rundir import checkpoint_files
 from mamba3lite.tokenizer import load_tokenizer
-from mamba3lite.train.checkpoint import checkpoint_files
 from userside_helpers import make_dataset, save_tiny_checkpoint, tiny_config
 
 

@@ -79,21 +79,25 @@ def test_directories_devices_and_links_to_devices_are_not_regular_files(tmp_path
 def test_a_named_pipe_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "pipe.yaml"
     os.mkfifo(fifo)
+    error = _error_without_blocking(lambda: I.read_yaml(fifo, I.CONFIG))
+    assert isinstance(error, ConfigError) and "named pipe" in str(error)
+
+
+def _error_without_blocking(fn) -> BaseException | None:
+    """What `fn()` raised, run in a thread that must end within 10 s (None if it raised nothing)."""
     result: list[BaseException] = []
-    reader = threading.Thread(
-        target=lambda: _capture(result, lambda: I.read_yaml(fifo, I.CONFIG)), daemon=True
-    )
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # the test inspects it
+            result.append(e)
+
+    reader = threading.Thread(target=run, daemon=True)
     reader.start()
     reader.join(timeout=10)
     assert not reader.is_alive(), "reading a FIFO blocked"
-    assert isinstance(result[0], ConfigError) and "named pipe" in str(result[0])
-
-
-def _capture(out: list, fn) -> None:
-    try:
-        fn()
-    except BaseException as e:  # the test inspects it
-        out.append(e)
+    return result[0] if result else None
 
 
 def test_the_size_cap_refuses_before_reading(tmp_path):
@@ -183,3 +187,91 @@ def test_numbers_from_yaml_strings_as_the_flags_read_them():
         I.as_count("2.5", where="w")
     with pytest.raises(ConfigError, match=">= 1"):
         I.as_count(0, where="w", minimum=1)
+
+
+# --------------------------------------------------------------------------- line readers: iter_lines
+
+
+def _gz(tmp_path: Path, name: str, lines: list[bytes]) -> Path:
+    import gzip
+
+    p = tmp_path / name
+    p.write_bytes(gzip.compress(b"".join(lines)))
+    return p
+
+
+def test_lines_are_numbered_blank_ones_skipped_and_a_gz_file_read_through(tmp_path):
+    plain = _file(tmp_path, "a.jsonl", b'{"n": 1}\n\n{"n": 2}')  # the last line without its newline
+    zipped = _gz(tmp_path, "a.jsonl.gz", [b'{"n": 1}\n', b"\n", b'{"n": 2}'])
+    for p in (plain, zipped):
+        assert list(I.iter_lines(p, I.SOURCE_JSONL, max_line_bytes=64)) == [
+            (1, b'{"n": 1}\n'),
+            (3, b'{"n": 2}'),
+        ]
+        assert [ln.value for ln in I.iter_jsonl(p, I.METRICS)] == [{"n": 1}, {"n": 2}]
+
+
+def test_a_line_beyond_the_cap_comes_as_none_and_is_never_read_whole(tmp_path):
+    p = _file(tmp_path, "a.jsonl", b"x" * 1000 + b"\nshort\n")
+    assert list(I.iter_lines(p, I.SOURCE_JSONL, max_line_bytes=100)) == [(1, None), (2, b"short\n")]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "not-gzip"])
+def test_a_damaged_gz_is_one_error_naming_the_file(tmp_path, damage):
+    import gzip
+
+    good = gzip.compress(b"".join(b'{"text": "%d"}\n' % i for i in range(5000)))
+    data = {
+        "truncated": good[: len(good) // 2],  # a download cut short
+        "corrupt": good[:40] + bytes(b ^ 0xFF for b in good[40:100]) + good[100:],
+        "not-gzip": b"plain text, named .gz\n",
+    }[damage]
+    p = _file(tmp_path, "d.jsonl.gz", data)
+    with pytest.raises(DataError) as info:
+        list(I.iter_lines(p, I.SOURCE_JSONL, max_line_bytes=1 << 20))
+    message = str(info.value)
+    assert message.startswith(f"cannot read {p}") and "\n" not in message and I.SOURCE_JSONL.fix in message
+
+
+def test_a_gz_that_inflates_past_the_kinds_cap_is_refused(tmp_path):
+    p = _gz(tmp_path, "bomb.jsonl.gz", [b'{"a": 1}\n' * 10_000])  # 90 KB inflated from a few hundred bytes
+    no_newline = _gz(tmp_path, "line.jsonl.gz", [b"x" * 100_000])  # one line past the line cap, skipped
+    small = I.FileKind("thing", 1000, DataError, "fix it")
+    for bomb in (p, no_newline):
+        lines = I.iter_lines(bomb, small, max_line_bytes=100)
+        with pytest.raises(DataError, match=r"holds more than .* a thing can be; fix it"):
+            list(lines)
+
+
+@needs_fifo
+def test_a_named_pipe_named_jsonl_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    error = _error_without_blocking(lambda: list(I.iter_lines(fifo, I.SOURCE_JSONL, max_line_bytes=64)))
+    assert isinstance(error, DataError) and "named pipe" in str(error)
+
+
+def test_json_problem_follows_the_kinds_number_rules():
+    long_int = '{"n": ' + "9" * 200 + "}"
+    assert I.json_problem(long_int, I.SOURCE_JSONL) == ({"n": int("9" * 200)}, None)  # a document may
+    assert "200 digits" in I.json_problem(long_int, I.METRICS)[1]  # a record of ours may not
+    assert I.json_problem('{"x": NaN}', I.SOURCE_JSONL)[1] is None
+    assert "NaN" in I.json_problem('{"x": NaN}', I.MANIFEST)[1]
+    assert "Exceeds the limit" in I.json_problem("9" * 5000, I.SOURCE_JSONL)[1]  # Python's own limit
+    assert I.json_problem("[" * 100_000, I.SOURCE_JSONL) == (None, "nested too deeply")
+    assert I.json_problem("null", I.MANIFEST) == (None, None)  # valid JSON whose value is None
+
+
+def test_a_source_jsonl_reads_through_the_border(tmp_path):
+    """prepare's .jsonl sources: a pipe is refused, a torn .gz is one error, a non-UTF-8 line is still a
+    document (its bytes are replaced and counted by the cleaner), a long integer in a field is fine."""
+    from mamba3lite.data import sources as S
+
+    p = _file(tmp_path, "d.jsonl", b'{"text": "caf\xe9", "id": ' + b"7" * 150 + b'}\n{"text": "b"\n')
+    units = list(S.Source(str(p)).units())
+    assert [S.parse_jsonl_line(payload, "text")[0] for _, _, payload in units] == ["caf\udce9", None]
+    assert "malformed JSON" in S.parse_jsonl_line(units[1][2], "text")[1]
+    whole = _gz(tmp_path, "x.gz", [b'{"text": "%d"}\n' % i for i in range(3000)]).read_bytes()
+    torn = _file(tmp_path, "t.jsonl.gz", whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=rf"^cannot read {torn}"):
+        list(S.Source(str(torn)).units())

@@ -291,6 +291,23 @@ def _nan_weights(root: Path) -> None:
     torch.save(sd, root / "pytorch_model.bin")
 
 
+def _edit_weights(edit):
+    """The .bin's state dict changed by `edit(sd)` (the official tied head is a view of the embedding:
+    the edit decides whether it stays one)."""
+
+    def damage(root: Path) -> None:
+        sd = dict(torch.load(root / "pytorch_model.bin"))
+        edit(sd)
+        torch.save(sd, root / "pytorch_model.bin")
+
+    return damage
+
+
+def _untie_head(sd: dict) -> None:
+    sd["lm_head.weight"] = sd["backbone.embedding.weight"].clone()
+    sd["lm_head.weight"][0, 0] += 1
+
+
 def _pickle_with_code(root: Path) -> None:
     """A pytorch_model.bin whose pickle would call a function when loaded without weights_only."""
     torch.save({"backbone.embedding.weight": torch.zeros(2), "x": _Exploit()}, root / "pytorch_model.bin")
@@ -347,6 +364,17 @@ BAD = {
     # refused before the model is built (10**9 layers took hours) or written (generate would refuse it)
     "n-layer-huge": ("bin", _edit_config(n_layer=10**9), "the weights hold 2 layers"),
     "nan-weights": ("bin", _nan_weights, "holds NaN or infinite values"),
+    # translate's checks, one each: a tensor outside the layout, missing, extra, a tied head that differs
+    "foreign-tensor": (
+        "bin", _edit_weights(lambda sd: sd.update(extra=torch.zeros(1))), "not part of a MambaLMHeadModel"
+    ),
+    "tensor-missing": (
+        "bin", _edit_weights(lambda sd: sd.pop("backbone.norm_f.weight")), "norm_f.weight' is missing"
+    ),
+    "extra-tensor": (
+        "bin", _edit_weights(lambda sd: sd.update({"backbone.norm_g.weight": torch.zeros(1)})), "has no place"
+    ),
+    "tied-head-differs": ("bin", _edit_weights(_untie_head), "lm_head.weight differs from the embedding"),
 }  # fmt: skip
 
 

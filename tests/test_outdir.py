@@ -47,10 +47,8 @@ def test_a_file_or_broken_link_is_refused_saying_what_it_is(tmp_path):
 
 
 def test_the_run_directory_rule_knows_every_file_train_writes_by_their_one_names(tmp_path):
-    # The names come from their homes (checkpoint files, run record, metrics log), not a second copy.
-    from mamba3lite.rundir import METRICS_NAME
-    from mamba3lite.train.checkpoint.files import checkpoint_files
-    from mamba3lite.train.run_record import RUN_RECORD_NAME
+    # The names come from their homes (checkpoint files, rundir), not a second copy.
+    from mamba3lite.rundir import METRICS_NAME, RUN_RECORD_NAME, checkpoint_files
 
     names = [p.name for p in checkpoint_files(tmp_path, 7).values()] + [RUN_RECORD_NAME, METRICS_NAME]
     for name in names:

@@ -8,7 +8,8 @@ import pytest
 from torch import nn
 
 from mamba3lite.errors import CheckpointError
-from mamba3lite.train.checkpoint import CheckpointManager, checkpoint_files
+from mamba3lite.rundir import checkpoint_files
+from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
 
 

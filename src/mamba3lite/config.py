@@ -20,7 +20,6 @@ already used), next to `val_data_path` and `dummy`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 import types
@@ -347,51 +346,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-@functools.cache
-def _strict_loader() -> type:
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
-        """SafeLoader that refuses a key given twice in one mapping."""
-
-    def construct_mapping(loader, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node, deep=deep)
-            if not isinstance(key, (str, int, float, bool)):  # (an unhashable key: PyYAML's own error)
-                continue
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"key {key!r} is given twice (the second would silently win)",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    return StrictLoader
-
-
-def yaml_error_line(e: Exception) -> str:
-    """A YAMLError as one line: what is wrong and where (PyYAML's own text spans several lines)."""
-    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
-    if not problem:
-        return " ".join(str(e).split())
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    context = getattr(e, "context", None)
-    return f"{context + ': ' if context else ''}{problem}{where}"
-
-
-def strict_yaml_load(text: str) -> Any:
-    """yaml.safe_load, but a key given twice in one mapping is a YAMLError: PyYAML keeps the last one
-    silently, so a second `training:` block would replace the whole first one."""
-    import yaml
-
-    return yaml.load(text, Loader=_strict_loader())  # a SafeLoader subclass: no arbitrary objects
-
-
 def _parse_text(text: str) -> Any:
     """A --set value: YAML scalar syntax (3e-4 stays a string for YAML 1.1; coercion handles it)."""
     import yaml
@@ -571,14 +525,14 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     return Config.from_dict(raw, source=str(path)).with_overrides(list(overrides))
 
 
-# The run directory's record of its resolved config (written at every start of `train`, by `import`).
-RESOLVED_CONFIG_NAME = "config.yaml"
+# The first line of a run directory's record of its resolved config (rundir.CONFIG_NAME: written at every
+# start of `train`, and by `import`): how outdir tells a run's config.yaml from a hand-written one.
 RESOLVED_HEADER = "# Resolved config of this run (every field; written by `mamba3lite train`).\n"
 
 
 def write_resolved_config(cfg: Config, path: str | Path) -> None:
     """Write the fully resolved config (every field, defaults included) as YAML, atomically."""
-    from mamba3lite.data.shards import atomic_write_bytes
+    from mamba3lite.atomicfile import atomic_write_bytes
 
     atomic_write_bytes(Path(path), (RESOLVED_HEADER + cfg.to_yaml()).encode("utf-8"))
 

@@ -19,19 +19,24 @@ The rules, in order:
 3. A size cap per kind of file (`FileKind.max_bytes`), checked on the stat and again while reading
    (a file that grows while read is cut at the cap, not followed).
 4. Decoding: UTF-8 (strict), then JSON (integers of more than `MAX_INT_DIGITS` digits, NaN/Infinity
-   and floats that overflow to infinity refused) or YAML (the project's strict loader: duplicate keys
-   refused); a nesting depth beyond Python's recursion limit is an error, not a RecursionError.
+   and floats that overflow to infinity refused, unless the kind is the user's documents) or YAML (the
+   project's strict loader, defined here: duplicate keys refused); a nesting depth beyond Python's
+   recursion limit is an error, not a RecursionError. Line files (JSONL, and their `.gz`) are read in
+   bounded pieces (`iter_lines`): a line past its cap is never read whole, a damaged .gz is one error.
 5. The top-level type and, with `expect`, the fields: the schema helpers below are the checks that
    manifest, meta, run.json, metrics rows and mixture files share.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 import math
 import os
 import re
 import stat
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +68,8 @@ class FileKind:
     fix: str  # the advice that ends the message
     missing: type[Mamba3LiteError] | None = None  # raised when the file does not exist (default: error)
     finite_only: bool = True  # JSON NaN/Infinity refused (False where our own writer may emit them)
+    bounded_ints: bool = True  # JSON integers of more than MAX_INT_DIGITS digits refused (False: the
+    # user's documents, where only Python's own 4,300-digit limit applies)
 
     def fail(self, message: str) -> Mamba3LiteError:
         """The error for `message`, with the fix appended."""
@@ -113,6 +120,16 @@ SOURCE_DOCUMENT = FileKind(
     "split it into smaller files, or write it as .jsonl with one document per line",
 )
 MAX_SOURCE_LINE_BYTES = 64 * MiB
+# A .jsonl / .jsonl.gz source: any size (read line by line, each line capped); its lines are the user's
+# documents, so NaN and long integers in them are fine (only a line Python cannot parse is bad).
+SOURCE_JSONL = FileKind(
+    "JSON-lines source file",
+    1 << 62,
+    DataError,
+    "re-create the file (a .gz cut short by an interrupted download or copy cannot be read to its end)",
+    finite_only=False,
+    bounded_ints=False,
+)
 TOKEN_FILE = FileKind(
     "token file", 1 << 62, DataError, "pass a dataset directory written by `mamba3lite prepare`"
 )
@@ -250,22 +267,31 @@ def _refuse_constant(name: str) -> float:
     raise _Refused(f"{name} is not a finite number")
 
 
-def parse_json(text: str, where: str, kind: FileKind) -> Any:
-    """json.loads with every failure (syntax, huge integers, NaN/Infinity, depth) as the kind's error."""
-    hooks: dict[str, Any] = {"parse_int": _parse_int}
+def json_problem(text: str, kind: FileKind) -> tuple[Any, str | None]:
+    """(value, None) for valid JSON, else (None, what is wrong in a clause): json.loads by the kind's
+    number rules, every failure (syntax, huge integers, NaN/Infinity, depth) as the clause. For readers
+    that decide per line what a bad one means; `parse_json` raises it."""
+    hooks: dict[str, Any] = {"parse_int": _parse_int} if kind.bounded_ints else {}
     if kind.finite_only:
         hooks |= {"parse_float": _parse_float, "parse_constant": _refuse_constant}
     try:
-        return json.loads(text, **hooks)
+        return json.loads(text, **hooks), None
     except json.JSONDecodeError as e:
-        problem = f"{e.msg} (line {e.lineno}, column {e.colno})"
+        return None, f"{e.msg} (line {e.lineno}, column {e.colno})"
     except _Refused as e:
-        problem = str(e)
-    except ValueError as e:  # Python's own int-string limit, should a hook be bypassed
-        problem = " ".join(str(e).split())[:120]
+        return None, str(e)
+    except ValueError as e:  # Python's own int-string limit (bounded_ints off, or a hook bypassed)
+        return None, " ".join(str(e).split())[:120]
     except RecursionError:
-        problem = "nested too deeply"
-    raise kind.fail(f"{where} is not valid JSON ({problem}); expected a {kind.what}") from None
+        return None, "nested too deeply"
+
+
+def parse_json(text: str, where: str, kind: FileKind) -> Any:
+    """json.loads with every failure (syntax, huge integers, NaN/Infinity, depth) as the kind's error."""
+    value, problem = json_problem(text, kind)
+    if problem is not None:
+        raise kind.fail(f"{where} is not valid JSON ({problem}); expected a {kind.what}")
+    return value
 
 
 def read_json(path: str | os.PathLike, kind: FileKind, *, top: type | None = dict) -> Any:
@@ -286,43 +312,108 @@ class JsonlLine:
     problem: str | None = None
 
 
-def iter_jsonl(path: str | os.PathLike, kind: FileKind) -> Iterator[JsonlLine]:
-    """The lines of a regular JSONL file (blank lines skipped). A line that is not valid (not UTF-8,
-    not JSON, a refused number, too long) comes with `problem` set instead of raising: logs end in a
-    torn line after a crash, and each reader decides what a bad line means to it."""
-    limit = MAX_JSONL_LINE_BYTES
-    with open_regular(path, kind) as f:
+def iter_lines(
+    path: str | os.PathLike, kind: FileKind, *, max_line_bytes: int
+) -> Iterator[tuple[int, bytes | None]]:
+    """(number from 1, raw bytes) of each non-blank line of a regular file, gunzipped first when its name
+    ends in `.gz`. Lines are read with bounded reads, never whole: a line longer than `max_line_bytes`
+    comes as (number, None), the rest of it skipped. More than the kind's cap in all (a file that grows,
+    a small .gz that inflates without end), a damaged or truncated .gz, or a read error: the kind's
+    error naming the file."""
+    with open_regular(path, kind) as raw:
+        f = gzip.GzipFile(fileobj=raw) if str(path).lower().endswith(".gz") else raw
         total = 0
-        for lineno, raw in enumerate(iter(lambda: f.readline(limit + 1), b""), 1):
-            total += len(raw)
-            if total > kind.max_bytes:
-                raise kind.fail(
-                    f"{path} holds more than the {kind.max_bytes / MiB:,.0f} MiB a {kind.what} can be"
-                )
-            if len(raw) > limit:
-                yield JsonlLine(lineno, problem=f"line {lineno} is longer than {limit // MiB} MiB")
-                while raw and not raw.endswith(b"\n"):  # skip the rest of that line, bounded per read
-                    raw = f.readline(limit + 1)
-                    total += len(raw)
-                continue
-            if not raw.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                yield JsonlLine(lineno, parse_json(decode_utf8(raw, where, kind), where, kind))
-            except Mamba3LiteError as e:
-                yield JsonlLine(lineno, problem=str(e))
+        try:
+            for lineno, line in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), 1):
+                total += len(line)
+                too_long = len(line) > max_line_bytes
+                # skip the rest of a long line, bounded per read and by the cap (a .gz of no newlines)
+                while too_long and line and not line.endswith(b"\n") and total <= kind.max_bytes:
+                    line = f.readline(max_line_bytes + 1)
+                    total += len(line)
+                if total > kind.max_bytes:  # checked before the line is handed out: cut, not followed
+                    raise kind.fail(
+                        f"{path} holds more than the {kind.max_bytes / MiB:,.0f} MiB a {kind.what} can be"
+                    )
+                if too_long:
+                    yield lineno, None
+                elif line.strip():
+                    yield lineno, line
+        except Mamba3LiteError:
+            raise
+        except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz, an I/O error
+            raise kind.fail(f"cannot read {path}: {e or type(e).__name__}") from None
+
+
+def iter_jsonl(path: str | os.PathLike, kind: FileKind) -> Iterator[JsonlLine]:
+    """The lines of a regular JSONL file (blank lines skipped; gunzipped as `iter_lines` does). A line
+    that is not valid (not UTF-8, not JSON, a refused number, too long) comes with `problem` set instead
+    of raising: logs end in a torn line after a crash, and each reader decides what a bad line means to
+    it. A file that cannot be read at all raises the kind's error."""
+    limit = MAX_JSONL_LINE_BYTES
+    for lineno, raw in iter_lines(path, kind, max_line_bytes=limit):
+        where = f"{path} line {lineno}"
+        if raw is None:
+            yield JsonlLine(lineno, problem=f"{where} is longer than {limit // MiB} MiB")
+            continue
+        try:
+            yield JsonlLine(lineno, parse_json(decode_utf8(raw, where, kind), where, kind))
+        except Mamba3LiteError as e:
+            yield JsonlLine(lineno, problem=str(e))
 
 
 # --------------------------------------------------------------------------------------------- YAML
+
+
+@functools.cache
+def _strict_loader() -> type:
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping."""
+
+    def construct_mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):  # (an unhashable key: PyYAML's own error)
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice (the second would silently win)",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return StrictLoader
+
+
+def yaml_error_line(e: Exception) -> str:
+    """A YAMLError as one line: what is wrong and where (PyYAML's own text spans several lines)."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem:
+        return " ".join(str(e).split())
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"{context + ': ' if context else ''}{problem}{where}"
+
+
+def strict_yaml_load(text: str) -> Any:
+    """yaml.safe_load, but a key given twice in one mapping is a YAMLError: PyYAML keeps the last one
+    silently, so a second `training:` block would replace the whole first one."""
+    import yaml
+
+    return yaml.load(text, Loader=_strict_loader())  # a SafeLoader subclass: no arbitrary objects
 
 
 def parse_yaml(text: str, where: str, kind: FileKind) -> Any:
     """The project's strict YAML loader (duplicate keys refused; safe: no objects) with every failure,
     huge integers and nesting depth included, as the kind's error."""
     import yaml
-
-    from mamba3lite.config import strict_yaml_load, yaml_error_line
 
     try:
         return strict_yaml_load(text)

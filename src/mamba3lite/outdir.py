@@ -12,10 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from mamba3lite import rundir
 from mamba3lite.errors import ConfigError
-
-# Entries that say nothing about whose directory it is: a run lock, a refused start's TensorBoard dir.
-_NEUTRAL = frozenset({".lock", "tb", "superseded"})
 
 
 def check_may_write(
@@ -53,15 +51,12 @@ def is_run_dir(path: Path) -> bool:
     """Whether `path` holds what `train` writes: a checkpoint, run.json, the metrics log, or a
     config.yaml that is a run's resolved config (its first line is train's header)."""
     from mamba3lite import intake
-    from mamba3lite.config import RESOLVED_CONFIG_NAME, RESOLVED_HEADER
-    from mamba3lite.rundir import METRICS_NAME
-    from mamba3lite.train.checkpoint.files import step_of
-    from mamba3lite.train.run_record import RUN_RECORD_NAME
+    from mamba3lite.config import RESOLVED_HEADER
 
     for p in path.iterdir():
-        if step_of(p.name) is not None or p.name in (RUN_RECORD_NAME, METRICS_NAME):
+        if rundir.step_of(p.name) is not None or p.name in (rundir.RUN_RECORD_NAME, rundir.METRICS_NAME):
             return True
-    config = path / RESOLVED_CONFIG_NAME
+    config = path / rundir.CONFIG_NAME
     if config.is_file():
         head = intake.read_prefix(config, intake.CONFIG, len(RESOLVED_HEADER.encode("utf-8")))
         return head == RESOLVED_HEADER.encode("utf-8")
@@ -70,4 +65,6 @@ def is_run_dir(path: Path) -> bool:
 
 def check_run_dir(path: str | Path, flag: str = "--checkpoint-dir") -> None:
     """`train`'s use of the rule: a new or empty directory, or a run directory."""
-    check_may_write(path, flag=flag, is_ours=is_run_dir, what="a run directory", ignore=_NEUTRAL)
+    check_may_write(
+        path, flag=flag, is_ours=is_run_dir, what="a run directory", ignore=rundir.NEUTRAL_ENTRIES
+    )

@@ -190,7 +190,7 @@ def verified_meta(ckpt: Any, p: Path, step: int) -> tuple[dict, Any]:
     the config is trusted: an edited meta could ask for any shape. CheckpointError if anything is wrong.
     `ckpt`: the run's CheckpointManager."""
     from mamba3lite.config import Config
-    from mamba3lite.train.checkpoint import checkpoint_files
+    from mamba3lite.rundir import checkpoint_files
 
     st = ckpt.status(step, need_optimizer=False)
     if not st.loadable:
@@ -213,7 +213,7 @@ def _load_step(ckpt, p: Path, step: int):
     """(meta, config, model on the CPU) of checkpoint `step`, verified; CheckpointError if anything is
     wrong."""
     from mamba3lite.model import Mamba3Transformer
-    from mamba3lite.train.checkpoint import checkpoint_files
+    from mamba3lite.rundir import checkpoint_files
 
     meta, config = verified_meta(ckpt, p, step)
     model = Mamba3Transformer(config.model)

@@ -9,13 +9,24 @@
     RUN/tb/                          TensorBoard event files (TENSORBOARD_DIRNAME)
     RUN/superseded/<time>-from-step-N/  checkpoints of an abandoned timeline (SUPERSEDED_DIRNAME)
     RUN/.lock                        held while a trainer owns the directory (LOCK_NAME)
-    RUN/{model,optim,meta}_step_N.*  the checkpoints (train/checkpoint/files.py: their pattern)
+
+and the checkpoints, three files per step (`checkpoint_files`; the one pattern every reader matches):
+
+    RUN/model_step_N.safetensors     weights
+    RUN/optim_step_N.pt              optimizer state
+    RUN/meta_step_N.json             everything else, written last
+
+The atomic writers' temp files are `.NAME.XXXX.tmp` (mamba3lite/atomicfile.py).
 
 A module that reads or writes one of these takes its name from here; a new file in a run directory is
-one line here plus its use.
+one line here plus its use. No imports beyond the standard library: `inspect` and `outdir` recognise a
+run directory without loading torch.
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 CONFIG_NAME = "config.yaml"
 RUN_RECORD_NAME = "run.json"
@@ -30,3 +41,51 @@ LOCK_NAME = ".lock"
 # Entries that say nothing about whose directory it is (a run lock, a refused start's TensorBoard
 # directory, an abandoned timeline): outdir.check_may_write does not count them.
 NEUTRAL_ENTRIES = frozenset({LOCK_NAME, TENSORBOARD_DIRNAME, SUPERSEDED_DIRNAME})
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+
+# kind -> extension: the one definition of the layout; the patterns below are built from it.
+EXTENSIONS = {"model": "safetensors", "optim": "pt", "meta": "json"}
+_KIND = "|".join(EXTENSIONS)
+_EXT = "|".join(EXTENSIONS.values())
+_NAME_RE = re.compile(rf"^({_KIND})_step_(\d+)\.({_EXT})$")
+_TEMP_RE = re.compile(rf"^\.({_KIND})_step_\d+\.({_EXT})\..+\.tmp$")
+_ANY_RE = re.compile(rf"^\.?({_KIND})_step_\d+\.({_EXT})")
+
+
+def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
+    """The three paths of one step: {"model": ..., "optim": ..., "meta": ...}."""
+    return {kind: Path(directory) / f"{kind}_step_{step}.{ext}" for kind, ext in EXTENSIONS.items()}
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint file name belongs to (`model_step_7.safetensors` -> 7), else None."""
+    m = _NAME_RE.match(name)
+    if m is None or EXTENSIONS[m.group(1)] != m.group(3):
+        return None
+    return int(m.group(2))
+
+
+def is_temp_file(name: str) -> bool:
+    """Whether `name` is an unfinished atomic write of a checkpoint file."""
+    return _TEMP_RE.match(name) is not None
+
+
+def looks_like_checkpoint_file(name: str) -> bool:
+    """Whether `name` is a checkpoint file or the temp file of one (a run directory's content)."""
+    return _ANY_RE.match(name) is not None
+
+
+def steps_in(directory: Path) -> list[int]:
+    """Every step with at least one of its files in `directory`, ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted({s for p in directory.iterdir() if (s := step_of(p.name)) is not None})
+
+
+def finished_save(directory: Path, step: int) -> bool:
+    """Whether the save of `step` got to its meta (written last): without one, the files are a save
+    killed mid-way (kill -9, disk full), never a checkpoint."""
+    return checkpoint_files(directory, step)["meta"].exists()

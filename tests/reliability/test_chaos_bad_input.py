@@ -21,7 +21,8 @@ import pytest
 
 from mamba3lite.cli import main
 from mamba3lite.errors import Mamba3LiteError
-from mamba3lite.train.checkpoint import CheckpointManager, RunLock, checkpoint_files
+from mamba3lite.rundir import checkpoint_files
+from mamba3lite.train.checkpoint import CheckpointManager, RunLock
 
 # ------------------------------------------------------------------------------------------ world
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from mamba3lite import intake
 from mamba3lite.config import TOKEN_DTYPES
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
-from mamba3lite.train.checkpoint.files import looks_like_checkpoint_file  # (no torch: a cheap module)
+from mamba3lite.rundir import looks_like_checkpoint_file  # (no torch: a cheap module)
 
 HELP = "describe (and --verify) a dataset directory, a checkpoint directory or a shard file"
 
@@ -152,7 +152,7 @@ def _inspect_shard_file(path: Path, args: argparse.Namespace) -> int:
 def describe_dataset(path: Path) -> str:
     """The human-readable description of a dataset directory (its manifest)."""
     from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir
-    from mamba3lite.report.dataset import split_table, stats_lines
+    from mamba3lite.data.tables import split_table, stats_lines
 
     path = dataset_dir(path)
     m = Manifest.load(path)

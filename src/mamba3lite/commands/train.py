@@ -119,10 +119,11 @@ def _check_config_file_is_not_the_runs_record(config: str, checkpoint_dir: str) 
     """RUN/config.yaml is the trainer's record of the resolved config, rewritten at every start. Passing
     it back (`--config RUN/config.yaml`) is fine; a hand-written file of that name would be overwritten,
     comments and all: refuse before anything is written."""
-    from mamba3lite.config import RESOLVED_CONFIG_NAME, RESOLVED_HEADER, resolve_preset
+    from mamba3lite.config import RESOLVED_HEADER, resolve_preset
+    from mamba3lite.rundir import CONFIG_NAME
 
     path = resolve_preset(config)
-    record = Path(checkpoint_dir) / RESOLVED_CONFIG_NAME
+    record = Path(checkpoint_dir) / CONFIG_NAME
     mine = record.exists() and path.resolve() == record.resolve()
     header = RESOLVED_HEADER.encode("utf-8")
     if mine and intake.read_prefix(path, intake.CONFIG, len(header)) != header:

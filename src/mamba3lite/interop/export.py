@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 
 from mamba3lite import intake
-from mamba3lite.data.shards import sha256_file
+from mamba3lite.atomicfile import sha256_file
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
 from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
-from mamba3lite.interop.source import CONFIG_NAME, TOKENIZER_NAME
+from mamba3lite.interop.source import CONFIG_NAME
+from mamba3lite.rundir import TOKENIZER_NAME
 
 _WIDEST_FIRST = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -188,7 +189,7 @@ def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> d
     verified, strict) into a model of the widest stored dtype, then every tensor given its stored dtype
     back (no value is rounded on the way), renamed, the padding rows appended, a tied head dropped."""
     from mamba3lite.model import Mamba3Transformer
-    from mamba3lite.train.checkpoint import checkpoint_files
+    from mamba3lite.rundir import checkpoint_files
 
     dtypes = _stored_dtypes(checkpoint_files(ckpt.dir, step)["model"])
     widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())

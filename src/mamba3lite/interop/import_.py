@@ -30,12 +30,12 @@ from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.names import EMBED_OURS, HEAD, official_name, our_name
 from mamba3lite.interop.official_config import KERNEL_ONLY_SSM_KEYS, OfficialVocab, model_config_from_official
-from mamba3lite.interop.source import TOKENIZER_NAME, OfficialSource, open_source
+from mamba3lite.interop.source import OfficialSource, open_source
 from mamba3lite.interop.weights import read_official_weights
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
+from mamba3lite.rundir import CONFIG_NAME, PADDING_NAME, TOKENIZER_NAME
 
 DEFAULT_A_ACTIVATION = "heavy_tail"  # the official code's since mid-2026 (MAMBA3.md §1.3)
-PADDING_NAME = "official_padding.safetensors"
 TOKENS_SEEN_NOTE = (
     "tokens_seen is 0 because the official format does not record how many tokens the model was trained on"
 )
@@ -105,43 +105,77 @@ def translate(source: OfficialSource, tok: TokenizerIdentity, a_activation: str)
     cfg, vocab = model_config_from_official(
         source.config, vocab_size=tok.vocab_size, eos_id=tok.eos_id, a_activation=a_activation, where=where
     )
-    raw = read_official_weights(source.weight_files, source.index)
     files = ", ".join(p.name for p in source.weight_files)
+    state = _our_names(read_official_weights(source.weight_files, source.index), files)
+    _check_finite(state, files)
+    # The layer count first: the expected shapes come from a model built (on the meta device) from the
+    # config, and an n_layer of 10**9 would take hours to build before any shape could disagree.
+    _check_layer_count(state, cfg.n_layers, files, where)
+    tied_head = state.pop(HEAD, None) if cfg.tie_embeddings else None  # the model re-ties it
+    _check_shapes(state, _expected_shapes(cfg, vocab.padded), files, where, tied=cfg.tie_embeddings)
+    if tied_head is not None:
+        _check_tied_head(tied_head, state[EMBED_OURS], files)
+    padding = _split_padding(state, cfg.vocab_size)
+    return OfficialWeights(cfg, vocab, state, padding, _notes(source, vocab, cfg.vocab_size, a_activation))
+
+
+def _our_names(raw: dict[str, Tensor], files: str) -> dict[str, Tensor]:
+    """The official tensors under our names; a tensor no MambaLMHeadModel has is a CheckpointError."""
     state: dict[str, Tensor] = {}
     for name, t in raw.items():
         ours = our_name(name)
         if ours is None:
             raise CheckpointError(f"{files}: tensor {name!r} is not part of a MambaLMHeadModel")
         state[ours] = t
-    # `generate` and `eval` refuse a checkpoint whose weights are not finite: refuse to write one.
+    return state
+
+
+def _check_finite(state: dict[str, Tensor], files: str) -> None:
+    """`generate` and `eval` refuse a checkpoint whose weights are not finite: refuse to write one."""
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(
                 f"{files}: tensor {official_name(name)!r} holds NaN or infinite values; the model cannot "
                 "be used (a run saved after it diverged?)"
             )
-    # The layer count first: the expected shapes come from a model built (on the meta device) from the
-    # config, and an n_layer of 10**9 would take hours to build before any shape could disagree.
+
+
+def _check_layer_count(state: dict[str, Tensor], n_layers: int, files: str, where: str) -> None:
+    """The weights hold exactly the `n_layers` layers config.json says."""
     held = {int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()}
-    if len(held) != cfg.n_layers:
+    if len(held) != n_layers:
         raise CheckpointError(
-            f"{files}: the weights hold {len(held)} layers, but {where} says n_layer {cfg.n_layers}; the "
+            f"{files}: the weights hold {len(held)} layers, but {where} says n_layer {n_layers}; the "
             "weights and the config disagree"
         )
-    want = _expected_shapes(cfg, vocab.padded)
-    tied_head = state.pop(HEAD, None) if cfg.tie_embeddings else None
-    if cfg.tie_embeddings:
-        del want[HEAD]
-    for name in want:
+
+
+def _check_tied_head(head: Tensor, embedding: Tensor, files: str) -> None:
+    """With tied embeddings, a file's lm_head.weight must be the embedding."""
+    if not (head.shape == embedding.shape and torch.equal(head, embedding)):
+        raise CheckpointError(
+            f"{files}: lm_head.weight differs from the embedding, but config.json says tie_embeddings: "
+            "true; the weights and the config disagree"
+        )
+
+
+def _check_shapes(
+    state: dict[str, Tensor], want: dict[str, tuple[int, ...]], files: str, where: str, *, tied: bool
+) -> None:
+    """`state` holds exactly the tensors of `want` (the head not, when `tied`), with those shapes: one
+    CheckpointError naming the first tensor missing, misshapen, or without a place."""
+    if tied:
+        want = {k: v for k, v in want.items() if k != HEAD}
+    for name, shape in want.items():
         if name not in state:
             raise CheckpointError(
                 f"{files}: tensor {official_name(name)!r} is missing; the weights and {where} disagree "
                 "(another model's config?)"
             )
-        if tuple(state[name].shape) != want[name]:
+        if tuple(state[name].shape) != shape:
             raise CheckpointError(
                 f"{files}: tensor {official_name(name)!r} has shape {tuple(state[name].shape)}, but {where} "
-                f"implies {want[name]}; the weights and the config disagree"
+                f"implies {shape}; the weights and the config disagree"
             )
     extra = sorted(set(state) - set(want))
     if extra:
@@ -149,26 +183,29 @@ def translate(source: OfficialSource, tok: TokenizerIdentity, a_activation: str)
             f"{files}: tensor {official_name(extra[0])!r} has no place in the model that {where} describes "
             "(the weights and the config disagree)"
         )
-    if tied_head is not None and not (
-        tied_head.shape == state[EMBED_OURS].shape and torch.equal(tied_head, state[EMBED_OURS])
-    ):
-        raise CheckpointError(
-            f"{files}: lm_head.weight differs from the embedding, but config.json says tie_embeddings: "
-            "true; the weights and the config disagree"
-        )
-    V = cfg.vocab_size
+
+
+def _split_padding(state: dict[str, Tensor], vocab_size: int) -> dict[str, Tensor]:
+    """Cut the embedding and head to the tokenizer's `vocab_size` rows, in place; the rows beyond them
+    (the official padding), by official name."""
     padding = {}
     for name in (EMBED_OURS, HEAD):
         if name in state:
-            padding[official_name(name)] = state[name][V:].clone()
-            state[name] = state[name][:V].clone()
+            padding[official_name(name)] = state[name][vocab_size:].clone()
+            state[name] = state[name][:vocab_size].clone()
+    return padding
+
+
+def _notes(source: OfficialSource, vocab: OfficialVocab, vocab_size: int, a_activation: str) -> list[str]:
+    """What the import chose or dropped, for the user: the A activation, padded rows, ignored keys."""
     notes = [f"A activation: {a_activation} (the official format does not record it; --a-activation chooses)"]
-    if vocab.padded > V:
-        notes.append(f"{vocab.padded - V} padded embedding rows beyond the tokenizer's {V:,} ids kept aside")
+    if vocab.padded > vocab_size:
+        extra = vocab.padded - vocab_size
+        notes.append(f"{extra} padded embedding rows beyond the tokenizer's {vocab_size:,} ids kept aside")
     ignored = sorted(set(source.config.get("ssm_cfg") or {}) & set(KERNEL_ONLY_SSM_KEYS))
     if ignored:
         notes.append(f"kernel-only ssm_cfg keys ignored: {', '.join(ignored)}")
-    return OfficialWeights(cfg, vocab, state, padding, notes)
+    return notes
 
 
 def build_model(w: OfficialWeights):
@@ -201,7 +238,7 @@ def import_official(
     hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
     from safetensors.torch import save_file
 
-    from mamba3lite.config import RESOLVED_CONFIG_NAME, Config, write_resolved_config
+    from mamba3lite.config import Config, write_resolved_config
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.train.checkpoint import CheckpointManager
 
@@ -226,7 +263,7 @@ def import_official(
             (tmp / TOKENIZER_NAME).write_bytes(data)
         if any(t.numel() for t in w.padding.values()):
             save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
-        write_resolved_config(cfg, tmp / RESOLVED_CONFIG_NAME)
+        write_resolved_config(cfg, tmp / CONFIG_NAME)
         state = _import_state(cfg, tok, source, src, a_activation, tmp)
         CheckpointManager(tmp).save(0, model, None, state)
     final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
@@ -239,7 +276,7 @@ def _import_state(
     """The run state of the imported step 0: the config, the tokenizer and what the import came from.
     The tokenizer copy is recorded relative to the run directory, so the run can be moved
     (pretrained.recorded_tokenizer resolves it)."""
-    from mamba3lite.data.shards import sha256_file
+    from mamba3lite.atomicfile import sha256_file
     from mamba3lite.train.checkpoint import RunState
 
     padding = tmp / PADDING_NAME

@@ -17,9 +17,9 @@ from pathlib import Path
 from mamba3lite import intake
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.weights import BIN_NAME, INDEX_NAME, SAFETENSORS_NAME
+from mamba3lite.rundir import TOKENIZER_NAME  # an official directory names it as a run directory does
 
 CONFIG_NAME = "config.json"
-TOKENIZER_NAME = "tokenizer.json"
 HF_PREFIX = "hf:"
 # What `hf:NAME` downloads: the model's files, not every file of the repository.
 HF_PATTERNS = [CONFIG_NAME, SAFETENSORS_NAME, INDEX_NAME, "model-*.safetensors", BIN_NAME, TOKENIZER_NAME]

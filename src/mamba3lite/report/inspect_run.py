@@ -290,7 +290,7 @@ def _open_shard(path: Path, size: int, owner, token_dtype: str | None, vocab: in
 
 def _against_record(path: Path, record, n: int, max_id: int) -> tuple[str, list[str]]:
     """(the line comparing a shard with its manifest record, the differences as problems)."""
-    from mamba3lite.data.shards import sha256_file
+    from mamba3lite.atomicfile import sha256_file
 
     sha = sha256_file(path)
     ok = sha == record.sha256 and n == record.n_tokens and max_id == record.max_token_id

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from mamba3lite.errors import ConfigError, DataError
 from mamba3lite.report.metrics import ema
+from mamba3lite.rundir import PLOT_NAME
 from mamba3lite.train.metrics.jsonl import read_metrics
 
 _EVENT_STYLE = {"rollback": ("tab:red", "rollback"), "resume": ("tab:green", "resume")}
@@ -20,9 +21,6 @@ def _pyplot():
     except ImportError as e:
         raise ConfigError("plotting needs matplotlib; fix: pip install 'mamba3lite[plot]'") from e
     return plt
-
-
-PLOT_NAME = "metrics.png"
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

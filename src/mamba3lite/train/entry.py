@@ -102,7 +102,8 @@ def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
     a step that was never saved. Decided as `plan_resume` decides, from which saves finished (their
     meta), without hashing the checkpoint that the trainer then verifies: `latest` starts fresh only
     where no save finished."""
-    from mamba3lite.train.checkpoint import CheckpointManager, finished_save
+    from mamba3lite.rundir import finished_save
+    from mamba3lite.train.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(cfg.training.checkpoint_dir)
     if resume == "none" or not ckpt.dir.is_dir():

@@ -12,11 +12,11 @@ from typing import Any
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_json
-from mamba3lite.config import RESOLVED_CONFIG_NAME, Config, write_resolved_config
+from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.data.shards import MANIFEST_NAME, dataset_dir
 from mamba3lite.errors import Mamba3LiteError
+from mamba3lite.rundir import CONFIG_NAME, RUN_RECORD_NAME
 
-RUN_RECORD_NAME = "run.json"
 KEEP_STARTS = 50
 
 
@@ -127,7 +127,7 @@ def run_records_problem(run_dir: Path) -> str | None:
 def write_run_records(cfg: Config, run_dir: Path, start: dict, data: dict | None) -> dict:
     """Write RUN/config.yaml and RUN/run.json with one more entry in its `starts` (`start`: world_size,
     resume, device); returns the code version recorded."""
-    write_resolved_config(cfg, run_dir / RESOLVED_CONFIG_NAME)
+    write_resolved_config(cfg, run_dir / CONFIG_NAME)
     version = code_version()
     path = run_dir / RUN_RECORD_NAME
     info = read_run_record(path)

@@ -8,9 +8,10 @@
                                    (rng.py), dataset identity, last metrics, W&B run id, and the size
                                    and sha256 of the other two files and of itself      meta.py
 
-The modules, read in this order:
+The file names and the one pattern that matches them are in mamba3lite/rundir.py, with every other
+name under a run directory (`checkpoint_files`, `steps_in`, `finished_save`). The modules, read in
+this order:
 
-    files.py        the file names and the one pattern that matches them
     run_state.py    RunState: what a meta records of the run, one field per meta key (its schema)
     manager.py      CheckpointManager: save, verify (status), find, load, prune, move aside
     resume.py       plan_resume: which step a starting run continues from, and what to tidy first;
@@ -23,8 +24,7 @@ Every file is written atomically (mamba3lite/atomicfile.py: temp file, fsync, re
 fsync): the meta through `atomic_write_json`, the two big files streamed through `HashingAtomicFile`
 (sha256 read back during the fsync, no in-memory copy of the state).
 
-The package's names are imported lazily, so that `files.py` (the file names) costs no torch import:
-`mamba3lite inspect` refuses a wrong path before loading anything heavy.
+The package's names are imported lazily, so that importing one of them costs only its own module.
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
-    from mamba3lite.atomicfile import HashingAtomicFile
-    from mamba3lite.train.checkpoint.files import checkpoint_files, finished_save, steps_in
-    from mamba3lite.train.checkpoint.lock import LOCK_NAME, RunLock
+    from mamba3lite.train.checkpoint.lock import RunLock
     from mamba3lite.train.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
     from mamba3lite.train.checkpoint.meta import META_FORMAT
     from mamba3lite.train.checkpoint.meta import meta_digest as _meta_digest
@@ -52,8 +50,6 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
 _WHERE = {
     "CheckpointManager": "mamba3lite.train.checkpoint.manager",
     "CheckpointStatus": "mamba3lite.train.checkpoint.manager",
-    "HashingAtomicFile": "mamba3lite.atomicfile",
-    "LOCK_NAME": "mamba3lite.train.checkpoint.lock",
     "META_FORMAT": "mamba3lite.train.checkpoint.meta",
     "OPTIM_FORMAT": "mamba3lite.train.checkpoint.optim_state",
     "ResumePlan": "mamba3lite.train.checkpoint.resume",
@@ -62,8 +58,6 @@ _WHERE = {
     "capture_rng_state": "mamba3lite.train.checkpoint.rng",
     "RngState": "mamba3lite.train.checkpoint.run_state",
     "RunState": "mamba3lite.train.checkpoint.run_state",
-    "checkpoint_files": "mamba3lite.train.checkpoint.files",
-    "finished_save": "mamba3lite.train.checkpoint.files",
     "load_model_file": "mamba3lite.train.checkpoint.weights",
     "load_optimizer_state_by_name": "mamba3lite.train.checkpoint.optim_state",
     "optimizer_state_by_name": "mamba3lite.train.checkpoint.optim_state",
@@ -72,28 +66,23 @@ _WHERE = {
     "restore_rng_state": "mamba3lite.train.checkpoint.rng",
     "resume_warnings": "mamba3lite.train.checkpoint.resume",
     "split_tied": "mamba3lite.train.checkpoint.weights",
-    "steps_in": "mamba3lite.train.checkpoint.files",
     "write_safetensors": "mamba3lite.train.checkpoint.weights",
     "_meta_digest": "mamba3lite.train.checkpoint.meta",
 }
 _RENAMED = {"_meta_digest": "meta_digest"}
 
 __all__ = [
-    "LOCK_NAME",
     "META_FORMAT",
     "OPTIM_FORMAT",
     "SLOW_SAVE_ENV",
     "CheckpointManager",
     "CheckpointStatus",
-    "HashingAtomicFile",
     "ResumePlan",
     "RngState",
     "RunLock",
     "RunState",
     "_meta_digest",
     "capture_rng_state",
-    "checkpoint_files",
-    "finished_save",
     "load_model_file",
     "load_optimizer_state_by_name",
     "optimizer_state_by_name",
@@ -102,7 +91,6 @@ __all__ = [
     "restore_rng_state",
     "resume_warnings",
     "split_tied",
-    "steps_in",
     "write_safetensors",
 ]
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 from mamba3lite.dirlock import DirLock
 from mamba3lite.errors import CheckpointError
-
-LOCK_NAME = ".lock"
+from mamba3lite.rundir import LOCK_NAME
 
 
 class RunLock(DirLock):

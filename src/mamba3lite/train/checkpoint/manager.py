@@ -24,7 +24,7 @@ import torch
 from mamba3lite import intake
 from mamba3lite.atomicfile import HashingAtomicFile, atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.errors import CheckpointError
-from mamba3lite.train.checkpoint.files import checkpoint_files, is_temp_file, steps_in
+from mamba3lite.rundir import SUPERSEDED_DIRNAME, checkpoint_files, is_temp_file, steps_in
 from mamba3lite.train.checkpoint.meta import META_FORMAT, meta_digest, meta_problems, read_meta_file
 from mamba3lite.train.checkpoint.optim_state import (
     OPTIM_FORMAT,
@@ -339,7 +339,7 @@ class CheckpointManager:
         return deleted
 
     def move_aside(
-        self, steps: list[int], subdir: str = "superseded", *, from_step: int | None = None
+        self, steps: list[int], subdir: str = SUPERSEDED_DIRNAME, *, from_step: int | None = None
     ) -> Path:
         """Move whole triples into a new folder of their own, DIR/subdir/<UTC time>-from-step-<from_step>/
         (or ...-steps-<first>-<last>/ when `from_step`, the step resumed from, is not given), and return

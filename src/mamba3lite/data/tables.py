@@ -1,4 +1,5 @@
-"""A dataset's per-split and per-source tables: `prepare` prints them at the end, `inspect` on demand."""
+"""A dataset's per-split and per-source tables, read from its manifest: `prepare` prints them at the end,
+`inspect` on demand."""
 
 from __future__ import annotations
 
