@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager, RunState
 from mamba3lite.config import load_config
 from mamba3lite.model import Mamba3Transformer
-from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from mamba3lite.train.optim import build_optimizer
 
 

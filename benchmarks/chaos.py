@@ -79,7 +79,7 @@ def _corruption(work: Path, data: Path, flips: int, seed: int) -> tuple[int, int
 def _lock(work: Path, data: Path, reference: dict) -> tuple[int, int, int]:
     import os
 
-    from mamba3lite.train.checkpoint import SLOW_SAVE_ENV
+    from mamba3lite.checkpoint import SLOW_SAVE_ENV
 
     run = work / "run"
     config = H.write_config(work / "config.yaml", data, run)

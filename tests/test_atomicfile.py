@@ -80,8 +80,8 @@ def test_every_writer_takes_the_protocol_from_atomicfile_itself():
 
 
 def test_every_public_checkpoint_name_is_importable_from_the_package():
-    """Other modules import these from mamba3lite.train.checkpoint; the package resolves them lazily."""
-    import mamba3lite.train.checkpoint as checkpoint
+    """Other modules import these from mamba3lite.checkpoint; the package resolves them lazily."""
+    import mamba3lite.checkpoint as checkpoint
 
     for name in checkpoint.__all__:
         assert getattr(checkpoint, name) is not None, name

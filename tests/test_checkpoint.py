@@ -17,9 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from mamba3lite.errors import CheckpointError
-from mamba3lite.rundir import checkpoint_files
-from mamba3lite.train.checkpoint import (
+from mamba3lite.checkpoint import (
     CheckpointManager,
     RunLock,
     RunState,
@@ -27,6 +25,8 @@ from mamba3lite.train.checkpoint import (
     param_names,
     restore_rng_state,
 )
+from mamba3lite.errors import CheckpointError
+from mamba3lite.rundir import checkpoint_files
 
 
 class TinyLM(nn.Module):
@@ -330,7 +330,7 @@ def test_older_meta_without_digest_with_a_badly_typed_field_is_not_loadable(tmp_
 
 def test_move_aside_keeps_every_abandoned_timeline(tmp_path, monkeypatch):
     # Resuming step 1 twice abandons two different step-2 checkpoints: both must survive.
-    import mamba3lite.train.checkpoint.manager as ckpt_module
+    import mamba3lite.checkpoint.manager as ckpt_module
 
     frozen = time.gmtime(1_700_000_000)
     monkeypatch.setattr(ckpt_module.time, "gmtime", lambda *a: frozen)  # both moves in the same second
@@ -429,7 +429,7 @@ def test_forget_hashes_sees_corruption_that_kept_size_and_mtime(tmp_path):
     ],
 )
 def test_a_weights_file_with_a_bad_header_is_refused_before_safetensors_reads_it(tmp_path, head, problem):
-    from mamba3lite.train.checkpoint.weights import load_model_file, read_header
+    from mamba3lite.checkpoint.weights import load_model_file, read_header
 
     model, opt = _trained()
     CheckpointManager(tmp_path).save(1, model, opt)
@@ -453,7 +453,7 @@ def test_checkpoint_files_that_are_pipes_are_problems_not_hangs(tmp_path):
         os.mkfifo(path)
     st = CheckpointManager(tmp_path).status(1)
     assert not st.loadable  # sizes differ from the meta's: never opened
-    from mamba3lite.train.checkpoint.weights import read_header
+    from mamba3lite.checkpoint.weights import read_header
 
     with pytest.raises(CheckpointError, match="named pipe"):
         read_header(checkpoint_files(tmp_path, 1)["model"])

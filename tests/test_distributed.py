@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from mamba3lite.train.checkpoint import CheckpointManager
+from mamba3lite.checkpoint import CheckpointManager
 from tiny_shapes import TINY_MODEL_SHAPE
 
 pytestmark = pytest.mark.slow
@@ -224,7 +224,7 @@ def install_hook(tmp_path, monkeypatch, source: str) -> None:
 RANK0_DISK_FULL = """
 import errno, os
 if os.environ.get("RANK") == "0":
-    from mamba3lite.train import checkpoint
+    from mamba3lite import checkpoint
 
     original = checkpoint.CheckpointManager.save
 

@@ -280,8 +280,8 @@ def test_missing_lm_eval_gives_the_install_hint(run_dir, capsys, monkeypatch):
 
 def test_tokenizer_that_cannot_be_loaded(tmp_path, capsys):
     """A run trained with a tokenizer.json that is gone: its token ids cannot be produced."""
+    from mamba3lite.checkpoint import CheckpointManager, RunState
     from mamba3lite.model import Mamba3Transformer
-    from mamba3lite.train.checkpoint import CheckpointManager, RunState
     from userside_helpers import tiny_config
 
     run = tmp_path / "run"

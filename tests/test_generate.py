@@ -144,7 +144,7 @@ def test_load_pretrained_rebuilds_the_trained_model(run_dir, loaded):
 
 
 def test_newest_step_deleted_by_a_running_trainings_retention_is_chosen_again(tmp_path, monkeypatch):
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint import CheckpointManager
 
     run = save_tiny_checkpoint(tmp_path / "run", step=3)
     save_tiny_checkpoint(run, step=4)

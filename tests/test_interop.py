@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager, RunState
 from mamba3lite.cli import main
 from mamba3lite.config import Config
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.export import export_run
 from mamba3lite.interop.import_ import import_official
 from mamba3lite.model import Mamba3Transformer
-from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from official_lm import F64, official_logits, official_shapes, official_state_dict, padded_vocab, resolved
 from userside_helpers import save_tiny_checkpoint, tiny_config
 

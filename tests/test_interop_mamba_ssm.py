@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager, RunState
 from mamba3lite.config import Config
 from mamba3lite.interop.export import export_run
 from mamba3lite.model import Mamba3Transformer
-from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from userside_helpers import tiny_config
 
 pytestmark = [

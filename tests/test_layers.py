@@ -3,8 +3,8 @@ no two of its parts (the folders and the top-level modules) import each other.
 
 The graph is read from the source with `ast`, every import statement counted wherever it stands: a
 lazy import inside a function is a dependency too, only a later one. An edge goes to the module an
-import names: `from mamba3lite.data import shards` -> data.shards; `from mamba3lite.train.checkpoint
-import CheckpointManager` -> train.checkpoint (its __init__). The root package's __init__ (which
+import names: `from mamba3lite.data import shards` -> data.shards; `from mamba3lite.checkpoint
+import CheckpointManager` -> checkpoint (its __init__). The root package's __init__ (which
 imports nothing) is not a node.
 """
 
@@ -20,7 +20,7 @@ PACKAGE = "mamba3lite"
 
 
 def package_modules(root: Path = ROOT) -> dict[str, Path]:
-    """{"mamba3lite.data.shards": path, "mamba3lite.train.checkpoint": its __init__.py, ...}."""
+    """{"mamba3lite.data.shards": path, "mamba3lite.checkpoint": its __init__.py, ...}."""
     mods = {}
     for f in sorted((root / PACKAGE).rglob("*.py")):
         name = ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")

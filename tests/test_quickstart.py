@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.cli import build_parser, main
 from mamba3lite.data.shards import Manifest
-from mamba3lite.train.checkpoint import CheckpointManager
 from userside_helpers import tiny_config_yaml
 
 
@@ -255,7 +255,7 @@ def test_quickstart_refuses_what_train_refuses(tmp_path, capsys):
     """The quickstart trains through the one training entry (train/entry.py), so `train`'s checks are
     its checks too, made before the calibration spends any time: a run directory another trainer holds,
     and a dataset whose tokenizer does not fit the model."""
-    from mamba3lite.train.checkpoint import RunLock
+    from mamba3lite.checkpoint import RunLock
 
     work = tmp_path / "qs"
     (work / "run").mkdir(parents=True)

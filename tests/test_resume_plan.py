@@ -1,4 +1,4 @@
-"""plan_resume and resume_warnings (train/checkpoint/resume.py): the resume policy without a trainer."""
+"""plan_resume and resume_warnings (checkpoint/resume.py): the resume policy without a trainer."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import warnings
 import pytest
 from torch import nn
 
+from mamba3lite.checkpoint import CheckpointManager
+from mamba3lite.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
 from mamba3lite.errors import CheckpointError
 from mamba3lite.rundir import checkpoint_files
-from mamba3lite.train.checkpoint import CheckpointManager
-from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
 
 
 def _run_dir(tmp_path, steps=(2, 4, 6)) -> CheckpointManager:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mamba3lite.train.checkpoint import CheckpointManager, RunState
-from mamba3lite.train.checkpoint.meta import _META_SCHEMA, schema_problem
+from mamba3lite.checkpoint import CheckpointManager, RunState
+from mamba3lite.checkpoint.meta import _META_SCHEMA, schema_problem
 
 OLD_RUN = Path(__file__).parent / "data" / "run_v1_step2"
 

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.config import Config
 from mamba3lite.errors import ConfigError
 from mamba3lite.model import Mamba3, Mamba3Transformer, ModelConfig
@@ -22,7 +23,6 @@ from mamba3lite.model.mamba3 import _bias_rotate_autograd
 from mamba3lite.model.rotation import per_head
 from mamba3lite.model.scan import chunked_scan
 from mamba3lite.pretrained import load_pretrained
-from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import Pretrainer
 from test_trainer import tiny_config
 from test_transformer import ids, make_model
@@ -243,7 +243,7 @@ def test_the_trainer_binds_the_backend_on_its_device_before_anything_is_written(
 
 
 def test_a_run_resumes_under_another_backend_and_from_a_meta_without_the_field(tmp_path):
-    from mamba3lite.train.checkpoint import _meta_digest
+    from mamba3lite.checkpoint import _meta_digest
 
     run = tmp_path / "run"
     Pretrainer(tiny_config(run, max_steps=4)).train(until_step=2)

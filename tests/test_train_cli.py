@@ -15,12 +15,12 @@ import pytest
 import torch
 import yaml
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.cli import build_parser
 from mamba3lite.config import load_config
 from mamba3lite.data.shards import write_dataset
 from mamba3lite.errors import ConfigError
 from mamba3lite.tokenizer import load_tokenizer
-from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import Pretrainer
 from tiny_shapes import TINY_MODEL_SHAPE
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.config import Config
 from mamba3lite.data.shards import write_dataset
 from mamba3lite.errors import CheckpointError, ConfigError, DataError, TrainingError
 from mamba3lite.rundir import checkpoint_files
-from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import INJECT_ENV, Pretrainer, parse_injection
 from tiny_shapes import TINY_MODEL_SHAPE
 

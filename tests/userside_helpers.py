@@ -9,11 +9,11 @@ import numpy as np
 import torch
 import yaml
 
+from mamba3lite.checkpoint import CheckpointManager, RunState
 from mamba3lite.config import Config
 from mamba3lite.data.shards import write_dataset
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.tokenizer import load_tokenizer
-from mamba3lite.train.checkpoint import CheckpointManager, RunState
 from tiny_shapes import TINY_MODEL_SHAPE
 
 TINY_MODEL = dict(vocab_size=50257, **TINY_MODEL_SHAPE)

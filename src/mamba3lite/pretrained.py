@@ -102,14 +102,14 @@ def bind_scan(model: torch.nn.Module, scan_impl: str, device: torch.device) -> l
 
 def list_loadable_steps(run_dir: str | Path) -> list[int]:
     """Steps of `run_dir` whose checkpoint verifies (ascending); [] when there are none."""
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint import CheckpointManager
 
     return CheckpointManager(run_dir).verified_steps(need_optimizer=False)
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
     """`run_dir` as a Path if it is a directory holding checkpoint files; else a CheckpointError."""
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint import CheckpointManager
 
     p = Path(run_dir)
     if not p.exists():
@@ -136,7 +136,7 @@ def load_pretrained(
     The newest-step search skips damaged newer checkpoints (each noted in `Pretrained.notes`); an
     explicit `step` loads exactly that step or raises. Weights are verified against the meta's sha256.
     """
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint import CheckpointManager
 
     p = check_run_dir(run_dir)
     ckpt = CheckpointManager(p)

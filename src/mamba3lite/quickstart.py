@@ -493,8 +493,8 @@ def _finish(
 
 def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
     """Prepare, train for the budget, evaluate, sample, plot (see the module docstring)."""
+    from mamba3lite.checkpoint import CheckpointManager
     from mamba3lite.config import load_config
-    from mamba3lite.train.checkpoint import CheckpointManager
 
     _check_options(opts)
     t_start = time.monotonic() - _process_age_s()  # the budget includes Python's and torch's start-up

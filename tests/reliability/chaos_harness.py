@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from mamba3lite.checkpoint import META_FORMAT, SLOW_SAVE_ENV, CheckpointManager
 from mamba3lite.data import shards
 from mamba3lite.rundir import checkpoint_files
-from mamba3lite.train.checkpoint import META_FORMAT, SLOW_SAVE_ENV, CheckpointManager
 
 VOCAB = 256  # a small vocabulary (the config allows any): a 50,257-row head would dominate the run time
 EOS = 0

@@ -19,10 +19,10 @@ from pathlib import Path
 import chaos_harness as H
 import pytest
 
+from mamba3lite.checkpoint import CheckpointManager, RunLock
 from mamba3lite.cli import main
 from mamba3lite.errors import Mamba3LiteError
 from mamba3lite.rundir import checkpoint_files
-from mamba3lite.train.checkpoint import CheckpointManager, RunLock
 
 # ------------------------------------------------------------------------------------------ world
 
@@ -433,7 +433,7 @@ def _mixture(w: Path, content: str | None) -> list[str]:
 def _edit_meta_keeping_digest(w: Path, edit) -> list[str]:
     """resume run/ after `edit(meta)` with meta_sha256 recomputed the way the manager computes it: only
     the schema check can tell."""
-    from mamba3lite.train.checkpoint.meta import meta_digest
+    from mamba3lite.checkpoint.meta import meta_digest
 
     p = w / "run" / "meta_step_2.json"
     meta = json.loads(p.read_text(encoding="utf-8"))

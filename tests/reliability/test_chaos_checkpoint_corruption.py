@@ -13,9 +13,9 @@ import warnings
 import chaos_harness as H
 import pytest
 
+from mamba3lite.checkpoint import CheckpointManager, _meta_digest
 from mamba3lite.config import load_config
 from mamba3lite.rundir import checkpoint_files
-from mamba3lite.train.checkpoint import CheckpointManager, _meta_digest
 from mamba3lite.train.trainer import Pretrainer
 
 STEPS = 6  # checkpoints at 2 and 4 (the damaged one), then on to 6

@@ -9,9 +9,9 @@ import json
 import chaos_harness as H
 import numpy as np
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.cli import main
 from mamba3lite.data.shards import Manifest
-from mamba3lite.train.checkpoint import CheckpointManager
 
 SHARD = "train/shard_00001.bin"
 

@@ -11,7 +11,7 @@ import time
 import chaos_harness as H
 import pytest
 
-from mamba3lite.train.checkpoint import SLOW_SAVE_ENV
+from mamba3lite.checkpoint import SLOW_SAVE_ENV
 
 
 @pytest.mark.slow

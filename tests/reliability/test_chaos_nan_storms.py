@@ -9,9 +9,9 @@ import chaos_harness as H
 import pytest
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.config import load_config
 from mamba3lite.errors import TrainingError
-from mamba3lite.train.checkpoint import CheckpointManager
 from mamba3lite.train.trainer import INJECT_ENV, Pretrainer, parse_injection
 
 K = H.NAN_K  # 3; max_rollbacks is 2; 2 micro-steps per optimizer step; a checkpoint every 2 steps

@@ -137,12 +137,12 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> ExportResult:
     """Write the official-format directory `out` (absent or empty) for checkpoint `step` (default:
     the newest verified one) of run `run_dir`."""
+    from mamba3lite.checkpoint import CheckpointManager
     from mamba3lite.interop.model_card import model_card
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.interop.weights import write_official_weights
     from mamba3lite.model import count_parameters
     from mamba3lite.pretrained import check_run_dir, verified_meta
-    from mamba3lite.train.checkpoint import CheckpointManager
 
     out = Path(out)
     check_out_dir(out)

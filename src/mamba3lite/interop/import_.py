@@ -238,9 +238,9 @@ def import_official(
     hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
     from safetensors.torch import save_file
 
+    from mamba3lite.checkpoint import CheckpointManager
     from mamba3lite.config import Config, write_resolved_config
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
-    from mamba3lite.train.checkpoint import CheckpointManager
 
     out = Path(out)
     check_out_dir(out)  # before a download
@@ -277,7 +277,7 @@ def _import_state(
     The tokenizer copy is recorded relative to the run directory, so the run can be moved
     (pretrained.recorded_tokenizer resolves it)."""
     from mamba3lite.atomicfile import sha256_file
-    from mamba3lite.train.checkpoint import RunState
+    from mamba3lite.checkpoint import RunState
 
     padding = tmp / PADDING_NAME
     return RunState(

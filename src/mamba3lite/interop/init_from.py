@@ -50,7 +50,7 @@ class InitSource:
 
 
 def _looks_like_run_dir(p: Path) -> bool:
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint import CheckpointManager
 
     return p.is_dir() and bool(CheckpointManager(p).list_steps())
 

@@ -37,7 +37,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int], bool
     """(the description, the problems: one line per step that cannot be loaded, the seed-format steps:
     their metas record no sizes or hashes, so they are only checked for whole files, whether any step
     is usable: loadable, or with verified weights)."""
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(path)
     steps = ckpt.list_steps()
@@ -79,7 +79,7 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int], bool
 
 
 def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
-    from mamba3lite.train.checkpoint import RunState
+    from mamba3lite.checkpoint import RunState
 
     state = RunState.from_meta(meta)
     lines = [f"newest loadable step {state.step:,}", *_describe_config(state.config)]

@@ -1,7 +1,7 @@
 """The training loop and its parts: Pretrainer, optimizer/schedule, checkpoints, metrics, distributed.
 
 `from mamba3lite.train import Pretrainer, CheckpointManager, TrainingLogger`. Imports are lazy so that
-`mamba3lite.train.checkpoint` (used by eval/generate/inspect) does not pull in the trainer.
+`mamba3lite.checkpoint` (used by eval/generate/inspect) does not pull in the trainer.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mamba3lite.train.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint import CheckpointManager
     from mamba3lite.train.metrics import TrainingLogger
     from mamba3lite.train.trainer import Pretrainer
 
 __all__ = ["CheckpointManager", "Pretrainer", "TrainingLogger"]
 
 _WHERE = {
-    "CheckpointManager": "mamba3lite.train.checkpoint",
+    "CheckpointManager": "mamba3lite.checkpoint",
     "TrainingLogger": "mamba3lite.train.metrics",
     "Pretrainer": "mamba3lite.train.trainer",
 }

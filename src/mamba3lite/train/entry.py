@@ -102,8 +102,8 @@ def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
     a step that was never saved. Decided as `plan_resume` decides, from which saves finished (their
     meta), without hashing the checkpoint that the trainer then verifies: `latest` starts fresh only
     where no save finished."""
+    from mamba3lite.checkpoint import CheckpointManager
     from mamba3lite.rundir import finished_save
-    from mamba3lite.train.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(cfg.training.checkpoint_dir)
     if resume == "none" or not ckpt.dir.is_dir():
@@ -124,7 +124,7 @@ def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
 def check_run_directory(cfg, opts: TrainOptions) -> None:
     """The run directory may be written (new, empty or a run directory), is not busy (another trainer
     holds its lock), and for a dry run holds no checkpoints."""
-    from mamba3lite.train.checkpoint import CheckpointManager, RunLock
+    from mamba3lite.checkpoint import CheckpointManager, RunLock
 
     run_dir = Path(cfg.training.checkpoint_dir)
     check_run_dir(run_dir)  # before anything is written there

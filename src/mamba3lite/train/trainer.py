@@ -42,14 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager, RngState, RunLock, RunState
+from mamba3lite.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
 from mamba3lite.config import Config
 from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.train import distributed as D
-from mamba3lite.train.checkpoint import CheckpointManager, RngState, RunLock, RunState
-from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
 from mamba3lite.train.data import (
     build_train_data,
     build_val_data,

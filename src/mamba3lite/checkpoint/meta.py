@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from mamba3lite import intake
+from mamba3lite.checkpoint.run_state import RunState
 from mamba3lite.errors import CheckpointError
-from mamba3lite.train.checkpoint.run_state import RunState
 
 META_FORMAT = "mamba3lite-checkpoint-v1"
 # The shape of our metas (absent fields are not checked: older metas lack some): every reader (trainer,

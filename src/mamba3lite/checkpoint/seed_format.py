@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from mamba3lite import intake
+from mamba3lite.checkpoint.optim_state import load_optimizer_state_by_name, param_names
+from mamba3lite.checkpoint.weights import safetensors_problem
 from mamba3lite.errors import CheckpointError
-from mamba3lite.train.checkpoint.optim_state import load_optimizer_state_by_name, param_names
-from mamba3lite.train.checkpoint.weights import safetensors_problem
 
 # Keys that only our metas have: a meta with none of them is the seed's (unverified) format; one with
 # any of them is ours and must pass every check, whatever its "format" value has become.

@@ -32,42 +32,42 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
-    from mamba3lite.train.checkpoint.lock import RunLock
-    from mamba3lite.train.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
-    from mamba3lite.train.checkpoint.meta import META_FORMAT
-    from mamba3lite.train.checkpoint.meta import meta_digest as _meta_digest
-    from mamba3lite.train.checkpoint.optim_state import (
+    from mamba3lite.checkpoint.lock import RunLock
+    from mamba3lite.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
+    from mamba3lite.checkpoint.meta import META_FORMAT
+    from mamba3lite.checkpoint.meta import meta_digest as _meta_digest
+    from mamba3lite.checkpoint.optim_state import (
         OPTIM_FORMAT,
         load_optimizer_state_by_name,
         optimizer_state_by_name,
         param_names,
     )
-    from mamba3lite.train.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
-    from mamba3lite.train.checkpoint.rng import capture_rng_state, restore_rng_state
-    from mamba3lite.train.checkpoint.run_state import RngState, RunState
-    from mamba3lite.train.checkpoint.weights import load_model_file, split_tied, write_safetensors
+    from mamba3lite.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
+    from mamba3lite.checkpoint.rng import capture_rng_state, restore_rng_state
+    from mamba3lite.checkpoint.run_state import RngState, RunState
+    from mamba3lite.checkpoint.weights import load_model_file, split_tied, write_safetensors
 
 _WHERE = {
-    "CheckpointManager": "mamba3lite.train.checkpoint.manager",
-    "CheckpointStatus": "mamba3lite.train.checkpoint.manager",
-    "META_FORMAT": "mamba3lite.train.checkpoint.meta",
-    "OPTIM_FORMAT": "mamba3lite.train.checkpoint.optim_state",
-    "ResumePlan": "mamba3lite.train.checkpoint.resume",
-    "RunLock": "mamba3lite.train.checkpoint.lock",
-    "SLOW_SAVE_ENV": "mamba3lite.train.checkpoint.manager",
-    "capture_rng_state": "mamba3lite.train.checkpoint.rng",
-    "RngState": "mamba3lite.train.checkpoint.run_state",
-    "RunState": "mamba3lite.train.checkpoint.run_state",
-    "load_model_file": "mamba3lite.train.checkpoint.weights",
-    "load_optimizer_state_by_name": "mamba3lite.train.checkpoint.optim_state",
-    "optimizer_state_by_name": "mamba3lite.train.checkpoint.optim_state",
-    "param_names": "mamba3lite.train.checkpoint.optim_state",
-    "plan_resume": "mamba3lite.train.checkpoint.resume",
-    "restore_rng_state": "mamba3lite.train.checkpoint.rng",
-    "resume_warnings": "mamba3lite.train.checkpoint.resume",
-    "split_tied": "mamba3lite.train.checkpoint.weights",
-    "write_safetensors": "mamba3lite.train.checkpoint.weights",
-    "_meta_digest": "mamba3lite.train.checkpoint.meta",
+    "CheckpointManager": "mamba3lite.checkpoint.manager",
+    "CheckpointStatus": "mamba3lite.checkpoint.manager",
+    "META_FORMAT": "mamba3lite.checkpoint.meta",
+    "OPTIM_FORMAT": "mamba3lite.checkpoint.optim_state",
+    "ResumePlan": "mamba3lite.checkpoint.resume",
+    "RunLock": "mamba3lite.checkpoint.lock",
+    "SLOW_SAVE_ENV": "mamba3lite.checkpoint.manager",
+    "capture_rng_state": "mamba3lite.checkpoint.rng",
+    "RngState": "mamba3lite.checkpoint.run_state",
+    "RunState": "mamba3lite.checkpoint.run_state",
+    "load_model_file": "mamba3lite.checkpoint.weights",
+    "load_optimizer_state_by_name": "mamba3lite.checkpoint.optim_state",
+    "optimizer_state_by_name": "mamba3lite.checkpoint.optim_state",
+    "param_names": "mamba3lite.checkpoint.optim_state",
+    "plan_resume": "mamba3lite.checkpoint.resume",
+    "restore_rng_state": "mamba3lite.checkpoint.rng",
+    "resume_warnings": "mamba3lite.checkpoint.resume",
+    "split_tied": "mamba3lite.checkpoint.weights",
+    "write_safetensors": "mamba3lite.checkpoint.weights",
+    "_meta_digest": "mamba3lite.checkpoint.meta",
 }
 _RENAMED = {"_meta_digest": "meta_digest"}
 
@@ -100,4 +100,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_WHERE[name]), _RENAMED.get(name, name))
-    raise AttributeError(f"module 'mamba3lite.train.checkpoint' has no attribute {name!r}")
+    raise AttributeError(f"module 'mamba3lite.checkpoint' has no attribute {name!r}")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mamba3lite.checkpoint.manager import CheckpointManager
 from mamba3lite.errors import CheckpointError
 from mamba3lite.rundir import finished_save
-from mamba3lite.train.checkpoint.manager import CheckpointManager
 
 
 @dataclass

@@ -23,17 +23,17 @@ import torch
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import HashingAtomicFile, atomic_write_json, fsync_dir, sha256_file
-from mamba3lite.errors import CheckpointError
-from mamba3lite.rundir import SUPERSEDED_DIRNAME, checkpoint_files, is_temp_file, steps_in
-from mamba3lite.train.checkpoint.meta import META_FORMAT, meta_digest, meta_problems, read_meta_file
-from mamba3lite.train.checkpoint.optim_state import (
+from mamba3lite.checkpoint.meta import META_FORMAT, meta_digest, meta_problems, read_meta_file
+from mamba3lite.checkpoint.optim_state import (
     OPTIM_FORMAT,
     load_optimizer_state_by_name,
     optimizer_state_by_name,
 )
-from mamba3lite.train.checkpoint.run_state import RunState
-from mamba3lite.train.checkpoint.seed_format import is_seed_meta, load_seed_optimizer, seed_file_problems
-from mamba3lite.train.checkpoint.weights import load_model_file, split_tied, write_safetensors
+from mamba3lite.checkpoint.run_state import RunState
+from mamba3lite.checkpoint.seed_format import is_seed_meta, load_seed_optimizer, seed_file_problems
+from mamba3lite.checkpoint.weights import load_model_file, split_tied, write_safetensors
+from mamba3lite.errors import CheckpointError
+from mamba3lite.rundir import SUPERSEDED_DIRNAME, checkpoint_files, is_temp_file, steps_in
 
 # Test-only fault injection: seconds to sleep after each data file of a save (before the meta), so that
 # a test can kill or signal a process inside the save window reliably. Unset (the default): no pause.

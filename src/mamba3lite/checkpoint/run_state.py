@@ -108,11 +108,11 @@ class RngState:
     numpy's, torch's and CUDA's (checkpoint/rng.py), `load_state_dict` restores them."""
 
     def state_dict(self) -> dict:
-        from mamba3lite.train.checkpoint.rng import capture_rng_state
+        from mamba3lite.checkpoint.rng import capture_rng_state
 
         return capture_rng_state()
 
     def load_state_dict(self, state: dict) -> None:
-        from mamba3lite.train.checkpoint.rng import restore_rng_state
+        from mamba3lite.checkpoint.rng import restore_rng_state
 
         restore_rng_state(state)
