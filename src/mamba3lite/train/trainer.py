@@ -220,7 +220,7 @@ class Pretrainer:
         wrapped = D.wrap_ddp(raw, self.dist)
         if tc.compile:
             wrapped = torch.compile(wrapped)
-        optimizer = build_optimizer(raw, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps)
+        optimizer = build_optimizer(raw, tc)
         return raw, wrapped, optimizer
 
     def _data_identity(self) -> dict | None:
@@ -528,9 +528,7 @@ class Pretrainer:
         for warning in warnings:
             self.logger.event(self.step, "warning", warning)
         tc = self.tc
-        if changed := apply_optimizer_settings(
-            self.optimizer, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps
-        ):
+        if changed := apply_optimizer_settings(self.optimizer, tc):
             self.logger.event(
                 self.step,
                 "config",
