@@ -71,7 +71,9 @@ class TrainingConfig:
     min_lr: float = _f(1e-5, "learning rate at the end of the cosine decay (reached at max_steps)")
     warmup_steps: int = _f(2000, "optimizer steps of linear warmup from 0 to lr")
     weight_decay: float = _f(
-        0.1, "AdamW decoupled weight decay on matrices (not norms, biases, embeddings, dt_bias, D)"
+        0.1,
+        "decoupled weight decay on matrices (not norms, biases, embeddings, dt_bias, D): AdamW's, and with "
+        "optimizer: muon also Muon's",
     )
     betas: tuple[float, float] = _f((0.9, 0.95), "AdamW (beta1, beta2)")
     eps: float = _f(1e-8, "AdamW epsilon")
