@@ -183,7 +183,7 @@ def test_resume_with_changed_muon_momentum_uses_the_configs_and_says_so(tmp_path
     assert apply_optimizer_settings(t.optimizer, t.tc) == []  # now in line with the config
 
 
-def test_muon_on_a_model_without_hidden_matrices_is_a_config_error_naming_the_fix():
+def test_muon_on_a_model_without_hidden_matrices_is_a_config_error_naming_the_fix(tmp_path):
     class EmbeddingOnly(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -194,6 +194,9 @@ def test_muon_on_a_model_without_hidden_matrices_is_a_config_error_naming_the_fi
     with pytest.raises(ConfigError, match=r"no 2-D hidden matrix.*--set training\.optimizer=adamw"):
         build_optimizer(EmbeddingOnly(), muon_training())
     assert type(build_optimizer(EmbeddingOnly(), TrainingConfig())) is torch.optim.AdamW
+    with pytest.raises(ConfigError, match="no 2-D hidden matrix"):  # when the trainer is built
+        Pretrainer(tiny_config(tmp_path / "run", optimizer="muon"), model=EmbeddingOnly())
+    assert not (tmp_path / "run").exists()  # before anything was trained or written
     # A Mamba3Transformer always has some (each layer's mixer): its config refuses zero layers
     with pytest.raises(ConfigError, match="n_layers"):
         Config().replace("model", n_layers=0)
