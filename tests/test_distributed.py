@@ -76,16 +76,46 @@ def losses(run_dir, kind: str = "train", key: str = "loss") -> dict[int, float]:
     return {r["step"]: r[key] for r in rows if r["kind"] == kind and not r.get("superseded")}
 
 
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
+# Loaded by every torchrun worker (see install_hook): each rank saves its weights when train() returns.
+SAVE_RANK_WEIGHTS = """
+import os
+if os.environ.get("RANK") is not None:
+    from mamba3lite.train import trainer
+
+    original = trainer.Pretrainer.train
+
+    def train(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        import torch
+
+        out = os.path.join(os.environ["RANK_WEIGHTS_DIR"], "rank" + os.environ["RANK"] + ".pt")
+        torch.save(self.raw_model.state_dict(), out)
+        return result
+
+    trainer.Pretrainer.train = train
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, monkeypatch, optimizer):
+    # Muon included: DDP all-reduces the gradients before the step, so each rank's Muon orthogonalises the
+    # same matrices and the replicas stay identical.
+    import torch
+
+    install_hook(tmp_path, monkeypatch, SAVE_RANK_WEIGHTS)
+    monkeypatch.setenv("RANK_WEIGHTS_DIR", str(tmp_path))
     config = write_config(tmp_path)
-    train(config, tmp_path / "one", 1)  # micro 2 x accumulation 2 x 1 process
-    train(config, tmp_path / "two", 2, "--set", "training.gradient_accumulation_steps=1")  # 2 x 1 x 2
+    opt = ("--set", f"training.optimizer={optimizer}")
+    train(config, tmp_path / "one", 1, *opt)  # micro 2 x accumulation 2 x 1 process
+    train(config, tmp_path / "two", 2, "--set", "training.gradient_accumulation_steps=1", *opt)  # 2 x 1 x 2
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:
         assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
     ev1, ev2 = losses(tmp_path / "one", "eval", "val_loss"), losses(tmp_path / "two", "eval", "val_loss")
     assert sorted(ev1) == [2, 4] and all(abs(ev1[s] - ev2[s]) < 1e-5 for s in ev1)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     # only rank 0 writes: one set of rows, one checkpoint per save
     assert (
         len([r for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if '"train"' in r]) == 4

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from mamba3lite.train.optim import build_optimizer, lr_at, param_groups
+from mamba3lite.config import TrainingConfig
+from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, param_groups, set_lr
 
 
 class Stand(nn.Module):
@@ -91,3 +92,21 @@ def test_cpu_optimizer_is_fused_and_steps_like_the_reference():
         opt_b.step()
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_set_lr_puts_the_schedules_lr_on_every_adamw_group():
+    opt = build_optimizer(Stand(), lr=0.1, weight_decay=0.1, betas=(0.9, 0.95))
+    set_lr(opt, 0.0123)
+    assert [g["lr"] for g in opt.param_groups] == [0.0123, 0.0123]
+
+
+def test_config_settings_win_over_the_groups_after_a_load():
+    opt = build_optimizer(Stand(), lr=0.1, weight_decay=0.1, betas=(0.9, 0.95))
+    tc = TrainingConfig(weight_decay=0.2, betas=(0.8, 0.9), eps=1e-6)
+    assert apply_optimizer_settings(opt, tc) == [
+        "weight_decay 0.1 -> 0.2",
+        "betas (0.9, 0.95) -> (0.8, 0.9)",
+        "eps 1e-08 -> 1e-06",
+    ]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]
+    assert apply_optimizer_settings(opt, tc) == []

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 SECTIONS = ("model", "training", "data", "logging")
 DTYPES = ("bf16", "fp32")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -71,10 +72,28 @@ class TrainingConfig:
     min_lr: float = _f(1e-5, "learning rate at the end of the cosine decay (reached at max_steps)")
     warmup_steps: int = _f(2000, "optimizer steps of linear warmup from 0 to lr")
     weight_decay: float = _f(
-        0.1, "AdamW decoupled weight decay on matrices (not norms, biases, embeddings, dt_bias, D)"
+        0.1,
+        "decoupled weight decay on matrices (not norms, biases, embeddings, dt_bias, D): AdamW's, and with "
+        "optimizer: muon also Muon's",
     )
     betas: tuple[float, float] = _f((0.9, 0.95), "AdamW (beta1, beta2)")
     eps: float = _f(1e-8, "AdamW epsilon")
+    optimizer: str = _f(
+        "adamw",
+        "adamw: AdamW for every parameter. muon: torch.optim.Muon for the 2-D hidden matrices (the mixers' "
+        "in_proj/out_proj, the MLP's fc1/fc2) and AdamW for the embedding, the LM head, norms, biases and "
+        "the 1-D Mamba parameters, as the modded-nanogpt speedrun; Muon's decay is weight_decay, decoupled "
+        "like AdamW's (p -= lr x weight_decay x p)",
+        choices=OPTIMIZERS,
+    )
+    muon_lr: float | None = _f(
+        None,
+        "peak learning rate of the Muon matrices (optimizer: muon), following the same warmup and cosine "
+        "(its floor is min_lr x muon_lr / lr); null = lr. Muon's update is scaled per matrix to AdamW's "
+        "RMS (torch's adjust_lr_fn=match_rms_adamw: 0.2 x sqrt(max(rows, cols))), so one lr serves both "
+        "optimizers; set this to tune Muon apart",
+    )
+    muon_momentum: float = _f(0.95, "Muon's Nesterov momentum (optimizer: muon), in [0, 1)")
     grad_clip: float = _f(1.0, "clip the global gradient L2 norm to this; 0 disables clipping")
     dtype: str = _f("bf16", "compute dtype: bf16 (autocast, weights stay fp32) or fp32", choices=DTYPES)
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
@@ -146,6 +165,7 @@ class TrainingConfig:
             raise ConfigError(f"training.min_lr ({self.min_lr}) must be <= training.lr ({self.lr})")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"training.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        self._check_optimizer()
         if self.dtype not in DTYPES:
             raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
@@ -164,6 +184,19 @@ class TrainingConfig:
                 "name the tasks, e.g. --set 'training.eval_tasks=[piqa,arc_easy]'"
             )
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+    def _check_optimizer(self) -> None:
+        """training.optimizer names a known optimizer (did you mean ...), and Muon's settings are sane.
+        (Whether the model has a matrix for Muon is checked where the optimizer is built: train/optim.py.)"""
+        if self.optimizer not in OPTIMIZERS:
+            hint = did_you_mean_hint(self.optimizer, OPTIMIZERS)
+            raise ConfigError(
+                f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}{hint}"
+            )
+        if self.muon_lr is not None:
+            _positive("training", self, ("muon_lr",))
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
 
     def windows_per_step(self, world_size: int = 1) -> int:
         """Global batch in windows per optimizer step."""

@@ -1,5 +1,10 @@
 """Optimizer state keyed by PARAMETER NAME, so that a changed parameter order cannot silently put
-AdamW moments on the wrong tensors (torch's own state_dict keys them by position)."""
+AdamW moments on the wrong tensors (torch's own state_dict keys them by position).
+
+The file also names the optimizer (`"optimizer"`: "adamw", or "muon" for train/optim.py's
+MuonWithAdamW, whose groups are AdamW's then Muon's and whose state holds both): a resume that switches
+optimizer is one ConfigError naming both. A file without the key predates Muon and is AdamW's.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,14 @@ from typing import Any
 
 import torch
 
-from mamba3lite.errors import CheckpointError
+from mamba3lite.errors import CheckpointError, ConfigError
 
 OPTIM_FORMAT = "mamba3lite-optim-v1"
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """The training.optimizer an optimizer object implements: its `kind`, else (torch's AdamW) adamw."""
+    return getattr(optimizer, "kind", "adamw")
 
 
 def param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -21,7 +31,7 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+def optimizer_state_by_name(optimizer: Any, model: torch.nn.Module) -> dict:
     """The optimizer's state_dict with integer parameter ids replaced by parameter names."""
     names = param_names(model)
     sd = optimizer.state_dict()
@@ -32,6 +42,7 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
             idx_to_name[idx] = names[id(p)]
     return {
         "format": OPTIM_FORMAT,
+        "optimizer": optimizer_kind(optimizer),
         "state": {idx_to_name[i]: s for i, s in sd["state"].items()},
         "param_groups": [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [idx_to_name[i] for i in g["params"]]}
@@ -40,11 +51,17 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
     }
 
 
-def load_optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict, where: str
-) -> None:
+def load_optimizer_state_by_name(optimizer: Any, model: torch.nn.Module, saved: dict, where: str) -> None:
     """Inverse of `optimizer_state_by_name`: map names onto this optimizer's parameters, checking that
-    every parameter is present with the right shape (else CheckpointError naming it)."""
+    every parameter is present with the right shape (else CheckpointError naming it). State saved by
+    another optimizer than this one: ConfigError naming both."""
+    saved_kind, kind = saved.get("optimizer", "adamw"), optimizer_kind(optimizer)
+    if saved_kind != kind:
+        raise ConfigError(
+            f"{where} holds the state of training.optimizer={saved_kind}, but this run's config says "
+            f"training.optimizer={kind}: resume with --set training.optimizer={saved_kind}, or start a new "
+            "run directory (--init-from this run keeps its weights, with a fresh optimizer)"
+        )
     names = param_names(model)
     current_groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     saved_groups = saved.get("param_groups", [])

@@ -1,4 +1,5 @@
-"""AdamW with decay / no-decay parameter groups, and the learning-rate schedule as a pure function.
+"""The optimizer (AdamW, or Muon for the hidden matrices + AdamW for the rest) and the learning-rate
+schedule as a pure function.
 
 Weight decay (decoupled, AdamW) applies to the weight matrices of linear layers only. No decay for
 (MAMBA3.md §1.2, §5, and common practice for LMs):
@@ -8,18 +9,35 @@ Weight decay (decoupled, AdamW) applies to the weight matrices of linear layers 
 - norms, biases and embeddings by name (the tied LM head is the embedding, so it is not decayed either).
 A tied parameter appears once (`named_parameters()` de-duplicates), so its moments are not doubled.
 
+`training.optimizer: muon` (`MuonWithAdamW`): `torch.optim.Muon` for the 2-D hidden matrices (the
+decayed matrices above except the LM head: the mixers' in_proj/out_proj, the MLP's fc1/fc2), AdamW as
+above for everything else (embedding, head, norms, biases, the 1-D Mamba parameters), the split of the
+modded-nanogpt speedrun. Muon runs with `adjust_lr_fn="match_rms_adamw"` (each matrix's orthogonalised
+update is scaled by 0.2·sqrt(max(rows, cols)), so its RMS is AdamW's typical 0.2·lr: Moonshot, "Muon is
+Scalable for LLM Training"), which lets one peak lr and one weight_decay serve both optimizers;
+`training.muon_lr` sets Muon's peak apart. Muon's decay is decoupled like AdamW's: p ← p·(1 − lr·wd)
+with the group's (unscaled) lr.
+
 Schedule (`lr_at`): linear warmup from 0 to `lr` over `warmup_steps`, then cosine from `lr` to `min_lr`
 at `max_steps`, then `min_lr`. It depends only on its arguments: the trainer sets every group's lr from
-it before each optimizer step, so resuming needs nothing but the step number.
+it before each optimizer step (`set_lr`: the Muon groups get it times muon_lr / lr), so resuming needs
+nothing but the step number.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mamba3lite.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from mamba3lite.config import TrainingConfig
+
 _NO_DECAY_NAME_PARTS = ("norm", "bias", "embed", "wte")
+_HEAD_NAME_PARTS = ("lm_head",)  # an untied head is a decayed matrix, but the output layer: AdamW's
 
 
 def wants_decay(name: str, p: torch.nn.Parameter) -> bool:
@@ -30,12 +48,20 @@ def wants_decay(name: str, p: torch.nn.Parameter) -> bool:
     return not any(part in lname for part in _NO_DECAY_NAME_PARTS)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: [decayed matrices, everything else (weight_decay 0)]. Frozen params skipped.
-    Each group carries `names` (parameter names, in order) for logging and tests."""
+def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
+    """True for the parameters Muon optimizes: 2-D, decayed, and not the LM head."""
+    return p.ndim == 2 and wants_decay(name, p) and not any(part in name.lower() for part in _HEAD_NAME_PARTS)
+
+
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, *, exclude: frozenset[str] = frozenset()
+) -> list[dict]:
+    """Two AdamW groups: [decayed matrices, everything else (weight_decay 0)]. Frozen params and the
+    names in `exclude` (Muon's) are skipped. Each group carries `names` (parameter names, in order) for
+    logging and tests."""
     decay, no_decay, decay_names, no_decay_names = [], [], [], []
     for name, p in model.named_parameters():  # de-duplicated: a tied parameter appears once
-        if not p.requires_grad:
+        if not p.requires_grad or name in exclude:
             continue
         if wants_decay(name, p):
             decay.append(p)
@@ -49,20 +75,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(
-    model: torch.nn.Module,
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float = 1e-8,
+def build_adamw(
+    groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float = 1e-8
 ) -> torch.optim.AdamW:
-    """AdamW over `param_groups(model)`; torch's fused kernel when every parameter is on one CUDA or CPU
-    device (on CPU one fused pass instead of a dozen foreach passes: the tiny preset's optimizer step
-    34 -> 3.5 ms, 1 thread), else the default implementation (also where this torch has no fused kernel)."""
-    groups = param_groups(model, weight_decay)
+    """AdamW over `groups`; torch's fused kernel when every parameter is on one CUDA or CPU device (on CPU
+    one fused pass instead of a dozen foreach passes: the tiny preset's optimizer step 34 -> 3.5 ms, 1
+    thread), else the default implementation (also where this torch has no fused kernel)."""
     for g in groups:
-        g.pop("names")  # AdamW keeps unknown group keys in its state_dict; names live in the model
+        g.pop("names", None)  # AdamW keeps unknown group keys in its state_dict; names live in the model
     devices = {p.device.type for g in groups for p in g["params"]}
     if len(devices) == 1 and devices <= {"cuda", "cpu"}:
         try:
@@ -70,6 +90,91 @@ def build_optimizer(
         except (RuntimeError, ValueError):  # a build without the fused kernel for this device
             pass
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+class MuonWithAdamW:
+    """Muon for the hidden matrices and AdamW for the rest, as one optimizer for the trainer: `step`,
+    `zero_grad`, `param_groups` (AdamW's [decayed, not decayed], then Muon's one group: live dicts, so
+    `set_lr` and `apply_optimizer_settings` change them), `state` (both, a merged read-only view),
+    `state_dict`/`load_state_dict` in torch's index-keyed form over those groups in that order (so the
+    checkpoint's by-name keying in optim_state.py applies unchanged). `lr_scales[i]` multiplies the
+    schedule's lr for `param_groups[i]` (1 for AdamW's, muon_lr / lr for Muon's)."""
+
+    kind = "muon"  # what the checkpoint records (optim_state.py); a plain AdamW is "adamw"
+
+    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon, muon_lr_scale: float) -> None:
+        self.adamw, self.muon = adamw, muon
+        self.lr_scales = [1.0] * len(adamw.param_groups) + [muon_lr_scale] * len(muon.param_groups)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups + self.muon.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {**self.adamw.state, **self.muon.state}
+
+    def step(self, closure: Any = None) -> None:
+        assert closure is None, "the trainer computes the loss itself"
+        self.adamw.step()
+        self.muon.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        self.muon.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        a, m = self.adamw.state_dict(), self.muon.state_dict()
+        offset = sum(len(g["params"]) for g in a["param_groups"])  # Muon's indices follow AdamW's
+        return {
+            "state": {**a["state"], **{i + offset: s for i, s in m["state"].items()}},
+            "param_groups": a["param_groups"]
+            + [{**g, "params": [i + offset for i in g["params"]]} for g in m["param_groups"]],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups, n = state_dict["param_groups"], len(self.adamw.param_groups)
+        if len(groups) != n + len(self.muon.param_groups):
+            raise CheckpointError(
+                f"optimizer state of {len(groups)} parameter groups, Muon + AdamW has "
+                f"{len(self.param_groups)}"
+            )
+        for part, part_groups in ((self.adamw, groups[:n]), (self.muon, groups[n:])):
+            ids = {i for g in part_groups for i in g["params"]}
+            state = {i: s for i, s in state_dict["state"].items() if i in ids}
+            part.load_state_dict({"state": state, "param_groups": part_groups})
+
+
+def build_optimizer(
+    model: torch.nn.Module, training: TrainingConfig | None = None, **adamw: Any
+) -> torch.optim.AdamW | MuonWithAdamW:
+    """The optimizer `training.optimizer` names, over the model's trainable parameters: AdamW over
+    `param_groups(model)`, or `MuonWithAdamW`. Without a config, `build_optimizer(model, lr=...,
+    weight_decay=..., betas=..., eps=...)` is that AdamW (the form checkpoint tests and benchmarks use).
+    ConfigError when muon is asked for and the model has no hidden matrix for it."""
+    if training is None:
+        wd = adamw.pop("weight_decay")
+        return build_adamw(param_groups(model, wd), **adamw)
+    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
+    if training.optimizer == "adamw":
+        return build_adamw(param_groups(model, training.weight_decay), **kw)
+    hidden = [(n, p) for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
+    if not hidden:
+        raise ConfigError(
+            "training.optimizer is muon, but this model has no 2-D hidden matrix for Muon (only embedding, "
+            "head, norms, biases); use --set training.optimizer=adamw"
+        )
+    muon_lr = training.lr if training.muon_lr is None else training.muon_lr
+    muon = torch.optim.Muon(
+        [p for _, p in hidden],
+        lr=muon_lr,
+        weight_decay=training.weight_decay,
+        momentum=training.muon_momentum,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    groups = param_groups(model, training.weight_decay, exclude=frozenset(n for n, _ in hidden))
+    return MuonWithAdamW(build_adamw(groups, **kw), muon, muon_lr / training.lr)
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -88,27 +193,37 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * t))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for g in optimizer.param_groups:
-        g["lr"] = lr
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set the schedule's `lr` (for training.lr's peak) on every group, times the group's own scale
+    (`optimizer.lr_scales`: Muon's groups peak at muon_lr; a plain AdamW has none: lr on every group)."""
+    scales = getattr(optimizer, "lr_scales", None) or [1.0] * len(optimizer.param_groups)
+    for g, scale in zip(optimizer.param_groups, scales, strict=True):
+        g["lr"] = lr * scale
 
 
-def apply_optimizer_settings(
-    optimizer: torch.optim.Optimizer, *, weight_decay: float, betas: tuple[float, float], eps: float
-) -> list[str]:
-    """Set the config's AdamW settings on every param group; returns the changes ("eps 1e-08 -> 1e-06").
+def apply_optimizer_settings(optimizer: Any, training: TrainingConfig) -> list[str]:
+    """Set the config's optimizer settings on every param group; returns the changes ("eps 1e-08 ->
+    1e-06", "muon momentum 0.95 -> 0.9").
 
-    AdamW keeps weight_decay, betas and eps in its param groups, so loading a checkpoint's optimizer
-    state brings back the settings it was saved with; the run's config (what config.yaml records)
-    wins. Groups as `param_groups`: [decayed, not decayed]. (lr is set every step from the schedule.)
+    Optimizers keep weight_decay, betas, eps (AdamW) and momentum (Muon) in their param groups, so loading
+    a checkpoint's optimizer state brings back the settings it was saved with; the run's config (what
+    config.yaml records) wins. AdamW's groups as `param_groups`: [decayed, not decayed]; Muon's one group
+    is decayed. (lr is set every step from the schedule.)
     """
+    adamw = getattr(optimizer, "adamw", optimizer)
     changed = []
-    for i, g in enumerate(optimizer.param_groups):
-        want = {"weight_decay": weight_decay if i == 0 else 0.0, "betas": tuple(betas), "eps": eps}
+    for i, g in enumerate(adamw.param_groups):
+        want = {"weight_decay": training.weight_decay if i == 0 else 0.0, "betas": tuple(training.betas)}
+        want["eps"] = training.eps
         for key, value in want.items():
             have = tuple(g[key]) if key == "betas" else g[key]
             if have != value:
                 g[key] = value
                 if i == 0 or key != "weight_decay":
                     changed.append(f"{key} {have} -> {value}")
+    for g in getattr(getattr(optimizer, "muon", None), "param_groups", []):
+        for key, value in (("weight_decay", training.weight_decay), ("momentum", training.muon_momentum)):
+            if g[key] != value:
+                changed.append(f"muon {key} {g[key]} -> {value}")
+                g[key] = value
     return list(dict.fromkeys(changed))

@@ -112,9 +112,7 @@ class Pretrainer:
         _seed_everything(tc.seed)
         self.data = self._build_data(train_data, val_data)
         self.raw_model, self.model = build_model(self.cfg, self.dist, model)
-        self.optimizer = build_optimizer(
-            self.raw_model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps
-        )
+        self.optimizer = build_optimizer(self.raw_model, tc)
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
         # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
         manifest = getattr(self.data.train, "manifest", None)
@@ -398,13 +396,11 @@ class Pretrainer:
         for warning in warnings:
             self.logger.event(self.step, "warning", warning)
         tc = self.tc
-        if changed := apply_optimizer_settings(
-            self.optimizer, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps
-        ):
+        if changed := apply_optimizer_settings(self.optimizer, tc):
             self.logger.event(
                 self.step,
                 "config",
-                f"AdamW settings from the config, not from checkpoint step {step}: {', '.join(changed)}",
+                f"optimizer settings from the config, not from checkpoint step {step}: {', '.join(changed)}",
             )
         if state.sampler is not None:
             self.sampler.load_state_dict(state.sampler)
