@@ -168,18 +168,33 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+@functools.lru_cache(maxsize=1)
+def _gpt2() -> GPT2Tokenizer:
+    return GPT2Tokenizer()
+
+
 @functools.lru_cache(maxsize=8)
+def _hf_file(path: str, stamp: tuple) -> HFTokenizer:
+    """HFTokenizer(path), cached per `stamp` (the file's identity and mtime): a file replaced at the same
+    path (a dataset prepared again, a run's copy rewritten) is read again, not served from the cache."""
+    return HFTokenizer(path)
+
+
 def load_tokenizer(name: str = "gpt2") -> Tokenizer:
-    """The tokenizer called `name`: "gpt2", or a path to a Hugging Face tokenizer.json. Cached."""
+    """The tokenizer called `name`: "gpt2", or a path to a Hugging Face tokenizer.json. Cached (a file
+    as long as it is not replaced or modified)."""
     if name == "gpt2":
-        return GPT2Tokenizer()
-    if name.endswith(".json") or os.sep in name or "/" in name:
-        if not Path(name).exists():
+        return _gpt2()
+    if is_tokenizer_file(name):
+        try:
+            st = os.stat(name)
+        except OSError:
             raise ConfigError(
                 f"tokenizer file not found: {name}; pass --tokenizer gpt2 or a path to an "
                 "existing tokenizer.json"
-            )
-        return HFTokenizer(name)  # reads through intake: a directory, FIFO or device is named as such
+            ) from None
+        # reads through intake: a directory, FIFO or device is named as such
+        return _hf_file(name, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
     raise ConfigError(
         f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
         "or a path to a Hugging Face tokenizer.json"
@@ -220,8 +235,14 @@ def load_recorded_tokenizer(
             f"{vocab_size}: text cannot be encoded for it"
         )
     if vocab_hash and tok.vocab_hash != vocab_hash:
+        fix = (
+            "it was changed since: put the original back (the token ids mean nothing under another "
+            "vocabulary)"
+            if is_tokenizer_file(name)
+            else "use that tokenizer"
+        )
         raise error(
             f"{subject} tokenizer {name} with vocab hash {vocab_hash[:12]}, the one here has "
-            f"{tok.vocab_hash[:12]}"
+            f"{tok.vocab_hash[:12]}: {fix}"
         )
     return tok
