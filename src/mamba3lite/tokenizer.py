@@ -39,6 +39,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self) -> list[bytes | None] | None: ...
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -119,6 +120,13 @@ class GPT2Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids), errors="replace")
 
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes (None for EOS, a special token): what token healing matches text against."""
+        enc = self._enc
+        return [
+            None if i == GPT2_EOS_ID else enc.decode_single_token_bytes(i) for i in range(self.vocab_size)
+        ]
+
 
 class HFTokenizer:
     """Any Hugging Face `tokenizer.json` (the `tokenizers` library), by path."""
@@ -166,6 +174,22 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self) -> list[bytes | None] | None:
+        """Each id's bytes (None for special tokens and unused ids) for a byte-level BPE (GPT-2's
+        byte-to-character map, a ByteLevel decoder: `prepare --train-tokenizer`'s); None for other
+        tokenizers, whose tokens are not byte strings that concatenate to the text."""
+        from tokenizers import decoders
+
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        u2b = {u: b for b, u in _bytes_to_unicode().items()}
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        out: list[bytes | None] = [None] * self.vocab_size
+        for text, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if text not in special and all(c in u2b for c in text):
+                out[i] = bytes(u2b[c] for c in text)
+        return out
 
 
 @functools.lru_cache(maxsize=1)

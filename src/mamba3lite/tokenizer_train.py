@@ -7,14 +7,15 @@ from `texts` with the `tokenizers` library's BPE trainer. Byte-level, so every s
 
 Pre-tokenization (the pieces a merge never crosses), written for code as much as prose:
 
+    "        "            a run of two or more spaces (indentation, alignment), all of them: so
+                          "        return" is "        " + "return", and every line indented 8 deep
+                          starts with the same token
     'll 's ...            English contractions, as GPT-2
-    " foo_bar2"           an identifier or word, with its leading space (as GPT-2), `_` and digits inside
+    " foo_bar2"           an identifier or word, with its one leading space (as GPT-2), `_` and digits
     " 123"                a run of digits, with its leading space
     " ()."                a run of punctuation, with its leading space
     "\\n\\n"                a run of newlines
-    "        "            a run of spaces (indentation) not followed by a word: the last space of a run
-                          before a word goes with the word, as in GPT-2, so "    return" is "   " " return"
-    "\\t\\t"                other whitespace runs (tabs, \\r)
+    " " "\\t\\t"            a lone space (before a newline, a tab, the end), other whitespace runs (tabs)
 
 Deterministic: the trainer's merges are ranked by count, ties broken by the pair's ids, and the word
 counts do not depend on the order texts arrive in or on the number of threads (checked by the tests,
@@ -35,14 +36,14 @@ MIN_TRAINED_IDS = N_BYTE_SYMBOLS + 2
 MIN_PAIR_FREQUENCY = 2
 
 PRETOKENIZE_PATTERN = (
-    r"'(?:[sdmt]|ll|ve|re)"
+    r" {2,}"
+    r"|'(?:[sdmt]|ll|ve|re)"
     r"| ?[\p{L}_][\p{L}\p{N}_]*"
     r"| ?\p{N}+"
     r"| ?[^\s\p{L}\p{N}_]+"
     r"|\n+"
-    r"| +(?!\S)"
+    r"| "
     r"|[^\S\n ]+"
-    r"|\s+"
 )
 
 
