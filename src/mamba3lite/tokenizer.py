@@ -260,7 +260,7 @@ def load_recorded_tokenizer(
         )
     if vocab_hash and tok.vocab_hash != vocab_hash:
         fix = (
-            "it was changed since: put the original back (the token ids mean nothing under another "
+            "the file changed since; put the original back (the token ids mean nothing under another "
             "vocabulary)"
             if is_tokenizer_file(name)
             else "use that tokenizer"
