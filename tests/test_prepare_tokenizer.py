@@ -5,7 +5,9 @@ runs trained on it (train copies the tokenizer into the run; generate, eval, ins
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import sys
 
 import pytest
 import yaml
@@ -50,7 +52,15 @@ def _error_line(capsys) -> str:
 def test_bad_sizes_are_one_error_line_and_nothing_is_written(tmp_path, capsys, value, message):
     src = _corpus(tmp_path / "corpus", python_docs(30))
     assert _prepare(src, tmp_path / "ds", "--train-tokenizer", value) != 0
-    assert pytest.importorskip("re").search(message, _error_line(capsys))
+    assert re.search(message, _error_line(capsys))
+    assert not (tmp_path / "ds").exists()
+
+
+def test_without_the_tokenizers_package_the_error_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers -> ImportError
+    src = _corpus(tmp_path / "corpus", python_docs(30))
+    assert _prepare(src, tmp_path / "ds", "--train-tokenizer", "300") == 2
+    assert "pip install 'mamba3lite[hf]'" in _error_line(capsys)
     assert not (tmp_path / "ds").exists()
 
 

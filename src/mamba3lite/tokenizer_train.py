@@ -61,7 +61,8 @@ def check_n_ids(n_ids: int) -> None:
         )
 
 
-def _tokenizers():
+def require_tokenizers():
+    """The `tokenizers` package, or a ConfigError with the install hint."""
     try:
         import tokenizers
     except ImportError as e:
@@ -73,7 +74,7 @@ def _tokenizers():
 
 def empty_bpe():
     """An untrained byte-level BPE with this module's pre-tokenizer and decoder (a `tokenizers.Tokenizer`)."""
-    tk = _tokenizers()
+    tk = require_tokenizers()
     from tokenizers import decoders, models, pre_tokenizers
 
     tok = tk.Tokenizer(models.BPE())
@@ -94,6 +95,7 @@ def train_bpe(texts: Iterable[str], n_ids: int) -> bytes:
     (the trainer stops when no pair occurs MIN_PAIR_FREQUENCY times): the message says how many they
     can form."""
     check_n_ids(n_ids)
+    require_tokenizers()
     from tokenizers import pre_tokenizers, trainers
 
     tok = empty_bpe()

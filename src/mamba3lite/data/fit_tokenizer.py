@@ -67,7 +67,8 @@ def train_sample(sources: list[Source], opts, limit_bytes: int = SAMPLE_BYTES) -
 
 def fit_tokenizer(sources: list[Source], opts) -> bytes:
     """tokenizer.json bytes of a byte-level BPE of `opts.train_tokenizer` ids fit to the train split."""
-    from mamba3lite.tokenizer_train import check_n_ids, train_bpe
+    from mamba3lite.tokenizer_train import check_n_ids, require_tokenizers, train_bpe
 
     check_n_ids(opts.train_tokenizer)  # before reading anything
+    require_tokenizers()
     return train_bpe(train_sample(sources, opts), opts.train_tokenizer)
