@@ -264,3 +264,54 @@ def test_a_gpt2_dataset_prepared_over_a_trained_one_drops_its_tokenizer(tmp_path
     P.prepare([src], tmp_path / "ds", workers=0, val_fraction=0.2, min_chars=1, overwrite=True)
     assert not (tmp_path / "ds" / "tokenizer.json").exists()
     assert Manifest.load(tmp_path / "ds").tokenizer["name"] == "gpt2"
+
+
+# ------------------------------------------------------------------------- the tiktoken twin (fast path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60)
+    | st.lists(st.sampled_from(["    ", " ", "\n", "\t", "def", " x", "é", "<|endoftext|>", "'s", "1"])).map(
+        "".join
+    )
+)
+def test_the_tiktoken_twin_encodes_exactly_as_tokenizers_does(text, trained_tok):
+    assert trained_tok._fast is not None  # a BPE train_bpe made has one
+    assert trained_tok.encode(text) == trained_tok._tok.encode(text, add_special_tokens=False).ids
+    assert trained_tok.encode_batch([text, "x"]) == trained_tok._reference_batch([text, "x"])
+
+
+def test_the_twin_agrees_on_a_corpus_and_text_spelling_eos_is_left_to_tokenizers(trained_tok):
+    docs = [*python_docs(300, tag="other"), "x = 1<|endoftext|>y", "naïve café 中文 👍🏽\r\n\t"]
+    assert trained_tok.encode_batch(docs) == trained_tok._reference_batch(docs)
+    assert trained_tok.encode("a<|endoftext|>b")[1] == trained_tok.eos_id  # as tokenizers parses it
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\s+|\S+"),
+        lambda d: d["model"].update(dropout=0.1),
+        lambda d: d["model"].update(ignore_merges=True),
+        lambda d: d["model"]["merges"].reverse(),  # ids no longer in merge order
+        lambda d: d.update(normalizer={"type": "NFC"}),
+    ],
+    ids=["other-pattern", "dropout", "ignore-merges", "merge-order", "normalizer"],
+)
+def test_a_tokenizer_the_twin_cannot_copy_has_none(trained, tmp_path, change):
+    d = json.loads(trained)
+    change(d)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(d))
+    assert load_tokenizer(str(path))._fast is None  # encoded by `tokenizers` itself
+
+
+@pytest.mark.slow
+def test_the_twin_agrees_on_the_stdlib_corpus(tmp_path):
+    from mamba3lite.data.fit_tokenizer import train_sample
+    from mamba3lite.data.sources import Source
+
+    texts = train_sample([Source("stdlib")], P.PrepareOptions(val_fraction=0.02), 3_000_000)
+    tok = _tok(train_bpe(texts, 4096), tmp_path)
+    assert tok._fast is not None and tok.encode_batch(texts) == tok._reference_batch(texts)

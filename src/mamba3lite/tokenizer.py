@@ -168,11 +168,36 @@ class HFTokenizer:
             )
         self.eos_id = eos
         self.vocab_hash = hashlib.sha256(raw).hexdigest()
+        self._specials = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        self._fast = self._tiktoken_twin(raw)
+
+    @staticmethod
+    def _tiktoken_twin(raw: bytes):
+        """The same encoding through tiktoken, for the BPEs `prepare --train-tokenizer` makes (14x faster:
+        `tokenizer_train.tiktoken_twin`); None for other tokenizers."""
+        import json
+
+        from mamba3lite.tokenizer_train import tiktoken_twin
+
+        byte_of = {u: b for b, u in _bytes_to_unicode().items()}
+        return tiktoken_twin(json.loads(raw), byte_of)
+
+    def _fast_for(self, text: str) -> bool:
+        # Text that spells an added token is parsed by `tokenizers` into that token's id: left to it.
+        return self._fast is not None and not any(s in text for s in self._specials)
 
     def encode(self, text: str) -> list[int]:
+        if self._fast_for(text):
+            return self._fast.encode_ordinary(text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._fast is not None and all(map(self._fast_for, texts)):
+            return self._fast.encode_ordinary_batch(texts, num_threads=1)
+        return [self.encode(t) for t in texts] if self._fast is not None else self._reference_batch(texts)
+
+    def _reference_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode_batch by `tokenizers` itself (the reference the tiktoken twin is checked against)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:

@@ -116,3 +116,57 @@ def train_bpe(texts: Iterable[str], n_ids: int) -> bytes:
         )
     assert got == n_ids and tok.token_to_id(EOS_TOKEN) == trained_eos_id(), (got, tok.token_to_id(EOS_TOKEN))
     return tok.to_str().encode("utf-8")
+
+
+def tiktoken_twin(spec: dict, byte_of: dict[str, int]):
+    """A `tiktoken.Encoding` that encodes ordinary text exactly as the tokenizer.json `spec` does, when
+    `spec` is one `train_bpe` makes (this pre-tokenizer, a byte-level BPE without dropout or other
+    options, merges in the order of the ids they create), else None. `byte_of`: GPT-2's printable
+    character -> byte map. tiktoken encodes ~14x faster than `tokenizers` (10.7 vs 0.74 MB/s on the stdlib
+    corpus, one thread) and gives the same ids: a BPE whose merge k creates id `first + k` is applied
+    either by merge rank (HF) or by the rank of the merged token (tiktoken), which is the same order.
+    The tests check the two agree (the stdlib corpus, arbitrary Unicode)."""
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    ours = [
+        {"type": "Split", "pattern": {"Regex": PRETOKENIZE_PATTERN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
+    ]
+    plain = {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False, "byte_fallback": False}
+    if (
+        spec.get("normalizer") is not None
+        or not isinstance(steps, list)
+        or len(steps) != 2
+        or any({k: s.get(k) for k in want} != want for s, want in zip(steps, ours))
+        or {k: model.get(k) for k in plain} != plain
+        or model.get("ignore_merges")
+        or model.get("continuing_subword_prefix")
+        or model.get("end_of_word_suffix")
+    ):
+        return None
+    return _twin_from_ranks(model, spec.get("added_tokens") or [], byte_of)
+
+
+def _twin_from_ranks(model: dict, added: list, byte_of: dict[str, int]):
+    """The tiktoken twin of a plain byte-level BPE `model`, or None when its ids are not its merge order."""
+    vocab, merges = model.get("vocab") or {}, model.get("merges") or []
+    specials = {t["content"]: t["id"] for t in added if t.get("special")}
+    if len(specials) != len(added) or any(vocab.get(t, i) != i for t, i in specials.items()):
+        return None
+    ranks = {}
+    for text, i in vocab.items():
+        if text not in specials:
+            if not all(c in byte_of for c in text):
+                return None
+            ranks[bytes(byte_of[c] for c in text)] = i
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]
+    first = len(vocab) - len(pairs)
+    singles = [i for b, i in ranks.items() if len(b) == 1]
+    if len(singles) != N_BYTE_SYMBOLS or max(singles) >= first or len(ranks) != len(vocab) - len(specials):
+        return None
+    if any(vocab.get(a + b) != first + k for k, (a, b) in enumerate(pairs)):
+        return None
+    import tiktoken
+
+    return tiktoken.Encoding("mamba3lite-bpe", pat_str=PRETOKENIZE_PATTERN, mergeable_ranks=ranks,
+                             special_tokens=specials)  # fmt: skip
