@@ -6,7 +6,8 @@ or network is touched at run time. The encoding is checked on load against known
 
 Alternatively, any Hugging Face `tokenizer.json` by path (needs the `tokenizers` package): one given to
 `prepare --tokenizer PATH`, or the byte-level BPE that `prepare --train-tokenizer N` fits to a corpus
-(`tokenizer_train`) and saves in the dataset.
+(`tokenizer_train`) and saves in the dataset; such a BPE encodes through a tiktoken twin with the same
+merges (`tokenizer_train.tiktoken_twin`: the same ids, ~14x faster), other files through `tokenizers`.
 
 `load_tokenizer(name)` is the one entry point; `name` is "gpt2" or a path to a tokenizer.json, so a
 worker process can rebuild the same tokenizer from it. Both kinds give their tokens as bytes
