@@ -168,6 +168,7 @@ def test_two_prepares_give_byte_identical_datasets_and_tokenizers(tmp_path):
     assert a.manifest.tokenizer == {"name": "tokenizer.json", "vocab_hash": hashlib.sha256(raw).hexdigest()}
     assert a.manifest.vocab_size == 300 and a.manifest.eos_id == 0 and a.manifest.dtype == "uint16"
     assert b.manifest.extra["prepare"]["train_tokenizer"] == 300
+    assert f"its own BPE, {tmp_path / 'a' / 'tokenizer.json'}, vocab 300, eos id 0" in a.table()
     assert verify_dataset(tmp_path / "a") == []
 
 

@@ -183,8 +183,11 @@ class PrepareSummary:
 
         s, m = self.stats, self.manifest
         dropped = ", ".join(f"{k} {v:,}" for k, v in s["dropped"].items())
+        name = m.tokenizer["name"]
+        if name == shards.TOKENIZER_NAME:
+            name = f"its own BPE, {self.out / name}"
         lines = [
-            f"dataset   {self.out}  ({m.tokenizer['name']}, vocab {m.vocab_size:,}, {m.dtype})",
+            f"dataset   {self.out}  ({name}, vocab {m.vocab_size:,}, eos id {m.eos_id}, {m.dtype})",
             f"documents read {s['documents_in']:,}  kept {s['kept']:,}  dropped: {dropped}",
             f"replaced undecodable bytes/chars {s['replaced_bytes']:,}",
             "",
