@@ -135,6 +135,8 @@ def test_the_run_generates_evaluates_exports_and_imports_without_its_dataset(tra
     assert capsys.readouterr().out.startswith("def ")
     assert main(["eval", "--checkpoint-dir", str(run), "--data-path", str(tmp_path / "kept"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["bits_per_byte"] == before["bits_per_byte"]
+    assert main(["eval", "--checkpoint-dir", str(run), "--tasks", "piqa", "--limit", "2"]) == 0
+    assert "piqa" in capsys.readouterr().out
     assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 0
     exported = (tmp_path / "exported" / "tokenizer.json").read_bytes()
     assert exported == (trained / "ds" / "tokenizer.json").read_bytes()
@@ -205,6 +207,8 @@ def test_a_run_whose_tokenizer_copy_was_deleted_or_edited_is_refused(trained, tm
     _break(run / "tokenizer.json", how)
     what = "not there any more; put it back" if how == "deleted" else "changed since; put the original back"
     assert main(["generate", "--checkpoint-dir", str(run), "--max-new-tokens", "2"]) != 0
+    assert what in _error_line(capsys)
+    assert main(["eval", "--checkpoint-dir", str(run), "--tasks", "piqa", "--limit", "1"]) != 0
     assert what in _error_line(capsys)
     assert main(["export", str(run), "--out", str(tmp_path / "exported")]) != 0
     assert "put" in _error_line(capsys) and not (tmp_path / "exported").exists()
