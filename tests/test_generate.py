@@ -40,7 +40,9 @@ def test_same_seed_same_text_other_seed_other_text(loaded, tok):
 
 def test_stops_at_the_limit_and_streams_the_same_text(loaded, tok):
     pieces: list[str] = []
-    r = generate_text(loaded.model, tok, "import", max_new_tokens=9, seed=0, on_text=pieces.append)
+    r = generate_text(
+        loaded.model, tok, "import", max_new_tokens=9, seed=0, on_text=pieces.append, token_healing=False
+    )
     assert r.new_tokens == 9 and len(r.token_ids) == 9 and not r.stopped_at_eos
     assert "".join(pieces) == r.text == tok.decode(r.token_ids)
     assert r.prompt_tokens == 1 + len(tok.encode("import"))  # EOS (document start) + the prompt
@@ -48,17 +50,29 @@ def test_stops_at_the_limit_and_streams_the_same_text(loaded, tok):
 
 
 class _Scripted(torch.nn.Module):
-    """A stand-in model whose `generate` yields a fixed list of token ids (then stops)."""
+    """A stand-in model whose decode puts all probability on a fixed list of token ids, in order (then
+    on EOS): the prefill's logits pick the first, each step's the next."""
 
-    def __init__(self, ids: list[int]) -> None:
+    def __init__(self, ids: list[int], eos_id: int = 50256) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.cfg = type("Cfg", (), {"vocab_size": 50257})()
-        self.ids = ids
+        self.ids, self.eos_id = ids, eos_id
 
-    def generate(self, input_ids, max_new_tokens, **kw):
-        for i in self.ids[:max_new_tokens]:
-            yield torch.tensor([i])
+    def _logits(self, cache: list) -> torch.Tensor:
+        logits = torch.full((1, self.cfg.vocab_size), -1e9)
+        logits[0, self.ids[cache[0]] if cache[0] < len(self.ids) else self.eos_id] = 0.0
+        cache[0] += 1
+        return logits
+
+    def allocate_cache(self, batch_size, device=None):
+        return [0]
+
+    def prefill(self, input_ids, cache):
+        return self._logits(cache), cache
+
+    def step(self, token, cache):
+        return self._logits(cache)
 
 
 def test_streaming_holds_split_characters_back_and_decodes_each_token_once(tok):
@@ -77,14 +91,14 @@ def test_streaming_holds_split_characters_back_and_decodes_each_token_once(tok):
 
 def test_stops_at_eos(tok):
     model = eos_model()
-    r = generate_text(model, tok, "def f():", max_new_tokens=50, temperature=1.0, seed=0)
+    r = generate_text(model, tok, "def f():", max_new_tokens=50, temperature=1.0, seed=0, token_healing=False)
     assert r.stopped_at_eos and r.new_tokens == 1 and r.text == "" and r.token_ids == []
 
 
 def test_greedy_matches_a_full_forward(loaded, tok):
     # temperature 0: each new token is the argmax of the full-sequence forward pass (prefill + step
     # decoding agrees with the parallel forward).
-    r = generate_text(loaded.model, tok, "x = ", max_new_tokens=5, temperature=0)
+    r = generate_text(loaded.model, tok, "x = ", max_new_tokens=5, temperature=0, token_healing=False)
     ids = [tok.eos_id, *tok.encode("x = ")]
     for t in r.token_ids:
         with torch.no_grad():

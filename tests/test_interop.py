@@ -573,7 +573,10 @@ def test_a_run_started_from_init_from_resumes_without_its_source(tmp_path, capsy
     resumes from its own checkpoint, which holds the weights, with the model config recorded there."""
     src = write_official(tmp_path / "official", BASE, official_state_dict(BASE, dtype=torch.float32), "bin")
     import_official(str(src), tmp_path / "imported")
-    data = _word_dataset(tmp_path / "data", tmp_path / "imported" / "tokenizer.json")
+    # The data's tokenizer file stays where the data names it (outside the source that moves): a tokenizer
+    # cached by path used to hide, in this one process, that the data's was gone.
+    shutil.copy(tmp_path / "imported" / "tokenizer.json", tmp_path / "tokenizer.json")
+    data = _word_dataset(tmp_path / "data", tmp_path / "tokenizer.json")
     args = _train_args(data, tmp_path / "new", tmp_path / "imported")
     assert main([*args, "--max-steps", "2"]) == 0
     capsys.readouterr()

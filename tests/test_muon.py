@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mamba3lite.checkpoint import load_optimizer_state_by_name, optimizer_state_by_name
 from torch import nn
 
 from mamba3lite import cli
+from mamba3lite.checkpoint import load_optimizer_state_by_name, optimizer_state_by_name
 from mamba3lite.config import Config, TrainingConfig
 from mamba3lite.errors import ConfigError
 from mamba3lite.model import Mamba3Transformer

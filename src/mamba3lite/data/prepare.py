@@ -1,9 +1,15 @@
 """Raw text → verified token shards: read → clean → dedup → tokenize (parallel) → pack. Resumable.
 
 `prepare(sources, out, options)` is the library form of `mamba3lite prepare`. Each stage has its own
-module: `clean` (the worker side), `workers` (the pool, batched reading), `mixture` (which source is
-next), `packing` (the dedup set, the shard being filled), `stats` (the counters) and `staging`
-(snapshots, resume, the final move); this module is the loop that joins them. The pipeline:
+module: `fit_tokenizer` (with --train-tokenizer: a BPE fit to the train split, before anything else),
+`clean` (the worker side), `workers` (the pool, batched reading), `mixture` (which source is next),
+`packing` (the dedup set, the shard being filled), `stats` (the counters) and `staging` (snapshots,
+resume, the final move); this module is the loop that joins them. The pipeline:
+
+0. **Fit the tokenizer** (`--train-tokenizer N` only): the sources are read once for the first 16 MB of
+   train documents (the split is a hash of the cleaned text, so it is known before any token is), a
+   byte-level BPE of N ids is fit to them and written into the staging directory; it is moved into OUT
+   as `tokenizer.json` with the shards, and the manifest names it relative to OUT.
 
 1. **Read** (main process): each source (`sources.Source`) yields units in a fixed order.
 2. **Clean + tokenize** (worker processes, `--workers`): decode (UTF-8 without its byte-order mark, or
@@ -42,6 +48,7 @@ instead of sharing the staging directory; the file is removed when the run ends.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import shutil
@@ -55,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from mamba3lite.atomicfile import atomic_write_bytes
 from mamba3lite.data import shards, staging, workers
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
@@ -86,6 +94,7 @@ class PrepareOptions:
     """How a dataset is made from its sources: the `mamba3lite prepare` flags (see its --help)."""
 
     tokenizer: str = "gpt2"  # 'gpt2' (offline) or a path to a Hugging Face tokenizer.json
+    train_tokenizer: int | None = None  # fit a byte-level BPE of this many ids to the train split
     workers: int | None = None  # tokenizer processes (None: min(4, CPUs); 0: in this process)
     shard_tokens: int = DEFAULT_SHARD_TOKENS  # tokens per shard; documents are never split
     val_fraction: float = DEFAULT_VAL_FRACTION  # fraction of documents in val, chosen by content hash
@@ -119,16 +128,29 @@ class PrepareOptions:
             raise ConfigError(f"--target-tokens must be >= 1, got {self.target_tokens}")
         if self.max_docs is not None and self.max_docs < 1:
             raise ConfigError(f"--max-docs must be >= 1, got {self.max_docs}")
+        if self.train_tokenizer is not None:
+            from mamba3lite.tokenizer_train import check_n_ids
 
-    def args_record(self, specs: list[SourceSpec], tok) -> dict:
+            if self.tokenizer != "gpt2":
+                raise ConfigError(
+                    f"--train-tokenizer fits a new tokenizer and --tokenizer {self.tokenizer} names one: "
+                    "pass one of the two"
+                )
+            check_n_ids(self.train_tokenizer)
+
+    def args_record(self, specs: list[SourceSpec], tok: dict) -> dict:
         """What defines the dataset (the manifest's `extra["prepare"]`; a contract, key order included):
-        the same record means the same dataset, so it also decides resume and rebuild-in-place."""
+        the same record means the same dataset, so it also decides resume and rebuild-in-place. `tok`:
+        the manifest's tokenizer record. `train_tokenizer` is there only when set, so the records of
+        datasets tokenized otherwise are those of earlier versions."""
+        trained = {} if self.train_tokenizer is None else {"train_tokenizer": self.train_tokenizer}
         return {
             "pipeline_version": PIPELINE_VERSION,
             "format_version": shards.FORMAT_VERSION,
             "sources": [{"spec": s.spec, "weight": s.weight} for s in specs],
-            "tokenizer": tok.name,
-            "vocab_hash": tok.vocab_hash,
+            "tokenizer": tok["name"],
+            "vocab_hash": tok["vocab_hash"],
+            **trained,
             "shard_tokens": self.shard_tokens,
             "val_fraction": self.val_fraction,
             "min_chars": self.min_chars,
@@ -161,8 +183,11 @@ class PrepareSummary:
 
         s, m = self.stats, self.manifest
         dropped = ", ".join(f"{k} {v:,}" for k, v in s["dropped"].items())
+        name = m.tokenizer["name"]
+        if name == shards.TOKENIZER_NAME:
+            name = f"its own BPE, {self.out / name}"
         lines = [
-            f"dataset   {self.out}  ({m.tokenizer['name']}, vocab {m.vocab_size:,}, {m.dtype})",
+            f"dataset   {self.out}  ({name}, vocab {m.vocab_size:,}, eos id {m.eos_id}, {m.dtype})",
             f"documents read {s['documents_in']:,}  kept {s['kept']:,}  dropped: {dropped}",
             f"replaced undecodable bytes/chars {s['replaced_bytes']:,}",
             "",
@@ -374,15 +399,15 @@ def prepare(
     t_start = time.perf_counter()
     opts = dataclasses.replace(options or PrepareOptions(), **fields)
     specs, opts = _resolve_specs(sources, mixture, opts)
-    tok = load_tokenizer(opts.tokenizer)
     resolved = [Source(s.spec, text_field=opts.text_field, max_docs=opts.max_docs) for s in specs]
     out = Path(out)
     _skip_own_output(resolved, out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
+    tok = _DatasetTokenizer.make(resolved, opts)  # fit to the train split before anything is written
     out_existed = out.exists()
     with _lock(out):
-        record = opts.args_record(specs, tok)
+        record = opts.args_record(specs, tok.record)
         try:
             mixer = Mixer(
                 [s.weight for s in specs], [src.size_bytes() for src in resolved], opts.target_tokens
@@ -399,12 +424,51 @@ def prepare(
             return PrepareSummary(out, finished, finished.extra["stats"], seconds, len(finished.shards))
         _check_out(out, record, opts.overwrite)
         _start_or_resume(run)
-        cfg = WorkerConfig(tok.name, opts.min_chars, opts.text_field, opts.seed, opts.val_fraction)
+        cfg = WorkerConfig(tok.stage(stage), opts.min_chars, opts.text_field, opts.seed, opts.val_fraction)
         _run_pipeline(run, cfg, out_existed)
         manifest = _manifest(run, tok)
         stage.finalize(manifest)
         seconds = time.perf_counter() - t_start
         return PrepareSummary(out, manifest, manifest.extra["stats"], seconds, run.resumed_shards)
+
+
+@dataclass(frozen=True)
+class _DatasetTokenizer:
+    """The dataset's tokenizer: `record` is the manifest's {"name", "vocab_hash"}; `trained` the bytes of
+    the tokenizer.json fit by `--train-tokenizer` (None: an existing tokenizer, `loaded`)."""
+
+    record: dict
+    vocab_size: int
+    eos_id: int
+    trained: bytes | None = None
+    loaded: str | None = None
+
+    @classmethod
+    def make(cls, sources: list[Source], opts: PrepareOptions) -> _DatasetTokenizer:
+        if opts.train_tokenizer is None:
+            tok = load_tokenizer(opts.tokenizer)
+            record = {"name": tok.name, "vocab_hash": tok.vocab_hash}
+            return cls(record, tok.vocab_size, tok.eos_id, loaded=tok.name)
+        from mamba3lite.data.fit_tokenizer import fit_tokenizer
+        from mamba3lite.tokenizer_train import trained_eos_id
+
+        raw = fit_tokenizer(sources, opts)
+        record = {"name": shards.TOKENIZER_NAME, "vocab_hash": hashlib.sha256(raw).hexdigest()}
+        return cls(record, opts.train_tokenizer, trained_eos_id(), trained=raw)
+
+    def stage(self, stage: Stage) -> str:
+        """What the workers load: the trained tokenizer, written into the staging directory (moved into
+        the dataset with the shards, `staging.commit`), or the existing one."""
+        if self.trained is None:
+            assert self.loaded is not None
+            return self.loaded
+        path = stage.dir / shards.TOKENIZER_NAME
+        atomic_write_bytes(path, self.trained)
+        tok = load_tokenizer(str(path))  # built here once: forked workers inherit it
+        assert (tok.vocab_size, tok.eos_id, tok.vocab_hash) == (
+            self.vocab_size, self.eos_id, self.record["vocab_hash"]
+        ), (tok.vocab_size, tok.eos_id)  # fmt: skip
+        return str(path)
 
 
 def _lock(out: Path) -> DirLock:
@@ -482,13 +546,13 @@ def _run_pipeline(run: _Run, cfg: WorkerConfig, out_existed: bool) -> None:
         )
 
 
-def _manifest(run: _Run, tok) -> Manifest:
+def _manifest(run: _Run, tok: _DatasetTokenizer) -> Manifest:
     order = {split: k for k, split in enumerate(SPLITS)}
     return Manifest(
         vocab_size=tok.vocab_size,
         eos_id=tok.eos_id,
         dtype=np.dtype(run.stage.dtype).newbyteorder("=").name,
-        tokenizer={"name": tok.name, "vocab_hash": tok.vocab_hash},
+        tokenizer=dict(tok.record),
         shards=sorted(run.state.shards, key=lambda s: (order[s.split], s.path)),
         extra={"prepare": run.stage.args_record, "stats": run.state.stats.to_dict(public=True)},
     )
@@ -532,8 +596,8 @@ def _check_out(out: Path, args_record: dict, overwrite: bool) -> None:
     )
     if overwrite or not shards.has_manifest(out):
         return
-    try:
-        previous = Manifest.load(out).extra.get("prepare")
+    try:  # its tokenizer is not checked: the same arguments rebuild a dataset whose tokenizer was deleted
+        previous = Manifest.load(out, check_tokenizer=False).extra.get("prepare")
     except DataError:
         previous = None
     if previous == args_record:

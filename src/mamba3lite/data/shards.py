@@ -23,6 +23,7 @@ Everything that reads or writes token files goes through this module.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
@@ -36,6 +37,8 @@ from mamba3lite.errors import DataError, DataNotFoundError
 
 FORMAT_VERSION: int = 1
 MANIFEST_NAME = "manifest.json"
+# A dataset's own tokenizer (`prepare --train-tokenizer`), recorded in the manifest by this relative name.
+TOKENIZER_NAME = "tokenizer.json"
 SPLITS = ("train", "val")
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -126,7 +129,9 @@ class Manifest:
     vocab_size: int
     eos_id: int
     dtype: str  # "uint16" | "uint32" (little-endian on disk)
-    tokenizer: dict  # {"name": "gpt2", "vocab_hash": "<sha256>"}
+    # {"name": "gpt2" | an absolute tokenizer.json path | "tokenizer.json" (the dataset's own, relative to
+    # it; `load` gives its path), "vocab_hash": "<sha256>" (of the tokenizer.json file, or GPT-2's ranks)}
+    tokenizer: dict
     shards: list[ShardInfo]
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form: sources, filter counts, prepare args...
@@ -202,14 +207,25 @@ class Manifest:
         atomic_write_json(Path(dataset_dir) / MANIFEST_NAME, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | Path) -> Manifest:
+    def load(cls, path: str | Path, *, check_tokenizer: bool = True) -> Manifest:
         """Read DIR/manifest.json (a path to the manifest file itself also works). DataError naming the
-        file on any problem; DataNotFoundError when it does not exist."""
-        p = dataset_dir(path) / MANIFEST_NAME
+        file on any problem; DataNotFoundError when it does not exist.
+
+        A tokenizer recorded by a name relative to the dataset (its own, `prepare --train-tokenizer`:
+        "tokenizer.json") comes back as the path of that file, so the directory can be moved; with
+        `check_tokenizer` that file must be there with the recorded sha256 (`check_own_tokenizer`)."""
+        root = dataset_dir(path)
+        p = root / MANIFEST_NAME
         # The border reader: a pipe or device named manifest.json, a 5,000-digit count, NaN, deep
         # nesting or bytes that are not UTF-8 are each one DataError naming the file.
         d = intake.read_json(p, intake.MANIFEST, top=None)
-        return cls.from_dict(d, where=str(p))
+        m = cls.from_dict(d, where=str(p))
+        name = m.tokenizer["name"]
+        if is_own_tokenizer(name):
+            if check_tokenizer:
+                check_own_tokenizer(root, name, m.tokenizer["vocab_hash"])
+            m.tokenizer["name"] = str(root.resolve() / name)
+        return m
 
     def split_shards(self, split: str) -> list[ShardInfo]:
         """The shards of one split, in manifest (= reading) order."""
@@ -223,6 +239,29 @@ class Manifest:
         """Source-text UTF-8 bytes in one split (or all); 0 when any shard's count is unknown."""
         chosen = [s for s in self.shards if split is None or s.split == split]
         return 0 if any(s.n_bytes == 0 and s.n_tokens for s in chosen) else sum(s.n_bytes for s in chosen)
+
+
+def is_own_tokenizer(name: str) -> bool:
+    """Whether a manifest's tokenizer name is a file inside the dataset (a relative path such as
+    "tokenizer.json", not "gpt2" or an absolute path)."""
+    from mamba3lite.tokenizer import is_tokenizer_file
+
+    return is_tokenizer_file(name) and not PurePosixPath(name).is_absolute() and not Path(name).is_absolute()
+
+
+def check_own_tokenizer(root: Path, name: str, vocab_hash: str) -> None:
+    """DataError unless ROOT/name, the tokenizer the dataset's tokens were made with, is there with
+    sha256 `vocab_hash`: deleted or edited after `prepare`, the token ids mean nothing."""
+    path = Path(root) / name
+    fix = "put the original back, or run `mamba3lite prepare` again to rebuild the dataset"
+    if not os.path.lexists(path):
+        raise DataError(f"{path}, the tokenizer the dataset {root} was prepared with, is missing; {fix}")
+    sha = hashlib.sha256(intake.read_bytes_capped(path, intake.TOKENIZER)).hexdigest()
+    if sha != vocab_hash:
+        raise DataError(
+            f"{path} changed since the dataset was prepared (sha256 {sha[:12]}, the manifest records "
+            f"{vocab_hash[:12]}): the token ids mean nothing under another vocabulary; {fix}"
+        )
 
 
 def write_shard(

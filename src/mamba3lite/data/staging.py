@@ -2,6 +2,7 @@
 
     OUT/.prepare.lock       held (mamba3lite.dirlock) from before a run looks at OUT until it ends
     OUT/.prepare/           the staging directory: train/ val/ shards as they are written, and
+      tokenizer.json        the tokenizer fit by --train-tokenizer (written again by every run)
       state.json            the last snapshot: arguments, source fingerprints, cursors, counters, shards
       pending.N.bin         both splits' partly filled shards at snapshot N (train's tokens, then val's)
       seen.bin              the dedup digests, appended at each snapshot (state.json says how many count)
@@ -28,7 +29,15 @@ from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.data.clean import DIGEST_BYTES
 from mamba3lite.data.packing import Dedup, Packer
-from mamba3lite.data.shards import MANIFEST_NAME, SPLITS, Manifest, ShardInfo
+from mamba3lite.data.shards import (
+    MANIFEST_NAME,
+    SPLITS,
+    TOKENIZER_NAME,
+    Manifest,
+    ShardInfo,
+    check_own_tokenizer,
+    is_own_tokenizer,
+)
 from mamba3lite.data.stats import PrepareStats
 from mamba3lite.errors import Mamba3LiteError
 
@@ -175,8 +184,11 @@ class Stage:
         completed its dataset and was interrupted while moving it into `out` (`commit`), and every shard
         it lists verifies, in the stage or already in `out`; else None."""
         try:
-            manifest = Manifest.load(self.dir)
+            manifest = Manifest.load(self.dir, check_tokenizer=False)
             record = intake.read_json(self.dir / COMMIT_NAME, intake.STAGE_STATE)
+            if is_own_tokenizer(own := self.args_record["tokenizer"]):  # in the stage, or moved already
+                where = self.dir if (self.dir / own).exists() else self.dir.parent
+                check_own_tokenizer(where, own, manifest.tokenizer["vocab_hash"])
         except (Mamba3LiteError, OSError):
             return None
         same_sources = record.get("fingerprints") == self.fingerprints
@@ -212,6 +224,11 @@ def commit(stage: Path, out: Path, manifest: Manifest) -> None:
         old.unlink()  # from here on `out` is not a dataset until the new manifest lands
         fsync_dir(out)
     listed = {s.split for s in manifest.shards}
+    tokenizer = stage / TOKENIZER_NAME
+    if tokenizer.exists():  # the dataset's own (--train-tokenizer): before the manifest that names it
+        os.replace(tokenizer, out / TOKENIZER_NAME)
+    elif manifest.tokenizer["name"] == "gpt2" and (out / TOKENIZER_NAME).is_file():
+        (out / TOKENIZER_NAME).unlink()  # an older dataset's own tokenizer, which nothing names now
     for split in SPLITS:
         dst = out / split
         if (stage / split).is_dir():

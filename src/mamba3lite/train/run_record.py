@@ -1,5 +1,8 @@
-"""The run's record of itself: RUN/config.yaml (the resolved config) and RUN/run.json (the data it
-trains on, the manifest hash, the code version, and one entry per start, the last 50)."""
+"""The run's record of itself: RUN/config.yaml (the resolved config), RUN/run.json (the data it
+trains on, the manifest hash, the code version, and one entry per start, the last 50) and, when the data
+was tokenized with a tokenizer.json (its own, `prepare --train-tokenizer`, or one given), a copy of it as
+RUN/tokenizer.json: the checkpoints record it by that relative name, so the run keeps generating,
+evaluating and exporting when the dataset is deleted or moved."""
 
 from __future__ import annotations
 
@@ -11,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from mamba3lite import intake
-from mamba3lite.atomicfile import atomic_write_json
+from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json
 from mamba3lite.config import Config, write_resolved_config
-from mamba3lite.data.shards import MANIFEST_NAME, dataset_dir
-from mamba3lite.errors import Mamba3LiteError
-from mamba3lite.rundir import CONFIG_NAME, RUN_RECORD_NAME
+from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir
+from mamba3lite.errors import DataError, Mamba3LiteError
+from mamba3lite.rundir import CONFIG_NAME, RUN_RECORD_NAME, TOKENIZER_NAME
+from mamba3lite.tokenizer import is_tokenizer_file
 
 KEEP_STARTS = 50
 
@@ -53,11 +57,14 @@ def manifest_sha256(path: str | None) -> str | None:
 
 def data_identity(manifest: Any, data_path: str | None) -> dict | None:
     """What a checkpoint records of its training data, to compare on resume: tokenizer and the
-    manifest's hash. None without a manifest."""
+    manifest's hash. None without a manifest. A tokenizer.json is recorded as the run's copy of it,
+    "tokenizer.json" relative to the run directory (`copy_tokenizer`; `pretrained.recorded_tokenizer`
+    joins it to the run directory)."""
     if manifest is None:
         return None
+    name = manifest.tokenizer.get("name")
     return {
-        "tokenizer": manifest.tokenizer.get("name"),
+        "tokenizer": TOKENIZER_NAME if name and is_tokenizer_file(name) else name,
         "vocab_hash": manifest.tokenizer.get("vocab_hash"),
         "vocab_size": manifest.vocab_size,
         "eos_id": manifest.eos_id,
@@ -124,9 +131,28 @@ def run_records_problem(run_dir: Path) -> str | None:
     return None
 
 
+def copy_tokenizer(cfg: Config, run_dir: Path, data: dict | None) -> None:
+    """Copy the tokenizer.json the training data was tokenized with to RUN/tokenizer.json, when `data`
+    (`data_identity`) records one; its sha256 is checked against the record (the manifest's vocab_hash):
+    a tokenizer file changed since `prepare` is a DataError, not a run whose copy means nothing."""
+    if not data or data.get("tokenizer") != TOKENIZER_NAME or cfg.data.dummy:
+        return
+    manifest = Manifest.load(cfg.data.train_data_path or "", check_tokenizer=True)
+    source = Path(manifest.tokenizer["name"])
+    raw = intake.read_bytes_capped(source, intake.TOKENIZER)
+    if hashlib.sha256(raw).hexdigest() != data.get("vocab_hash"):
+        raise DataError(
+            f"{source} changed since the data at {cfg.data.train_data_path} was tokenized with it (its "
+            "sha256 differs from the manifest's vocab_hash); put the original back, or prepare the data again"
+        )
+    atomic_write_bytes(Path(run_dir) / TOKENIZER_NAME, raw)
+
+
 def write_run_records(cfg: Config, run_dir: Path, start: dict, data: dict | None) -> dict:
-    """Write RUN/config.yaml and RUN/run.json with one more entry in its `starts` (`start`: world_size,
-    resume, device); returns the code version recorded."""
+    """Write RUN/config.yaml, RUN/run.json with one more entry in its `starts` (`start`: world_size,
+    resume, device) and the run's copy of its tokenizer (`copy_tokenizer`); returns the code version
+    recorded."""
+    copy_tokenizer(cfg, run_dir, data)
     write_resolved_config(cfg, run_dir / CONFIG_NAME)
     version = code_version()
     path = run_dir / RUN_RECORD_NAME
