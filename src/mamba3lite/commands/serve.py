@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the model id clients send (default: the run dir's name)",
     )
+    _add_limits(parser)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
     a("--max-batch-size", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
     a(
         "--max-queue",

@@ -307,8 +307,6 @@ def create_app(
     """The ASGI app. `chat(messages) -> (text, stops)` renders chats; with `manage_engine` the app's
     lifespan starts the engine and stops it at shutdown (cancelling what is left)."""
     metrics = metrics or Metrics()
-    responder = _Responder(model_name, tokenizer, metrics)
-    vocab = engine.vocab_size
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -323,7 +321,13 @@ def create_app(
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, metrics=metrics, api_key=api_key)
     app.state.engine, app.state.metrics = engine, metrics
+    _error_handlers(app)
+    _openai_routes(app, engine, tokenizer, model_name, limits, chat, metrics)
+    _tokenizer_routes(app, tokenizer, limits, chat_template)
+    return app
 
+
+def _error_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
         return _json(e.body(), e.status, e.headers)
@@ -331,10 +335,8 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         code = "not_found" if e.status_code == 404 else None
-        return _json(
-            APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).body(),
-            e.status_code,
-        )
+        err = APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code)
+        return _json(err.body(), e.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):
@@ -342,6 +344,12 @@ def create_app(
             500, f"internal error: {type(e).__name__}: {e}", type="server_error", code="internal_error"
         )
         return _json(err.body(), 500)
+
+
+def _openai_routes(app, engine, tokenizer, model_name: str, limits: Limits, chat, metrics: Metrics) -> None:
+    responder = _Responder(model_name, tokenizer, metrics)
+    vocab = engine.vocab_size
+    model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mamba3lite"}
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -375,8 +383,6 @@ def create_app(
         req = parse_chat(await read_body(request, limits), limits, tokenizer, vocab, chat)
         return await run(request, req, True)
 
-    model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mamba3lite"}
-
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card]}
@@ -393,9 +399,6 @@ def create_app(
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(metrics.render(engine), media_type="text/plain; version=0.0.4")
-
-    _tokenizer_routes(app, tokenizer, limits, chat_template)
-    return app
 
 
 def _tokenizer_routes(app, tokenizer, limits: Limits, chat_template: str | None) -> None:

@@ -28,79 +28,86 @@ class Metrics:
             self.disconnects += 1
 
     def render(self, engine) -> str:
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(f"{name}{labels} {value:g}" for labels, value in samples)
-
         with self._lock:
             reqs = sorted(self.requests.items())
             disconnects = self.disconnects
-        metric(
+        out = _family(
             "mamba3lite_requests_total", "counter", "HTTP requests answered, by endpoint and status.",
             [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in reqs] or [("", 0)],
         )  # fmt: skip
-        metric(
+        out += _family(
             "mamba3lite_client_disconnects_total",
             "counter",
             "Requests whose client went away.",
             [("", disconnects)],
         )
-        metric(
-            "mamba3lite_prompt_tokens_total",
-            "counter",
-            "Prompt tokens of admitted requests.",
-            [("", engine.prompt_tokens)],
-        )
-        metric(
-            "mamba3lite_prefill_tokens_total",
-            "counter",
-            "Prompt tokens actually prefilled (cache hits skip some).",
-            [("", engine.prefill_tokens)],
-        )
-        metric(
-            "mamba3lite_completion_tokens_total",
-            "counter",
-            "Tokens generated.",
-            [("", engine.completion_tokens)],
-        )
-        metric("mamba3lite_decode_steps_total", "counter", "Batched decode steps.", [("", engine.steps)])
-        metric("mamba3lite_batch_occupancy", "gauge", "Rows in the running batch.", [("", engine.active)])
-        metric(
-            "mamba3lite_batch_capacity",
-            "gauge",
-            "The most rows the batch holds (--max-batch-size).",
-            [("", engine.max_batch_size)],
-        )
-        metric(
-            "mamba3lite_queue_length",
-            "gauge",
-            "Requests waiting to join the batch.",
-            [("", engine.queue_len)],
-        )
-        pc = engine.prefix_cache
-        metric(
-            "mamba3lite_prefix_cache_hits_total",
-            "counter",
-            "Prompts that started from a cached state.",
-            [("", pc.hits)],
-        )
-        metric(
-            "mamba3lite_prefix_cache_misses_total",
-            "counter",
-            "Prompts with no cached prefix.",
-            [("", pc.misses)],
-        )
-        metric("mamba3lite_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", [("", pc.bytes)])
-        metric(
-            "mamba3lite_prefix_cache_capacity_bytes",
-            "gauge",
-            "The prefix cache's bound (--prefix-cache-mb).",
-            [("", pc.max_bytes)],
-        )
-        metric(
-            "mamba3lite_prefix_cache_entries", "gauge", "States held by the prefix cache.", [("", len(pc))]
-        )
+        for name, kind, help_, read in ENGINE_METRICS:
+            out += _family(name, kind, help_, [("", read(engine))])
         return "\n".join(out) + "\n"
+
+
+def _family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *(f"{name}{lab} {v:g}" for lab, v in samples)]
+
+
+# (name, type, help, how to read it from the engine) of everything /metrics reads from the engine.
+ENGINE_METRICS = (
+    (
+        "mamba3lite_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of admitted requests.",
+        lambda e: e.prompt_tokens,
+    ),
+    (
+        "mamba3lite_prefill_tokens_total",
+        "counter",
+        "Prompt tokens actually prefilled (cache hits skip some).",
+        lambda e: e.prefill_tokens,
+    ),
+    ("mamba3lite_completion_tokens_total", "counter", "Tokens generated.", lambda e: e.completion_tokens),
+    ("mamba3lite_decode_steps_total", "counter", "Batched decode steps.", lambda e: e.steps),
+    ("mamba3lite_batch_occupancy", "gauge", "Rows in the running batch.", lambda e: e.active),
+    (
+        "mamba3lite_batch_capacity",
+        "gauge",
+        "The most rows the batch holds (--max-batch-size).",
+        lambda e: e.max_batch_size,
+    ),
+    ("mamba3lite_queue_length", "gauge", "Requests waiting to join the batch.", lambda e: e.queue_len),
+    (
+        "mamba3lite_prefix_cache_hits_total",
+        "counter",
+        "Prompts that started from a cached state.",
+        lambda e: e.prefix_cache.hits,
+    ),
+    (
+        "mamba3lite_prefix_cache_misses_total",
+        "counter",
+        "Prompts with no cached prefix.",
+        lambda e: e.prefix_cache.misses,
+    ),
+    (
+        "mamba3lite_prefix_cache_tokens_saved_total",
+        "counter",
+        "Prompt tokens not prefilled thanks to a hit.",
+        lambda e: e.prefix_cache.tokens_saved,
+    ),
+    (
+        "mamba3lite_prefix_cache_bytes",
+        "gauge",
+        "Bytes held by the prefix cache.",
+        lambda e: e.prefix_cache.bytes,
+    ),
+    (
+        "mamba3lite_prefix_cache_capacity_bytes",
+        "gauge",
+        "The prefix cache's bound (--prefix-cache-mb).",
+        lambda e: e.prefix_cache.max_bytes,
+    ),
+    (
+        "mamba3lite_prefix_cache_entries",
+        "gauge",
+        "States held by the prefix cache.",
+        lambda e: len(e.prefix_cache),
+    ),
+)
