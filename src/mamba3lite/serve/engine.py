@@ -256,11 +256,17 @@ class Engine:
     def _decode_once(self) -> None:
         keep: list[int] = []
         tokens: list[int] = []
+        # Greedy rows without penalties: one argmax over the batch (the same values, the same argmax).
+        greedy_B = (
+            self._logits_BV.argmax(dim=-1).tolist()
+            if any(r.sampler.plain_greedy for r in self._rows)
+            else None
+        )
         for i, row in enumerate(self._rows):
             if row.job.cancelled:
                 self._finish(row, "cancelled")
                 continue
-            token = row.sampler.choose(self._logits_BV[i])
+            token = greedy_B[i] if row.sampler.plain_greedy else row.sampler.choose(self._logits_BV[i])
             if not self._accept(row, token, self._logits_BV[i]):
                 keep.append(i)
                 tokens.append(token)

@@ -47,6 +47,8 @@ class RowSampler:
         self.s = sampling
         self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
         self.counts_V = torch.zeros(vocab_size, device=device) if sampling.penalised else None
+        # argmax of the raw logits: the batch can take it for this row in one call
+        self.plain_greedy = sampling.temperature == 0 and not sampling.penalised
 
     def choose(self, logits_V: Tensor) -> int:
         logits_1V = logits_V[None]

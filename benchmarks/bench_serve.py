@@ -1,0 +1,184 @@
+"""`mamba3lite serve` side by side: batched decoding, the prefix-state cache, and the HTTP overhead.
+
+    python benchmarks/bench_serve.py [--preset tiny] [--tokens 64] [--prompt-tokens 2048]
+                                     [--streams 1,8,32] [--threads 2] [--repeat 2]
+
+One process: the preset's model (random weights: speed does not depend on them) behind the real server
+(FastAPI + uvicorn on 127.0.0.1, in a thread) and httpx clients. Each pair is measured in the same run:
+  decode     aggregate completion tokens/s of N concurrent greedy streams of --tokens tokens each
+             (wall time from the first request to the last [DONE]), against 1 stream
+  TTFT       time to the first streamed token of a --prompt-tokens prompt (token ids), first seen
+             (prefilled in full) against the same prompt again (a prefix-cache hit), and a prompt that
+             shares those tokens plus 16 new ones (a boundary hit: only the tail is prefilled)
+  overhead   tokens/s of one server stream against `generation.generate_text` in process, same prompt
+Targets (issue 26): decode at 32 streams >= 8x 1 stream (tiny); TTFT >= 10x faster on a hit at 2,048
+tokens; one server stream >= 0.9x generate. Best of --repeat. The clients share the server's process and
+cores, and the machine may be shared: quote the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import threading
+import time
+
+import httpx
+import torch
+
+from mamba3lite.config import load_config
+from mamba3lite.generation import generate_text
+from mamba3lite.model import Mamba3Transformer
+from mamba3lite.serve.api import create_app
+from mamba3lite.serve.chat import ChatRenderer
+from mamba3lite.serve.engine import Engine
+from mamba3lite.serve.prefix_cache import PrefixCache
+from mamba3lite.serve.protocol import Limits
+from mamba3lite.serve.server import bind_socket, make_server, serve_forever
+from mamba3lite.tokenizer import load_tokenizer
+
+
+def start_server(model, tok, max_batch: int):
+    engine = Engine(model, tok, max_batch_size=max_batch, max_queue=1024, prefix_cache=PrefixCache(256 << 20))
+    app = create_app(
+        engine, tok, model_name="bench", limits=Limits(max_tokens=4096, max_prompt_tokens=65536),
+        api_key=None, chat=ChatRenderer(None, tok.decode([tok.eos_id])),
+    )  # fmt: skip
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_server(app, sock, grace_s=2)
+    thread = threading.Thread(target=serve_forever, args=(server,), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}", engine
+
+
+async def stream(client, url: str, body: dict) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds to [DONE], completion tokens) of one streamed request."""
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"]:
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return first, time.perf_counter() - t0, tokens
+
+
+async def decode_rate(url: str, n_streams: int, tokens: int, salt: int) -> float:
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=256)) as c:
+        bodies = [
+            {"prompt": f"row_{salt}_{i} = ", "max_tokens": tokens, "temperature": 0} for i in range(n_streams)
+        ]
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(stream(c, url, b) for b in bodies))
+        return sum(o[2] for o in out) / (time.perf_counter() - t0)
+
+
+async def ttft(url: str, ids: list[int]) -> float:
+    async with httpx.AsyncClient(timeout=3600) as c:
+        return (await stream(c, url, {"prompt": ids, "max_tokens": 1, "temperature": 0}))[0]
+
+
+def row(name: str, a: str, b: str, ratio: float, target: float | None) -> str:
+    mark = "" if target is None else f">= {target:g}x" + ("" if ratio >= target else " MISS")
+    return f"| {name} | {a} | {b} | {ratio:.2f}x | {mark} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = load_config(args.preset)
+    model = Mamba3Transformer(cfg.model).eval()
+    tok = load_tokenizer("gpt2")
+    streams = [int(s) for s in args.streams.split(",")]
+    server, thread, url, engine = start_server(model, tok, max(streams))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} thread(s), {platform.platform()}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"torch {torch.__version__}, cpu, preset {args.preset} ({n_params / 1e6:.2f}M parameters), fp32")
+    print(
+        f"{args.tokens} new tokens per stream, {args.prompt_tokens}-token TTFT prompt, best of {args.repeat}"
+    )
+    print()
+    asyncio.run(decode_rate(url, max(streams), 8, -1))  # warm-up: every batch size up to the largest
+    rates = {
+        s: max(asyncio.run(decode_rate(url, s, args.tokens, r * 1000 + s)) for r in range(args.repeat))
+        for s in streams
+    }
+    g = torch.Generator().manual_seed(1)
+    miss, hit, tail = [], [], []
+    for _ in range(args.repeat):
+        ids = torch.randint(0, tok.eos_id, (args.prompt_tokens,), generator=g).tolist()
+        miss.append(asyncio.run(ttft(url, ids)))
+        hit.append(asyncio.run(ttft(url, ids)))
+        tail.append(asyncio.run(ttft(url, ids + torch.randint(0, tok.eos_id, (16,), generator=g).tolist())))
+    prompt = "def main():"
+    gen, srv = [], []
+    for _ in range(args.repeat):
+        res = generate_text(model, tok, prompt, max_new_tokens=args.tokens, temperature=0.0)
+        gen.append(res.new_tokens / res.seconds)
+        srv.append(asyncio.run(decode_rate_one(url, prompt, args.tokens)))
+    server.should_exit = True
+    thread.join(30)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| measurement | A | B | B/A | target |")
+    print("|---|---|---|---|---|")
+    one = rates[streams[0]]
+    for s in streams[1:]:
+        target = 8.0 if (s == 32 and args.preset == "tiny") else None
+        print(
+            row(
+                f"decode tokens/s, {streams[0]} vs {s} streams",
+                f"{one:.1f}",
+                f"{rates[s]:.1f}",
+                rates[s] / one,
+                target,
+            )
+        )
+    m, h, t = min(miss), min(hit), min(tail)
+    print(
+        row(
+            f"TTFT s, {args.prompt_tokens}-token prompt: miss vs full hit",
+            f"{m:.3f}",
+            f"{h:.3f}",
+            m / h,
+            10.0,
+        )
+    )
+    print(row(f"TTFT s, miss vs shared {args.prompt_tokens} + 16 new", f"{m:.3f}", f"{t:.3f}", m / t, None))
+    gb, sb = max(gen), max(srv)
+    print(row("tokens/s, generate vs 1 server stream", f"{gb:.1f}", f"{sb:.1f}", sb / gb, 0.9))
+    print(
+        f"\nprefix cache: {engine.prefix_cache.hits} hits, {engine.prefix_cache.bytes / 2**20:.1f} MiB held"
+    )
+
+
+def decode_rate_one(url: str, prompt: str, tokens: int):
+    async def go():
+        async with httpx.AsyncClient(timeout=3600) as c:
+            t0 = time.perf_counter()
+            _, _, n = await stream(c, url, {"prompt": prompt, "max_tokens": tokens, "temperature": 0})
+            return n / (time.perf_counter() - t0)
+
+    return go()
+
+
+if __name__ == "__main__":
+    main()
