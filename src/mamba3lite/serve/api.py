@@ -31,7 +31,6 @@ ENDPOINTS = (
     "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
     "/tokenizer_info", "/tokenize", "/detokenize",
 )  # fmt: skip
-DISCONNECT_POLL_S = 0.5
 
 
 class _Guard:
@@ -113,17 +112,28 @@ class _Submission:
             job.cancel()
 
     async def events(self, request):
-        """(index, event) until every job has Finished; cancels the jobs if the client goes away."""
-        while self.open:
-            try:
-                index, ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ConnectionError("client disconnected") from None
-                continue
-            if isinstance(ev, Finished):
-                self.open -= 1
-            yield index, ev
+        """(index, event) until every job has Finished; ConnectionError (after cancelling the jobs) if
+        the client goes away. One watcher task per request reads the ASGI disconnect message, so the
+        per-token path is a plain queue get."""
+        watcher = asyncio.ensure_future(self._watch(request))
+        try:
+            while self.open:
+                index, ev = await self.queue.get()
+                if index is None:
+                    self.cancel()
+                    raise ConnectionError("client disconnected")
+                if isinstance(ev, Finished):
+                    self.open -= 1
+                yield index, ev
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self.queue.put_nowait((None, None))
+                return
 
 
 class _Choice:
