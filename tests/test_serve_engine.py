@@ -180,3 +180,24 @@ def test_stop_and_cancel_free_their_rows(loaded, tok):
         assert engine.active == 0 and engine.queue_len == 0
     finally:
         engine.stop()
+
+
+def test_batch_state_keeps_each_rows_state_through_joins_swap_removes_and_growth(loaded):
+    from mamba3lite.serve.batch_state import BatchState, state_tensors
+
+    model = loaded.model
+    state = BatchState(model, max_rows=8, initial_rows=2)
+    rows = []
+    for i in range(6):  # grows 2 -> 4 -> 8
+        c = model.allocate_cache(1)
+        for t in state_tensors(c):
+            t.fill_(i)
+        state.add(c)
+        rows.append(i)
+    for i in (4, 0):  # remove rows 4 and 0: the last row moves into each place
+        state.remove(i)
+        rows[i] = rows[-1]
+        rows.pop()
+    assert state.n == 4 and state.capacity == 8
+    for t in state_tensors(state.view()):
+        assert [int(t[r].flatten()[0]) for r in range(state.n)] == rows

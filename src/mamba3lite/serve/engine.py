@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mamba3lite.model.mamba3 import linear_in_own_dtype
-from mamba3lite.serve.batch_state import cat_caches, load_state, select_rows, state_tensors
+from mamba3lite.serve.batch_state import BatchState, load_state, state_tensors
 from mamba3lite.serve.prefix_cache import PrefixCache, prefix_hashes
 from mamba3lite.serve.sampling import RowSampler, Sampling, top_logprobs
 from mamba3lite.serve.textout import StopMatcher, TokenText
@@ -121,8 +121,8 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._rows: list[_Row] = []
-        self._cache = None
-        self._logits_BV: torch.Tensor | None = None
+        self._state = BatchState(model, max_batch_size)
+        self._logits_BV: torch.Tensor | None = None  # row i's next-token logits
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.prompt_tokens = self.prefill_tokens = self.completion_tokens = self.steps = 0
@@ -169,8 +169,10 @@ class Engine:
                         break
                     room = self.max_batch_size - len(self._rows)
                     joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                for job in joining:
-                    self._admit(job)
+                joined = [lg for lg in (self._admit(job) for job in joining) if lg is not None]
+                if joined:
+                    parts = [self._logits_BV, *joined] if self._logits_BV is not None else joined
+                    self._logits_BV = torch.cat(parts)
                 if self._rows:
                     self._decode_once()
         self._cancel_all()
@@ -182,29 +184,31 @@ class Engine:
             _send(job, Finished("cancelled", len(job.prompt_ids) - job.report_from, 0))
         for row in self._rows:
             self._finish(row, "cancelled")
-        self._rows, self._cache, self._logits_BV = [], None, None
+        self._drop_all()
 
-    def _admit(self, job: Job) -> None:
+    def _drop_all(self) -> None:
+        self._rows, self._logits_BV = [], None
+        self._state.n = 0
+
+    def _admit(self, job: Job) -> torch.Tensor | None:
+        """Prefill `job` and add its row; returns its next-token logits (1, V), None when it did not join."""
         n_prompt = len(job.prompt_ids) - job.report_from
         if job.cancelled:
             _send(job, Finished("cancelled", n_prompt, 0))
-            return
+            return None
         try:
             cache_1, logits_1V = self._prefill(job)
         except Exception as e:  # an allocation failure must not take the loop down
             _send(job, Finished("error", n_prompt, 0, f"prefill failed: {e}"))
-            return
+            return None
         self.prompt_tokens += n_prompt
         row = _Row(job, self.tokenizer, self.vocab_size, self.device)
         if job.sampling.max_tokens == 0:
             self._finish(row, "length")
-            return
+            return None
         self._rows.append(row)
-        if self._cache is None:
-            self._cache, self._logits_BV = cache_1, logits_1V
-        else:
-            self._cache = cat_caches([self._cache, cache_1])
-            self._logits_BV = torch.cat([self._logits_BV, logits_1V])
+        self._state.add(cache_1)
+        return logits_1V
 
     def _prefill(self, job: Job):
         """(one-row state after the prompt, logits of its last position (1, V)); PromptScores sent when
@@ -254,35 +258,37 @@ class Engine:
         return logits_RV[-1:]
 
     def _decode_once(self) -> None:
-        keep: list[int] = []
         tokens: list[int] = []
+        done: list[int] = []
         # Greedy rows without penalties: one argmax over the batch (the same values, the same argmax).
-        greedy_B = (
-            self._logits_BV.argmax(dim=-1).tolist()
-            if any(r.sampler.plain_greedy for r in self._rows)
-            else None
-        )
+        plain = any(r.sampler.plain_greedy for r in self._rows)
+        greedy_B = self._logits_BV.argmax(dim=-1).tolist() if plain else None
         for i, row in enumerate(self._rows):
             if row.job.cancelled:
                 self._finish(row, "cancelled")
-                continue
-            token = greedy_B[i] if row.sampler.plain_greedy else row.sampler.choose(self._logits_BV[i])
-            if not self._accept(row, token, self._logits_BV[i]):
-                keep.append(i)
-                tokens.append(token)
-        if len(keep) < len(self._rows):
-            self._rows = [self._rows[i] for i in keep]
-            if not keep:
-                self._cache = self._logits_BV = None
-                return
-            self._cache = select_rows(self._cache, torch.tensor(keep, device=self.device))
+                token, finished = -1, True
+            else:
+                token = greedy_B[i] if row.sampler.plain_greedy else row.sampler.choose(self._logits_BV[i])
+                finished = self._accept(row, token, self._logits_BV[i])
+            tokens.append(token)
+            if finished:
+                done.append(i)
+        for i in reversed(done):  # swap-remove, highest first: the last row is never a pending one
+            last = len(self._rows) - 1
+            self._state.remove(i)
+            self._rows[i], tokens[i] = self._rows[last], tokens[last]
+            self._rows.pop()
+            tokens.pop()
+        if not self._rows:
+            self._drop_all()
+            return
         token_B = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
-            self._logits_BV = self.model.step(token_B, self._cache).float()
+            self._logits_BV = self.model.step(token_B, self._state.view()).float()
         except Exception as e:
             for row in self._rows:
                 self._finish(row, "error", f"decode step failed: {e}")
-            self._rows, self._cache, self._logits_BV = [], None, None
+            self._drop_all()
         self.steps += 1
 
     def _accept(self, row: _Row, token: int, logits_V: torch.Tensor) -> bool:
