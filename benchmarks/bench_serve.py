@@ -88,6 +88,18 @@ async def ttft(url: str, ids: list[int]) -> float:
         return (await stream(c, url, {"prompt": ids, "max_tokens": 1, "temperature": 0}))[0]
 
 
+def step_rate(model, batch: int, steps: int = 3) -> float:
+    """tokens/s of `model.step` alone at `batch` rows: the ceiling the server's decode can reach."""
+    cache = model.allocate_cache(batch)
+    token_B = torch.zeros(batch, dtype=torch.long)
+    with torch.inference_mode():
+        model.step(token_B, cache)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model.step(token_B, cache)
+    return batch * steps / (time.perf_counter() - t0)
+
+
 def row(name: str, a: str, b: str, ratio: float, target: float | None) -> str:
     mark = "" if target is None else f">= {target:g}x" + ("" if ratio >= target else " MISS")
     return f"| {name} | {a} | {b} | {ratio:.2f}x | {mark} |"
@@ -122,6 +134,7 @@ def main() -> None:
         s: max(asyncio.run(decode_rate(url, s, args.tokens, r * 1000 + s)) for r in range(args.repeat))
         for s in streams
     }
+    ceiling = {s: step_rate(model, s) for s in (streams[0], streams[-1])}
     g = torch.Generator().manual_seed(1)
     miss, hit, tail = [], [], []
     for _ in range(args.repeat):
@@ -152,6 +165,16 @@ def main() -> None:
                 target,
             )
         )
+    c0, c1 = ceiling[streams[0]], ceiling[streams[-1]]
+    print(
+        row(
+            f"model.step alone, {streams[0]} vs {streams[-1]} rows (ceiling)",
+            f"{c0:.1f}",
+            f"{c1:.1f}",
+            c1 / c0,
+            None,
+        )
+    )
     m, h, t = min(miss), min(hit), min(tail)
     print(
         row(
