@@ -8,6 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from mamba3lite.generation import generate_text
 from mamba3lite.serve.api import create_app
 from mamba3lite.serve.chat import ChatRenderer
 from mamba3lite.serve.engine import Engine
@@ -56,3 +57,10 @@ def metric_values(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def generate_reference(model, tok, prompt: str, **kw):
+    """`generation.generate_text`, the reference the server's output must equal: THE one place the serve
+    tests call `generate`. The server does no token healing; if `generate_text` heals tokens by default
+    (`--no-token-healing` turns it off), turn it off here."""
+    return generate_text(model, tok, prompt, **kw)

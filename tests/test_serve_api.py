@@ -10,10 +10,9 @@ import time
 import httpx
 import pytest
 
-from mamba3lite.generation import generate_text
 from mamba3lite.pretrained import load_pretrained
 from mamba3lite.serve.protocol import Limits
-from serve_helpers import MODEL, live_server, metric_values
+from serve_helpers import MODEL, generate_reference, live_server, metric_values
 from userside_helpers import save_tiny_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -48,7 +47,7 @@ def client(srv):
 
 
 def test_completion_greedy_equals_generate_and_reports_usage(client, loaded, tok):
-    ref = generate_text(loaded.model, tok, "def add(a, b):", max_new_tokens=20, temperature=0.0)
+    ref = generate_reference(loaded.model, tok, "def add(a, b):", max_new_tokens=20, temperature=0.0)
     r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=20, temperature=0)
     assert r.choices[0].text == ref.text
     assert r.choices[0].finish_reason == ("stop" if ref.stopped_at_eos else "length")

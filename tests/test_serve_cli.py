@@ -46,7 +46,8 @@ def start(run_dir, *extra: str, env: dict | None = None):
 
 
 @pytest.mark.slow
-def test_serve_prints_its_port_answers_and_exits_0_on_sigterm_under_load(run_dir):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_serve_prints_its_port_answers_and_exits_0_on_a_signal_under_load(run_dir, sig):
     proc, url = start(run_dir)
     try:
         r = httpx.post(
@@ -68,7 +69,7 @@ def test_serve_prints_its_port_answers_and_exits_0_on_sigterm_under_load(run_dir
             t.start()
         time.sleep(1.0)  # the streams are decoding
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - t0 < 20
         for t in threads:

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from mamba3lite.generation import generate_text
 from mamba3lite.pretrained import load_pretrained
 from mamba3lite.serve.engine import Delta, Engine, Finished, Job, PromptScores
 from mamba3lite.serve.prefix_cache import PrefixCache
 from mamba3lite.serve.sampling import Sampling
 from mamba3lite.serve.textout import StopMatcher
+from serve_helpers import generate_reference
 from userside_helpers import save_tiny_checkpoint
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(10):", "x = ", "# a comment"]
@@ -81,11 +81,11 @@ def test_a_request_decodes_the_same_alone_and_in_a_batch(loaded, tok, sampling):
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_k=50, seed=7)])
 def test_output_equals_generate_text(loaded, tok, sampling):
-    """The one comparison with `generate` (no token healing on the server): greedy, and seeded."""
+    """Greedy and seeded output equal `generate`'s (through `serve_helpers.generate_reference`)."""
     engine = make_engine(loaded, tok)
     try:
         for prompt in PROMPTS[:3]:
-            ref = generate_text(loaded.model, tok, prompt, max_new_tokens=20, **sampling)
+            ref = generate_reference(loaded.model, tok, prompt, max_new_tokens=20, **sampling)
             text, ids, _fin, _ = run_jobs(engine, [text_job(tok, prompt, max_tokens=20, **sampling)])[0]
             assert ids == ref.token_ids and text == ref.text
     finally:
