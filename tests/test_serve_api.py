@@ -224,3 +224,66 @@ def test_api_key_is_required_and_compared(loaded, tok):
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_echo_without_logprobs_returns_prompt_then_continuation(client):
+    plain = client.completions.create(model=MODEL, prompt="x = ", max_tokens=6, temperature=0).choices[0]
+    echoed = client.completions.create(
+        model=MODEL, prompt="x = ", max_tokens=6, temperature=0, echo=True
+    ).choices[0]
+    assert echoed.text == "x = " + plain.text and echoed.logprobs is None
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="x = ", max_tokens=6, temperature=0, echo=True, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == echoed.text
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_slot(srv):
+    import socket
+
+    before = srv.metrics.disconnects
+    body = json.dumps({"prompt": "x", "max_tokens": 256, "temperature": 1.0}).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body)
+        for _ in range(500):  # until the request runs
+            if srv.engine.active:
+                break
+            time.sleep(0.005)
+    deadline = time.monotonic() + 20
+    while (srv.engine.active or srv.metrics.disconnects == before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.engine.active == 0
+    # it either finished before the server noticed, or it was cancelled and counted
+    assert srv.metrics.disconnects in (before, before + 1)
+
+
+def test_the_runs_chat_template_renders_the_messages(tmp_path, loaded, tok):
+    from mamba3lite.serve.chat import ChatRenderer, find_chat_template
+
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    found = find_chat_template(tmp_path, "gpt2")
+    assert found == template and find_chat_template(tmp_path / "nowhere", "gpt2") is None
+    render = ChatRenderer(found, "<|endoftext|>")
+    assert render([{"role": "user", "content": "hi"}]) == ("<user>hi<assistant>", ())
+    with live_server(loaded, tok, template=found) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.usage.prompt_tokens == len(tok.encode("<user>hi<assistant>"))
+        info = httpx.get(s.url + "/tokenizer_info", timeout=10).json()
+        assert info["chat_template"] == template and info["eos_token"] == "<|endoftext|>"
+    plain = ChatRenderer(None, "<|endoftext|>")
+    assert plain([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == (
+        "System: s\nUser: u\nAssistant:",
+        ("\nUser:",),
+    )
