@@ -260,8 +260,7 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_its_slot(srv):
     while (srv.engine.active or srv.metrics.disconnects == before) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert srv.engine.active == 0
-    # it either finished before the server noticed, or it was cancelled and counted
-    assert srv.metrics.disconnects in (before, before + 1)
+    assert srv.metrics.disconnects == before + 1  # 256 tokens take far longer than the close: cancelled
 
 
 def test_the_runs_chat_template_renders_the_messages(tmp_path, loaded, tok):
