@@ -201,3 +201,21 @@ def test_batch_state_keeps_each_rows_state_through_joins_swap_removes_and_growth
     assert state.n == 4 and state.capacity == 8
     for t in state_tensors(state.view()):
         assert [int(t[r].flatten()[0]) for r in range(state.n)] == rows
+
+
+def test_a_failing_step_fails_the_running_requests_and_the_engine_goes_on(loaded, tok, monkeypatch):
+    engine = make_engine(loaded, tok)
+    try:
+        real_step = loaded.model.step
+
+        def broken(*a, **kw):
+            raise RuntimeError("out of memory (simulated)")
+
+        monkeypatch.setattr(loaded.model, "step", broken)
+        _, _, fin, _ = run_jobs(engine, [text_job(tok, "x", max_tokens=5, temperature=0.0)])[0]
+        assert fin.reason == "error" and "simulated" in fin.message and engine.active == 0
+        monkeypatch.setattr(loaded.model, "step", real_step)
+        _, ids, fin, _ = run_jobs(engine, [text_job(tok, "x", max_tokens=5, temperature=0.0)])[0]
+        assert fin.reason in ("length", "stop") and ids
+    finally:
+        engine.stop()

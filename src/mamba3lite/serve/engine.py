@@ -174,7 +174,12 @@ class Engine:
                     parts = [self._logits_BV, *joined] if self._logits_BV is not None else joined
                     self._logits_BV = torch.cat(parts)
                 if self._rows:
-                    self._decode_once()
+                    try:
+                        self._decode_once()
+                    except Exception as e:  # a bug must fail the running requests, not hang them all
+                        for row in self._rows:
+                            self._finish(row, "error", f"decode failed: {type(e).__name__}: {e}")
+                        self._drop_all()
         self._cancel_all()
 
     def _cancel_all(self) -> None:
