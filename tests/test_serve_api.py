@@ -114,6 +114,12 @@ def test_echo_logprobs_scores_the_prompt(client, tok):
     assert lp1.token_logprobs[: len(ids)] == pytest.approx(lp.token_logprobs, abs=1e-5)
     assert len(lp1.tokens) == len(ids) + 1
     assert lp1.token_logprobs[-1] == pytest.approx(max(lp1.top_logprobs[-1].values()))  # greedy: the top one
+    # a list of lists of ids: one choice per prompt, each scored as alone
+    both = client.completions.create(model=MODEL, prompt=[ids, ids[:4]], max_tokens=0, echo=True, logprobs=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert both.choices[1].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:4], abs=1e-5)
+    assert both.usage.prompt_tokens == len(ids) + 4 and both.usage.completion_tokens == 0
 
 
 def test_penalties_change_sampling_and_are_bounded(client):
