@@ -9,11 +9,12 @@
 The loop: at each step boundary, waiting jobs join the running batch (up to `max_batch_size` rows):
 their prompt is prefilled alone with the chunked scan (`Mamba3Transformer.extend_hidden`, in segments
 that end on multiples of the prefix cache's boundary, starting from the longest cached prefix), and their
-one-row state is stacked onto the batch's. Then every row's next token is chosen from its own logits
-with its own generator (`sampling.RowSampler`), rows that finished (EOS, a stop string, max_tokens) or
-were cancelled (a client that went away) leave, and the whole batch takes one `Mamba3Transformer.step`
-on the stacked states. A row's numbers therefore never mix with another row's: its output does not
-depend on what else is in the batch, and greedy output is `generation.generate_text`'s.
+one-row state is copied into a row of the batch's state (`batch_state.BatchState`). Then every row's
+next token is chosen from its own logits with its own generator (`sampling.RowSampler`), rows that
+finished (EOS, a stop string, max_tokens) or were cancelled (a client that went away) leave (the last
+row moves into the freed one), and the whole batch takes one `Mamba3Transformer.step` on the stacked
+states. A row's numbers therefore never mix with another row's: its output does not depend on what else
+is in the batch, and greedy output is `generation.generate_text`'s.
 
 Events to a job's sink, in order: `PromptScores` (only with echo and logprobs), `Delta`s (text safe to
 show, and the token with its logprobs), one `Finished`.
