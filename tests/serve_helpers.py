@@ -61,6 +61,6 @@ def metric_values(text: str) -> dict[str, float]:
 
 def generate_reference(model, tok, prompt: str, **kw):
     """`generation.generate_text`, the reference the server's output must equal: THE one place the serve
-    tests call `generate`. The server does no token healing; if `generate_text` heals tokens by default
-    (`--no-token-healing` turns it off), turn it off here."""
-    return generate_text(model, tok, prompt, **kw)
+    tests call `generate`. The server does no token healing, so the reference is `generate
+    --no-token-healing` (healing is on by default there)."""
+    return generate_text(model, tok, prompt, token_healing=False, **kw)

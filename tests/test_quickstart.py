@@ -22,7 +22,7 @@ from userside_helpers import tiny_config_yaml
 def quickstart_args(tmp_path, workdir) -> list[str]:
     config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32)
     return ["quickstart", "--minutes", "0.01", "--workdir", str(workdir), "--config", config,
-            "--max-docs", "12", "--sample-tokens", "5"]  # fmt: skip
+            "--max-docs", "12", "--sample-tokens", "5", "--vocab", "300"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -32,9 +32,10 @@ def test_end_to_end_then_rerun_continues(cli, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "Traceback" not in r.stderr
-    m = Manifest.load(work / "data" / "stdlib")
+    m = Manifest.load(work / "data" / "stdlib-bpe300")
     assert m.extra["stats"]["documents_in"] == 12 and m.n_tokens("train") > 0
-    run = work / "run"
+    assert m.vocab_size == 300 and (work / "data" / "stdlib-bpe300" / "tokenizer.json").is_file()
+    run = work / "run-stdlib-bpe300"
     steps = CheckpointManager(run).verified_steps()
     assert steps and steps[-1] >= 1
     expected = [
@@ -99,16 +100,23 @@ def test_plot_to_an_unwritable_path_is_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_dataset_is_reused_only_when_it_verifies_and_is_the_same_slice(tmp_path):
-    from mamba3lite.quickstart import ensure_dataset
+    from mamba3lite.quickstart.dataset import ensure_dataset
 
     out, notes = tmp_path / "ds", []
-    assert ensure_dataset(out, 3, notes.append) == (out, False)
-    assert ensure_dataset(out, 3, notes.append) == (out, True)
-    assert ensure_dataset(out, 4, notes.append) == (out, False) and "another slice" in notes[-3]
+    assert ensure_dataset(out, "stdlib", 3, None, notes.append) == (out, False)
+    assert ensure_dataset(out, "stdlib", 3, None, notes.append) == (out, True)
+    assert ensure_dataset(out, "stdlib", 4, None, notes.append) == (out, False)
+    assert "another source, slice or tokenizer" in notes[-3]
     assert Manifest.load(out).extra["stats"]["documents_in"] == 4
+    # another tokenizer request: prepared again, with its own BPE
+    assert ensure_dataset(out, "stdlib", 4, 300, notes.append) == (out, False)
+    assert Manifest.load(out).vocab_size == 300
+    assert ensure_dataset(out, "stdlib", 4, 300, notes.append) == (out, True)
     shard = out / Manifest.load(out).shards[0].path
     shard.write_bytes(shard.read_bytes()[:-2])
-    assert ensure_dataset(out, 4, notes.append) == (out, False) and "does not verify" in notes[-3]
+    assert (
+        ensure_dataset(out, "stdlib", 4, 300, notes.append) == (out, False) and "does not verify" in notes[-3]
+    )
 
 
 @pytest.mark.parametrize("minutes", ["inf", "1e400", "-inf", "nan"])
@@ -125,6 +133,8 @@ def test_minutes_must_be_finite_and_are_checked_before_any_work(tmp_path, capsys
     [
         "data.train_data_path=elsewhere",
         "data.token_dtype=uint32",
+        "model.vocab_size=300",
+        "model.eos_id=1",
         "training.max_steps=5",
         "training.checkpoint_dir=r",
         "training.eval_every=1",
@@ -150,7 +160,10 @@ def test_set_help_names_the_refused_fields_and_the_rest_pass(capsys):
         main(["quickstart", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "override any config field" not in text
-    assert "refused for the fields the quickstart sets itself: data.*, training.checkpoint_dir," in text
+    assert (
+        "refused for the fields the quickstart sets itself: data.*, model.vocab_size, model.eos_id, "
+        "training.checkpoint_dir," in text
+    )
     allowed = ["training.lr=3e-4", "training.warmup_steps=3", "training.log_every=2", "model.d_state=8"]
     check_overrides(allowed)  # upper limits of the plan (warmup_steps, log_every), or not the plan's
 
@@ -190,14 +203,17 @@ def test_summary_next_commands_name_this_runs_options():
     assert (again.workdir, again.max_docs, again.config, again.overrides) == (
         "w/my qs", 5, "my.yaml", ["training.lr=3e-4"]
     )  # fmt: skip
-    train = next_command(text, "train")
-    assert train[2:6] == ["--config", "my.yaml", "--set", "training.lr=3e-4"]
+    train = next_command(text, "train")  # the run's own resolved config: the recipe's choices included
+    assert train[2:4] == ["--config", "w/my qs/run/config.yaml"]
     assert train[train.index("--checkpoint-dir") + 1] == "w/my qs/run"
     assert next_command(text, "inspect")[2] == "w/my qs/run"
     # The defaults: nothing to repeat.
     default = summary_of()
     assert next_command(default, "quickstart") == ["mamba3lite", "quickstart", "--minutes", "5"]
-    assert next_command(default, "train")[2:4] == ["--config", "tiny"]
+    assert next_command(default, "train")[2:4] == ["--config", "mamba3lite-quickstart/run/config.yaml"]
+    other = summary_of(source="src/", tokenizer="gpt2")
+    again = build_parser().parse_args(next_command(other, "quickstart")[1:])
+    assert (again.source, again.tokenizer, again.vocab) == ("src/", "gpt2", None)
 
 
 def test_summary_names_the_split_evaluated_and_a_stop():
@@ -213,7 +229,7 @@ def test_summary_names_the_split_evaluated_and_a_stop():
 def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
     """SIGINT in the first step of the probe (the trainer whose first `warmup_steps` steps re-plan the
     rest): the quickstart must not go on to train the planned steps, and ends as a stopped run does."""
-    import mamba3lite.quickstart as qs
+    import mamba3lite.quickstart.run as qs
     from mamba3lite.train.trainer import Pretrainer
 
     # A measured 1 ms/step plans thousands of steps, so the first warmup_steps (4) are a probe.
@@ -237,15 +253,17 @@ def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
     work = tmp_path / "qs"
     config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32, warmup_steps=4)
     rc = main(["quickstart", "--minutes", "1", "--workdir", str(work), "--config", config,
-               "--max-docs", "12", "--sample-tokens", "5", "--set", "training.lr=2e-3"])  # fmt: skip
+               "--max-docs", "12", "--sample-tokens", "5", "--vocab", "300",
+               "--set", "training.lr=2e-3"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out
     assert calls == [4]  # the probe only: no training of the planned steps after the stop
     assert "received SIGINT" in out and "re-plan" not in out
     assert "note      stopped by signal at step 1 of" in out
     assert "after     step 1:" in out and "(stopped by signal)" in out and "quickstart summary" in out
-    assert CheckpointManager(work / "run").verified_steps() == [1]
-    events = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    run = work / "run-stdlib-bpe300"
+    assert CheckpointManager(run).verified_steps() == [1]
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e.get("kind") == "event" and e.get("event") in ("stop", "end")] == [
         "stop"
     ]
@@ -254,21 +272,23 @@ def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
 def test_quickstart_refuses_what_train_refuses(tmp_path, capsys):
     """The quickstart trains through the one training entry (train/entry.py), so `train`'s checks are
     its checks too, made before the calibration spends any time: a run directory another trainer holds,
-    and a dataset whose tokenizer does not fit the model."""
+    and a run whose model does not fit the dataset's tokenizer."""
     from mamba3lite.checkpoint import RunLock
+    from userside_helpers import save_tiny_checkpoint
 
     work = tmp_path / "qs"
-    (work / "run").mkdir(parents=True)
-    with RunLock(work / "run"):  # another trainer holds the run directory
+    run = work / "run-stdlib-bpe300"
+    run.mkdir(parents=True)
+    with RunLock(run):  # another trainer holds the run directory
         assert main(quickstart_args(tmp_path, work)) != 0
     out, err = capsys.readouterr()
     assert err.startswith("error: ") and "in use by another trainer" in err and "Traceback" not in err
     assert "before    step" not in out  # refused before the calibration trained anything
-    assert not CheckpointManager(work / "run").list_steps()
+    assert not CheckpointManager(run).list_steps()
 
-    # the quickstart's dataset is GPT-2's; a model of another vocabulary cannot read it
-    other_vocab = ["--set", "model.vocab_size=300", "--set", "model.eos_id=1"]
-    assert main([*quickstart_args(tmp_path, work), *other_vocab]) != 0
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "prepared with tokenizer gpt2" in err and "vocab_size is 300" in err
-    assert not CheckpointManager(work / "run").list_steps()
+    # the run holds a GPT-2 model (50,257 ids); the dataset has its own 300-id BPE: train refuses it
+    save_tiny_checkpoint(run, step=5)
+    assert main(quickstart_args(tmp_path, work)) != 0
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and "which has 300 tokens, and vocab_size is 50257" in err, err
+    assert "before    step" not in out and CheckpointManager(run).list_steps() == [5]

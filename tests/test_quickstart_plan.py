@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mamba3lite.quickstart import (
+from mamba3lite.quickstart.budget import (
     PERIODIC_EVALS,
     PLAN_FRACTION,
     Budget,
@@ -15,12 +15,12 @@ from mamba3lite.quickstart import (
     Calibration,
     Plan,
     checkpoint_s,
-    eval_split,
     plan_steps,
     probe_steps,
     run_settings,
     warmup_for,
 )
+from mamba3lite.quickstart.dataset import eval_split
 
 
 def test_plan_steps_plans_for_plan_fraction_of_the_budget_and_at_least_one_step():

@@ -1,8 +1,10 @@
-"""`mamba3lite quickstart [--minutes M] [--workdir DIR]`: the whole pipeline on this machine, in M minutes.
+"""`mamba3lite quickstart [--minutes M] [--workdir DIR] [--source S]`: the whole pipeline on this machine,
+in M minutes.
 
-Prepares the stdlib corpus, trains the tiny preset for what is left of the budget, evaluates before and
-after, prints a sample and writes the loss plot; re-running continues in the same --workdir. See
-`mamba3lite.quickstart` for how the time budget is planned.
+Prepares the source (the stdlib corpus by default) with a tokenizer fit to it, chooses the model by
+measuring this machine, trains it for what is left of the budget, evaluates before and after (beside
+zlib and xz on the same text), prints a sample and writes the loss plot; re-running continues in the same
+--workdir. See `mamba3lite.quickstart` for the recipe and how the time budget is planned.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 
 from mamba3lite.commands.options import add_override_option
 
-HELP = "prepare the stdlib corpus, train the tiny preset on CPU, evaluate, sample, plot"
+HELP = "prepare a corpus (stdlib), train the model that fits the time budget, evaluate, sample, plot"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +34,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--config",
-        default="tiny",
-        metavar="FILE|PRESET",
-        help="the model/training config (default: the tiny preset)",
+        default="auto",
+        metavar="auto|FILE|PRESET",
+        help="auto (default): the recipe, its model shape chosen by measuring this machine; a preset or "
+        "file: that config as it is (e.g. tiny)",
+    )
+    parser.add_argument(
+        "--source",
+        default="stdlib",
+        metavar="S",
+        help="the text to train on: any source `prepare` accepts (files, directories, globs, .jsonl, "
+        "hf:NAME); default stdlib",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        choices=("trained", "gpt2"),
+        default="trained",
+        help="trained (default): a byte-level BPE fit to the source's train split; gpt2: GPT-2's 50,257 ids",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ids of the trained tokenizer (default: the recipe's, 4096)",
+    )
+    parser.add_argument(
+        "--no-token-healing",
+        dest="token_healing",
+        action="store_false",
+        help="sample without backing up the prompt's last token (see generate --help)",
     )
     add_override_option(
         parser,
@@ -47,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="use only the first N stdlib files (a small slice, for a fast smoke test)",
+        help="use only the first N files of the source (a small slice, for a fast smoke test)",
     )
     parser.add_argument(
         "--prompt", default=DEFAULT_PROMPT, metavar="TEXT", help=f"sample prompt (default {DEFAULT_PROMPT!r})"
@@ -77,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
             max_docs=args.max_docs,
             prompt=args.prompt,
             sample_tokens=args.sample_tokens,
+            source=args.source,
+            tokenizer=args.tokenizer,
+            vocab=args.vocab,
+            token_healing=args.token_healing,
         ),
         log=log,
     )

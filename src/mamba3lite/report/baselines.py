@@ -20,11 +20,13 @@ priority beside the training that runs meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import lzma
 import multiprocessing
 import os
+import sys
 import zlib
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_json
 
 HISTORY_BYTES = 9 * 2**20  # the train text xz reads before the val text (its dictionary holds 64 MiB)
-_XZ = lzma.PRESET_DEFAULT | 9 | lzma.PRESET_EXTREME
+_XZ = 9 | lzma.PRESET_EXTREME  # xz -9e
 NAMES = ("zlib", "xz", "xz_given_train")
 
 
@@ -97,22 +99,20 @@ def baselines_for(dataset: str | Path, cache: str | Path) -> dict:
     if (hit := cached(cache, key)) is not None:
         return hit
     record = {**compressor_bits_per_byte(val, history), "val_bytes": len(val), "key": key}
+    Path(cache).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(cache), record)
     return record
 
 
 def _child(dataset: str, cache: str) -> None:
-    with _suppress_oserror():
+    """The child's work: a failure is its exit code (the quickstart says the numbers are missing), not
+    a traceback on the quickstart's terminal."""
+    with contextlib.suppress(OSError):
         os.nice(19)  # the training beside it comes first
-    baselines_for(dataset, cache)
-
-
-class _suppress_oserror:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, *_):
-        return kind is not None and issubclass(kind, OSError)
+    try:
+        baselines_for(dataset, cache)
+    except Exception:
+        sys.exit(1)
 
 
 def start_baselines(dataset: str | Path, cache: str | Path) -> multiprocessing.process.BaseProcess:

@@ -1,0 +1,56 @@
+"""The quickstart: the whole pipeline on one machine in a bounded time, with real learning to show.
+
+    prepare   the source (default `stdlib`: this interpreter's standard-library sources, or any source
+              `prepare` accepts: --source) with a byte-level BPE fit to its train split
+              (--vocab ids; --tokenizer gpt2 for GPT-2's) -> WORKDIR/data/<source>-<tokenizer>
+    recipe    the optimizer, learning rate and batch of recipe.py, and the largest model shape that
+              reads enough tokens per parameter in the time left at the speed measured here
+              (--config PRESET|FILE: that config as it is)
+    train     for what is left of the time budget -> WORKDIR/run (the run directory), through the one
+              training entry (train/entry.py): the checks of `mamba3lite train`
+    evaluate  validation loss and bits per byte on the whole val split, before and after training, beside
+              zlib, xz and xz given the training text on the same val text (report/baselines.py)
+    sample    a continuation of "def" from the newest checkpoint (token healing on)
+    plot      WORKDIR/run/metrics.png (when matplotlib is installed)
+
+Time budget (`minutes`): budget.py. The trainer runs to `training.max_steps`; the quickstart measures a
+step on this machine (a throw-away trainer of the same config, which also gives the "before" evaluation of
+the untrained model) and sets max_steps so that everything fits; a timer stops the trainer cleanly when
+only the time for the final evaluation, the sample and the plot is left. Ctrl-C or SIGTERM while training
+(the probe included) stops it the same way, and the quickstart then evaluates, samples and plots what was
+trained (exit 0, as `mamba3lite train` after a stop).
+
+Re-running reuses WORKDIR: the dataset when its manifest and every shard verify and it was made from the
+same source and tokenizer request, the run by resuming from its newest verified checkpoint (its own
+shape) and training for another `minutes` (max_steps is extended, so the learning rate rises again part
+of the way: a warm restart of the cosine schedule), the compressors' numbers from WORKDIR/baselines/.
+
+    options.py   QuickstartOptions, QuickstartResult, the checks of the options
+    dataset.py   the dataset (prepared or reused) and the before/after evaluation
+    recipe.py    vocabulary, shape, optimizer, learning rate and batch: chosen by measurement
+    budget.py    the time budget: steps planned, the timer
+    run.py       run_quickstart: the steps above in order
+    summary.py   the closing summary
+"""
+
+from mamba3lite.quickstart.options import (
+    CONTROLLED_FIELDS,
+    DEFAULT_PROMPT,
+    DEFAULT_WORKDIR,
+    QuickstartOptions,
+    QuickstartResult,
+    check_overrides,
+)
+from mamba3lite.quickstart.run import run_quickstart
+from mamba3lite.quickstart.summary import summary_text
+
+__all__ = [
+    "CONTROLLED_FIELDS",
+    "DEFAULT_PROMPT",
+    "DEFAULT_WORKDIR",
+    "QuickstartOptions",
+    "QuickstartResult",
+    "check_overrides",
+    "run_quickstart",
+    "summary_text",
+]

@@ -1,0 +1,63 @@
+"""The quickstart's closing summary: its numbers beside the compressors', where things are, what next."""
+
+from __future__ import annotations
+
+import shlex
+
+from mamba3lite.quickstart.options import DEFAULT_CONFIG, DEFAULT_SOURCE, DEFAULT_WORKDIR, QuickstartResult
+from mamba3lite.report.baselines import as_text
+
+
+def fmt_eval(ev: dict) -> str:
+    bpb = f", {ev['bits_per_byte']:.3f} bits/byte" if ev.get("bits_per_byte") is not None else ""
+    return f"{ev['split']} loss {ev['loss']:.3f}{bpb}"
+
+
+def summary_text(r: QuickstartResult) -> str:
+    """The closing summary: numbers, where things are, what to try next (commands that name this run's
+    --workdir, --config, --set and --max-docs when they are not the defaults, so they act on this run)."""
+    s, e, o = r.start_eval, r.end_eval, r.options
+
+    def bpb(ev: dict) -> str:
+        return f"{ev['bits_per_byte']:.3f}" if ev.get("bits_per_byte") is not None else "n/a"
+
+    run, data = shlex.quote(str(r.run_dir)), shlex.quote(str(r.data_path))
+    config = ["--config", o.config, *(a for item in o.overrides for a in ("--set", item))]
+    again = ["mamba3lite", "quickstart", "--minutes", "5"]  # without these options it is another run
+    again += ["--workdir", o.workdir] if o.workdir != DEFAULT_WORKDIR else []
+    again += ["--source", o.source] if o.source != DEFAULT_SOURCE else []
+    again += ["--tokenizer", o.tokenizer] if o.tokenizer != "trained" else []
+    again += ["--vocab", str(o.vocab)] if o.vocab is not None else []
+    again += config if config != ["--config", DEFAULT_CONFIG] else []
+    again += ["--max-docs", str(o.max_docs)] if o.max_docs is not None else []
+    model_bpb = e.get("bits_per_byte") if e["split"] == "val" else None
+    if e["split"] == "val":
+        loss = f"val loss      {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
+        where = f"on {e['tokens']:,} val tokens"
+    else:
+        loss = f"train loss    {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
+        where = f"on {e['tokens']:,} {e['split']} tokens: no usable val split"
+    stopped = {"signal": "   (stopped by signal)", "time": "   (stopped: time budget ran out)"}
+    lines = [
+        "",
+        "── quickstart summary ─────────────────────────────────────────────────────────",
+        f"time          {r.seconds / 60:.1f} min",
+        f"steps         {r.start_step} -> {r.end_step}   tokens seen {r.tokens_seen:,}"
+        + stopped.get(r.stopped_by or "", ""),
+        f"{loss}(bits/byte {bpb(s)} -> {bpb(e)}; {where})",
+        f"bits/byte     {as_text(model_bpb, r.baselines)}"
+        if r.baselines
+        else "bits/byte     (the compressors' numbers are not ready: the next run shows them)",
+        f"dataset       {data}" + ("  (reused)" if r.data_reused else ""),
+        f"run directory {run}   (checkpoints, config.yaml, metrics.jsonl)",
+        f"plot          {r.plot}" if r.plot else "plot          (none: pip install 'mamba3lite[plot]')",
+        "",
+        "next:",
+        f"  mamba3lite generate --checkpoint-dir {run} --prompt 'import' --max-new-tokens 200",
+        f"  mamba3lite eval --checkpoint-dir {run} --data-path {data}",
+        f"  mamba3lite inspect {run}",
+        f"  mamba3lite train --config {shlex.quote(str(r.run_dir / 'config.yaml'))} --checkpoint-dir {run} "
+        f"--max-steps {r.end_step + 500}",
+        f"  {shlex.join(again)}   (again: continues this run)",
+    ]
+    return "\n".join(lines)
