@@ -68,6 +68,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         (["--workdir", str(afile)], "is not a directory"),
         (["--max-docs", "0"], "--max-docs must be >= 1"),
         (["--sample-tokens", "0"], "--sample-tokens must be >= 1"),
+        (["--vocab", "1"], "--vocab 1 is too small"),
+        (["--vocab", "300", "--tokenizer", "gpt2"], "--tokenizer gpt2 has its own"),
+        (["--source", str(tmp_path / "no_such_dir"), "--workdir", str(tmp_path / "w2")], "no_such_dir"),
         (
             ["--config", "no_such_preset_xyz", "--workdir", str(tmp_path / "w"), "--max-docs", "3"],
             "config not found",

@@ -36,15 +36,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         default="auto",
         metavar="auto|FILE|PRESET",
-        help="auto (default): the recipe, its model shape chosen by measuring this machine; a preset or "
-        "file: that config as it is (e.g. tiny)",
+        help="auto (default): the recipe, its model shape chosen by measuring this "
+        "machine; a preset or file: that config as it is (e.g. tiny)",
     )
+    _add_data_arguments(parser)
+    add_override_option(
+        parser,
+        help="override a config field, e.g. --set training.lr=3e-4 (repeatable); refused for the fields "
+        f"the quickstart sets itself: {', '.join(CONTROLLED_FIELDS)}; training.warmup_steps and "
+        "training.log_every are upper limits",
+    )
+    parser.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, metavar="TEXT", help=f"sample prompt (default {DEFAULT_PROMPT!r})"
+    )
+    parser.add_argument(
+        "--sample-tokens", type=int, default=100, metavar="N", help="sample length (default 100)"
+    )
+    parser.add_argument(
+        "--no-token-healing",
+        dest="token_healing",
+        action="store_false",
+        help="sample without backing up the prompt's last token (see generate --help)",
+    )
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to train on and how it is tokenized."""
     parser.add_argument(
         "--source",
         default="stdlib",
         metavar="S",
-        help="the text to train on: any source `prepare` accepts (files, directories, globs, .jsonl, "
-        "hf:NAME); default stdlib",
+        help="the text to train on: any source `prepare` accepts (files, directories, "
+        "globs, .jsonl, hf:NAME); default stdlib",
     )
     parser.add_argument(
         "--tokenizer",
@@ -60,29 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ids of the trained tokenizer (default: the recipe's, 4096)",
     )
     parser.add_argument(
-        "--no-token-healing",
-        dest="token_healing",
-        action="store_false",
-        help="sample without backing up the prompt's last token (see generate --help)",
-    )
-    add_override_option(
-        parser,
-        help="override a config field, e.g. --set training.lr=3e-4 (repeatable); refused for the fields "
-        f"the quickstart sets itself: {', '.join(CONTROLLED_FIELDS)}; training.warmup_steps and "
-        "training.log_every are upper limits",
-    )
-    parser.add_argument(
         "--max-docs",
         type=int,
         default=None,
         metavar="N",
-        help="use only the first N files of the source (a small slice, for a fast smoke test)",
-    )
-    parser.add_argument(
-        "--prompt", default=DEFAULT_PROMPT, metavar="TEXT", help=f"sample prompt (default {DEFAULT_PROMPT!r})"
-    )
-    parser.add_argument(
-        "--sample-tokens", type=int, default=100, metavar="N", help="sample length (default 100)"
+        help="use only the first N files of the source (a small slice, for a smoke test)",
     )
 
 

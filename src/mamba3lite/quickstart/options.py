@@ -97,7 +97,10 @@ def check_options(opts: QuickstartOptions) -> None:
             raise ConfigError("--vocab sizes a trained tokenizer; --tokenizer gpt2 has its own 50,257 ids")
         from mamba3lite.tokenizer_train import check_n_ids
 
-        check_n_ids(opts.vocab)
+        try:
+            check_n_ids(opts.vocab)
+        except ConfigError as e:  # prepare's flag is --train-tokenizer; the quickstart's is --vocab
+            raise ConfigError(str(e).replace("--train-tokenizer", "--vocab")) from None
     check_overrides(opts.overrides)
     workdir = Path(opts.workdir)
     if workdir.exists() and not workdir.is_dir():

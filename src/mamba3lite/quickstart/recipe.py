@@ -27,7 +27,7 @@ SEQ_LEN = 128
 OPTIMIZER = "muon"
 # The shape rule: the largest shape that reads at least this many tokens per non-embedding parameter in
 # the training time the budget leaves.
-TOKENS_PER_PARAM = 0.5
+TOKENS_PER_PARAM = 0.6
 PROBE_STEPS = 2  # timed steps per shape (after one untimed warm-up step)
 
 

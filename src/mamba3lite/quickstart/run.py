@@ -14,6 +14,7 @@ from pathlib import Path
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.quickstart import recipe
 from mamba3lite.quickstart.budget import (
+    REPLAN_FRACTION,
     Budget,
     BudgetTimer,
     Calibration,
@@ -150,7 +151,7 @@ def _train(
             result = train(n_steps, True, until_step=start_step + probe)
             measured = _logged_step_s(run_dir, start_step, start_step + probe)
             if measured and not timer.fired and not result.stopped:
-                n_steps = probe + budget.steps_for(measured).n_steps
+                n_steps = probe + budget.steps_for(measured, REPLAN_FRACTION).n_steps
                 log(f"re-plan   {measured:.2f} s/step in the first {probe} steps -> {n_steps} steps in all")
         if result is None or not (timer.fired or result.stopped):  # >= 1 step, even with no time
             result = train(n_steps, False)
@@ -163,8 +164,8 @@ def _train(
 def _log_stop(stopped_by: str | None, step: int, planned: int, log) -> None:
     if stopped_by == "time":
         log(
-            f"note      the time budget ran out at step {step} of {planned} planned "
-            "(planned for 1.25x the time left): stopped cleanly, checkpoint written"
+            f"note      the time budget ran out at step {step} of {planned} planned: stopped cleanly, "
+            "checkpoint written"
         )
     elif stopped_by == "signal":
         log(
@@ -235,6 +236,18 @@ def _choose_model(cfg, opts: QuickstartOptions, run_dir: Path, deadline: float, 
     return cfg.with_overrides([*shape.overrides(), *opts.overrides]), why
 
 
+def _data_and_run(opts: QuickstartOptions, log) -> tuple[Path, bool, Path]:
+    """(the dataset, whether it was reused, the run directory): WORKDIR/data/<source>-<tokenizer> and
+    WORKDIR/run for the default source and tokenizer, WORKDIR/run-<source>-<tokenizer> for others."""
+    workdir = Path(opts.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    vocab = None if opts.tokenizer == "gpt2" else (opts.vocab or recipe.VOCAB)
+    name = dataset_name(opts.source, vocab)
+    data_path, reused = ensure_dataset(workdir / "data" / name, opts.source, opts.max_docs, vocab, log)
+    default_data = opts.source == DEFAULT_SOURCE and opts.tokenizer == "trained" and opts.vocab is None
+    return data_path, reused, workdir / ("run" if default_data else f"run-{name}")
+
+
 def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
     """Prepare, choose the recipe, train for the budget, evaluate, sample, plot (see the package
     docstring)."""
@@ -249,16 +262,10 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     t_start = time.monotonic() - _process_age_s()  # the budget includes Python's and torch's start-up
     deadline = t_start + 60.0 * opts.minutes
     load_config("tiny" if opts.config == "auto" else opts.config, opts.overrides)  # fails before any work
-    workdir = Path(opts.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    vocab = None if opts.tokenizer == "gpt2" else (opts.vocab or recipe.VOCAB)
-    name = dataset_name(opts.source, vocab)
-    data_path, reused = ensure_dataset(workdir / "data" / name, opts.source, opts.max_docs, vocab, log)
+    data_path, reused, run_dir = _data_and_run(opts, log)
     # the compressors read the same val text meanwhile, in a child process at the lowest priority
-    cache = workdir / "baselines" / f"{name}.json"
+    cache = Path(opts.workdir) / "baselines" / f"{data_path.name}.json"
     baselines = start_baselines(data_path, cache)
-    default_data = opts.source == DEFAULT_SOURCE and opts.tokenizer == "trained" and opts.vocab is None
-    run_dir = workdir / ("run" if default_data else f"run-{name}")
     cfg = _base_config(opts, Manifest.load(data_path), data_path, run_dir)
     # train's checks (train/entry.py) on the real run directory before the shapes are measured and the
     # calibration spends time: a busy run directory; then, on the model chosen (a resumed run's own),

@@ -1,0 +1,149 @@
+"""What five minutes buy: `mamba3lite quickstart` run end to end per recipe, side by side in one run.
+
+    python benchmarks/time_to_quality.py [--minutes 5] [--source stdlib] [--seeds 0]
+                                         [--recipes today,tokenizer,muon,shape,all] [--out DIR] [--plot]
+
+Each recipe is a fresh `mamba3lite quickstart` in its own work directory (so each pays for its data
+preparation, as a new user does), one after the other, never two at once (they would share the cores):
+
+    today      --config tiny --tokenizer gpt2, AdamW: the quickstart before issue 25
+    tokenizer  the tiny shape and AdamW, with a 4,096-id BPE fit to the train split
+    muon       the tiny shape and GPT-2's vocabulary, with Muon
+    shape      the recipe's shape chosen by measurement and batch, GPT-2's vocabulary, AdamW
+    all        the recipe: its BPE, Muon, the measured shape (what `make quickstart` runs)
+
+The table: the final bits per byte on the whole val split, its ratio to xz given the training text (the
+number to beat, report/baselines.py, on the same val text), zlib's and xz's, training tokens/s, the
+steps and the shape, per recipe and seed (mean over seeds in the last rows). `--plot` draws bits per
+byte against wall time (the periodic evaluations of each run, from its metrics.jsonl, and the final one)
+into OUT/time_to_quality.png. The machine is shared: quote ratios, and say what else ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RECIPES = {
+    "today": ["--config", "tiny", "--tokenizer", "gpt2"],
+    "tokenizer": ["--config", "tiny"],
+    "muon": ["--config", "tiny", "--tokenizer", "gpt2", "--set", "training.optimizer=muon"],
+    "shape": ["--tokenizer", "gpt2", "--set", "training.optimizer=adamw"],
+    "all": [],
+}
+
+
+def run_one(name: str, extra: list[str], minutes: float, source: str, seed: int, out: Path) -> dict:
+    """One quickstart; its numbers (parsed from the summary and the run directory)."""
+    work = out / f"{name}-seed{seed}"
+    seed_set = f"training.seed={1337 + seed}"
+    cmd = [sys.executable, "-m", "mamba3lite", "quickstart", "--minutes", str(minutes),
+           "--workdir", str(work), "--source", source, "--set", seed_set, *extra]  # fmt: skip
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.time() - t0
+    (out / f"{name}-seed{seed}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return {"recipe": name, "seed": seed, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    text = proc.stdout
+    run = Path(re.search(r"run directory (\S+)", text).group(1))
+    bpb = float(re.search(r"after     step \d+: val loss [\d.]+, ([\d.]+) bits/byte", text).group(1))
+    base_file = next((work / "baselines").glob("*.json"), None)
+    base = json.loads(base_file.read_text()) if base_file else {}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("kind") == "train" and not r.get("warmup_window")]
+    curve = [(r["time"] - t0, r["val_bpb"]) for r in rows if r.get("kind") == "eval" and "val_bpb" in r]
+    recipe = re.search(r"recipe    vocab ([\d,]+), (\d+x\d+) .*?, (\w+) lr", text)
+    return {
+        "recipe": name, "seed": seed, "bpb": bpb, "wall_s": wall, "curve": [*curve, (wall, bpb)],
+        "xz_given_train": base.get("xz_given_train"), "xz": base.get("xz"), "zlib": base.get("zlib"),
+        "tokens_per_s": statistics.median([r["tokens_per_s"] for r in train]) if train else None,
+        "steps": int(re.search(r"steps         \d+ -> (\d+)", text).group(1)),
+        "vocab": recipe.group(1) if recipe else "?", "shape": recipe.group(2) if recipe else "?",
+        "optimizer": recipe.group(3) if recipe else "?",
+    }  # fmt: skip
+
+
+def table(results: list[dict]) -> str:
+    head = ("| recipe | seed | vocab | shape | optimizer | steps | tokens/s | bits/byte | / xz given train | "
+            "xz given train | xz -9e | zlib -9 |")  # fmt: skip
+    lines = [head, "|" + "---|" * 12]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['recipe']} | {r['seed']} | error: {r['error']} |" + " |" * 9)
+            continue
+        ratio = r["bpb"] / r["xz_given_train"] if r.get("xz_given_train") else float("nan")
+        cells = [r["recipe"], r["seed"], r["vocab"], r["shape"], r["optimizer"], f"{r['steps']:,}",
+                 f"{r['tokens_per_s'] or 0:,.0f}", f"{r['bpb']:.3f}", f"{ratio:.3f}x",
+                 *(f"{r.get(k) or 0:.3f}" for k in ("xz_given_train", "xz", "zlib"))]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    by = {}
+    for r in results:
+        if "error" not in r:
+            by.setdefault(r["recipe"], []).append(r)
+    for name, rs in by.items():
+        if len(rs) > 1:
+            m = statistics.mean(x["bpb"] for x in rs)
+            sd = statistics.stdev(x["bpb"] for x in rs)
+            lines.append(f"| {name} (mean of {len(rs)}) | | | | | | | {m:.3f} ± {sd:.3f} | "
+                         f"{m / rs[0]['xz_given_train']:.3f}x | | | |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        if "error" not in r:
+            xs, ys = zip(*r["curve"])
+            ax.plot([x / 60 for x in xs], ys, marker="o", label=f"{r['recipe']} (seed {r['seed']})")
+    goal = next((r["xz_given_train"] for r in results if r.get("xz_given_train")), None)
+    if goal:
+        ax.axhline(goal, color="k", linestyle="--", label=f"xz given the train text ({goal:.3f})")
+    ax.set_xlabel("wall time of the quickstart (min)")
+    ax.set_ylabel("validation bits per byte")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--source", default="stdlib")
+    p.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
+    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated of {', '.join(RECIPES)}")
+    p.add_argument("--extra", action="append", default=[], help="one more quickstart argument, to all")
+    p.add_argument("--out", default="ttq-runs")
+    p.add_argument("--plot", action="store_true")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for name in args.recipes.split(","):
+            results.append(run_one(name, RECIPES[name] + args.extra, args.minutes, args.source, seed, out))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{platform.node()}, {os.cpu_count()} CPUs, {args.minutes:g} min each, source {args.source}\n")
+    print(table(results))
+    if args.plot:
+        plot(results, out / "time_to_quality.png")
+        print(f"\nplot: {out / 'time_to_quality.png'}")
+
+
+if __name__ == "__main__":
+    main()
