@@ -356,3 +356,16 @@ def test_bench_eval_tiny_budget_prints_its_table():
             re.M,
         )
         assert row and float(row.group(1)) < 1e-3, out  # the two paths agree
+
+
+@pytest.mark.slow
+def test_time_to_quality_smallest_budget_prints_its_table(tmp_path):
+    out = run_script(
+        "time_to_quality.py", "--minutes", "0.05", "--recipes", "all,tokenizer", "--out", str(tmp_path),
+        "--extra=--max-docs", "--extra=12", "--extra=--vocab", "--extra=300", "--extra=--sample-tokens",
+        "--extra=3", timeout=600,
+    )  # fmt: skip
+    assert "| recipe | seed | vocab | shape | optimizer | steps | tokens/s | bits/byte |" in out
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert "all" in rows and "tokenizer" in rows and "error" not in out
+    assert "| 300 |" in rows["all"] and "| muon |" in rows["all"] and "| adamw |" in rows["tokenizer"]
