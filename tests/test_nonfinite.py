@@ -75,3 +75,17 @@ def test_fault_injector_reads_the_environment(monkeypatch):
     monkeypatch.setenv(INJECT_ENV, "r1@0,3")
     assert FaultInjector.from_env(rank=0).bad_micro_steps == {3}
     assert FaultInjector.from_env(rank=1).bad_micro_steps == {0, 3}
+
+
+def test_the_guard_is_stateful_and_a_resumed_run_goes_on_counting_its_rollbacks():
+    g = NonFiniteGuard(max_consecutive=2, max_rollbacks=3)
+    g.on_rolled_back(4)
+    g.on_rolled_back(4)
+    state = g.state_dict()
+    assert state == {"rollbacks": 2}
+    resumed = NonFiniteGuard(max_consecutive=2, max_rollbacks=3)
+    resumed.load_state_dict(state)
+    resumed.on_rolled_back(6)
+    assert resumed.rollbacks == 3
+    resumed.load_state_dict({"rollbacks": None})  # a meta without the field (seed format, import)
+    assert resumed.rollbacks == 0

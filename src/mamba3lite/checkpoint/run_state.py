@@ -1,12 +1,12 @@
 """The run state: everything a checkpoint remembers of a run besides its tensors, as one record.
 
 `RunState`'s fields ARE the schema of a step's meta file (meta_step_N.json): the trainer fills one at
-every save from its stateful parts (the sampler's and the RNG's `state_dict()`, the counters, the
-logger's last row), `import` fills one for the step 0 of an imported model, and every reader (the
-trainer's resume, `inspect`, `generate`, `export`) takes one back with `RunState.from_meta`. The
-checkpoint manager adds its own file-integrity fields (format, files, tied, has_optimizer, saved_at,
-meta_sha256) around `to_meta()`; meta.py checks a meta's shape against `meta_schema()`, which is built
-from the fields below, so it never lists them again.
+every save from its stateful parts (the `state_dict()` of the sampler, the RNG and the non-finite
+guard, the counters, the logger's last row and its W&B run id), `import` fills one for the step 0 of
+an imported model, and every reader (the trainer's resume, `inspect`, `generate`, `export`) takes one
+back with `RunState.from_meta`. The checkpoint manager adds its own file-integrity fields (format,
+files, tied, has_optimizer, saved_at, meta_sha256) around `to_meta()`; meta.py checks a meta's shape
+against `meta_schema()`, which is built from the fields below, so it never lists them again.
 
     state = RunState(step=7, config=cfg.to_dict(), tokens_seen=...)   # the trainer's _run_state()
     meta = state.to_meta()                                             # -> CheckpointManager.save
@@ -59,7 +59,7 @@ class RunState:
     # processes of the run that saved, and windows per optimizer step of all of them together
     world_size: int | None = field(default=None, metadata=ABSENT)
     global_batch_windows: int | None = field(default=None, metadata=ABSENT)
-    # non-finite rollbacks done by the process that saved
+    # NonFiniteGuard.state_dict(): the run's non-finite rollbacks so far (a resume goes on counting)
     rollbacks: int | None = field(default=None, metadata=ABSENT)
     # run_record.code_version of the run that saved
     code_version: dict | None = None

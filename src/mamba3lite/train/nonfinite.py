@@ -82,6 +82,16 @@ class NonFiniteGuard:
         self.nan_streak = self.bad_grad_streak = 0
         self.pending_skipped = self.pending_tokens = 0
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the guard: the run's rollbacks so far (the streaks and the work
+        pending end with the step that is saved)."""
+        return {"rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run goes on counting its rollbacks (a rollback itself does not load this: its
+        count goes on from the process's own)."""
+        self.rollbacks = int(state.get("rollbacks") or 0)
+
     def on_saved(self, step: int) -> None:
         """A checkpoint of `step`: past every step rolled back to, it is progress."""
         if step > self._floor:

@@ -21,7 +21,7 @@ class TrainResult:
     history: list[tuple[int, float | None]] = field(default_factory=list)  # (step, loss) this call
     last_eval: dict | None = None
     steady_tokens_per_s: float | None = None
-    rollbacks: int = 0
+    rollbacks: int = 0  # of the run, earlier calls' (recorded in its checkpoints) included
 
 
 @dataclass

@@ -212,7 +212,7 @@ class Pretrainer:
             history=list(self.progress.history),
             last_eval=self.last_eval,
             steady_tokens_per_s=self.logger.steady_tokens_per_s(),
-            rollbacks=self.rollbacks,
+            rollbacks=self.guard.state_dict()["rollbacks"],
         )
 
     def _loop(self, target: int) -> bool:
@@ -327,7 +327,7 @@ class Pretrainer:
             wandb_run_id=self.wandb_run_id,
             world_size=self.dist.world_size,
             global_batch_windows=self.global_windows,
-            rollbacks=self.rollbacks,
+            rollbacks=self.guard.state_dict()["rollbacks"],
             code_version=self._code_version,
         )  # fmt: skip
 
@@ -370,7 +370,8 @@ class Pretrainer:
                     "attempt superseded",
                 )
             return
-        self._restore(plan.target)
+        state = self._restore(plan.target)
+        self.guard.load_state_dict({"rollbacks": state.rollbacks})
         note = plan.tidy(self.ckpt) if self.dist.is_main else ""
         marked = self.logger.supersede_after(plan.target)
         self._event(
