@@ -2,7 +2,7 @@
 machine that runs it.
 
     vocabulary  a byte-level BPE of VOCAB ids fit to the train split (`prepare --train-tokenizer`): on
-                Python source it reads ~1.6x the bytes per token of GPT-2's 50,257 ids, and its LM head
+                Python source it reads ~1.5x the bytes per token of GPT-2's 50,257 ids, and its LM head
                 is 12x smaller, so the minutes go to the Mamba-3 layers instead of a 50,257-way softmax
     shape       the largest of SHAPES that still reads TOKENS_PER_PARAM tokens per (non-embedding)
                 parameter in the training time left, at the tokens/s measured for it here: a bigger
