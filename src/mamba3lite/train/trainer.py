@@ -164,10 +164,13 @@ class Pretrainer:
 
     # ---------------------------------------------------------------------------------- building
     def _build_data(self, train_data: Any, val_data: Any) -> TrainData:
-        train = train_data if train_data is not None else build_train_data(self.cfg)
+        train = train_data if train_data is not None else self._build_train_data()
         val, why = (val_data, "") if val_data is not None else build_val_data(self.cfg, train)
         check_data_matches(self.cfg, train, val)
         return TrainData(train, val, why)
+
+    def _build_train_data(self) -> Any:  # its own method: a test signals the process while data builds
+        return build_train_data(self.cfg)
 
     def _data_identity(self) -> dict | None:
         path = None if self.cfg.data.dummy else self.cfg.data.train_data_path
