@@ -24,6 +24,7 @@ What happens, in order, before anything is written:
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import warnings
 from collections.abc import Iterator
@@ -135,8 +136,10 @@ def check_run_directory(cfg, opts: TrainOptions) -> None:
             f"--dry-run trains a fresh 2-step run, but {run_dir} already holds checkpoints (steps "
             f"{steps[:5]}{'...' if len(steps) > 5 else ''}); point --checkpoint-dir at a new directory"
         )
-    if run_dir.is_dir():
-        with RunLock(run_dir):  # refused now, not after the data and model were built
+    # Refused now, not after the data and model were built. Rank 0 alone: under torchrun every rank
+    # runs this at once, and a rank would find rank 0's brief check holding the lock.
+    if run_dir.is_dir() and os.environ.get("RANK", "0") == "0":
+        with RunLock(run_dir):
             pass
 
 
