@@ -318,7 +318,7 @@ def _recipe_line(cfg) -> str:
 def _baselines(proc, cache: Path, log) -> dict | None:
     """The compressors' numbers the child process wrote for this dataset (waited for at most
     BASELINES_WAIT_S), or None."""
-    from mamba3lite.report.baselines import read_cache_json
+    from mamba3lite.report.baselines import cached
 
     proc.join(BASELINES_WAIT_S)
     if proc.is_alive():
@@ -328,4 +328,4 @@ def _baselines(proc, cache: Path, log) -> dict | None:
     if proc.exitcode != 0:
         log(f"note      the compressors failed (exit code {proc.exitcode}): no numbers to compare with")
         return None
-    return read_cache_json(cache)
+    return cached(cache)  # the child wrote it for this dataset's texts

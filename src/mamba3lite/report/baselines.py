@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import lzma
 import multiprocessing
 import os
@@ -78,8 +77,9 @@ def _texts(dataset: str | Path) -> tuple[bytes, bytes, str]:
     return val, history, key
 
 
-def cached(cache: str | Path, key: str) -> dict | None:
-    """The baselines stored in `cache` for texts `key`, or None (absent, another key, unreadable)."""
+def cached(cache: str | Path, key: str | None = None) -> dict | None:
+    """The baselines stored in `cache` for texts `key` (None: whatever texts they are of), or None
+    (absent, another key, unreadable). The one read of a cache file, through the border reader."""
     cache = Path(cache)
     if not cache.is_file():
         return None
@@ -87,7 +87,9 @@ def cached(cache: str | Path, key: str) -> dict | None:
         record = intake.read_json(cache, intake.CONFIG)
     except Exception:  # a damaged cache is recomputed, never an error
         return None
-    if record.get("key") != key or not all(isinstance(record.get(k), float) for k in NAMES):
+    if key is not None and record.get("key") != key:
+        return None
+    if not all(isinstance(record.get(k), float) for k in NAMES):
         return None
     return record
 
@@ -132,11 +134,3 @@ def as_text(model_bpb: float | None, b: dict) -> str:
         f"{model} | zlib -9 {b['zlib']:.3f} | xz -9e {b['xz']:.3f} | xz given the train text "
         f"{b['xz_given_train']:.3f} (the number to beat){ratio}"
     )
-
-
-def read_cache_json(cache: str | Path) -> dict | None:
-    """The raw cache file's record (whatever key), or None."""
-    try:
-        return json.loads(Path(cache).read_text())
-    except (OSError, ValueError):
-        return None
