@@ -29,7 +29,22 @@ def test_seed_defaults():
     assert (t.max_seq_len, t.micro_batch_size, t.gradient_accumulation_steps) == (2048, 16, 2)
     assert (t.max_steps, t.log_every, t.save_every, t.nan_guard_max_consecutive) == (256_000, 50, 4000, 5)
     assert DataConfig().train_data_path == "data/pretrain_data.bin"
-    assert t.tokens_per_step() == 65_536 and t.tokens_per_step(world_size=4) == 4 * 65_536
+    # the global batch is the contract: the same tokens per step at any world size
+    assert t.tokens_per_step() == 65_536 and t.global_windows == 32
+    assert t.accumulation(1) == 2 and t.accumulation(2) == 1
+
+
+def test_global_batch_is_the_contract_and_accumulation_is_derived():
+    t = TrainingConfig(micro_batch_size=2, global_batch_size=16)
+    assert t.global_windows == 16 and [t.accumulation(n) for n in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(ConfigError, match="does not split into micro batches of 2 over 3"):
+        t.accumulation(3)
+    with pytest.raises(ConfigError, match=r"not a multiple of training\.micro_batch_size 2"):
+        TrainingConfig(micro_batch_size=2, global_batch_size=15)
+    with pytest.raises(ConfigError, match="did you mean"):
+        TrainingConfig(parallelism="fdsp")
+    with pytest.raises(ConfigError, match=r"set training\.parallelism=hsdp"):
+        TrainingConfig(parallelism="ddp", dp_replicate=2)
 
 
 def test_every_field_is_documented():

@@ -107,7 +107,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, monkeypatc
     config = write_config(tmp_path)
     opt = ("--set", f"training.optimizer={optimizer}")
     train(config, tmp_path / "one", 1, *opt)  # micro 2 x accumulation 2 x 1 process
-    train(config, tmp_path / "two", 2, "--set", "training.gradient_accumulation_steps=1", *opt)  # 2 x 1 x 2
+    train(config, tmp_path / "two", 2, *opt)  # the same global batch: 2 x 1 x 2 processes
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:
@@ -126,7 +126,7 @@ def test_resume_on_another_world_size_continues_the_same_data_order(tmp_path):
     config = write_config(tmp_path)
     train(config, tmp_path / "ref", 1)
     run = tmp_path / "run"
-    train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", "--max-steps", "2")
+    train(config, run, 2, "--max-steps", "2")
     train(config, run, 1)  # resumes step 2 on one process, global batch still 4 windows
     ref, got = losses(tmp_path / "ref"), losses(run)
     assert sorted(got) == [1, 2, 3, 4]
@@ -140,7 +140,7 @@ def test_ranks_agree_on_a_nan_seen_by_one_rank(tmp_path, monkeypatch):
     config = write_config(tmp_path)
     run = tmp_path / "run"
     monkeypatch.setenv("MAMBA3LITE_INJECT_NONFINITE", "r1@1")  # inherited by the torchrun workers
-    train(config, run, 2, "--set", "training.gradient_accumulation_steps=1")
+    train(config, run, 2)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("event") == "nan_skip" for r in rows) == 1
     train_rows = [r for r in rows if r["kind"] == "train"]
@@ -230,7 +230,7 @@ def test_mfu_counts_every_device_and_a_refused_resume_exits_every_rank(tmp_path)
 
     config = write_config(tmp_path)
     run = tmp_path / "run"
-    two = ("--set", "training.gradient_accumulation_steps=1", "--set", "training.peak_tflops=0.001")
+    two = ("--set", "training.peak_tflops=0.001")
     train(config, run, 2, *two)
     cfg = load_config(config)
     per_token = model_flops_per_token(cfg.model, cfg.training.max_seq_len)["train"]
@@ -274,7 +274,7 @@ def test_an_error_on_rank_0_alone_stops_every_rank_with_one_line_each(tmp_path, 
     install_hook(tmp_path, monkeypatch, RANK0_DISK_FULL)
     config = write_config(tmp_path)
     run = tmp_path / "run"
-    r = train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", check=False)
+    r = train(config, run, 2, check=False)
     assert r.returncode != 0
     tail = r.stderr[-3000:]
     assert f"error: No space left on device ({run / 'model_step_2.safetensors'})" in r.stderr, tail
@@ -292,7 +292,7 @@ def test_an_error_on_rank_0_while_rank_1_is_in_another_collective_does_not_hang(
     run = tmp_path / "run"
     (run / "config.yaml").mkdir(parents=True)
     (run / "metrics.jsonl").touch()  # what makes it a run directory that train may write into
-    r = train(config, run, 2, "--set", "training.gradient_accumulation_steps=1", check=False)
+    r = train(config, run, 2, check=False)
     assert r.returncode != 0
     tail = r.stderr[-3000:]
     assert f"error: Is a directory ({run / 'config.yaml'})" in r.stderr, tail
@@ -346,7 +346,8 @@ def test_in_loop_downstream_is_shared_by_the_ranks_and_equals_one_process(tmp_pa
         return row, counts
 
     one, one_counts = run("one", 1, "--set", "training.gradient_accumulation_steps=2")
-    two, two_counts = run("two", 2)
+    # the same global batch (micro 2 x accumulation 2) on two processes: accumulation 1 each
+    two, two_counts = run("two", 2, "--set", "training.gradient_accumulation_steps=2")
     for key in ("piqa/n", "lambada/n", "piqa/acc", "piqa/acc_norm", "lambada/acc"):
         assert two[key] == pytest.approx(one[key], abs=1e-9), key
     assert two["piqa/n"] == 5 and two["lambada/perplexity"] == pytest.approx(
@@ -355,5 +356,7 @@ def test_in_loop_downstream_is_shared_by_the_ranks_and_equals_one_process(tmp_pa
     # 5 items of each task: piqa 2 choices, lambada 1 request each; rank 0 items 0, 2, 4, rank 1 items
     # 1, 3 and one padding item (lm-eval evens the ranks' request counts)
     assert one_counts == {0: 15} and two_counts == {0: 9, 1: 9}, (one_counts, two_counts)
-    few, few_counts = run("few", 2, "--set", "training.eval_tasks_limit=1")
+    few, few_counts = run(
+        "few", 2, "--set", "training.eval_tasks_limit=1", "--set", "training.gradient_accumulation_steps=2"
+    )
     assert few["piqa/n"] == 1 and few["lambada/n"] == 1 and few_counts == {0: 3}, few_counts

@@ -37,6 +37,7 @@ PRESET_DIR = Path(__file__).resolve().parent / "configs"
 SECTIONS = ("model", "training", "data", "logging")
 DTYPES = ("bf16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
+PARALLELISMS = ("auto", "ddp", "fsdp", "hsdp")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -64,8 +65,15 @@ class TrainingConfig:
     micro_batch_size: int = _f(16, "windows per forward/backward pass on each process")
     gradient_accumulation_steps: int = _f(
         2,
-        "micro-batches accumulated per optimizer step; the global batch is micro_batch_size x this x "
-        "number of processes (windows)",
+        "micro-batches accumulated per optimizer step by ONE process when global_batch_size is 0 (the "
+        "global batch is then micro_batch_size x this); with more data-parallel processes the accumulation "
+        "is derived from the global batch, which stays the same",
+    )
+    global_batch_size: int = _f(
+        0,
+        "windows per optimizer step, all data-parallel processes together: the run's contract, the same "
+        "at any world size (accumulation = global_batch_size / (micro_batch_size x data-parallel size), "
+        "which must divide). 0 = micro_batch_size x gradient_accumulation_steps",
     )
     max_steps: int = _f(256_000, "optimizer steps of the run; also the end of the cosine schedule")
     lr: float = _f(1.5e-3, "peak learning rate (after warmup)")
@@ -125,6 +133,44 @@ class TrainingConfig:
     max_rollbacks: int = _f(3, "NaN rollbacks allowed without saving a newer checkpoint before giving up")
     peak_tflops: float = _f(0.0, "one accelerator's peak TFLOP/s for MFU; 0 = look up the GPU (none on CPU)")
     progress: bool = _f(True, "show a progress bar when stderr is an interactive terminal")
+    parallelism: str = _f(
+        "auto",
+        "how the model is spread over the data-parallel processes of a torchrun job: ddp (replicated, "
+        "gradients all-reduced during the backward), fsdp (parameters, gradients and optimizer state "
+        "sharded over all processes: FSDP2), hsdp (sharded within dp_shard groups, replicated across "
+        "dp_replicate of them), auto (fsdp when the memory estimate of a replicated model does not fit "
+        "the device, else ddp). One process needs none of them",
+        choices=PARALLELISMS,
+    )
+    dp_replicate: int = _f(
+        1,
+        "hsdp: replicas of the sharded model (e.g. nodes); the shard group is the data-parallel size / "
+        "this, which must divide",
+    )
+    reshard_after_forward: bool = _f(
+        True,
+        "fsdp/hsdp: free each block's gathered parameters after its forward and gather them again in the "
+        "backward (less memory, one more all-gather per block)",
+    )
+    context_parallel: int = _f(
+        1,
+        "processes that share each training window, each scanning T / this contiguous tokens and passing "
+        "the recurrent state along (a dimension of the device mesh: world size = data-parallel size x "
+        "this); 1 = off",
+    )
+    dist_timeout_s: float = _f(
+        1800.0, "seconds a collective may wait for the other processes before the job fails (torchrun jobs)"
+    )
+    prefetch_batches: int = _f(
+        2,
+        "optimizer steps of input prepared ahead on a background thread (pinned memory, non-blocking "
+        "copies); 0 = read each batch on the training thread",
+    )
+    async_checkpoint: bool = _f(
+        True,
+        "sharded runs (fsdp/hsdp) write checkpoints with torch.distributed.checkpoint's async save: training "
+        "goes on while the files are written, and the meta file (the commit marker) follows when they are",
+    )
 
     def __post_init__(self) -> None:
         s = "training"
@@ -142,6 +188,9 @@ class TrainingConfig:
                 "eval_batches",
                 "nan_guard_max_consecutive",
                 "eps",
+                "dp_replicate",
+                "context_parallel",
+                "dist_timeout_s",
             ),
         )
         _positive(
@@ -158,6 +207,8 @@ class TrainingConfig:
                 "keep_last_n",
                 "max_rollbacks",
                 "peak_tflops",
+                "global_batch_size",
+                "prefetch_batches",
             ),
             allow_zero=True,
         )
@@ -166,6 +217,23 @@ class TrainingConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"training.betas must be two numbers in [0, 1), got {list(self.betas)}")
         self._check_optimizer()
+        if self.parallelism not in PARALLELISMS:
+            hint = did_you_mean_hint(self.parallelism, PARALLELISMS)
+            raise ConfigError(
+                f"training.parallelism must be one of {', '.join(PARALLELISMS)}, "
+                f"got {self.parallelism!r}{hint}"
+            )
+        if self.dp_replicate > 1 and self.parallelism not in ("hsdp", "auto"):
+            raise ConfigError(
+                f"training.dp_replicate is {self.dp_replicate} but training.parallelism is "
+                f"{self.parallelism}: replicas of a sharded model are hsdp; set training.parallelism=hsdp"
+            )
+        if self.global_batch_size and self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"training.global_batch_size {self.global_batch_size} is not a multiple of "
+                f"training.micro_batch_size {self.micro_batch_size}; choose a global batch that whole micro "
+                "batches make up"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
@@ -198,13 +266,32 @@ class TrainingConfig:
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
 
-    def windows_per_step(self, world_size: int = 1) -> int:
-        """Global batch in windows per optimizer step."""
-        return self.micro_batch_size * self.gradient_accumulation_steps * world_size
+    @property
+    def global_windows(self) -> int:
+        """The global batch in windows per optimizer step (all data-parallel processes together)."""
+        return self.global_batch_size or self.micro_batch_size * self.gradient_accumulation_steps
 
-    def tokens_per_step(self, world_size: int = 1) -> int:
-        """Input tokens trained on per optimizer step (all processes)."""
-        return self.windows_per_step(world_size) * self.max_seq_len
+    def accumulation(self, dp_size: int = 1) -> int:
+        """Micro-batches per optimizer step on each of `dp_size` data-parallel processes, so that they
+        make up the global batch together; ConfigError when they cannot."""
+        assert dp_size >= 1
+        per_pass = self.micro_batch_size * dp_size
+        if self.global_windows % per_pass:
+            raise ConfigError(
+                f"the global batch of {self.global_windows} windows does not split into micro batches of "
+                f"{self.micro_batch_size} over {dp_size} data-parallel processes ({per_pass} windows per "
+                f"pass); choose training.global_batch_size as a multiple of {per_pass}, or another "
+                "micro_batch_size or process count"
+            )
+        return self.global_windows // per_pass
+
+    def windows_per_step(self) -> int:
+        """Global batch in windows per optimizer step (the same at any world size)."""
+        return self.global_windows
+
+    def tokens_per_step(self) -> int:
+        """Input tokens trained on per optimizer step (all processes together)."""
+        return self.global_windows * self.max_seq_len
 
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")

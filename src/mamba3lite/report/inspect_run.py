@@ -129,8 +129,8 @@ def _describe_config(raw: dict) -> list[str]:
         f"headdim {m.headdim}, expand {m.expand}, {kind}, vocab {m.vocab_size:,}, "
         f"A {m.a_activation}",
         f"parameters     {count_parameters(m):,}",
-        f"training       max_seq_len {t.max_seq_len}, {t.windows_per_step()} windows/step per process "
-        f"(micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps}), lr {t.lr:g}, "
+        f"training       max_seq_len {t.max_seq_len}, {t.global_windows} windows/step in all "
+        f"(micro {t.micro_batch_size} x accum {t.accumulation()} on one process), lr {t.lr:g}, "
         f"max_steps {t.max_steps:,}, dtype {t.dtype}",
         f"data           {'dummy (random tokens)' if d.dummy else d.train_data_path}",
     ]

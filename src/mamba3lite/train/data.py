@@ -107,6 +107,6 @@ def check_fits_global_batch(n_windows: int, global_windows: int, max_seq_len: in
     if n_windows < global_windows:
         raise DataError(
             f"the training data has {n_windows} windows of {max_seq_len} tokens, fewer than one global "
-            f"batch ({global_windows} windows = micro_batch_size x gradient_accumulation_steps x "
-            "processes); use more data or a smaller batch"
+            f"batch ({global_windows} windows: training.global_batch_size, or micro_batch_size x "
+            "gradient_accumulation_steps when it is 0); use more data or a smaller batch"
         )

@@ -28,8 +28,7 @@ def start_message(step: int, target: int, dist, tc, sampler, scan: str | None) -
     what = "resumed" if step else "start"
     return (
         f"{what} at step {step} -> {target} on {dist.world_size} x {dist.device}; "
-        f"{tc.tokens_per_step(dist.world_size):,} tokens/step; {epoch_summary(sampler)}"
-        + (f"; {scan} scan" if scan else "")
+        f"{tc.tokens_per_step():,} tokens/step; {epoch_summary(sampler)}" + (f"; {scan} scan" if scan else "")
     )
 
 

@@ -2,9 +2,10 @@
 makes every check first; what a checkpoint records of the run is one RunState (checkpoint/run_state.py);
 what the run logs goes through one logger to the sinks of `logging.sinks` (metrics/).
 
-One optimizer step = `gradient_accumulation_steps` micro-steps of `micro_batch_size` windows on each
-process. The global batch (micro × accumulation × world size windows) is drawn by `WindowSampler`,
-whose order is a pure function of (seed, epoch, consumed), so it is the same for any world size.
+One optimizer step is the global batch, `training.global_windows` windows over all processes: each
+process runs `accum` micro-steps of `micro_batch_size` windows (accum = global / (micro × processes),
+`TrainingConfig.accumulation`). The windows are drawn by `WindowSampler`, whose order is a pure function
+of (seed, epoch, consumed), so a run continues the same batches at any world size.
 
     build          data (data.py), model (model_setup.py), optimizer, sampler, checkpoint manager
     train()        lock the run directory, plan and apply the resume (checkpoint/resume.py), write
@@ -100,6 +101,9 @@ class Pretrainer:
         self.dist = dist or D.DistInfo(device=D.pick_device(config.training.device))
         self.stop = stop or StopFlag(announce=self.dist.is_main)
         tc = self.tc
+        # Micro-steps per optimizer step on this process: the global batch over the world size (a split
+        # that does not divide is a ConfigError now, before anything is built).
+        self.accum = tc.accumulation(self.dist.world_size)
         if self.device.type == "cpu":
             keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
         if has_manifest(tc.checkpoint_dir):
@@ -156,7 +160,7 @@ class Pretrainer:
 
     @property
     def global_windows(self) -> int:
-        return self.tc.windows_per_step(self.dist.world_size)
+        return self.tc.global_windows
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -455,7 +459,7 @@ class Pretrainer:
         if accumulated is None:  # rolled back
             return False
         good, loss_sum, skipped = accumulated
-        tokens = self.tc.tokens_per_step(self.dist.world_size)
+        tokens = self.tc.tokens_per_step()
         self.progress.tokens_seen += tokens
         if good == 0:
             self.optimizer.zero_grad(set_to_none=True)
@@ -497,7 +501,7 @@ class Pretrainer:
         """The step's micro-batches on the device. A damaged batch on any rank: DataError on every rank,
         the sampler put back to before the step (nothing of it has happened, so the checkpoint `train`
         writes now resumes exactly here)."""
-        mb, accum = self.tc.micro_batch_size, self.tc.gradient_accumulation_steps
+        mb, accum = self.tc.micro_batch_size, self.accum
         sampler_before = self.sampler.state_dict()
         indices = self._next_indices()
         assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
@@ -543,7 +547,7 @@ class Pretrainer:
 
     def _reduce_and_clip(self, good: int) -> float:
         """Average the gradients across ranks (over the `good` micro-steps that ran), clip; the norm."""
-        params, accum = self.params, self.tc.gradient_accumulation_steps
+        params, accum = self.params, self.accum
         D.all_reduce_grads(params, self.dist.world_size)
         if good < accum:  # mean over the micro-batches that ran
             for p in params:
