@@ -102,7 +102,7 @@ def bind_scan(model: torch.nn.Module, scan_impl: str, device: torch.device) -> l
 
 def list_loadable_steps(run_dir: str | Path) -> list[int]:
     """Steps of `run_dir` whose weights verify (ascending); [] when there are none."""
-    return RunDir(run_dir).verified_steps()
+    return RunDir(run_dir).loadable_steps()
 
 
 def check_run_dir(run_dir: str | Path) -> Path:

@@ -128,7 +128,7 @@ class RunDir:
         """Every step with at least one of its files here, ascending (verified or not)."""
         return self.ckpt.list_steps()
 
-    def verified_steps(self, *, need_optimizer: bool = False) -> list[int]:
+    def loadable_steps(self, *, need_optimizer: bool = False) -> list[int]:
         """The steps that can be loaded, ascending. `need_optimizer=False`: the weights alone count
         (generate, eval, export); True: a step training can resume from."""
         return self.ckpt.verified_steps(need_optimizer=need_optimizer)
@@ -159,13 +159,13 @@ class RunDir:
         if step not in self.steps():
             raise CheckpointError(
                 f"there is no checkpoint of step {step} in {self.path}; loadable steps: "
-                f"{self.verified_steps(need_optimizer=need_optimizer) or 'none'}"
+                f"{self.loadable_steps(need_optimizer=need_optimizer) or 'none'}"
             )
         status = self.ckpt.status(step, need_optimizer=need_optimizer)
         if not status.loadable:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.path} cannot be loaded: {'; '.join(status.problems)}; "
-                f"loadable steps: {self.verified_steps(need_optimizer=need_optimizer) or 'none'}"
+                f"loadable steps: {self.loadable_steps(need_optimizer=need_optimizer) or 'none'}"
             )
         return StepPick(step)
 
@@ -194,8 +194,6 @@ class RunDir:
         refusal (a step never saved, checkpoints that do not verify, "none" over checkpoints) as one
         CheckpointError line. Decided by `plan_resume`, so it is the step the trainer then loads; the
         notes on skipped damaged steps are left to the trainer, which reports its own choice."""
-        if not self.path.is_dir():
-            return None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = self.plan_resume(resume)

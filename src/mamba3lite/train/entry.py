@@ -118,11 +118,12 @@ def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
 def check_run_directory(cfg, opts: TrainOptions) -> None:
     """The run directory may be written (new, empty or a run directory), is not busy (another trainer
     holds its lock), and for a dry run holds no checkpoints."""
-    from mamba3lite.checkpoint import CheckpointManager, RunLock
+    from mamba3lite.checkpoint import RunLock
+    from mamba3lite.checkpoint.run_dir import RunDir
 
     run_dir = Path(cfg.training.checkpoint_dir)
     check_run_dir(run_dir)  # before anything is written there
-    if opts.dry_run and (steps := CheckpointManager(run_dir).list_steps()):
+    if opts.dry_run and (steps := RunDir(run_dir).steps()):
         # in a directory with checkpoints a dry run would resume past step 2 and train nothing (or,
         # forced fresh, mix its checkpoint into a real run's)
         raise ConfigError(
