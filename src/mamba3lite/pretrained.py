@@ -100,17 +100,6 @@ def bind_scan(model: torch.nn.Module, scan_impl: str, device: torch.device) -> l
     return []
 
 
-def list_loadable_steps(run_dir: str | Path) -> list[int]:
-    """Steps of `run_dir` whose weights verify (ascending); [] when there are none."""
-    return RunDir(run_dir).loadable_steps()
-
-
-def check_run_dir(run_dir: str | Path) -> Path:
-    """`run_dir` as a Path if it is a directory holding checkpoints; else a CheckpointError
-    (`RunDir.check`)."""
-    return RunDir(run_dir).check().path
-
-
 def load_pretrained(
     run_dir: str | Path, step: int | None = None, device: str | torch.device = "cpu"
 ) -> Pretrained:
