@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mamba3lite import rundir
+from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.errors import ConfigError
 
 
@@ -48,19 +49,9 @@ def check_may_write(
 
 
 def is_run_dir(path: Path) -> bool:
-    """Whether `path` holds what `train` writes: a checkpoint, run.json, the metrics log, or a
-    config.yaml that is a run's resolved config (its first line is train's header)."""
-    from mamba3lite import intake
-    from mamba3lite.config import RESOLVED_HEADER
-
-    for p in path.iterdir():
-        if rundir.step_of(p.name) is not None or p.name in (rundir.RUN_RECORD_NAME, rundir.METRICS_NAME):
-            return True
-    config = path / rundir.CONFIG_NAME
-    if config.is_file():
-        head = intake.read_prefix(config, intake.CONFIG, len(RESOLVED_HEADER.encode("utf-8")))
-        return head == RESOLVED_HEADER.encode("utf-8")
-    return False
+    """Whether `path` holds what `train` writes: the one rule, `RunDir.is_run` (a checkpoint, run.json,
+    the metrics log, or a config.yaml that is a run's resolved config)."""
+    return RunDir(path).is_run()
 
 
 def check_run_dir(path: str | Path, flag: str = "--checkpoint-dir") -> None:

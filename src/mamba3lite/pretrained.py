@@ -16,15 +16,15 @@ loadable steps), a corrupt or truncated file, a meta whose config no longer vali
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mamba3lite import intake
+from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.errors import CheckpointError, ConfigError
+from mamba3lite.rundir import checkpoint_files
 
 
 def recorded_tokenizer(recorded: str | None, run_dir: Path) -> str:
@@ -100,34 +100,6 @@ def bind_scan(model: torch.nn.Module, scan_impl: str, device: torch.device) -> l
     return []
 
 
-def list_loadable_steps(run_dir: str | Path) -> list[int]:
-    """Steps of `run_dir` whose checkpoint verifies (ascending); [] when there are none."""
-    from mamba3lite.checkpoint import CheckpointManager
-
-    return CheckpointManager(run_dir).verified_steps(need_optimizer=False)
-
-
-def check_run_dir(run_dir: str | Path) -> Path:
-    """`run_dir` as a Path if it is a directory holding checkpoint files; else a CheckpointError."""
-    from mamba3lite.checkpoint import CheckpointManager
-
-    p = Path(run_dir)
-    if not p.exists():
-        raise CheckpointError(
-            f"checkpoint directory {p} does not exist; pass the --checkpoint-dir of a `mamba3lite train` "
-            "run (e.g. mamba3lite-quickstart/run)"
-        )
-    if not p.is_dir():
-        what = "a file" if p.is_file() else intake.describe_mode(p.stat().st_mode)
-        raise CheckpointError(f"{p} is {what}, not a checkpoint directory; pass the run directory")
-    if not CheckpointManager(p).list_steps():
-        raise CheckpointError(
-            f"{p} holds no checkpoints (no model_step_N.safetensors / meta_step_N.json); train first, "
-            "or pass the --checkpoint-dir of a run"
-        )
-    return p
-
-
 def load_pretrained(
     run_dir: str | Path, step: int | None = None, device: str | torch.device = "cpu"
 ) -> Pretrained:
@@ -136,67 +108,47 @@ def load_pretrained(
     The newest-step search skips damaged newer checkpoints (each noted in `Pretrained.notes`); an
     explicit `step` loads exactly that step or raises. Weights are verified against the meta's sha256.
     """
-    from mamba3lite.checkpoint import CheckpointManager
-
-    p = check_run_dir(run_dir)
-    ckpt = CheckpointManager(p)
+    run = RunDir(run_dir).check()
     notes: list[str] = []
-    if step is not None:
-        if step < 0:
-            raise CheckpointError(f"--step must be >= 0, got {step}")
-        if step not in ckpt.list_steps():
-            raise CheckpointError(
-                f"there is no checkpoint of step {step} in {p}; loadable steps: "
-                f"{ckpt.verified_steps(need_optimizer=False) or 'none'}"
-            )
-        meta, config, model = _load_step(ckpt, p, step)
-    else:
-        # The newest step; a training run writing into `p` may delete it (retention) between the choice
-        # and the load: then choose again.
-        for attempt in range(3):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                step = ckpt.latest_step(need_optimizer=False)
-            notes += [str(w.message) for w in caught]
-            if step is None:
-                problems = "; ".join(
-                    p for s in ckpt.list_steps() for p in ckpt.status(s, need_optimizer=False).problems
-                )
-                raise CheckpointError(f"no checkpoint in {p} verifies: {problems}")
-            try:
-                meta, config, model = _load_step(ckpt, p, step)
-                break
-            except CheckpointError:
-                if attempt == 2 or step in ckpt.list_steps():
-                    raise
-                notes.append(f"step {step} was removed while loading it (a running training's retention?)")
+    # The step (`RunDir.resolve`); a training run writing into the directory may delete the newest step
+    # (retention) between the choice and the load: then choose again.
+    for attempt in range(1 if step is not None else 3):
+        pick = run.resolve(step)
+        notes += pick.notes
+        try:
+            meta, config, model = _load_step(run, pick.step)
+            break
+        except CheckpointError:
+            if step is not None or attempt == 2 or pick.step in run.steps():
+                raise
+            notes.append(f"step {pick.step} was removed while loading it (a running training's retention?)")
     model.to(device).eval()
     notes += bind_scan(model, config.model.scan_impl, torch.device(device))
     data = meta.get("data") or {}
     return Pretrained(
         model=model,
         config=config,
-        step=step,
+        step=pick.step,
         meta=meta,
-        run_dir=p,
-        tokenizer_name=recorded_tokenizer(data.get("tokenizer"), p),
+        run_dir=run.path,
+        tokenizer_name=recorded_tokenizer(data.get("tokenizer"), run.path),
         vocab_hash=data.get("vocab_hash"),
         notes=notes,
     )
 
 
-def verified_meta(ckpt: Any, p: Path, step: int) -> tuple[dict, Any]:
-    """(meta, Config) of checkpoint `step` in run directory `p`, its files verified (sizes, sha256) before
-    the config is trusted: an edited meta could ask for any shape. CheckpointError if anything is wrong.
-    `ckpt`: the run's CheckpointManager."""
+def verified_meta(run: RunDir, step: int) -> tuple[dict, Any]:
+    """(meta, Config) of checkpoint `step` of `run`, its files verified (sizes, sha256) before the config
+    is trusted: an edited meta could ask for any shape. CheckpointError if anything is wrong."""
     from mamba3lite.config import Config
-    from mamba3lite.rundir import checkpoint_files
 
-    st = ckpt.status(step, need_optimizer=False)
+    st = run.ckpt.status(step, need_optimizer=False)
     if not st.loadable:
-        raise CheckpointError(f"checkpoint step {step} in {p} cannot be loaded: {'; '.join(st.problems)}")
-    meta = ckpt.read_meta(step)
-    meta_path = checkpoint_files(p, step)["meta"]
+        raise CheckpointError(
+            f"checkpoint step {step} in {run.path} cannot be loaded: {'; '.join(st.problems)}"
+        )
+    meta = run.read_meta(step)
+    meta_path = checkpoint_files(run.path, step)["meta"]
     raw_cfg = meta.get("config")
     if not isinstance(raw_cfg, dict) or "model" not in raw_cfg:
         raise CheckpointError(
@@ -209,21 +161,20 @@ def verified_meta(ckpt: Any, p: Path, step: int) -> tuple[dict, Any]:
         raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
 
 
-def _load_step(ckpt, p: Path, step: int):
+def _load_step(run: RunDir, step: int):
     """(meta, config, model on the CPU) of checkpoint `step`, verified; CheckpointError if anything is
     wrong."""
     from mamba3lite.model import Mamba3Transformer
-    from mamba3lite.rundir import checkpoint_files
 
-    meta, config = verified_meta(ckpt, p, step)
+    meta, config = verified_meta(run, step)
     model = Mamba3Transformer(config.model)
-    ckpt.load(step, model, None, map_location="cpu")  # verifies sizes and sha256 first
+    run.ckpt.load(step, model, None, map_location="cpu")  # verifies sizes and sha256 first
     # The sha256 proves the file is what training wrote, not that training wrote numbers: a run saved
     # after it diverged gives `eval` a loss of nan and `generate` a sampling error, so refuse it here.
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(
-                f"{checkpoint_files(p, step)['model']} holds non-finite weights (NaN or inf, first in "
-                f"{name}): the run diverged before this step was saved; load an earlier step with --step N"
+                f"{checkpoint_files(run.path, step)['model']} holds non-finite weights (NaN or inf, first "
+                f"in {name}): the run diverged before this step was saved; load an earlier step with --step N"
             )
     return meta, config, model

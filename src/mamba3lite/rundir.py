@@ -18,9 +18,10 @@ and the checkpoints, three files per step (`checkpoint_files`; the one pattern e
 
 The atomic writers' temp files are `.NAME.XXXX.tmp` (mamba3lite/atomicfile.py).
 
-A module that reads or writes one of these takes its name from here; a new file in a run directory is
-one line here plus its use. No imports beyond the standard library: `inspect` and `outdir` recognise a
-run directory without loading torch.
+A module that writes one of these takes its name from here; a new file in a run directory is one line
+here plus its use. Reading is `RunDir` (mamba3lite/checkpoint/run_dir.py): whether a directory is a run,
+its steps, the newest verified one; no module outside mamba3lite/checkpoint/ matches these patterns
+itself. No imports beyond the standard library: a run directory is recognised without loading torch.
 """
 
 from __future__ import annotations

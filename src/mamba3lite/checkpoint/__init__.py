@@ -16,6 +16,8 @@ this order:
     manager.py      CheckpointManager: save, verify (status), find, load, prune, move aside
     resume.py       plan_resume: which step a starting run continues from, and what to tidy first;
                     compatibility of a checkpoint with the run that loads it
+    run_dir.py      RunDir: the one reader of a run directory for every command (is it a run, its
+                    newest verified step, "step or latest", a step's RunState, the resume decision)
     seed_format.py  the seed system's checkpoints (no hashes, index-keyed optimizer), accepted
                     as "unverified"
     lock.py         RunLock, the run directory's lock
@@ -44,6 +46,7 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
     )
     from mamba3lite.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
     from mamba3lite.checkpoint.rng import capture_rng_state, restore_rng_state
+    from mamba3lite.checkpoint.run_dir import RunDir, StepPick
     from mamba3lite.checkpoint.run_state import RngState, RunState
     from mamba3lite.checkpoint.weights import load_model_file, split_tied, write_safetensors
 
@@ -53,8 +56,10 @@ _WHERE = {
     "META_FORMAT": "mamba3lite.checkpoint.meta",
     "OPTIM_FORMAT": "mamba3lite.checkpoint.optim_state",
     "ResumePlan": "mamba3lite.checkpoint.resume",
+    "RunDir": "mamba3lite.checkpoint.run_dir",
     "RunLock": "mamba3lite.checkpoint.lock",
     "SLOW_SAVE_ENV": "mamba3lite.checkpoint.manager",
+    "StepPick": "mamba3lite.checkpoint.run_dir",
     "capture_rng_state": "mamba3lite.checkpoint.rng",
     "RngState": "mamba3lite.checkpoint.run_state",
     "RunState": "mamba3lite.checkpoint.run_state",
@@ -79,8 +84,10 @@ __all__ = [
     "CheckpointStatus",
     "ResumePlan",
     "RngState",
+    "RunDir",
     "RunLock",
     "RunState",
+    "StepPick",
     "_meta_digest",
     "capture_rng_state",
     "load_model_file",

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from mamba3lite import intake
+from mamba3lite.checkpoint.run_dir import RunDir  # (no torch until a checkpoint is read)
 from mamba3lite.config import TOKEN_DTYPES
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
-from mamba3lite.rundir import looks_like_checkpoint_file  # (no torch: a cheap module)
 
 HELP = "describe (and --verify) a dataset directory, a checkpoint directory or a shard file"
 
@@ -69,14 +69,6 @@ def _is_text_file(path: Path) -> bool:
     return suffix in _TEXT_SUFFIXES or b"\0" not in head
 
 
-def _run_dir_of(path: Path) -> Path | None:
-    """The directory holding `path` when it is a checkpoint (run) directory, else None."""
-    parent = path.parent
-    if any(looks_like_checkpoint_file(p.name) for p in parent.glob("*_step_*")):
-        return parent
-    return None
-
-
 def detect_kind(path: Path) -> str:
     """DATASET, CHECKPOINT or SHARD_FILE; DataNotFoundError / ConfigError when PATH is none of them."""
     from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
@@ -87,15 +79,14 @@ def detect_kind(path: Path) -> str:
     if path.is_file():
         if path.name == MANIFEST_NAME:
             return DATASET
-        if looks_like_checkpoint_file(path.name):
+        if RunDir.is_checkpoint_file(path.name):
             raise ConfigError(
                 f"{path} is a checkpoint file; inspect its run directory: mamba3lite inspect {path.parent}"
             )
-        run_dir = _run_dir_of(path)
-        if run_dir is not None:
+        if RunDir(path.parent).is_run():
             raise ConfigError(
-                f"{path} is a file of the run directory {run_dir}, not a token shard; inspect the run: "
-                f"mamba3lite inspect {run_dir}"
+                f"{path} is a file of the run directory {path.parent}, not a token shard; inspect the run: "
+                f"mamba3lite inspect {path.parent}"
             )
         if _is_text_file(path):
             raise ConfigError(
@@ -109,16 +100,12 @@ def detect_kind(path: Path) -> str:
         )
     if has_manifest(path):
         return DATASET
-    if (
-        any(path.glob("*.safetensors"))
-        or any(path.glob("*.pt"))
-        or any(path.glob("checkpoint*"))
-        or any(path.glob("step_*"))
-    ):
+    if RunDir(path).is_run():
         return CHECKPOINT
     raise ConfigError(
-        f"{path} is a directory without {MANIFEST_NAME} or checkpoint files; expected a dataset "
-        "directory (made by `mamba3lite prepare`), a checkpoint directory or a shard file"
+        f"{path} is a directory without {MANIFEST_NAME} and holds no checkpoint files (model_step_N / "
+        "meta_step_N, run.json, metrics.jsonl): expected a dataset directory (made by `mamba3lite "
+        "prepare`), a checkpoint (run) directory or a shard file"
     )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +25,12 @@ import torch
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import sha256_file
+from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
 from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
 from mamba3lite.interop.source import CONFIG_NAME
-from mamba3lite.rundir import TOKENIZER_NAME
+from mamba3lite.rundir import TOKENIZER_NAME, checkpoint_files
 
 _WIDEST_FIRST = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -53,23 +53,6 @@ def _stored_dtypes(path: Path) -> dict[str, torch.dtype]:
             return {k: _ST_DTYPES[f.get_slice(k).get_dtype()] for k in f.keys()}  # noqa: SIM118
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read weights ({e})") from None
-
-
-def _pick_step(ckpt, p: Path, step: int | None, notes: list[str]) -> int:
-    if step is not None:
-        if step not in ckpt.list_steps():
-            raise CheckpointError(
-                f"there is no checkpoint of step {step} in {p}; loadable steps: "
-                f"{ckpt.verified_steps(need_optimizer=False) or 'none'}"
-            )
-        return step
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        latest = ckpt.latest_step(need_optimizer=False)
-    notes += [str(w.message) for w in caught]
-    if latest is None:
-        raise CheckpointError(f"no checkpoint in {p} verifies; nothing to export")
-    return latest
 
 
 def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> tuple[OfficialVocab, dict]:
@@ -137,25 +120,24 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> ExportResult:
     """Write the official-format directory `out` (absent or empty) for checkpoint `step` (default:
     the newest verified one) of run `run_dir`."""
-    from mamba3lite.checkpoint import CheckpointManager
     from mamba3lite.interop.model_card import model_card
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.interop.weights import write_official_weights
     from mamba3lite.model import count_parameters
-    from mamba3lite.pretrained import check_run_dir, verified_meta
+    from mamba3lite.pretrained import verified_meta
 
     out = Path(out)
     check_out_dir(out)
-    p = check_run_dir(run_dir)
-    ckpt = CheckpointManager(p)
-    notes: list[str] = []
-    step = _pick_step(ckpt, p, step, notes)
-    meta, config = verified_meta(ckpt, p, step)
+    run = RunDir(run_dir).check()
+    p = run.path
+    pick = run.resolve(step)
+    step, notes = pick.step, list(pick.notes)
+    meta, config = verified_meta(run, step)
     cfg = config.model
     vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
     official_cfg = official_config_from_model(cfg, vocab)
     tok_bytes, tok_desc = _tokenizer_json(p, meta, cfg.vocab_size)
-    state = _official_state(ckpt, step, cfg, padding)
+    state = _official_state(run, step, cfg, padding)
     notes += _behaviour_notes(cfg)
     a_act = cfg.a_activation
     last_eval = meta.get("last_eval") if isinstance(meta.get("last_eval"), dict) else {}
@@ -184,17 +166,16 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     return ExportResult(out, step, n_params, notes)
 
 
-def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _official_state(run: RunDir, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint `step` as the official state_dict: loaded through the manager (sizes and sha256
     verified, strict) into a model of the widest stored dtype, then every tensor given its stored dtype
     back (no value is rounded on the way), renamed, the padding rows appended, a tied head dropped."""
     from mamba3lite.model import Mamba3Transformer
-    from mamba3lite.rundir import checkpoint_files
 
-    dtypes = _stored_dtypes(checkpoint_files(ckpt.dir, step)["model"])
+    dtypes = _stored_dtypes(checkpoint_files(run.path, step)["model"])
     widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
     model = Mamba3Transformer(cfg).to(widest)
-    ckpt.load(step, model, None, map_location="cpu")
+    run.ckpt.load(step, model, None, map_location="cpu")
     state = {}
     for name, t in model.state_dict().items():
         dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.errors import CheckpointError
 from mamba3lite.model.config import ModelConfig
 
@@ -49,16 +50,10 @@ class InitSource:
         return model
 
 
-def _looks_like_run_dir(p: Path) -> bool:
-    from mamba3lite.checkpoint import CheckpointManager
-
-    return p.is_dir() and bool(CheckpointManager(p).list_steps())
-
-
 def load_init_source(src: str) -> InitSource:
     """The weights at `src`: a run directory or an official model directory (or hf:NAME)."""
     p = Path(src)
-    if not src.startswith("hf:") and _looks_like_run_dir(p):
+    if not src.startswith("hf:") and RunDir(p).is_run():
         from mamba3lite.pretrained import load_pretrained
 
         loaded = load_pretrained(p)
@@ -72,8 +67,8 @@ def load_init_source(src: str) -> InitSource:
         )
     if not src.startswith("hf:") and p.is_dir() and not (p / "config.json").exists():
         raise CheckpointError(
-            f"--init-from {src}: neither a run directory (no checkpoints) nor an official model "
-            "directory (no config.json)"
+            f"--init-from {src}: neither a run directory (no checkpoint, run.json or metrics.jsonl) nor "
+            "an official model directory (no config.json)"
         )
     from mamba3lite.interop.import_ import DEFAULT_A_ACTIVATION, tokenizer_identity, translate
     from mamba3lite.interop.source import open_source

@@ -7,7 +7,6 @@ import math
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -251,7 +250,7 @@ def _data_and_run(opts: QuickstartOptions, log) -> tuple[Path, bool, Path]:
 def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
     """Prepare, choose the recipe, train for the budget, evaluate, sample, plot (see the package
     docstring)."""
-    from mamba3lite.checkpoint import CheckpointManager
+    from mamba3lite.checkpoint.run_dir import RunDir
     from mamba3lite.config import load_config
     from mamba3lite.data.shards import Manifest
     from mamba3lite.report.baselines import start_baselines
@@ -275,9 +274,7 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     prepare_run(cfg, TrainOptions())
     log(f"recipe    {_recipe_line(cfg)}; shape: {why}")
     evaluate = evaluator(cfg, data_path, log)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a damaged newest checkpoint: the trainer reports its own choice
-        start_step = CheckpointManager(run_dir).latest_step() or 0
+    start_step = RunDir(run_dir).resume_step("latest") or 0  # the step the trainer resumes from
 
     stop = StopFlag()  # one for the whole quickstart: its signals and its timer stop whichever trainer runs
     cal = calibrate(cfg, run_dir, start_step, evaluate, opts, stop)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.rundir import SUPERSEDED_DIRNAME
 
@@ -37,12 +38,8 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int], bool
     """(the description, the problems: one line per step that cannot be loaded, the seed-format steps:
     their metas record no sizes or hashes, so they are only checked for whole files, whether any step
     is usable: loadable, or with verified weights)."""
-    from mamba3lite.checkpoint import CheckpointManager
-
-    ckpt = CheckpointManager(path)
-    steps = ckpt.list_steps()
-    if not steps:
-        raise CheckpointError(f"{path} holds no checkpoint files (model_step_N / optim_step_N / meta_step_N)")
+    run = RunDir(path).check()
+    ckpt, steps = run.ckpt, run.steps()
     header = f"{'step':>10}  {'state':<12}{'weights':>12}{'optimizer':>12}  notes"
     lines = [f"run directory  {path}", "", header]
     problems: list[str] = []

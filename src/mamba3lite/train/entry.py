@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mamba3lite.errors import CheckpointError, ConfigError, TrainingError
+from mamba3lite.errors import ConfigError, TrainingError
 from mamba3lite.outdir import check_run_dir
 
 
@@ -98,38 +98,32 @@ def init_from_source(cfg, opts: TrainOptions):
 
 
 def resumed_checkpoint(cfg, resume: str | int) -> tuple[int, dict] | None:
-    """(newest finished step, its recorded model config) when the run resumes (or the trainer will
-    refuse its damaged checkpoints) rather than start fresh; None for a fresh start or a `--resume N` of
-    a step that was never saved. Decided as `plan_resume` decides, from which saves finished (their
-    meta), without hashing the checkpoint that the trainer then verifies: `latest` starts fresh only
-    where no save finished."""
-    from mamba3lite.checkpoint import CheckpointManager
-    from mamba3lite.rundir import finished_save
+    """(the step the run resumes from, its recorded model config), or None for a fresh start. The step
+    is `plan_resume`'s (through `RunDir.resume_step`), the one the trainer then loads; a resume the
+    trainer would refuse (a step never saved, checkpoints that do not verify) is refused here, with the
+    trainer's message, before the --init-from source is loaded for nothing. Costs a verification of the
+    newest checkpoint, which the trainer repeats (only runs with --init-from and the quickstart ask)."""
+    from mamba3lite.checkpoint.run_dir import RunDir
 
-    ckpt = CheckpointManager(cfg.training.checkpoint_dir)
-    if resume == "none" or not ckpt.dir.is_dir():
+    run = RunDir(cfg.training.checkpoint_dir)
+    step = run.resume_step(resume)
+    if step is None:
         return None
-    steps = [s for s in ckpt.list_steps() if finished_save(ckpt.dir, s)]
-    if resume != "latest" and resume not in steps:
-        return None  # the trainer refuses it; the source's config makes no difference
-    for step in reversed([resume] if resume != "latest" else steps):
-        try:
-            model = ckpt.read_meta(step).get("config", {}).get("model")
-        except CheckpointError:
-            continue  # a damaged meta: an older step is what the trainer would fall back to
-        if isinstance(model, dict):
-            return step, model
-    return None
+    model = run.run_state(step).config.get("model")
+    if not isinstance(model, dict):  # a seed-format step records no config
+        return None
+    return step, model
 
 
 def check_run_directory(cfg, opts: TrainOptions) -> None:
     """The run directory may be written (new, empty or a run directory), is not busy (another trainer
     holds its lock), and for a dry run holds no checkpoints."""
-    from mamba3lite.checkpoint import CheckpointManager, RunLock
+    from mamba3lite.checkpoint import RunLock
+    from mamba3lite.checkpoint.run_dir import RunDir
 
     run_dir = Path(cfg.training.checkpoint_dir)
     check_run_dir(run_dir)  # before anything is written there
-    if opts.dry_run and (steps := CheckpointManager(run_dir).list_steps()):
+    if opts.dry_run and (steps := RunDir(run_dir).steps()):
         # in a directory with checkpoints a dry run would resume past step 2 and train nothing (or,
         # forced fresh, mix its checkpoint into a real run's)
         raise ConfigError(
