@@ -32,13 +32,13 @@ from mamba3lite.data.packing import Dedup, Packer
 from mamba3lite.data.shards import (
     MANIFEST_NAME,
     SPLITS,
-    TOKENIZER_NAME,
     Manifest,
     ShardInfo,
     check_own_tokenizer,
     is_own_tokenizer,
 )
 from mamba3lite.data.stats import PrepareStats
+from mamba3lite.data_identity import TOKENIZER_NAME
 from mamba3lite.errors import Mamba3LiteError
 
 STAGE_DIRNAME = ".prepare"

@@ -82,17 +82,17 @@ def init_from_source(cfg, opts: TrainOptions):
     """(cfg with the source's model config and the model overrides on top, the model holding the
     source's weights); DataError when the training data was tokenized with another tokenizer."""
     from mamba3lite.data.shards import Manifest, has_manifest
-    from mamba3lite.evaluate import check_compatible
+    from mamba3lite.data_identity import DataIdentity
     from mamba3lite.interop.init_from import load_init_source
 
     source = load_init_source(cfg.training.init_from)
     cfg = cfg.replace("model", **asdict(source.config)).with_overrides(list(opts.model_overrides))
     data = Path(cfg.data.train_data_path)
     if not cfg.data.dummy and has_manifest(data):
-        check_compatible(
-            Manifest.load(data), cfg.model.vocab_size, cfg.model.eos_id, source.vocab_hash,
-            source.tokenizer_name, where=f"the training data ({data})", reference="the --init-from model",
-        )  # fmt: skip
+        model = DataIdentity(source.tokenizer_name, source.vocab_hash, cfg.model.vocab_size, cfg.model.eos_id)
+        Manifest.load(data).identity.compatible_with(
+            model, where=f"the training data ({data})", reference="the --init-from model"
+        )
     print(f"init-from {source.description}: its weights and model config; optimizer and schedule fresh")
     return cfg, source.build_model(cfg.model)
 
