@@ -35,7 +35,7 @@ from mamba3lite.interop.weights import read_official_weights
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
 from mamba3lite.rundir import CONFIG_NAME, PADDING_NAME, TOKENIZER_NAME
 
-DEFAULT_A_ACTIVATION = "heavy_tail"  # the official code's since mid-2026 (MAMBA3.md §1.3)
+DEFAULT_A_ACTIVATION = "heavy_tail"  # the official code's since mid-2026 (docs/model.md §1.3)
 TOKENS_SEEN_NOTE = (
     "tokens_seen is 0 because the official format does not record how many tokens the model was trained on"
 )
