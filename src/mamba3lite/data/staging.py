@@ -188,7 +188,7 @@ class Stage:
             record = intake.read_json(self.dir / COMMIT_NAME, intake.STAGE_STATE)
             if is_own_tokenizer(own := self.args_record["tokenizer"]):  # in the stage, or moved already
                 where = self.dir if (self.dir / own).exists() else self.dir.parent
-                check_own_tokenizer(where, own, manifest.tokenizer["vocab_hash"])
+                check_own_tokenizer(where, own, manifest.identity.vocab_hash or "")
         except (Mamba3LiteError, OSError):
             return None
         same_sources = record.get("fingerprints") == self.fingerprints

@@ -155,12 +155,12 @@ def check_data_tokenizer(cfg) -> None:
     data = dataset_dir(cfg.data.train_data_path or "")
     if cfg.data.dummy or not has_manifest(data):
         return  # no manifest: nothing records a tokenizer (the dataset's own errors come later)
-    recorded = Manifest.load(data).tokenizer or {}
-    name = str(recorded.get("name", ""))
+    recorded = Manifest.load(data).identity
+    name = recorded.tokenizer
     if name in KNOWN_TOKENIZERS or is_tokenizer_file(name):
         load_recorded_tokenizer(
             name,
-            recorded.get("vocab_hash"),
+            recorded.vocab_hash,
             cfg.model.vocab_size,
             subject=f"the data at {data} (its {MANIFEST_NAME}) was prepared with",
         )
