@@ -72,7 +72,9 @@ def resolve_name(recorded: str | None, root: str | Path | None) -> str:
 @dataclass(frozen=True)
 class DataIdentity:
     """The tokenizer that a dataset's token ids (or a model's training data) were made with (module
-    docstring). Build it with `from_manifest` / `from_dict`, not by hand, so names are resolved once."""
+    docstring). The on-disk forms are read by `from_manifest` / `from_dict`, which resolve a recorded
+    name once; what a model expects is built directly, from its tokenizer and its config's vocab_size and
+    eos_id (`Pretrained.identity`)."""
 
     # "gpt2", or the tokenizer.json's path (a recorded relative name already joined to its root)
     tokenizer: str
