@@ -74,7 +74,7 @@ class DataIdentity:
     """The tokenizer that a dataset's token ids (or a model's training data) were made with (module
     docstring). The on-disk forms are read by `from_manifest` / `from_dict`, which resolve a recorded
     name once; what a model expects is built directly, from its tokenizer and its config's vocab_size and
-    eos_id (`Pretrained.identity`)."""
+    eos_id (as `evaluate_model` does)."""
 
     # "gpt2", or the tokenizer.json's path (a recorded relative name already joined to its root)
     tokenizer: str

@@ -59,14 +59,6 @@ class Pretrained:
     notes: list[str]
 
     @property
-    def identity(self) -> DataIdentity:
-        """What the model expects of tokens (data_identity.py): the tokenizer and vocabulary hash of its
-        training data, its config's vocab_size and eos_id; a dataset is checked against it by
-        `DataIdentity.compatible_with`."""
-        mc = self.config.model
-        return DataIdentity(self.tokenizer_name, self.vocab_hash, mc.vocab_size, mc.eos_id)
-
-    @property
     def tokens_seen(self) -> int:
         return int(self.meta.get("tokens_seen", 0))
 
