@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -126,13 +127,14 @@ def run_records_problem(run_dir: Path) -> str | None:
 
 def copy_tokenizer(cfg: Config, run_dir: Path, data: dict | None) -> None:
     """Copy the tokenizer.json the training data was tokenized with to RUN/tokenizer.json, when `data`
-    (`data_identity`) records one; the file is verified against the manifest's record first
+    (`data_identity`) records one; the file is verified against that record first
     (`DataIdentity.verify`): a tokenizer file changed since `prepare` is a DataError, not a run whose copy
     means nothing."""
     if not data or data.get("tokenizer") != TOKENIZER_NAME or cfg.data.dummy:
         return
+    # The file the manifest names, held to the hash the run's checkpoints record for it.
     ident = Manifest.load(cfg.data.train_data_path or "", check_tokenizer=False).identity
-    raw = ident.verify(
+    raw = replace(ident, vocab_hash=data.get("vocab_hash")).verify(
         what=f"the data at {cfg.data.train_data_path} was tokenized with it",
         fix="put the original back, or prepare the data again",
     )
