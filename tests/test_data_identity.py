@@ -65,6 +65,18 @@ def test_records_of_older_runs_load_and_a_damaged_one_is_named(tmp_path):
         DataIdentity.from_dict({"tokenizer": "gpt2", "eos_id": True}, tmp_path)
 
 
+def test_a_manifest_as_earlier_versions_wrote_it_loads(tmp_path):
+    # a dataset prepared with a tokenizer given by its absolute path, no shards yet read: the keys as
+    # manifests have always held them
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format_version": 1, "vocab_size": 300, "eos_id": 0, "dtype": "uint16",
+        "tokenizer": {"name": "/elsewhere/tokenizer.json", "vocab_hash": "ef" * 32}, "shards": [],
+    }))  # fmt: skip
+    ident = Manifest.load(tmp_path).identity
+    assert ident == DataIdentity("/elsewhere/tokenizer.json", "ef" * 32, 300, 0)
+    assert ident.tokenizer_file == Path("/elsewhere/tokenizer.json")
+
+
 def test_a_manifest_names_its_identity_in_the_keys_it_always_had(tmp_path):
     raw = _tokenizer_file(tmp_path / "ds" / TOKENIZER_NAME)
     parts = [("train", np.array([0, 1, 3, 1, 0, 3]), 2, 8)]
