@@ -1,10 +1,10 @@
-"""State tracking: running parity of bit strings with a 1-layer model (MAMBA3.md §6, paper Table 5b).
+"""State tracking: running parity of bit strings with a 1-layer model (docs/model.md §6, paper Table 5b).
 
 Task: a sequence [BOS, b_1, ..., b_T] of random bits; at every bit position t the model predicts
 parity(b_1..b_t). Trained only on lengths up to --train-len (default 40; a curriculum grows the length
 from 3 over the first 30% of the steps; every position is supervised), evaluated at length 256, 6.4x
-beyond anything seen. `--train-len 160` is the paper's protocol (MAMBA3.md §5: curriculum 3..40 -> 160,
-evaluated at 256). A = −softplus(a), the paper's (MAMBA3.md §7; `--a-activation heavy_tail` for the
+beyond anything seen. `--train-len 160` is the paper's protocol (docs/model.md §5: curriculum 3..40 -> 160,
+evaluated at 256). A = −softplus(a), the paper's (docs/model.md §7; `--a-activation heavy_tail` for the
 official HEAD's form, with which a decay near 1 needs a → −∞).
 
 Why Mamba-3 can do it and Mamba-2 cannot: with data-dependent RoPE the state rotates by
@@ -105,7 +105,7 @@ def model_config(
 ) -> ModelConfig:
     # Δ is initialised in [dt_min, dt_max]; a π rotation needs tanh(a^θ)·Δ ≈ 1, so Δ starts near 1 rather
     # than at the LM's [1e-3, 0.1] (a choice of init range, not of architecture; same for every variant).
-    # A = −softplus(a) is the paper's (MAMBA3.md §7: the paper and the release used softplus; the official
+    # A = −softplus(a) is the paper's (docs/model.md §7: the paper and the release used softplus; the official
     # HEAD's heavy tail 1/(1 − a) needs a → −∞ for a decay near 1, which parity needs on every token).
     return ModelConfig(
         vocab_size=VOCAB, d_model=d_model, n_layers=1, d_intermediate=d_mlp, mlp_multiple_of=16,

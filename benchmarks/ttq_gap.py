@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("run", type=Path)
     args = p.parse_args()
     manifest = Manifest.load(args.dataset)
-    tok = load_tokenizer(manifest.tokenizer["name"])
+    tok = load_tokenizer(manifest.identity.tokenizer)
     train_text = split_text(args.dataset, "train")
     train_lines = {s for line in train_text.decode().split("\n") if len(s := line.strip()) > 20}
     loaded = load_pretrained(args.run)

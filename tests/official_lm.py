@@ -1,6 +1,6 @@
 """An independent official-layout Mamba-3 language model, for the import/export tests (issue 17).
 
-Written from ../shared/MAMBA3.md §1.2 (parameter shapes) and §5 (the LM: embedding, pre-norm blocks of
+Written from docs/model.md §1.2 (parameter shapes) and §5 (the LM: embedding, pre-norm blocks of
 RMSNorm -> Mamba-3 -> residual and RMSNorm -> GatedMLP -> residual, final RMSNorm, LM head), on the
 official names of `MambaLMHeadModel` (`backbone.embedding.weight`, `backbone.layers.{i}.norm.weight`,
 `...mixer.*`, `...norm2.weight`, `...mlp.fc1/fc2.weight`, `backbone.norm_f.weight`, `lm_head.weight`),
@@ -43,7 +43,7 @@ def mlp_width(config: dict) -> int:
 
 
 def official_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor in `MambaLMHeadModel(config).state_dict()` (MAMBA3.md §1.2, §5)."""
+    """name -> shape of every tensor in `MambaLMHeadModel(config).state_dict()` (docs/model.md §1.2, §5)."""
     c, s = resolved(config)
     D, N, P, G = c["d_model"], s["d_state"], s["headdim"], s["ngroups"]
     E = s["expand"] * D

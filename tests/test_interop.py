@@ -1,6 +1,6 @@
 """import / export / train --init-from (issue 17), checked against an independent official-layout LM.
 
-`official_lm.py` builds official weights from a config.json alone and runs them from MAMBA3.md (no
+`official_lm.py` builds official weights from a config.json alone and runs them from docs/model.md (no
 mamba3lite code): the stand-in for mamba_ssm's `MambaLMHeadModel`, which cannot run here. Round trips
 are in float64: official dir -> import -> our logits equal the independent LM's on every real token
 id; import -> export gives back the official tensors bit for bit; our run -> export -> import gives

@@ -45,5 +45,5 @@ def test_mamba_ssm_from_pretrained_loads_an_export_and_gives_our_logits(tmp_path
         want = model.eval()(ids)
         got = official.eval()(ids.cuda()).logits.float().cpu()
     assert got.shape == want.shape
-    # The official kernels run Q, K, V, angles and the gate in bf16 (MAMBA3.md §1.3): bf16 tolerances.
+    # The official kernels run Q, K, V, angles and the gate in bf16 (docs/model.md §1.3): bf16 tolerances.
     torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)

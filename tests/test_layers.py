@@ -1,5 +1,5 @@
-"""The package's imports form layers (STYLE.md rule 16): no module imports itself through others, and
-no two of its parts (the folders and the top-level modules) import each other.
+"""The package's imports form layers (docs/architecture.md §6 rule 16): no module imports itself through
+others, and no two of its parts (the folders and the top-level modules) import each other.
 
 The graph is read from the source with `ast`, every import statement counted wherever it stands: a
 lazy import inside a function is a dependency too, only a later one. An edge goes to the module an

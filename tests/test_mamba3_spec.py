@@ -1,7 +1,7 @@
-"""The Mamba-3 layer against MAMBA3.md read literally: an official layer's state_dict must give the
+"""The Mamba-3 layer against docs/model.md read literally: an official layer's state_dict must give the
 official outputs (issue 4), which the names-and-shapes test alone cannot show.
 
-`spec_forward` below is written from the text of ../shared/MAMBA3.md §1.3, §2 and §3 only, one token,
+`spec_forward` below is written from the text of docs/model.md §1.3, §2 and §3 only, one token,
 one head and one rank at a time, sharing no code with `mamba3lite.model`: the split order and sizes of
 `in_proj`, the rank-major B/C layout, the group each head reads, RMSNorm then bias then rotation, the
 cumulative angles, the two pairing conventions, the exponential-trapezoidal update, D, the MIMO
@@ -56,7 +56,7 @@ def spec_forward(
     activation: str,
     A_floor: float,
 ) -> torch.Tensor:
-    """The official layer's output for u (B, T, D), from its state_dict, per MAMBA3.md."""
+    """The official layer's output for u (B, T, D), from its state_dict, per docs/model.md."""
     Bsz, T = u.shape[:2]
     E = sd["out_proj.weight"].shape[1]
     H = E // P

@@ -1,5 +1,5 @@
 """ModelConfig validation and derived sizes, presets, parameter count (formula == real model on the meta
-device; MAMBA3.md §5 table), FLOPs per token, and token sampling."""
+device; docs/model.md §5 table), FLOPs per token, and token sampling."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_count_parameters_equals_real_model_for_switches(kw):
     assert count_parameters(cfg) == meta_count(cfg)
 
 
-# MAMBA3.md §5 with the Llama-3.1 vocabulary: (layers, d_model, SISO F, SISO params, MIMO F, MIMO params).
+# docs/model.md §5 with the Llama-3.1 vocabulary: (layers, d_model, SISO F, SISO params, MIMO F, MIMO params).
 PAPER = {
     "180M": (12, 768, 1500, 186.85e6, 1264, 187.29e6),
     "440M": (24, 1024, 2048, 443.02e6, 1792, 444.20e6),

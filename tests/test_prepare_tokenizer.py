@@ -188,7 +188,7 @@ def test_a_dataset_whose_tokenizer_was_deleted_or_edited_is_refused_by_every_com
     ds, run, config = _copy(trained, tmp_path)
     _break(ds / "tokenizer.json", how)
     fix = "put the original back, or run `mamba3lite prepare` again"
-    what = "is missing" if how == "deleted" else "changed since the dataset was prepared"
+    what = "is not there any more" if how == "deleted" else "changed since the dataset"
     for args in (
         ["train", "--config", config, "--checkpoint-dir", str(tmp_path / "new"), "--max-steps", "1"],
         ["train", "--config", config, "--checkpoint-dir", str(run), "--max-steps", "4"],  # a resume

@@ -1,5 +1,5 @@
 """The recurrence three ways (model/scan.py): chunked and single-step are proved equal to the sequential
-reference in float64, outputs, final states and gradients (STYLE.md rule 4)."""
+reference in float64, outputs, final states and gradients (docs/architecture.md §6 rule 4)."""
 
 from __future__ import annotations
 

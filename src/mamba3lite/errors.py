@@ -3,7 +3,7 @@
 Everything that is the user's to fix (a path, a config value, a corrupt file) raises a subclass of
 `Mamba3LiteError` whose message says what is wrong, where, and how to fix it. The CLI prints such an
 error as one line and exits non-zero without a traceback; library users catch it like any exception.
-Internal invariants are `assert`s, not these (STYLE.md rule 6).
+Internal invariants are `assert`s, not these (docs/architecture.md §6 rule 6).
 """
 
 from __future__ import annotations

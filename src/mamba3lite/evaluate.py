@@ -12,9 +12,10 @@ run's compute dtype; the same windows give the same number.
                   tokenizers, unlike the loss.
     tokens        target tokens scored (windows × max_seq_len)
 
-`check_compatible` refuses a dataset the model cannot read correctly: another tokenizer (vocabulary
-hash), another vocab size or EOS id. Token ids are only meaningful under the tokenizer that made them,
-so a silent evaluation across tokenizers would report a number that means nothing.
+A dataset the model cannot read correctly is refused (`DataIdentity.compatible_with`,
+data_identity.py): another tokenizer (vocabulary hash), another vocab size or EOS id. Token ids are only
+meaningful under the tokenizer that made them, so a silent evaluation across tokenizers would report a
+number that means nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import torch
 
 from mamba3lite.data.shards import dataset_dir
 from mamba3lite.data.splits import short_val_split, val_split_holds_window
+from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import ConfigError, DataError
 
-__all__ = ["check_compatible", "evaluate_model", "pick_split", "short_val_split", "spread_picks"]
+__all__ = ["evaluate_model", "pick_split", "short_val_split", "spread_picks"]
 
 
 @dataclass
@@ -49,36 +51,6 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def check_compatible(
-    manifest,
-    model_vocab_size: int,
-    model_eos_id: int,
-    vocab_hash: str | None,
-    tokenizer_name: str,
-    *,
-    where: str = "the dataset",
-    reference: str = "the model",
-    eos_fix: str = "",
-) -> None:
-    """DataError unless a dataset `manifest` was tokenized like the model's training data (`reference`:
-    what `vocab_hash` and `tokenizer_name` belong to; `where`: how to name the dataset; `eos_fix`: the
-    advice after an EOS mismatch, e.g. ": set model.eos_id=0" where the model is not trained yet)."""
-    m_tok = manifest.tokenizer or {}
-    if vocab_hash and m_tok.get("vocab_hash") and m_tok["vocab_hash"] != vocab_hash:
-        raise DataError(
-            f"{where} was tokenized with {m_tok.get('name')} (vocab hash {m_tok['vocab_hash'][:12]}), "
-            f"{reference} with {tokenizer_name} ({vocab_hash[:12]}); prepare the data with {reference}'s "
-            f"tokenizer (`mamba3lite prepare --tokenizer {tokenizer_name}`)"
-        )
-    if manifest.vocab_size != model_vocab_size:
-        raise DataError(
-            f"{where} has vocab_size {manifest.vocab_size}, the model {model_vocab_size}: they do not "
-            "share a tokenizer; prepare the data with the model's tokenizer"
-        )
-    if manifest.eos_id != model_eos_id:
-        raise DataError(f"{where} uses EOS id {manifest.eos_id}, the model {model_eos_id}{eos_fix}")
 
 
 def pick_split(data_path: str | Path, split: str | None, max_seq_len: int) -> str:
@@ -178,7 +150,9 @@ def evaluate_model(
     split = pick_split(data_path, split, max_seq_len)
     ds = PretrainDataset(data_path, max_seq_len, cfg.vocab_size, split=split, dtype=token_dtype)
     if ds.manifest is not None:
-        check_compatible(ds.manifest, cfg.vocab_size, cfg.eos_id, vocab_hash, tokenizer_name)
+        ds.manifest.identity.compatible_with(
+            DataIdentity(tokenizer_name, vocab_hash, cfg.vocab_size, cfg.eos_id)
+        )
     n = len(ds)
     total = n if max_batches is None else min(n, max_batches * batch_size)
     picks = spread_picks(n, total)

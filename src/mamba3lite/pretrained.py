@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mamba3lite.checkpoint.run_dir import RunDir
+from mamba3lite.data_identity import DataIdentity, resolve_name
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.rundir import checkpoint_files
 
@@ -31,11 +32,9 @@ def recorded_tokenizer(recorded: str | None, run_dir: Path) -> str:
     """What `load_tokenizer` takes for the tokenizer a checkpoint's meta records: "gpt2" (also when none
     is recorded) as is; a relative path joined to the run directory (imported runs, and trained runs whose
     data has a tokenizer.json, record the copy they hold as "tokenizer.json", so the run directory can be
-    moved and the dataset deleted); an absolute path as is (runs trained before runs kept a copy)."""
-    name = str(recorded or "gpt2")
-    if name == "gpt2" or Path(name).is_absolute():
-        return name
-    return str(Path(run_dir) / name)
+    moved and the dataset deleted); an absolute path as is (runs trained before runs kept a copy). The
+    rule is `data_identity.resolve_name`, the one a dataset's manifest is read by too."""
+    return resolve_name(recorded, run_dir)
 
 
 @dataclass
@@ -124,15 +123,16 @@ def load_pretrained(
             notes.append(f"step {pick.step} was removed while loading it (a running training's retention?)")
     model.to(device).eval()
     notes += bind_scan(model, config.model.scan_impl, torch.device(device))
-    data = meta.get("data") or {}
+    where = f"the meta of step {pick.step} in {run.path}"
+    data = DataIdentity.from_dict(meta.get("data"), run.path, where=where, error=CheckpointError)
     return Pretrained(
         model=model,
         config=config,
         step=pick.step,
         meta=meta,
         run_dir=run.path,
-        tokenizer_name=recorded_tokenizer(data.get("tokenizer"), run.path),
-        vocab_hash=data.get("vocab_hash"),
+        tokenizer_name=data.tokenizer if data else resolve_name(None, run.path),
+        vocab_hash=data.vocab_hash if data else None,
         notes=notes,
     )
 

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
+from mamba3lite.data_identity import is_tokenizer_file, vocab_hash_of
 from mamba3lite.errors import ConfigError, Mamba3LiteError
 
 GPT2_VOCAB_SIZE = 50_257
@@ -168,7 +169,7 @@ class HFTokenizer:
                 "add one to its added_tokens"
             )
         self.eos_id = eos
-        self.vocab_hash = hashlib.sha256(raw).hexdigest()
+        self.vocab_hash = vocab_hash_of(raw)
         self._specials = [t.content for t in self._tok.get_added_tokens_decoder().values()]
         self._fast = self._tiktoken_twin(raw)
 
@@ -252,11 +253,6 @@ def load_tokenizer(name: str = "gpt2") -> Tokenizer:
         f"unknown tokenizer {name!r}; known: {', '.join(KNOWN_TOKENIZERS)}, "
         "or a path to a Hugging Face tokenizer.json"
     )
-
-
-def is_tokenizer_file(name: str) -> bool:
-    """Whether a recorded tokenizer name is a path to a tokenizer.json (else a name like "gpt2")."""
-    return name.endswith(".json") or os.sep in name or "/" in name
 
 
 def load_recorded_tokenizer(

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mamba3lite.checkpoint.manager import CheckpointManager
+from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import CheckpointError
 from mamba3lite.rundir import finished_save
 
@@ -116,14 +117,18 @@ def resume_warnings(meta: dict, run: dict) -> list[str]:
                 f"checkpoint step {step} in {run['run_dir']} was trained with another model config "
                 f"(differs in model.{', model.'.join(diff)}); use its config or another --checkpoint-dir"
             )
-    saved, mine = meta.get("data") or {}, run["data"] or {}
-    if saved.get("vocab_hash") and mine.get("vocab_hash") and saved["vocab_hash"] != mine["vocab_hash"]:
+    # The records as written (names not resolved: both say "tokenizer.json" for a run's copy).
+    where = f"the meta of checkpoint step {step}"
+    none = DataIdentity("", None, None, None)
+    saved = DataIdentity.from_dict(meta.get("data"), None, where=where, error=CheckpointError) or none
+    mine = DataIdentity.from_dict(run["data"], None) or none
+    if saved.vocab_hash and mine.vocab_hash and saved.vocab_hash != mine.vocab_hash:
         raise CheckpointError(
-            f"checkpoint step {step} was trained on tokenizer {saved.get('tokenizer')} (vocab hash "
-            f"{saved['vocab_hash'][:12]}), the data at {run['data_path']} uses "
-            f"{mine.get('tokenizer')} ({mine['vocab_hash'][:12]})"
+            f"checkpoint step {step} was trained on tokenizer {saved.tokenizer} (vocab hash "
+            f"{saved.vocab_hash[:12]}), the data at {run['data_path']} uses "
+            f"{mine.tokenizer} ({mine.vocab_hash[:12]})"
         )
-    saved_sha, mine_sha = saved.get("manifest_sha256"), mine.get("manifest_sha256")
+    saved_sha, mine_sha = saved.manifest_sha256, mine.manifest_sha256
     if saved_sha and mine_sha and saved_sha != mine_sha:
         # Same tokenizer, other data (re-prepared, grown): allowed, but the resume is no longer exact.
         out.append(

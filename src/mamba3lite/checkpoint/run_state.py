@@ -25,7 +25,11 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from mamba3lite.data_identity import DataIdentity
+from mamba3lite.errors import CheckpointError
 
 # The metadata of a field that is not written while it is None (its type in the file excludes None):
 # `name: T | None = field(default=None, metadata=ABSENT)`.
@@ -48,7 +52,7 @@ class RunState:
     sampler: dict | None = field(default=None, metadata=ABSENT)
     # RngState.state_dict(): the Python, numpy, torch (and CUDA) generators
     rng: dict | None = field(default=None, metadata=ABSENT)
-    # run_record.data_identity: tokenizer, vocab hash and size, eos id, manifest sha256
+    # DataIdentity.to_dict() of the training data: tokenizer, vocab hash and size, eos id, manifest sha256
     data: dict | None = None
     # the last logged train row
     metrics: dict | None = None
@@ -82,6 +86,13 @@ class RunState:
         lacks take their defaults; the manager's own fields and unknown keys are not part of it."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in meta.items() if k in known})
+
+    def data_identity(self, run_dir: str | Path) -> DataIdentity | None:
+        """`data` as the typed record (data_identity.py), its tokenizer name resolved against `run_dir`;
+        None for a run without one (dummy data, seed-format and old runs)."""
+        return DataIdentity.from_dict(
+            self.data, run_dir, where=f"a checkpoint in {run_dir}", error=CheckpointError
+        )
 
     @classmethod
     def meta_schema(cls) -> dict[str, type | tuple[type, ...]]:

@@ -145,7 +145,7 @@ def describe_dataset(path: Path) -> str:
     m = Manifest.load(path)
     lines = [
         f"dataset     {path}",
-        f"tokenizer   {m.tokenizer['name']} (vocab hash {m.tokenizer['vocab_hash'][:12]}…)",
+        f"tokenizer   {m.identity.describe()}",
         f"vocab       {m.vocab_size:,}   eos id {m.eos_id}   dtype {m.dtype}   format v{m.format_version}",
         "",
         *split_table(m),

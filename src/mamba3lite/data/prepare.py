@@ -48,7 +48,6 @@ instead of sharing the staging directory; the file is removed when the run ends.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import shutil
@@ -71,6 +70,7 @@ from mamba3lite.data.shards import SPLITS, Manifest
 from mamba3lite.data.sources import Source, format_location
 from mamba3lite.data.staging import LOCK_NAME, STAGE_DIRNAME, PipelineState, Stage
 from mamba3lite.data.stats import PrepareStats
+from mamba3lite.data_identity import TOKENIZER_NAME, vocab_hash_of
 from mamba3lite.dirlock import DirLock
 from mamba3lite.errors import ConfigError, DataError, Mamba3LiteError, TransientError
 from mamba3lite.tokenizer import load_tokenizer
@@ -184,7 +184,7 @@ class PrepareSummary:
         s, m = self.stats, self.manifest
         dropped = ", ".join(f"{k} {v:,}" for k, v in s["dropped"].items())
         name = m.tokenizer["name"]
-        if name == shards.TOKENIZER_NAME:
+        if name == TOKENIZER_NAME:
             name = f"its own BPE, {self.out / name}"
         lines = [
             f"dataset   {self.out}  ({name}, vocab {m.vocab_size:,}, eos id {m.eos_id}, {m.dtype})",
@@ -453,7 +453,7 @@ class _DatasetTokenizer:
         from mamba3lite.tokenizer_train import trained_eos_id
 
         raw = fit_tokenizer(sources, opts)
-        record = {"name": shards.TOKENIZER_NAME, "vocab_hash": hashlib.sha256(raw).hexdigest()}
+        record = {"name": TOKENIZER_NAME, "vocab_hash": vocab_hash_of(raw)}
         return cls(record, opts.train_tokenizer, trained_eos_id(), trained=raw)
 
     def stage(self, stage: Stage) -> str:
@@ -462,7 +462,7 @@ class _DatasetTokenizer:
         if self.trained is None:
             assert self.loaded is not None
             return self.loaded
-        path = stage.dir / shards.TOKENIZER_NAME
+        path = stage.dir / TOKENIZER_NAME
         atomic_write_bytes(path, self.trained)
         tok = load_tokenizer(str(path))  # built here once: forked workers inherit it
         assert (tok.vocab_size, tok.eos_id, tok.vocab_hash) == (

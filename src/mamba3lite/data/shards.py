@@ -23,7 +23,6 @@ Everything that reads or writes token files goes through this module.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
@@ -33,12 +32,13 @@ import numpy as np
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import HASH_CHUNK_BYTES, atomic_write_bytes, atomic_write_json, sha256_file
+from mamba3lite.data_identity import DataIdentity, is_tokenizer_file, resolve_name
 from mamba3lite.errors import DataError, DataNotFoundError
 
 FORMAT_VERSION: int = 1
 MANIFEST_NAME = "manifest.json"
-# A dataset's own tokenizer (`prepare --train-tokenizer`), recorded in the manifest by this relative name.
-TOKENIZER_NAME = "tokenizer.json"
+# A dataset's own tokenizer (`prepare --train-tokenizer`) is recorded in the manifest by the relative name
+# TOKENIZER_NAME ("tokenizer.json", data_identity.py).
 SPLITS = ("train", "val")
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -137,6 +137,12 @@ class Manifest:
     extra: dict = field(default_factory=dict)  # free-form: sources, filter counts, prepare args...
 
     @property
+    def identity(self) -> DataIdentity:
+        """The tokenizer the shards were made with, as the one typed record (data_identity.py); a
+        manifest read by `load` has its own tokenizer's name resolved already."""
+        return DataIdentity.from_manifest(self.tokenizer, self.vocab_size, self.eos_id)
+
+    @property
     def np_dtype(self) -> np.dtype:
         """The shards' numpy dtype (explicitly little-endian)."""
         return _DTYPES[self.dtype]
@@ -224,7 +230,7 @@ class Manifest:
         if is_own_tokenizer(name):
             if check_tokenizer:
                 check_own_tokenizer(root, name, m.tokenizer["vocab_hash"])
-            m.tokenizer["name"] = str(root.resolve() / name)
+            m.tokenizer["name"] = resolve_name(name, root)
         return m
 
     def split_shards(self, split: str) -> list[ShardInfo]:
@@ -244,24 +250,15 @@ class Manifest:
 def is_own_tokenizer(name: str) -> bool:
     """Whether a manifest's tokenizer name is a file inside the dataset (a relative path such as
     "tokenizer.json", not "gpt2" or an absolute path)."""
-    from mamba3lite.tokenizer import is_tokenizer_file
-
     return is_tokenizer_file(name) and not PurePosixPath(name).is_absolute() and not Path(name).is_absolute()
 
 
 def check_own_tokenizer(root: Path, name: str, vocab_hash: str) -> None:
     """DataError unless ROOT/name, the tokenizer the dataset's tokens were made with, is there with
-    sha256 `vocab_hash`: deleted or edited after `prepare`, the token ids mean nothing."""
-    path = Path(root) / name
+    sha256 `vocab_hash` (`DataIdentity.verify`): deleted or edited after `prepare`, the ids mean nothing."""
+    ident = DataIdentity(resolve_name(name, root), vocab_hash, None, None)
     fix = "put the original back, or run `mamba3lite prepare` again to rebuild the dataset"
-    if not os.path.lexists(path):
-        raise DataError(f"{path}, the tokenizer the dataset {root} was prepared with, is missing; {fix}")
-    sha = hashlib.sha256(intake.read_bytes_capped(path, intake.TOKENIZER)).hexdigest()
-    if sha != vocab_hash:
-        raise DataError(
-            f"{path} changed since the dataset was prepared (sha256 {sha[:12]}, the manifest records "
-            f"{vocab_hash[:12]}): the token ids mean nothing under another vocabulary; {fix}"
-        )
+    ident.verify(what=f"the dataset {root} was prepared with it", fix=fix)
 
 
 def write_shard(

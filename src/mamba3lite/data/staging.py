@@ -32,13 +32,13 @@ from mamba3lite.data.packing import Dedup, Packer
 from mamba3lite.data.shards import (
     MANIFEST_NAME,
     SPLITS,
-    TOKENIZER_NAME,
     Manifest,
     ShardInfo,
     check_own_tokenizer,
     is_own_tokenizer,
 )
 from mamba3lite.data.stats import PrepareStats
+from mamba3lite.data_identity import TOKENIZER_NAME
 from mamba3lite.errors import Mamba3LiteError
 
 STAGE_DIRNAME = ".prepare"
@@ -188,7 +188,7 @@ class Stage:
             record = intake.read_json(self.dir / COMMIT_NAME, intake.STAGE_STATE)
             if is_own_tokenizer(own := self.args_record["tokenizer"]):  # in the stage, or moved already
                 where = self.dir if (self.dir / own).exists() else self.dir.parent
-                check_own_tokenizer(where, own, manifest.tokenizer["vocab_hash"])
+                check_own_tokenizer(where, own, manifest.identity.vocab_hash or "")
         except (Mamba3LiteError, OSError):
             return None
         same_sources = record.get("fingerprints") == self.fingerprints

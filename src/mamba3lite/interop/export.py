@@ -15,7 +15,6 @@ meta records), so import -> export reproduces the official tensors.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from mamba3lite import intake
 from mamba3lite.atomicfile import sha256_file
 from mamba3lite.checkpoint.run_dir import RunDir
+from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
 from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
@@ -90,11 +89,10 @@ def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> 
 def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
     """(tokenizer.json bytes, a description) for the run's tokenizer."""
     from mamba3lite.interop.gpt2_tokenizer import gpt2_tokenizer_json
-    from mamba3lite.pretrained import recorded_tokenizer
     from mamba3lite.tokenizer import GPT2_VOCAB_SIZE
 
-    data = meta.get("data") or {}
-    name = recorded_tokenizer(data.get("tokenizer"), p)
+    ident = DataIdentity.from_dict(meta.get("data"), p, where=f"the meta in {p}", error=CheckpointError)
+    name = ident.tokenizer if ident is not None else "gpt2"
     if name == "gpt2":
         if vocab_size != GPT2_VOCAB_SIZE:
             raise CheckpointError(
@@ -102,17 +100,10 @@ def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
                 "--dummy data?) and records no tokenizer: there is no tokenizer.json to ship with it"
             )
         return gpt2_tokenizer_json().encode("utf-8"), "GPT-2 BPE (50,257 ids, EOS 50,256)"
-    path = Path(name)
-    if not path.is_file():
+    raw = ident.verify(what="the model was trained on it", fix="put the original back", error=CheckpointError)
+    if raw is None:
         raise CheckpointError(
-            f"the model in {p} was trained with the tokenizer file {path}, which is not there any more; "
-            "put it back at that path"
-        )
-    raw = intake.read_bytes_capped(path, intake.TOKENIZER)
-    if data.get("vocab_hash") and hashlib.sha256(raw).hexdigest() != data["vocab_hash"]:
-        raise CheckpointError(
-            f"the tokenizer file {path} changed since the model was trained on it (its sha256 differs from "
-            "the checkpoint's record); put the original back"
+            f"the model in {p} was trained with tokenizer {name!r}: no tokenizer.json to ship"
         )
     return raw, "the run's own (Hugging Face tokenizers)"
 

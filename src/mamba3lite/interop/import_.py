@@ -19,7 +19,6 @@ Tensors keep the dtypes of the file (bf16 stays bf16 on disk; `load_pretrained` 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from torch import Tensor
 
 from mamba3lite import intake
+from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.interop.names import EMBED_OURS, HEAD, official_name, our_name
 from mamba3lite.interop.official_config import KERNEL_ONLY_SSM_KEYS, OfficialVocab, model_config_from_official
@@ -35,26 +35,15 @@ from mamba3lite.interop.weights import read_official_weights
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig
 from mamba3lite.rundir import CONFIG_NAME, PADDING_NAME, TOKENIZER_NAME
 
-DEFAULT_A_ACTIVATION = "heavy_tail"  # the official code's since mid-2026 (MAMBA3.md §1.3)
+DEFAULT_A_ACTIVATION = "heavy_tail"  # the official code's since mid-2026 (docs/model.md §1.3)
 TOKENS_SEEN_NOTE = (
     "tokens_seen is 0 because the official format does not record how many tokens the model was trained on"
 )
 
 
-@dataclass(frozen=True)
-class TokenizerIdentity:
-    """What a dataset's manifest records of its tokenizer: `name` ("gpt2" or a tokenizer.json path),
-    `vocab_hash`, `vocab_size`, `eos_id`; `path`: the tokenizer.json to copy (None for "gpt2")."""
-
-    name: str
-    vocab_hash: str
-    vocab_size: int
-    eos_id: int
-    path: Path | None
-
-
-def tokenizer_identity(name_or_path: str) -> TokenizerIdentity:
-    """The identity of tokenizer "gpt2" or of a tokenizer.json (recognised as GPT-2 when it is ours)."""
+def tokenizer_identity(name_or_path: str) -> DataIdentity:
+    """The identity (data_identity.py) of tokenizer "gpt2" or of a tokenizer.json (recognised as GPT-2
+    when it is ours); its `tokenizer_file` is the file to copy, None for GPT-2."""
     from mamba3lite.interop.gpt2_tokenizer import is_gpt2_tokenizer_json
     from mamba3lite.tokenizer import load_tokenizer
 
@@ -69,7 +58,7 @@ def tokenizer_identity(name_or_path: str) -> TokenizerIdentity:
         if is_gpt2_tokenizer_json(raw.decode("utf-8", errors="replace")):
             name_or_path, path = "gpt2", None
     tok = load_tokenizer(name_or_path if path is None else str(path))
-    return TokenizerIdentity(tok.name, tok.vocab_hash, tok.vocab_size, tok.eos_id, path)
+    return DataIdentity(tok.name, tok.vocab_hash, tok.vocab_size, tok.eos_id)
 
 
 @dataclass
@@ -96,7 +85,7 @@ def _expected_shapes(cfg: ModelConfig, rows: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def translate(source: OfficialSource, tok: TokenizerIdentity, a_activation: str) -> OfficialWeights:
+def translate(source: OfficialSource, tok: DataIdentity, a_activation: str) -> OfficialWeights:
     """The official model at `source`, for tokenizer `tok`, in our names and config. CheckpointError
     naming the tensor (or key) when the weights and config.json disagree."""
     if a_activation not in A_ACTIVATIONS:
@@ -257,22 +246,19 @@ def import_official(
     model = build_model(w)
     cfg = Config(model=w.config).replace("training", checkpoint_dir=str(out))
     with staged_dir(out) as tmp:
-        if tok.path is not None:
-            data = intake.read_bytes_capped(tok.path, intake.TOKENIZER)
-            assert hashlib.sha256(data).hexdigest() == tok.vocab_hash
+        if tok.tokenizer_file is not None:  # the bytes that hash to the identity recorded below
+            data = tok.verify(what="it was read for this import", error=CheckpointError)
             (tmp / TOKENIZER_NAME).write_bytes(data)
         if any(t.numel() for t in w.padding.values()):
             save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
         write_resolved_config(cfg, tmp / CONFIG_NAME)
         state = _import_state(cfg, tok, source, src, a_activation, tmp)
         CheckpointManager(tmp).save(0, model, None, state)
-    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.path is not None else "gpt2"
+    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.tokenizer_file is not None else "gpt2"
     return ImportResult(out, w.config, final_tok, [*w.notes, TOKENS_SEEN_NOTE])
 
 
-def _import_state(
-    cfg, tok: TokenizerIdentity, source: OfficialSource, src: str, a_activation: str, tmp: Path
-):
+def _import_state(cfg, tok: DataIdentity, source: OfficialSource, src: str, a_activation: str, tmp: Path):
     """The run state of the imported step 0: the config, the tokenizer and what the import came from.
     The tokenizer copy is recorded relative to the run directory, so the run can be moved
     (pretrained.recorded_tokenizer resolves it)."""
@@ -283,13 +269,7 @@ def _import_state(
     return RunState(
         step=0,
         config=cfg.to_dict(),
-        data={
-            "tokenizer": TOKENIZER_NAME if tok.path is not None else "gpt2",
-            "vocab_hash": tok.vocab_hash,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "manifest_sha256": None,
-        },
+        data=tok.to_dict(),  # a tokenizer.json is recorded as the run's copy, "tokenizer.json"
         imported_from={
             "source": src,
             "format": "mamba_ssm MambaLMHeadModel",

@@ -3,7 +3,7 @@ checkpoint) or an official mamba_ssm directory (translated as `import` does, in 
 
 Only the weights cross over: the new run has its own optimizer, schedule, data order and counters,
 starting at step 0. The source's tokenizer identity comes along so that `train` can refuse a dataset
-tokenized with another tokenizer, with the same check `eval` uses (`evaluate.check_compatible`).
+tokenized with another tokenizer, with the same check `eval` uses (`DataIdentity.compatible_with`).
 """
 
 from __future__ import annotations
@@ -81,4 +81,4 @@ def load_init_source(src: str) -> InitSource:
         )
     tok = tokenizer_identity(str(source.tokenizer))
     w = translate(source, tok, DEFAULT_A_ACTIVATION)
-    return InitSource(w.config, w.state, tok.name, tok.vocab_hash, f"{src} (official format)")
+    return InitSource(w.config, w.state, tok.tokenizer, tok.vocab_hash, f"{src} (official format)")

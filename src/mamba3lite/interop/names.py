@@ -6,7 +6,7 @@
     norm_f.weight                backbone.norm_f.weight
     lm_head.weight               lm_head.weight               (tied: the embedding itself)
 
-The mixer's own names are the official layer's already (MAMBA3.md §1.2), so below the block level
+The mixer's own names are the official layer's already (docs/model.md §1.2), so below the block level
 nothing is renamed.
 """
 

@@ -4,7 +4,7 @@ The official file holds exactly the twelve fields of `MambaConfig` (`MambaLMHead
 passes them as `MambaConfig(**config)`, so an extra key makes it fail): d_model, d_intermediate,
 n_layer, vocab_size, ssm_cfg, attn_layer_idx, attn_cfg, rms_norm, residual_in_fp32, fused_add_norm,
 pad_vocab_size_multiple, tie_embeddings. `ssm_cfg` names the mixer (`"layer": "Mamba3"`) and holds its
-constructor arguments, whose names are ours (MAMBA3.md §1.1). A missing key means the official default.
+constructor arguments, whose names are ours (docs/model.md §1.1). A missing key means the official default.
 
 What the format does not record, the caller chooses: the A activation (heavy-tail since mid-2026,
 softplus before), and the vocabulary the model is used with (the tokenizer's, which may be smaller than

@@ -1,4 +1,4 @@
-"""ModelConfig: the shape and switches of a Mamba-3 language model (MAMBA3.md §1, §5).
+"""ModelConfig: the shape and switches of a Mamba-3 language model (docs/model.md §1, §5).
 
 Every field documents itself in `metadata["help"]` (the README's config reference is generated from it).
 Values are validated on creation; a bad value raises `ConfigError` naming the field (`model.<name>`).
@@ -176,7 +176,7 @@ class ModelConfig:
             if not math.isfinite(getattr(self, name)):
                 raise bad(name, "must be finite")
 
-    # ---- derived sizes (MAMBA3.md §1.1) ----
+    # ---- derived sizes (docs/model.md §1.1) ----
     @property
     def d_inner(self) -> int:
         """Mixer inner width E = expand * d_model."""

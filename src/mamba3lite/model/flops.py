@@ -3,7 +3,7 @@
 The peak FLOP/s of the accelerator that MFU divides by is `model/hardware.py`'s.
 
 `count_parameters` is tested equal to the real count on the meta device for every preset, and to the
-MAMBA3.md §5 table with the Llama-3.1 vocabulary. FLOPs count 2 per multiply-add of every matmul, as
+docs/model.md §5 table with the Llama-3.1 vocabulary. FLOPs count 2 per multiply-add of every matmul, as
 implemented (the chunked scan computes full L×L blocks, causal half included); elementwise work
 (norms, gates, exponentials, rotation) is left out, as is usual for MFU.
 """
@@ -16,7 +16,7 @@ from mamba3lite.model.config import ModelConfig
 
 
 def mixer_parameters(cfg: ModelConfig) -> int:
-    """Parameters of one Mamba-3 mixer (MAMBA3.md §1.2)."""
+    """Parameters of one Mamba-3 mixer (docs/model.md §1.2)."""
     D, E, H, N, P, R = cfg.d_model, cfg.d_inner, cfg.nheads, cfg.d_state, cfg.headdim, cfg.rank
     n = D * cfg.d_in_proj  # in_proj
     n += H  # dt_bias

@@ -1,6 +1,7 @@
-"""The Mamba-3 mixer (MAMBA3.md §1-4): projections, discretisation, data-dependent RoPE, gate; forward/step.
+"""The Mamba-3 mixer (docs/model.md §1-4): projections, discretisation, data-dependent RoPE, gate;
+forward/step.
 
-Paper symbols, mapped once (shape letters as STYLE.md rule 3):
+Paper symbols, mapped once (shape letters as docs/architecture.md §6 rule 3):
     z      gate input, (.., E) ................ out = y ⊙ SiLU(z)
     x      SSM input ("V"), (.., H, P) ......... no activation, no conv
     B, C   keys / queries ("K", "Q"), (.., R, G, N), RMS-normed over N, + per-head bias, then rotated
@@ -229,7 +230,7 @@ def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: 
 
 @dataclass
 class Mamba3Cache:
-    """Decode state of one layer (MAMBA3.md §4). Updated in place by `Mamba3.forward(..., cache)`/`step`.
+    """Decode state of one layer (docs/model.md §4). Updated in place by `Mamba3.forward(..., cache)`/`step`.
 
     angle_BHS: θ of the last token (state dtype); ssm_BHPN: h of the last token (state dtype);
     k_BRHN: biased and rotated key of the last token; v_BHP: raw x of the last token (model dtype).

@@ -1,5 +1,5 @@
 """The bias and rotation that turn the normed per-group keys and queries k̂, q̂ (B, G, T, R, N) into the
-scan's per-head k, q (B, H, T, R, N) (MAMBA3.md §2.3): k = R(θ)(k̂ + B_bias), q = R(θ)(q̂ + C_bias), head h
+scan's per-head k, q (B, H, T, R, N) (docs/model.md §2.3): k = R(θ)(k̂ + B_bias), q = R(θ)(q̂ + C_bias), head h
 reading group h // (H / G), with the data-dependent angles θ (B, H, T, S) on the first S channel pairs.
 
 `bias_rotate` is the forward and `bias_rotate_grads` its backward in closed form (the inverse rotation

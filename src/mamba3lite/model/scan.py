@@ -1,6 +1,6 @@
 """The Mamba-3 recurrence three ways: sequential reference, chunked parallel scan, single decode step.
 
-All three compute, per batch row and head, with h_{-1} = 0 unless a state is given (MAMBA3.md §2.3, §3):
+All three compute, per batch row and head, with h_{-1} = 0 unless a state is given (docs/model.md §2.3, §3):
 
     α_t = exp(ΔA_t)                   (`adt` = Δ_t·A_t ≤ 0)
     β_t = (1 − λ_t) Δ_t α_t            (the trapezoid's "previous token" weight)
@@ -67,7 +67,7 @@ def scan_step(
     v_prev_BRHP: Tensor,
     reset_B: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One token of the recurrence (decode, MAMBA3.md §4 step 3-4). Returns (y_BHRP, new h_BHPN).
+    """One token of the recurrence (decode, docs/model.md §4 step 3-4). Returns (y_BHRP, new h_BHPN).
 
     O(1) in the context length; h is returned as a new tensor (the caller stores it).
     """
@@ -359,7 +359,7 @@ def start_state(
     P: int,
 ) -> Tensor:
     """The carried matrix before token 0, (B, H, N, P) in boa's dtype: h0ᵀ (zeros when None), plus on a
-    resume the first token's β term without its α (MAMBA3.md §2.4), which `boa_BHT` (from
+    resume the first token's β term without its α (docs/model.md §2.4), which `boa_BHT` (from
     `token_weights`) carries."""
     Bsz, H = boa_BHT.shape[:2]
     sd = boa_BHT.dtype
@@ -385,7 +385,7 @@ def chunked_scan(
     v_prev_BRHP: Tensor | None = None,
     reset_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Chunked parallel form of the recurrence (MAMBA3.md §2.4, §3); same contract as `sequential_scan`,
+    """Chunked parallel form of the recurrence (docs/model.md §2.4, §3); same contract as `sequential_scan`,
     except that under autocast y is returned in the autocast dtype (the state h_T stays ≥ fp32).
 
     Any T (the last chunk is zero-padded: padded tokens have ΔA = 0 and zero weights, so they change

@@ -1,4 +1,4 @@
-"""Mamba3Transformer: the Llama-style Mamba-3 language model (MAMBA3.md §5) with decode and generate.
+"""Mamba3Transformer: the Llama-style Mamba-3 language model (docs/model.md §5) with decode and generate.
 
     embed ─► n_layers × [x += Mamba3(RMSNorm(x)); x += SwiGLU(RMSNorm(x))] ─► RMSNorm ─► lm_head (tied)
 

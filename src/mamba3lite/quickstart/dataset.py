@@ -105,5 +105,5 @@ def evaluator(cfg, data_path: Path, log) -> Evaluator:
     batches = None if split == "val" else max(1, EVAL_WINDOWS // tc.micro_batch_size)
     return Evaluator(
         data_path, split, tc.max_seq_len, tc.micro_batch_size, batches, tc.dtype,
-        manifest.tokenizer.get("vocab_hash"), manifest.tokenizer.get("name", "gpt2"),
+        manifest.identity.vocab_hash, manifest.identity.tokenizer,
     )  # fmt: skip

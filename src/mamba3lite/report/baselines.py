@@ -46,7 +46,7 @@ def split_text(dataset: str | Path, split: str) -> bytes:
 
     dataset = Path(dataset)
     manifest = Manifest.load(dataset)
-    tok = load_tokenizer(manifest.tokenizer.get("name", "gpt2"))
+    tok = load_tokenizer(manifest.identity.tokenizer)
     docs: list[str] = []
     for shard in manifest.split_shards(split):
         ids = np.fromfile(dataset / shard.path, dtype=manifest.np_dtype)

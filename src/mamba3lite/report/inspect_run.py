@@ -88,12 +88,9 @@ def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
             f"imported from  {imported.get('source')} ({imported.get('format')}; A activation "
             f"{imported.get('a_activation')} chosen at import: the format does not record it)"
         )
-    data = state.data or {}
-    if data.get("tokenizer"):
-        from mamba3lite.pretrained import recorded_tokenizer
-
-        where = recorded_tokenizer(data["tokenizer"], run_dir)
-        lines.append(f"tokenizer      {where} (vocab hash {str(data.get('vocab_hash'))[:12]}…)")
+    data = state.data_identity(run_dir)
+    if data is not None:
+        lines.append(f"tokenizer      {data.describe()}")
     row = state.metrics
     if isinstance(row, dict):
         parts = [f"step {row.get('step')}"]
@@ -221,7 +218,7 @@ def describe_shard_file(path: Path, token_dtype: str | None = None) -> tuple[str
     eos_id, vocab, tokenizer_name = 50256, 50257, "gpt2"
     if owner is not None:
         _, m, record = owner
-        eos_id, vocab, tokenizer_name = m.eos_id, m.vocab_size, m.tokenizer.get("name", "gpt2")
+        eos_id, vocab, tokenizer_name = m.eos_id, m.vocab_size, m.identity.tokenizer
     tokens, dtype_note, kind = _open_shard(path, size, owner, token_dtype, vocab)
     n = int(tokens.shape[0])
     max_id = int(tokens.max()) if n else -1

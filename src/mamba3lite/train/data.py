@@ -13,8 +13,8 @@ from typing import Any
 from mamba3lite.config import Config
 from mamba3lite.data.shards import dataset_dir
 from mamba3lite.data.splits import short_val_split, val_split_holds_window
+from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
-from mamba3lite.evaluate import check_compatible
 
 
 def build_train_data(cfg: Config) -> Any:
@@ -89,15 +89,15 @@ def check_data_matches(cfg: Config, train_data: Any, val_data: Any) -> None:
     dc, mc = cfg.data, cfg.model
     train_m = getattr(train_data, "manifest", None)
     val_m = getattr(val_data, "manifest", None)
-    train_tok = (train_m.tokenizer or {}) if train_m is not None else {}
-    for m, where, vocab_hash, name in (
-        (train_m, f"the training data ({dc.train_data_path})", None, ""),
-        (val_m, f"the validation data ({dc.val_data_path or dc.train_data_path})",
-         train_tok.get("vocab_hash"), str(train_tok.get("name"))),
+    train_tok = train_m.identity if train_m is not None else DataIdentity("", None, None, None)
+    for m, where, ref in (
+        (train_m, f"the training data ({dc.train_data_path})", DataIdentity("", None, None, None)),
+        (val_m, f"the validation data ({dc.val_data_path or dc.train_data_path})", train_tok),
     ):  # fmt: skip
         if m is not None:
-            check_compatible(
-                m, mc.vocab_size, mc.eos_id, vocab_hash, name, where=where, reference="the training data",
+            model = DataIdentity(ref.tokenizer, ref.vocab_hash, mc.vocab_size, mc.eos_id)
+            m.identity.compatible_with(
+                model, where=where, reference="the training data",
                 eos_fix=f": set model.eos_id={m.eos_id}, or prepare the data with the model's tokenizer",
             )  # fmt: skip
 

@@ -82,17 +82,17 @@ def init_from_source(cfg, opts: TrainOptions):
     """(cfg with the source's model config and the model overrides on top, the model holding the
     source's weights); DataError when the training data was tokenized with another tokenizer."""
     from mamba3lite.data.shards import Manifest, has_manifest
-    from mamba3lite.evaluate import check_compatible
+    from mamba3lite.data_identity import DataIdentity
     from mamba3lite.interop.init_from import load_init_source
 
     source = load_init_source(cfg.training.init_from)
     cfg = cfg.replace("model", **asdict(source.config)).with_overrides(list(opts.model_overrides))
     data = Path(cfg.data.train_data_path)
     if not cfg.data.dummy and has_manifest(data):
-        check_compatible(
-            Manifest.load(data), cfg.model.vocab_size, cfg.model.eos_id, source.vocab_hash,
-            source.tokenizer_name, where=f"the training data ({data})", reference="the --init-from model",
-        )  # fmt: skip
+        model = DataIdentity(source.tokenizer_name, source.vocab_hash, cfg.model.vocab_size, cfg.model.eos_id)
+        Manifest.load(data).identity.compatible_with(
+            model, where=f"the training data ({data})", reference="the --init-from model"
+        )
     print(f"init-from {source.description}: its weights and model config; optimizer and schedule fresh")
     return cfg, source.build_model(cfg.model)
 
@@ -149,12 +149,12 @@ def check_data_tokenizer(cfg) -> None:
     data = dataset_dir(cfg.data.train_data_path or "")
     if cfg.data.dummy or not has_manifest(data):
         return  # no manifest: nothing records a tokenizer (the dataset's own errors come later)
-    recorded = Manifest.load(data).tokenizer or {}
-    name = str(recorded.get("name", ""))
+    recorded = Manifest.load(data).identity
+    name = recorded.tokenizer
     if name in KNOWN_TOKENIZERS or is_tokenizer_file(name):
         load_recorded_tokenizer(
             name,
-            recorded.get("vocab_hash"),
+            recorded.vocab_hash,
             cfg.model.vocab_size,
             subject=f"the data at {data} (its {MANIFEST_NAME}) was prepared with",
         )

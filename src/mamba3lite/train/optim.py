@@ -2,7 +2,7 @@
 schedule as a pure function.
 
 Weight decay (decoupled, AdamW) applies to the weight matrices of linear layers only. No decay for
-(MAMBA3.md §1.2, §5, and common practice for LMs):
+(docs/model.md §1.2, §5, and common practice for LMs):
 - parameters flagged `p._no_weight_decay = True` (the mixer's dt_bias and D),
 - every parameter with fewer than 2 dimensions (norm weights, biases, B_bias/C_bias rows are 3-D but
   are biases: matched by name),

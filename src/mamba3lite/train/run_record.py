@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,9 @@ from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json
 from mamba3lite.config import Config, write_resolved_config
 from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir
-from mamba3lite.errors import DataError, Mamba3LiteError
-from mamba3lite.rundir import CONFIG_NAME, RUN_RECORD_NAME, TOKENIZER_NAME
-from mamba3lite.tokenizer import is_tokenizer_file
+from mamba3lite.data_identity import TOKENIZER_NAME
+from mamba3lite.errors import Mamba3LiteError
+from mamba3lite.rundir import CONFIG_NAME, RUN_RECORD_NAME
 
 KEEP_STARTS = 50
 
@@ -56,20 +57,13 @@ def manifest_sha256(path: str | None) -> str | None:
 
 
 def data_identity(manifest: Any, data_path: str | None) -> dict | None:
-    """What a checkpoint records of its training data, to compare on resume: tokenizer and the
-    manifest's hash. None without a manifest. A tokenizer.json is recorded as the run's copy of it,
-    "tokenizer.json" relative to the run directory (`copy_tokenizer`; `pretrained.recorded_tokenizer`
-    joins it to the run directory)."""
+    """What a checkpoint records of its training data, to compare on resume: the manifest's
+    `DataIdentity` with the manifest's hash, in its meta form (`DataIdentity.to_dict`: a tokenizer.json
+    is recorded as the run's copy of it, "tokenizer.json" relative to the run directory,
+    `copy_tokenizer`). None without a manifest."""
     if manifest is None:
         return None
-    name = manifest.tokenizer.get("name")
-    return {
-        "tokenizer": TOKENIZER_NAME if name and is_tokenizer_file(name) else name,
-        "vocab_hash": manifest.tokenizer.get("vocab_hash"),
-        "vocab_size": manifest.vocab_size,
-        "eos_id": manifest.eos_id,
-        "manifest_sha256": manifest_sha256(data_path),
-    }
+    return manifest.identity.with_manifest_sha256(manifest_sha256(data_path)).to_dict()
 
 
 _NONE = type(None)
@@ -133,18 +127,18 @@ def run_records_problem(run_dir: Path) -> str | None:
 
 def copy_tokenizer(cfg: Config, run_dir: Path, data: dict | None) -> None:
     """Copy the tokenizer.json the training data was tokenized with to RUN/tokenizer.json, when `data`
-    (`data_identity`) records one; its sha256 is checked against the record (the manifest's vocab_hash):
-    a tokenizer file changed since `prepare` is a DataError, not a run whose copy means nothing."""
+    (`data_identity`) records one; the file is verified against that record first
+    (`DataIdentity.verify`): a tokenizer file changed since `prepare` is a DataError, not a run whose copy
+    means nothing."""
     if not data or data.get("tokenizer") != TOKENIZER_NAME or cfg.data.dummy:
         return
-    manifest = Manifest.load(cfg.data.train_data_path or "", check_tokenizer=True)
-    source = Path(manifest.tokenizer["name"])
-    raw = intake.read_bytes_capped(source, intake.TOKENIZER)
-    if hashlib.sha256(raw).hexdigest() != data.get("vocab_hash"):
-        raise DataError(
-            f"{source} changed since the data at {cfg.data.train_data_path} was tokenized with it (its "
-            "sha256 differs from the manifest's vocab_hash); put the original back, or prepare the data again"
-        )
+    # The file the manifest names, held to the hash the run's checkpoints record for it.
+    ident = Manifest.load(cfg.data.train_data_path or "", check_tokenizer=False).identity
+    raw = replace(ident, vocab_hash=data.get("vocab_hash")).verify(
+        what=f"the data at {cfg.data.train_data_path} was tokenized with it",
+        fix="put the original back, or prepare the data again",
+    )
+    assert raw is not None  # data names a tokenizer file, so the manifest does
     atomic_write_bytes(Path(run_dir) / TOKENIZER_NAME, raw)
 
 
