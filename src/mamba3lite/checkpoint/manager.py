@@ -47,7 +47,13 @@ from mamba3lite.checkpoint.optim_state import (
 )
 from mamba3lite.checkpoint.run_state import RunState
 from mamba3lite.checkpoint.seed_format import is_seed_meta, load_seed_optimizer, seed_file_problems
-from mamba3lite.checkpoint.sharded import read_shards, shard_file_names, shard_problems, write_shards
+from mamba3lite.checkpoint.sharded import (
+    read_shards,
+    shard_file_names,
+    shard_problems,
+    stored_dtypes,
+    write_shards,
+)
 from mamba3lite.checkpoint.state import (
     is_sharded,
     local_model_state,
@@ -551,6 +557,12 @@ class CheckpointManager:
             set_full_optimizer_state(model, optimizer, saved)
             return
         load_optimizer_state_by_name(optimizer, model, saved, str(path))
+
+    def sharded_dtypes(self, step: int) -> dict[str, torch.dtype] | None:
+        """{parameter name: dtype} of a verified sharded step's weights; None for a three-file step (its
+        safetensors header says) or a step that does not verify."""
+        st = self.status(step, need_optimizer=False)
+        return stored_dtypes(sharded_dir(self.dir, step)) if st.sharded and st.loadable else None
 
     # --------------------------------------------------------------------------------- retention
     def delete(self, step: int) -> None:

@@ -17,18 +17,21 @@ meta; the manager (manager.py) decides when, and writes the meta.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from mamba3lite import intake
 from mamba3lite.errors import CheckpointError
+
+_ONE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent"
 
 
 class _PausableWriter(FileSystemWriter):
@@ -61,9 +64,19 @@ def write_shards(
     it returns None."""
     writer = _PausableWriter(directory, pause)
     if not async_save:
-        dcp.save(content, storage_writer=writer)
+        dcp.save(content, storage_writer=writer, no_dist=_one_process())
         return None
-    return dcp.async_save(content, storage_writer=writer, process_group=process_group)
+    return dcp.async_save(content, storage_writer=writer, process_group=process_group, no_dist=_one_process())
+
+
+def _one_process() -> bool:
+    """No process group: DCP reads and writes every shard in this process. Said explicitly; DCP still
+    warns that it assumes so, on every call (`generate` and `eval` would print it): that one warning is
+    silenced (from any thread: an async save warns in its own)."""
+    if dist.is_available() and dist.is_initialized():
+        return False
+    warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
+    return True
 
 
 def shard_file_names(directory: Path) -> list[str]:
@@ -95,7 +108,7 @@ def read_shards(directory: Path, content: dict[str, Any]) -> None:
     into) from a step's shards, resharding as needed; collective when a process group is initialized,
     else one process reads everything. CheckpointError naming the directory when they do not fit."""
     try:
-        dcp.load(content, storage_reader=FileSystemReader(directory))
+        dcp.load(content, storage_reader=FileSystemReader(directory), no_dist=_one_process())
     except Exception as e:  # DCP raises CheckpointException (wrapping every rank's error) and others
         first = " ".join(str(e).strip().splitlines()[:3])[:400]
         raise CheckpointError(
@@ -105,8 +118,8 @@ def read_shards(directory: Path, content: dict[str, Any]) -> None:
 
 
 def stored_dtypes(directory: Path) -> dict[str, torch.dtype]:
-    """{parameter name: dtype} of the model tensors a step's shards hold (from DCP's `.metadata`)."""
-    intake.regular_file_size(Path(directory) / ".metadata", intake.OPTIMIZER_STATE)
+    """{parameter name: dtype} of the model tensors a step's shards hold (from DCP's `.metadata`, which
+    DCP unpickles: read it only once its sha256 verified against the meta)."""
     meta = FileSystemReader(directory).read_metadata()
     out = {}
     for key, md in meta.state_dict_metadata.items():

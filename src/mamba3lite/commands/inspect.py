@@ -114,6 +114,7 @@ def detect_kind(path: Path) -> str:
         or any(path.glob("*.pt"))
         or any(path.glob("checkpoint*"))
         or any(path.glob("step_*"))
+        or any(path.glob("dcp_step_*"))  # a sharded run's steps
     ):
         return CHECKPOINT
     raise ConfigError(

@@ -191,7 +191,7 @@ def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> d
     from mamba3lite.model import Mamba3Transformer
     from mamba3lite.rundir import checkpoint_files
 
-    dtypes = _stored_dtypes(checkpoint_files(ckpt.dir, step)["model"])
+    dtypes = ckpt.sharded_dtypes(step) or _stored_dtypes(checkpoint_files(ckpt.dir, step)["model"])
     widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
     model = Mamba3Transformer(cfg).to(widest)
     ckpt.load(step, model, None, map_location="cpu")
