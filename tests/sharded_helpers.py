@@ -6,6 +6,7 @@ port each time); every worker writes what the test compares into files under the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -131,3 +132,32 @@ def load_worker(rank: int, world: int, jobs: list[tuple[str, int, str, str]], vo
         model, opt = build(kind, "adamw", vocab)
         CheckpointManager(run_dir).load(step, model, opt)
         dump_full(model, opt, Path(out))
+
+
+def trainer_worker(rank: int, world: int, root: str) -> None:
+    """The trainer with an FSDP2 model (one process; the sharded format is chosen from its DTensor
+    parameters): 4 steps straight, and 2 + resume + 2 in another directory; both final states dumped."""
+    from mamba3lite.config import Config
+    from mamba3lite.train.trainer import Pretrainer
+
+    def config(run_dir: Path) -> Config:
+        cfg = Config().replace("model", **dataclasses.asdict(model_config()))
+        cfg = cfg.replace(
+            "training", max_seq_len=16, micro_batch_size=2, gradient_accumulation_steps=1, max_steps=4,
+            warmup_steps=1, lr=1e-2, log_every=1, save_every=2, eval_every=0, dtype="fp32", device="cpu",
+            checkpoint_dir=str(run_dir), keep_last_n=0, progress=False, async_checkpoint=True,
+        )  # fmt: skip
+        return cfg.replace("data", dummy=True)
+
+    def trainer(run_dir: Path) -> Pretrainer:
+        model, _ = build("fsdp")
+        return Pretrainer(config(run_dir), model=model)
+
+    straight, resumed = Path(root) / "straight", Path(root) / "resumed"
+    t = trainer(straight)
+    t.train()
+    dump_full(t.raw_model, t.optimizer, Path(root) / "straight.pt")
+    trainer(resumed).train(until_step=2)
+    t = trainer(resumed)
+    t.train()
+    dump_full(t.raw_model, t.optimizer, Path(root) / "resumed.pt")

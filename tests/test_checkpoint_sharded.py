@@ -8,7 +8,9 @@ rank's files); the slow ones run FSDP2 in 2 and 4 processes over gloo (sharded_h
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,7 +182,7 @@ def saved_by_four(tmp_path_factory):
     run = root / "run"
     cfg = Config.from_dict(
         {
-            "model": H.model_config(50257).to_dict(),
+            "model": dataclasses.asdict(H.model_config(50257)),
             "training": {"max_seq_len": 16, "device": "cpu", "dtype": "fp32"},
             "data": {"dummy": True},
         }
@@ -211,3 +214,40 @@ def test_a_step_saved_by_four_processes_loads_at_two_at_one_and_into_ddp(saved_b
     H.spawn(2, H.load_worker, jobs, 50257)
     for *_, out in jobs:
         H.assert_same(ref, torch.load(out, weights_only=False), out)
+
+
+@pytest.mark.slow
+def test_the_commands_read_a_sharded_run_in_one_process(saved_by_four, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from mamba3lite.interop.init_from import load_init_source
+
+    run, ref = saved_by_four
+    capsys.readouterr()
+    assert main(["inspect", str(run), "--verify"]) == 0
+    assert "1 of 1 steps loadable" in capsys.readouterr().out
+    gen = ["generate", "--checkpoint-dir", str(run), "--prompt", "x", "--max-new-tokens", "3", "--seed", "1"]
+    assert main(gen) == 0
+    data = tmp_path / "tokens"
+    data.mkdir()
+    np.random.default_rng(0).integers(0, 50257, 400).astype("<u2").tofile(data / "shard_0000.bin")
+    capsys.readouterr()
+    ev = ["eval", "--checkpoint-dir", str(run), "--data-path", str(data), "--token-dtype", "uint16", "--json"]
+    assert main(ev) == 0
+    assert math.isfinite(json.loads(capsys.readouterr().out)["loss"])
+    assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 0
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    assert any(torch.equal(t, ref["model"]["embed.weight"]) for t in exported.values())
+    source = load_init_source(str(run))  # --init-from
+    H.assert_same({k: v for k, v in ref["model"].items()}, dict(source.state))
+
+
+@pytest.mark.slow
+def test_the_trainer_saves_an_fsdp_model_sharded_and_resumes_it_exactly(tmp_path):
+    H.spawn(1, H.trainer_worker, str(tmp_path))
+    for run in ("straight", "resumed"):
+        ckpt = CheckpointManager(tmp_path / run)
+        assert ckpt.verified_steps() == [2, 4] and ckpt.status(4).sharded, run
+        assert not list((tmp_path / run).glob("model_step_*"))  # no three-file step beside
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    H.assert_same(torch.load(tmp_path / "straight.pt", weights_only=False), resumed)
