@@ -127,11 +127,14 @@ def save_worker(
 
 def load_worker(rank: int, world: int, jobs: list[tuple[str, int, str, str]], vocab: int) -> None:
     """Each job (run_dir, step, kind, out): a fresh `kind` model (of `vocab`) and AdamW load the step, and
-    the whole state is dumped to `out`."""
+    the whole state is dumped to `out`; an FSDP model also saves it in the three-file format, to
+    `out`.three/."""
     for run_dir, step, kind, out in jobs:
         model, opt = build(kind, "adamw", vocab)
         CheckpointManager(run_dir).load(step, model, opt)
         dump_full(model, opt, Path(out))
+        if kind == "fsdp":  # and back to the three-file format: whole tensors gathered to rank 0
+            CheckpointManager(out + ".three").save(step, model, opt, RunState(step=step), sharded=False)
 
 
 def trainer_worker(rank: int, world: int, root: str) -> None:

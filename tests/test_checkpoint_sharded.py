@@ -153,6 +153,9 @@ def test_kill_during_an_async_save_leaves_the_previous_step_and_the_next_start_c
     )
     try:
         assert proc.stdout.readline().strip() == "returned"
+        deadline = time.monotonic() + 50  # the background writer makes the directory, then pauses 60 s
+        while not sharded_dir(tmp_path, 4).is_dir() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert sharded_dir(tmp_path, 4).is_dir()  # the save of step 4 began
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -193,7 +196,7 @@ def saved_by_four(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_step_saved_by_four_processes_loads_at_two_at_one_and_into_ddp(saved_by_four, tmp_path):
+def test_four_processes_save_and_two_one_and_ddp_load_and_fsdp_writes_three_files(saved_by_four, tmp_path):
     run, ref = saved_by_four
     meta = json.loads((run / "meta_step_2.json").read_text())
     assert sorted(meta["shards"]["files"]) == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
@@ -214,6 +217,11 @@ def test_a_step_saved_by_four_processes_loads_at_two_at_one_and_into_ddp(saved_b
     H.spawn(2, H.load_worker, jobs, 50257)
     for *_, out in jobs:
         H.assert_same(ref, torch.load(out, weights_only=False), out)
+    for _, _, kind, out in jobs:  # what the FSDP models saved as three files, in one process
+        if kind == "fsdp":
+            model, opt = H.build("plain", vocab=50257)
+            CheckpointManager(out + ".three").load(2, model, opt)
+            H.assert_same(ref, full(model, opt), out + ".three")
 
 
 @pytest.mark.slow

@@ -55,6 +55,8 @@ from mamba3lite.checkpoint.sharded import (
     write_shards,
 )
 from mamba3lite.checkpoint.state import (
+    full_model_state,
+    full_optimizer_state,
     is_sharded,
     local_model_state,
     local_optimizer_state,
@@ -106,6 +108,7 @@ class _PendingSave:
     step: int
     future: Any = None
     record: dict | None = None
+    optimizer: str | None = None  # the optimizer's kind (optim_state.optimizer_kind), when saved
     committer: threading.Thread | None = None
     error: BaseException | None = None
 
@@ -159,9 +162,15 @@ class CheckpointManager:
     @staticmethod
     def saves_sharded(model: torch.nn.Module, sharded: bool | None = None) -> bool:
         """Whether `save` writes the sharded format for `model`: `sharded` when given (the parallelism
-        seam knows), else whether its parameters are DTensors. A sharded save is a collective: every rank
-        calls `save`; a three-file save is rank 0's alone."""
+        seam knows), else whether its parameters are DTensors."""
         return is_sharded(model) if sharded is None else sharded
+
+    @staticmethod
+    def every_rank_saves(model: torch.nn.Module) -> bool:
+        """Whether every rank calls `save` for `model`: for a sharded model either format is a collective
+        (its own shards, or whole tensors gathered to rank 0); a plain model's checkpoint is rank 0's
+        alone, the other ranks wait."""
+        return is_sharded(model)
 
     # ----------------------------------------------------------------------------------- writing
     def save(
@@ -177,7 +186,9 @@ class CheckpointManager:
         """Write the checkpoint of `step`; then apply retention. The meta is `state.to_meta()` (default:
         a RunState of only the step) with the manager's file-integrity fields. Returns the meta path.
 
-        Three-file format (rank 0 alone): model, optimizer, then meta last, each atomically. Sharded
+        Three-file format (rank 0 alone; for a sharded model with `sharded=False` every rank calls it,
+        the whole tensors are gathered to rank 0, which writes): model, optimizer, then meta last, each
+        atomically. Sharded
         (`saves_sharded(model, sharded)`; every rank calls it, each with its own `state`, whose RNG
         states are gathered into the meta): see `_save_sharded`; `async_save` returns before the files
         are written, and the meta path it returns exists only after `finish_pending()`."""
@@ -187,16 +198,23 @@ class CheckpointManager:
         if self.saves_sharded(model, sharded):
             return self._save_sharded(step, model, optimizer, state, async_save)
         self.finish_pending()
+        paths = checkpoint_files(self.dir, step)
+        gathered = is_sharded(model)
+        if gathered:  # whole tensors, gathered to rank 0 (a collective; the other ranks get none)
+            whole = full_model_state(model)
+            whole_optim = None if optimizer is None else full_optimizer_state(model, optimizer)
+            if _rank() != 0:
+                _barrier()  # until rank 0 has written them
+                return paths["meta"]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.remove_stale_temp_files()
-        paths = checkpoint_files(self.dir, step)
         # An older triple of the same step (re-saved after a rollback) stops counting before anything
         # of the new one is written.
         with contextlib.suppress(FileNotFoundError):
             paths["meta"].unlink()
-        unique, aliases = split_tied(model.state_dict())
+        unique, aliases = split_tied(whole if gathered else model.state_dict())
         if optimizer is not None:
-            optim_state = optimizer_state_by_name(optimizer, model)
+            optim_state = whole_optim if gathered else optimizer_state_by_name(optimizer, model)
         else:
             optim_state = {"format": OPTIM_FORMAT, "state": {}, "param_groups": []}
         files = self._write_data_files(paths, unique, aliases, optim_state)
@@ -207,6 +225,8 @@ class CheckpointManager:
         for kind in ("model", "optim"):  # what we just wrote needs no re-hash when loaded
             self._remember_sha(paths[kind], files[kind]["sha256"])
         self.prune()
+        if gathered:
+            _barrier()
         return paths["meta"]
 
     @staticmethod
@@ -274,8 +294,7 @@ class CheckpointManager:
         if _rank() == 0:
             state = RunState(**{**vars(state), "rank_rngs": rngs})
             pending.record = self._record(step, state, optimizer is not None)
-            if optimizer is not None:
-                pending.record["shards_optimizer"] = optimizer_kind(optimizer)
+            pending.optimizer = None if optimizer is None else optimizer_kind(optimizer)
             if future is not None:
                 pending.committer = threading.Thread(
                     target=self._commit, args=(pending,), name=f"commit-step-{step}", daemon=True
@@ -307,8 +326,9 @@ class CheckpointManager:
                 files[name] = {"size": path.stat().st_size, "sha256": sha}
                 self._remember_sha(path, sha)
             record = dict(pending.record or {})
-            kind = record.pop("shards_optimizer", None)
-            record["shards"] = {"dir": sdir.name, "files": files, **({"optimizer": kind} if kind else {})}
+            record["shards"] = {"dir": sdir.name, "files": files}
+            if pending.optimizer is not None:
+                record["shards"]["optimizer"] = pending.optimizer
             self._write_meta(checkpoint_files(self.dir, pending.step)["meta"], record)
             self.prune()
         except BaseException as e:  # re-raised by finish_pending, in the caller's thread

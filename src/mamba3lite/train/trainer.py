@@ -317,7 +317,7 @@ class Pretrainer:
         """Write the checkpoint of the current step through the manager, which chooses the format from the
         model: a sharded model's every rank writes its own shards (training goes on while they are
         written when training.async_checkpoint; the meta follows), else rank 0 writes while all wait."""
-        if self.ckpt.saves_sharded(self.raw_model):
+        if self.ckpt.every_rank_saves(self.raw_model):
             self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state(),
                            async_save=self.tc.async_checkpoint)  # fmt: skip
         else:
