@@ -321,6 +321,15 @@ def test_bench_checkpoint_prints_its_table(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_checkpoint_stall_prints_its_ratio():
+    out = run_script(
+        "bench_checkpoint_stall.py", "--preset", "tiny", "--repeat", "1", "--train-seconds", "0.5"
+    )
+    assert re.search(r"^async\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out
+    assert re.search(r"^async stall / sync stall = [\d.]+", out, re.M), out
+
+
+@pytest.mark.slow
 def test_chaos_smallest_campaign_survives():
     out = run_script(
         "chaos.py", "--kill-trials", "1", "--sigterm-trials", "1", "--no-corruption", "--no-lock"

@@ -22,7 +22,8 @@ def _value_for(name: str, hint) -> object:
     """A distinct, non-default JSON value of the field's type."""
     kinds = [k for k in typing.get_args(hint) or (hint,) if k is not type(None)]
     kind = kinds[0]
-    return {int: 3 + len(name), str: f"value-of-{name}", dict: {"field": name, "n": [1, 2]}}[kind]
+    values = {int: 3 + len(name), str: f"value-of-{name}", dict: {"field": name, "n": [1, 2]}}
+    return {**values, list: [values[dict]]}[kind]
 
 
 def test_every_field_round_trips_through_a_checkpoint(tmp_path):

@@ -16,6 +16,12 @@ and the checkpoints, three files per step (`checkpoint_files`; the one pattern e
     RUN/optim_step_N.pt              optimizer state
     RUN/meta_step_N.json             everything else, written last
 
+or, for a run whose parameters are sharded (FSDP2/HSDP), a directory of every rank's shards and the meta:
+
+    RUN/dcp_step_N/                  torch.distributed.checkpoint's files: `__R_K.distcp` per rank and
+                                     `.metadata` (`sharded_dir`)
+    RUN/meta_step_N.json             the same meta, written last, with the size and sha256 of each
+
 The atomic writers' temp files are `.NAME.XXXX.tmp` (mamba3lite/atomicfile.py).
 
 A module that writes one of these takes its name from here; a new file in a run directory is one line
@@ -53,6 +59,8 @@ _EXT = "|".join(EXTENSIONS.values())
 _NAME_RE = re.compile(rf"^({_KIND})_step_(\d+)\.({_EXT})$")
 _TEMP_RE = re.compile(rf"^\.({_KIND})_step_\d+\.({_EXT})\..+\.tmp$")
 _ANY_RE = re.compile(rf"^\.?({_KIND})_step_\d+\.({_EXT})")
+SHARDED_PREFIX = "dcp_step_"
+_SHARDED_RE = re.compile(rf"^{SHARDED_PREFIX}(\d+)$")
 
 
 def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
@@ -60,8 +68,16 @@ def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
     return {kind: Path(directory) / f"{kind}_step_{step}.{ext}" for kind, ext in EXTENSIONS.items()}
 
 
+def sharded_dir(directory: Path, step: int) -> Path:
+    """The directory of one step's shards (a sharded run's checkpoint, beside its meta)."""
+    return Path(directory) / f"{SHARDED_PREFIX}{step}"
+
+
 def step_of(name: str) -> int | None:
-    """The step a checkpoint file name belongs to (`model_step_7.safetensors` -> 7), else None."""
+    """The step a checkpoint file (or shard directory) name belongs to (`model_step_7.safetensors`,
+    `dcp_step_7` -> 7), else None."""
+    if (m := _SHARDED_RE.match(name)) is not None:
+        return int(m.group(1))
     m = _NAME_RE.match(name)
     if m is None or EXTENSIONS[m.group(1)] != m.group(3):
         return None
@@ -74,12 +90,13 @@ def is_temp_file(name: str) -> bool:
 
 
 def looks_like_checkpoint_file(name: str) -> bool:
-    """Whether `name` is a checkpoint file or the temp file of one (a run directory's content)."""
-    return _ANY_RE.match(name) is not None
+    """Whether `name` is a checkpoint file, the temp file of one or a shard directory (a run directory's
+    content)."""
+    return _ANY_RE.match(name) is not None or _SHARDED_RE.match(name) is not None
 
 
 def steps_in(directory: Path) -> list[int]:
-    """Every step with at least one of its files in `directory`, ascending."""
+    """Every step with at least one of its files (or its shard directory) in `directory`, ascending."""
     directory = Path(directory)
     if not directory.is_dir():
         return []

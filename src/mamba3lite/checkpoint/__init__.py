@@ -1,4 +1,5 @@
-"""Checkpoints: three files per step, written atomically and verified on load.
+"""Checkpoints: three files per step (or a shard directory and a meta), written atomically and verified
+on load.
 
     DIR/model_step_N.safetensors   weights; tied tensors stored ONCE (aliases listed in meta and in the
                                    safetensors header), re-tied on load                 weights.py
@@ -8,12 +9,19 @@
                                    (rng.py), dataset identity, last metrics, W&B run id, and the size
                                    and sha256 of the other two files and of itself      meta.py
 
+A run whose parameters are sharded (FSDP2/HSDP DTensors) writes instead DIR/dcp_step_N/, every rank's
+own shards through torch.distributed.checkpoint (async by default), and the same meta, written last by
+rank 0 with the size and sha256 of every shard file (sharded.py). Either format loads into a plain, DDP
+or sharded model at any world size (state.py: torch's state_dict API, one code path for all three).
+
 The file names and the one pattern that matches them are in mamba3lite/rundir.py, with every other
 name under a run directory (`checkpoint_files`, `steps_in`, `finished_save`). The modules, read in
 this order:
 
     run_state.py    RunState: what a meta records of the run, one field per meta key (its schema)
     manager.py      CheckpointManager: save, verify (status), find, load, prune, move aside
+    state.py        model/optimizer state of plain, DDP and FSDP2 models: local shards or whole tensors
+    sharded.py      the sharded step format: DCP write (sync or async), read, checks against the meta
     resume.py       plan_resume: which step a starting run continues from, and what to tidy first;
                     compatibility of a checkpoint with the run that loads it
     run_dir.py      RunDir: the one reader of a run directory for every command (is it a run, its
@@ -48,6 +56,13 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
     from mamba3lite.checkpoint.rng import capture_rng_state, restore_rng_state
     from mamba3lite.checkpoint.run_dir import RunDir, StepPick
     from mamba3lite.checkpoint.run_state import RngState, RunState
+    from mamba3lite.checkpoint.state import (
+        full_model_state,
+        full_optimizer_state,
+        is_sharded,
+        set_full_model_state,
+        set_full_optimizer_state,
+    )
     from mamba3lite.checkpoint.weights import load_model_file, split_tied, write_safetensors
 
 _WHERE = {
@@ -61,6 +76,11 @@ _WHERE = {
     "SLOW_SAVE_ENV": "mamba3lite.checkpoint.manager",
     "StepPick": "mamba3lite.checkpoint.run_dir",
     "capture_rng_state": "mamba3lite.checkpoint.rng",
+    "full_model_state": "mamba3lite.checkpoint.state",
+    "full_optimizer_state": "mamba3lite.checkpoint.state",
+    "is_sharded": "mamba3lite.checkpoint.state",
+    "set_full_model_state": "mamba3lite.checkpoint.state",
+    "set_full_optimizer_state": "mamba3lite.checkpoint.state",
     "RngState": "mamba3lite.checkpoint.run_state",
     "RunState": "mamba3lite.checkpoint.run_state",
     "load_model_file": "mamba3lite.checkpoint.weights",
@@ -90,6 +110,9 @@ __all__ = [
     "StepPick",
     "_meta_digest",
     "capture_rng_state",
+    "full_model_state",
+    "full_optimizer_state",
+    "is_sharded",
     "load_model_file",
     "load_optimizer_state_by_name",
     "optimizer_state_by_name",
@@ -97,6 +120,8 @@ __all__ = [
     "plan_resume",
     "restore_rng_state",
     "resume_warnings",
+    "set_full_model_state",
+    "set_full_optimizer_state",
     "split_tied",
     "write_safetensors",
 ]

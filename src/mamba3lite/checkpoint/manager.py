@@ -1,9 +1,19 @@
 """CheckpointManager: saves, verifies, finds, loads and prunes the checkpoints of one run directory.
 
-A step counts only when its meta parses and both other files match the recorded sizes and hashes, so
-a torn-but-complete triple is detected; `latest_step()` skips a bad step with a warning naming the
-bad file and returns the newest VERIFIED step. `load(N)` loads exactly N or raises `CheckpointError`
-naming the file. Loading uses weights_only=True throughout.
+Two step formats, one meta (written last: the commit marker):
+- three files (model, optimizer, meta), written by rank 0 alone: single-process and DDP runs;
+- sharded (sharded.py): a model whose parameters are DTensors (FSDP2/HSDP) is saved by EVERY rank, each
+  writing its own shards with torch.distributed.checkpoint into DIR/dcp_step_N/, by default
+  asynchronously (`save(..., async_save=True)`: the call returns once the state is copied, the files
+  are written in the background); rank 0 writes the meta, with the size and sha256 of every shard file,
+  once every rank's files are written. `finish_pending()` waits for that (the next save, a rollback and
+  the end of training call it).
+
+A step counts only when its meta parses and every file it records matches its size and hash, so a
+torn-but-complete step is detected; `latest_step()` skips a bad step with a warning naming the bad file
+and returns the newest VERIFIED step. `load(N)` loads exactly N, in either format, into a plain, DDP or
+sharded model at any world size (or raises `CheckpointError` naming the file). Loading uses
+weights_only=True throughout.
 """
 
 from __future__ import annotations
@@ -12,28 +22,59 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
+import threading
 import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import HashingAtomicFile, atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.checkpoint.meta import META_FORMAT, meta_digest, meta_problems, read_meta_file
 from mamba3lite.checkpoint.optim_state import (
     OPTIM_FORMAT,
+    check_optimizer_kind,
     load_optimizer_state_by_name,
+    optimizer_kind,
     optimizer_state_by_name,
 )
 from mamba3lite.checkpoint.run_state import RunState
 from mamba3lite.checkpoint.seed_format import is_seed_meta, load_seed_optimizer, seed_file_problems
-from mamba3lite.checkpoint.weights import load_model_file, split_tied, write_safetensors
+from mamba3lite.checkpoint.sharded import (
+    read_shards,
+    shard_file_names,
+    shard_problems,
+    stored_dtypes,
+    write_shards,
+)
+from mamba3lite.checkpoint.state import (
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    local_model_state,
+    local_optimizer_state,
+    set_full_model_state,
+    set_full_optimizer_state,
+    set_local_state,
+)
+from mamba3lite.checkpoint.weights import load_model_file, read_model_file, split_tied, write_safetensors
 from mamba3lite.errors import CheckpointError
-from mamba3lite.rundir import SUPERSEDED_DIRNAME, checkpoint_files, is_temp_file, steps_in
+from mamba3lite.rundir import (
+    SUPERSEDED_DIRNAME,
+    checkpoint_files,
+    finished_save,
+    is_temp_file,
+    sharded_dir,
+    step_of,
+    steps_in,
+)
 
 # Test-only fault injection: seconds to sleep after each data file of a save (before the meta), so that
 # a test can kill or signal a process inside the save window reliably. Unset (the default): no pause.
@@ -56,6 +97,38 @@ class CheckpointStatus:
     format: str | None  # META_FORMAT, "seed", or None when the meta is missing/unreadable/of unknown format
     problems: list[str] = field(default_factory=list)  # one line per bad/missing file, naming it
     sizes: dict[str, int | None] = field(default_factory=dict)
+    sharded: bool = False  # a sharded step (its shard directory is on disk)
+
+
+@dataclass
+class _PendingSave:
+    """A sharded save whose files may still be being written: its DCP future (None: written already)
+    and, on rank 0, the meta record waiting for the shards' hashes and the thread that will write it."""
+
+    step: int
+    future: Any = None
+    record: dict | None = None
+    optimizer: str | None = None  # the optimizer's kind (optim_state.optimizer_kind), when saved
+    committer: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """[obj of rank 0, obj of rank 1, ...] (a collective), or [obj] in one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _write_optimizer_file(path: Path, optim_state: dict) -> dict:
@@ -83,6 +156,21 @@ class CheckpointManager:
         self.keep_last_n = keep_last_n
         # (path, size, mtime_ns) -> sha256: latest_step() then load() hashes each file once.
         self._hash_cache: dict[tuple[str, int, int], str] = {}
+        self._pending: _PendingSave | None = None  # a sharded save not yet committed (its meta unwritten)
+        self._background_group: Any = None  # the gloo group of async saves' collectives, made at the first
+
+    @staticmethod
+    def saves_sharded(model: torch.nn.Module, sharded: bool | None = None) -> bool:
+        """Whether `save` writes the sharded format for `model`: `sharded` when given (the parallelism
+        seam knows), else whether its parameters are DTensors."""
+        return is_sharded(model) if sharded is None else sharded
+
+    @staticmethod
+    def every_rank_saves(model: torch.nn.Module) -> bool:
+        """Whether every rank calls `save` for `model`: for a sharded model either format is a collective
+        (its own shards, or whole tensors gathered to rank 0); a plain model's checkpoint is rank 0's
+        alone, the other ranks wait."""
+        return is_sharded(model)
 
     # ----------------------------------------------------------------------------------- writing
     def save(
@@ -91,49 +179,181 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         state: RunState | None = None,
+        *,
+        sharded: bool | None = None,
+        async_save: bool = False,
     ) -> Path:
-        """Write the triple for `step` (model, optimizer, then meta last), each atomically; then apply
-        retention. The meta is `state.to_meta()` (default: a RunState of only the step) with the
-        manager's file-integrity fields. Returns the meta path."""
+        """Write the checkpoint of `step`; then apply retention. The meta is `state.to_meta()` (default:
+        a RunState of only the step) with the manager's file-integrity fields. Returns the meta path.
+
+        Three-file format (rank 0 alone; for a sharded model with `sharded=False` every rank calls it,
+        the whole tensors are gathered to rank 0, which writes): model, optimizer, then meta last, each
+        atomically. Sharded
+        (`saves_sharded(model, sharded)`; every rank calls it, each with its own `state`, whose RNG
+        states are gathered into the meta): see `_save_sharded`; `async_save` returns before the files
+        are written, and the meta path it returns exists only after `finish_pending()`."""
         assert step >= 0
         state = RunState(step=step) if state is None else state
         assert state.step == step, f"the run state is of step {state.step}, saved as step {step}"
+        if self.saves_sharded(model, sharded):
+            return self._save_sharded(step, model, optimizer, state, async_save)
+        self.finish_pending()
+        paths = checkpoint_files(self.dir, step)
+        gathered = is_sharded(model)
+        if gathered:  # whole tensors, gathered to rank 0 (a collective; the other ranks get none)
+            whole = full_model_state(model)
+            whole_optim = None if optimizer is None else full_optimizer_state(model, optimizer)
+            if _rank() != 0:
+                _barrier()  # until rank 0 has written them
+                return paths["meta"]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.remove_stale_temp_files()
-        paths = checkpoint_files(self.dir, step)
         # An older triple of the same step (re-saved after a rollback) stops counting before anything
         # of the new one is written.
         with contextlib.suppress(FileNotFoundError):
             paths["meta"].unlink()
-        unique, aliases = split_tied(model.state_dict())
+        unique, aliases = split_tied(whole if gathered else model.state_dict())
         if optimizer is not None:
-            optim_state = optimizer_state_by_name(optimizer, model)
+            optim_state = whole_optim if gathered else optimizer_state_by_name(optimizer, model)
         else:
             optim_state = {"format": OPTIM_FORMAT, "state": {}, "param_groups": []}
         files = self._write_data_files(paths, unique, aliases, optim_state)
+        record = self._record(step, state, optimizer is not None)
+        record["tied"] = aliases
+        record["files"] = {k: {"name": paths[k].name, **files[k]} for k in ("model", "optim")}
+        self._write_meta(paths["meta"], record)
+        for kind in ("model", "optim"):  # what we just wrote needs no re-hash when loaded
+            self._remember_sha(paths[kind], files[kind]["sha256"])
+        self.prune()
+        if gathered:
+            _barrier()
+        return paths["meta"]
+
+    @staticmethod
+    def _record(step: int, state: RunState, has_optimizer: bool) -> dict:
+        """The meta of `step` but for its file fields."""
         record = {
             **state.to_meta(),
             "format": META_FORMAT,
             "step": step,
             "saved_at": time.time(),
-            "tied": aliases,
-            "has_optimizer": optimizer is not None,
-            "files": {k: {"name": paths[k].name, **files[k]} for k in ("model", "optim")},
+            "tied": {},
+            "has_optimizer": has_optimizer,
+            "files": {},
         }
         try:
             json.dumps(record)
         except TypeError as e:
             raise AssertionError(f"checkpoint meta must be JSON-serialisable: {e}") from None
-        # The meta checks the other two files; this checks the meta itself, so a flipped byte that
-        # still parses (a digit of the sampler position, say) is detected instead of silently resumed.
+        return record
+
+    def _write_meta(self, path: Path, record: dict) -> None:
+        # The meta checks the other files; this checks the meta itself, so a flipped byte that still
+        # parses (a digit of the sampler position, say) is detected instead of silently resumed.
         record["meta_sha256"] = meta_digest(record)
-        atomic_write_json(paths["meta"], record)
+        atomic_write_json(path, record)
         fsync_dir(self.dir)
-        for kind in ("model", "optim"):  # what we just wrote needs no re-hash when loaded
-            st = paths[kind].stat()
-            self._hash_cache[(str(paths[kind]), st.st_size, st.st_mtime_ns)] = files[kind]["sha256"]
-        self.prune()
+
+    def _remember_sha(self, path: Path, sha: str) -> None:
+        st = path.stat()
+        self._hash_cache[(str(path), st.st_size, st.st_mtime_ns)] = sha
+
+    # ------------------------------------------------------------------------------ sharded saves
+    def _save_sharded(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        state: RunState,
+        async_save: bool,
+    ) -> Path:
+        """Every rank writes its shards of the model and optimizer state into DIR/dcp_step_N/ (no rank
+        gathers the whole state); rank 0 writes the meta once every rank's files are written: at once
+        when not `async_save`, else in a thread of its own when the background save completes (or at
+        `finish_pending`, whichever first). Collective: every rank calls it."""
+        self.finish_pending()  # one save at a time; the previous one's meta first
+        paths = checkpoint_files(self.dir, step)
+        if _rank() == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.remove_stale_temp_files()
+            self.delete(step)  # an older save of the same step (re-saved after a rollback), meta first
+        rngs = _gather_objects(state.rng)
+        _barrier()  # no rank writes into the directory before rank 0 has cleared it
+        content: dict[str, Any] = {"model": local_model_state(model)}
+        if optimizer is not None:
+            content["optim"] = local_optimizer_state(model, optimizer)
+        group = self._async_group() if async_save else None
+        future = write_shards(
+            sharded_dir(self.dir, step),
+            content,
+            async_save=async_save,
+            process_group=group,
+            pause=_test_pause,
+        )
+        pending = _PendingSave(step, future)
+        if _rank() == 0:
+            state = RunState(**{**vars(state), "rank_rngs": rngs})
+            pending.record = self._record(step, state, optimizer is not None)
+            pending.optimizer = None if optimizer is None else optimizer_kind(optimizer)
+            if future is not None:
+                pending.committer = threading.Thread(
+                    target=self._commit, args=(pending,), name=f"commit-step-{step}", daemon=True
+                )
+                pending.committer.start()
+        self._pending = pending
+        if future is None:
+            self.finish_pending()
+            _barrier()  # a synchronous save has its meta when it returns, on every rank
         return paths["meta"]
+
+    def _async_group(self) -> Any:
+        """The gloo process group of the async saves' background collectives (torchtitan's choice): on the
+        training's group they could interleave with its collectives. Made once, by every rank."""
+        if self._background_group is None and dist.is_available() and dist.is_initialized():
+            self._background_group = dist.new_group(backend="gloo")
+        return self._background_group
+
+    def _commit(self, pending: _PendingSave) -> None:
+        """Rank 0: wait for the shards, hash every file, write the meta (the commit marker), prune."""
+        try:
+            if pending.future is not None:
+                pending.future.result()
+            sdir = sharded_dir(self.dir, pending.step)
+            files = {}
+            for name in shard_file_names(sdir):
+                path = sdir / name
+                sha = sha256_file(path)
+                files[name] = {"size": path.stat().st_size, "sha256": sha}
+                self._remember_sha(path, sha)
+            record = dict(pending.record or {})
+            record["shards"] = {"dir": sdir.name, "files": files}
+            if pending.optimizer is not None:
+                record["shards"]["optimizer"] = pending.optimizer
+            self._write_meta(checkpoint_files(self.dir, pending.step)["meta"], record)
+            self.prune()
+        except BaseException as e:  # re-raised by finish_pending, in the caller's thread
+            pending.error = e
+
+    def pending_step(self) -> int | None:
+        """The step of a sharded save not yet finished (see `finish_pending`), or None."""
+        return None if self._pending is None else self._pending.step
+
+    def finish_pending(self) -> None:
+        """Finish the pending sharded save, if any: wait for this rank's files and, on rank 0, for the
+        meta (hashes of every shard, then the meta file). Call it before the next save, before a rollback
+        and before the process exits; a process killed first leaves the step without a meta, which was
+        never a checkpoint (the next start deletes its files). Raises what the save raised."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.committer is not None:
+            pending.committer.join()
+        elif pending.record is not None:
+            self._commit(pending)  # a synchronous save on rank 0
+        elif pending.future is not None:
+            pending.future.result()
+        if pending.error is not None:
+            raise pending.error
 
     @staticmethod
     def _write_data_files(
@@ -168,8 +388,9 @@ class CheckpointManager:
     def remove_stale_temp_files(self) -> list[str]:
         """Delete the temp files of saves that never finished: a process killed mid-write leaves
         `.model_step_N.safetensors.XXXX.tmp`, as big as the file it was becoming, and repeated
-        preemptions would fill the disk. Call only when no save can be running (the trainer holds the
-        run lock; `save` calls it first). Returns the removed names."""
+        preemptions would fill the disk; and the shard directories of sharded saves without a meta (a
+        kill during an async save). Call only when no save can be running (the trainer holds the run
+        lock; `save` calls it first, after finishing its own pending save). Returns the removed names."""
         removed = []
         if self.dir.is_dir():
             for p in self.dir.iterdir():
@@ -177,6 +398,9 @@ class CheckpointManager:
                     with contextlib.suppress(FileNotFoundError):
                         p.unlink()
                         removed.append(p.name)
+                elif p.is_dir() and (s := step_of(p.name)) is not None and not finished_save(self.dir, s):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p.name)
         return removed
 
     # ---------------------------------------------------------------------------------- discovery
@@ -203,23 +427,35 @@ class CheckpointManager:
     def status(self, step: int, *, need_optimizer: bool = True) -> CheckpointStatus:
         """Check one step's files against its meta (sizes, then hashes). Never raises for bad files.
         `need_optimizer=False`: the weights alone (generate, eval), so a step whose optimizer file was
-        deleted to save space still counts."""
+        deleted to save space still counts. A sharded step: every file its meta records in its shard
+        directory (weights and optimizer state share files), whatever `need_optimizer` says."""
         paths = checkpoint_files(self.dir, step)
+        sdir = sharded_dir(self.dir, step)
         kinds = ("model", "optim") if need_optimizer else ("model",)
         sizes = {k: (p.stat().st_size if p.exists() else None) for k, p in paths.items()}
+        has_shards = sdir.is_dir()
+        if has_shards:  # for `inspect`: the shards' bytes in all
+            sizes["shards"] = sum(f.stat().st_size for f in sdir.iterdir() if f.is_file())
         try:
             meta = self.read_meta(step)
         except CheckpointError as e:
-            missing = [f"{paths[kind]} is missing" for kind in kinds if sizes[kind] is None]
-            return CheckpointStatus(step, False, False, None, [str(e), *missing], sizes)
+            if has_shards:  # a sharded save killed before its meta
+                problems = [str(e), f"{sdir} holds the shards of a save that did not finish"]
+            else:
+                problems = [str(e), *(f"{paths[kind]} is missing" for kind in kinds if sizes[kind] is None)]
+            return CheckpointStatus(step, False, False, None, problems, sizes, has_shards)
         if is_seed_meta(meta):
             problems = seed_file_problems(paths, kinds)
             return CheckpointStatus(step, False, not problems, "seed", problems, sizes)
         fmt, problems = meta_problems(meta, paths["meta"])
+        sharded = isinstance(meta.get("shards"), dict)
         if not problems:  # an edited or damaged meta: its other fields cannot be trusted to have any shape
-            problems = self._data_file_problems(meta, paths, sizes, kinds)
+            if sharded:
+                problems = shard_problems(meta["shards"], sdir, self._cached_sha)
+            else:
+                problems = self._data_file_problems(meta, paths, sizes, kinds)
         ok = not problems
-        return CheckpointStatus(step, ok, ok, fmt, problems, sizes)
+        return CheckpointStatus(step, ok, ok, fmt, problems, sizes, sharded)
 
     def _data_file_problems(
         self, meta: dict, paths: dict[str, Path], sizes: dict[str, int | None], kinds: tuple[str, ...]
@@ -284,13 +520,37 @@ class CheckpointManager:
             )
         meta = self.read_meta(step)
         paths = checkpoint_files(self.dir, step)
+        if optimizer is not None and model is None:
+            raise AssertionError("loading optimizer state needs the model (names -> parameters)")
+        if st.sharded:
+            if model is not None:
+                self._load_sharded(step, meta, model, optimizer)
+            return meta
         if model is not None:
-            load_model_file(paths["model"], model, meta.get("tied") if st.format == META_FORMAT else {})
+            tied = meta.get("tied") if st.format == META_FORMAT else {}
+            if is_sharded(model):  # whole tensors from the file, each rank keeps its shards
+                set_full_model_state(model, read_model_file(paths["model"], tied))
+            else:
+                load_model_file(paths["model"], model, tied)
         if optimizer is not None:
-            if model is None:
-                raise AssertionError("loading optimizer state needs the model (names -> parameters)")
             self._load_optimizer(optimizer, model, meta, paths["optim"], map_location)
         return meta
+
+    def _load_sharded(
+        self, step: int, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        """A sharded step into `model` (plain, DDP's module or sharded, at any world size: DCP reshards;
+        in one process without a process group it reads every shard) and `optimizer`."""
+        sdir = sharded_dir(self.dir, step)
+        if optimizer is not None:
+            if not meta.get("has_optimizer", True):
+                raise CheckpointError(f"{sdir}: this checkpoint holds no optimizer state")
+            check_optimizer_kind(meta["shards"].get("optimizer", "adamw"), optimizer, str(sdir))
+        content: dict[str, Any] = {"model": local_model_state(model)}
+        if optimizer is not None:
+            content["optim"] = local_optimizer_state(model, optimizer)
+        read_shards(sdir, content)
+        set_local_state(model, optimizer, content["model"], content.get("optim"))
 
     @staticmethod
     def _load_optimizer(
@@ -312,15 +572,27 @@ class CheckpointManager:
             return
         if not meta.get("has_optimizer", True):
             raise CheckpointError(f"{path}: this checkpoint holds no optimizer state")
+        if is_sharded(model):
+            check_optimizer_kind(saved.get("optimizer", "adamw"), optimizer, str(path))
+            set_full_optimizer_state(model, optimizer, saved)
+            return
         load_optimizer_state_by_name(optimizer, model, saved, str(path))
+
+    def sharded_dtypes(self, step: int) -> dict[str, torch.dtype] | None:
+        """{parameter name: dtype} of a verified sharded step's weights; None for a three-file step (its
+        safetensors header says) or a step that does not verify."""
+        st = self.status(step, need_optimizer=False)
+        return stored_dtypes(sharded_dir(self.dir, step)) if st.sharded and st.loadable else None
 
     # --------------------------------------------------------------------------------- retention
     def delete(self, step: int) -> None:
-        """Remove a step's files, meta first (so a half-deleted triple is never 'verified')."""
+        """Remove a step's files and shard directory, meta first (so a half-deleted step is never
+        'verified')."""
         paths = checkpoint_files(self.dir, step)
         for kind in ("meta", "model", "optim"):
             with contextlib.suppress(FileNotFoundError):
                 paths[kind].unlink()
+        shutil.rmtree(sharded_dir(self.dir, step), ignore_errors=True)
 
     def prune(self) -> list[int]:
         """Keep the newest keep_last_n verified steps; delete older steps (verified or not). Steps newer
@@ -341,11 +613,12 @@ class CheckpointManager:
     def move_aside(
         self, steps: list[int], subdir: str = SUPERSEDED_DIRNAME, *, from_step: int | None = None
     ) -> Path:
-        """Move whole triples into a new folder of their own, DIR/subdir/<UTC time>-from-step-<from_step>/
-        (or ...-steps-<first>-<last>/ when `from_step`, the step resumed from, is not given), and return
-        it. Used when resuming an older step: the newer ones would otherwise be resumed after a crash.
-        Nothing is deleted or overwritten: each abandoned timeline gets its own folder (a counter suffix
-        if the name is taken), so resuming the same older step twice keeps both abandoned timelines."""
+        """Move whole steps (triples, or a shard directory and its meta) into a new folder of their own,
+        DIR/subdir/<UTC time>-from-step-<from_step>/ (or ...-steps-<first>-<last>/ when `from_step`, the
+        step resumed from, is not given), and return it. Used when resuming an older step: the newer ones
+        would otherwise be resumed after a crash. Nothing is deleted or overwritten: each abandoned
+        timeline gets its own folder (a counter suffix if the name is taken), so resuming the same older
+        step twice keeps both abandoned timelines."""
         assert steps, "nothing to move aside"
         parent = self.dir / subdir
         parent.mkdir(exist_ok=True)
@@ -359,7 +632,7 @@ class CheckpointManager:
             except FileExistsError:
                 continue
         for s in steps:
-            for p in checkpoint_files(self.dir, s).values():
+            for p in [*checkpoint_files(self.dir, s).values(), sharded_dir(self.dir, s)]:
                 if p.exists():
                     os.replace(p, target / p.name)
         fsync_dir(target)

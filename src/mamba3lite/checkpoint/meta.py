@@ -2,8 +2,9 @@
 
 It records the run state (run_state.py's `RunState`: the step, the config, counters, scheduler/sampler/
 RNG states, the dataset identity, the last metrics, the W&B run id, ...) and the manager's own fields:
-the size and sha256 of the weights and optimizer files, the tied aliases, and the sha256 of its own
-content (`meta_sha256`), so an edit that still parses is detected too.
+the size and sha256 of the weights and optimizer files (a sharded step: of every file of its shard
+directory, under `shards`), the tied aliases, and the sha256 of its own content (`meta_sha256`), so an
+edit that still parses is detected too.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ _META_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "files": dict,
     "tied": dict,
     "has_optimizer": bool,
+    "shards": dict,
 }
 _CONFIG_SECTIONS: dict[str, type | tuple[type, ...]] = {"model": dict, "training": dict, "data": dict}
 _FILE_ENTRY: dict[str, type | tuple[type, ...]] = {"name": str, "size": int, "sha256": str}
+_SHARDS: dict[str, type | tuple[type, ...]] = {"dir": str, "files": dict, "optimizer": str}
 
 
 def meta_digest(record: dict) -> str:
@@ -67,6 +70,14 @@ def schema_problem(meta: dict, path: Path) -> str | None:
             if name in meta.get("files", {}):
                 intake.expect(meta["files"][name], _FILE_ENTRY, where=where, kind=kind,
                               optional=("name",), prefix=f"files.{name}.")  # fmt: skip
+        if "shards" in meta:
+            intake.expect(meta["shards"], _SHARDS, where=where, kind=kind, optional=("optimizer",),
+                          prefix="shards.")  # fmt: skip
+            for name, entry in meta["shards"]["files"].items():
+                if "/" in name or "\\" in name or name in (".", ".."):
+                    raise kind.fail(f"{where}: shards.files names {name!r}, not a file name")
+                intake.expect(entry, _FILE_ENTRY, where=where, kind=kind, optional=("name",),
+                              prefix=f"shards.files.{name}.")  # fmt: skip
         for alias, source in meta.get("tied", {}).items():
             intake.expect_type(source, str, where=where, kind=kind, what=f"tied.{alias}")
     except CheckpointError as e:

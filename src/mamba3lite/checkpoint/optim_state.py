@@ -51,17 +51,22 @@ def optimizer_state_by_name(optimizer: Any, model: torch.nn.Module) -> dict:
     }
 
 
-def load_optimizer_state_by_name(optimizer: Any, model: torch.nn.Module, saved: dict, where: str) -> None:
-    """Inverse of `optimizer_state_by_name`: map names onto this optimizer's parameters, checking that
-    every parameter is present with the right shape (else CheckpointError naming it). State saved by
-    another optimizer than this one: ConfigError naming both."""
-    saved_kind, kind = saved.get("optimizer", "adamw"), optimizer_kind(optimizer)
+def check_optimizer_kind(saved_kind: str, optimizer: Any, where: str) -> None:
+    """ConfigError naming both when state saved by optimizer `saved_kind` is loaded into another one."""
+    kind = optimizer_kind(optimizer)
     if saved_kind != kind:
         raise ConfigError(
             f"{where} holds the state of training.optimizer={saved_kind}, but this run's config says "
             f"training.optimizer={kind}: resume with --set training.optimizer={saved_kind}, or start a new "
             "run directory (--init-from this run keeps its weights, with a fresh optimizer)"
         )
+
+
+def load_optimizer_state_by_name(optimizer: Any, model: torch.nn.Module, saved: dict, where: str) -> None:
+    """Inverse of `optimizer_state_by_name`: map names onto this optimizer's parameters, checking that
+    every parameter is present with the right shape (else CheckpointError naming it). State saved by
+    another optimizer than this one: ConfigError naming both."""
+    check_optimizer_kind(saved.get("optimizer", "adamw"), optimizer, where)
     names = param_names(model)
     current_groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     saved_groups = saved.get("param_groups", [])

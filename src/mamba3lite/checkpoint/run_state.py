@@ -50,8 +50,10 @@ class RunState:
     scheduler: dict | None = field(default=None, metadata=ABSENT)
     # WindowSampler.state_dict(): epoch and windows consumed
     sampler: dict | None = field(default=None, metadata=ABSENT)
-    # RngState.state_dict(): the Python, numpy, torch (and CUDA) generators
+    # RngState.state_dict(): the Python, numpy, torch (and CUDA) generators (rank 0's)
     rng: dict | None = field(default=None, metadata=ABSENT)
+    # every rank's RngState.state_dict(), by rank (sharded saves gather them): see `rng_of`
+    rank_rngs: list | None = field(default=None, metadata=ABSENT)
     # DataIdentity.to_dict() of the training data: tokenizer, vocab hash and size, eos id, manifest sha256
     data: dict | None = None
     # the last logged train row
@@ -79,6 +81,15 @@ class RunState:
                 continue
             out[f.name] = value
         return out
+
+    def rng_of(self, rank: int) -> dict | None:
+        """The RNG state rank `rank` resumes with: its own when the saving run recorded one, else rank 0's
+        (`rng`): a resume on more processes than saved gives the new ranks rank 0's generators, which is
+        harmless because the data order comes from the sampler's state (the same at any world size) and
+        the model draws no random numbers in training."""
+        if isinstance(self.rank_rngs, list) and rank < len(self.rank_rngs) and self.rank_rngs[rank]:
+            return self.rank_rngs[rank]
+        return self.rng
 
     @classmethod
     def from_meta(cls, meta: dict) -> RunState:

@@ -121,12 +121,9 @@ def tied_aliases(header: dict, path: Path) -> dict[str, str]:
     return aliases
 
 
-def load_model_file(path: Path, model: torch.nn.Module, aliases: dict[str, str] | None = None) -> None:
-    """Load weights from a safetensors file into `model` (strict), re-creating tied aliases.
-
-    Tied tensors stored once are filled from their source; files with both copies (the seed's) load
-    as they are. `load_state_dict` copies in place (assign=False), so the model's own tying survives.
-    """
+def read_model_file(path: Path, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """The whole state_dict a safetensors file holds, tied aliases filled from their source (read from
+    the header when `aliases` is None). CheckpointError naming the file when it cannot be read."""
     from safetensors import safe_open
 
     header = read_header(path)
@@ -140,6 +137,16 @@ def load_model_file(path: Path, model: torch.nn.Module, aliases: dict[str, str] 
     for alias, source in aliases.items():
         if alias not in state and source in state:
             state[alias] = state[source]
+    return state
+
+
+def load_model_file(path: Path, model: torch.nn.Module, aliases: dict[str, str] | None = None) -> None:
+    """Load weights from a safetensors file into `model` (strict), re-creating tied aliases.
+
+    Tied tensors stored once are filled from their source; files with both copies (the seed's) load
+    as they are. `load_state_dict` copies in place (assign=False), so the model's own tying survives.
+    """
+    state = read_model_file(path, aliases)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:

@@ -163,7 +163,7 @@ def _official_state(run: RunDir, step: int, cfg, padding: dict[str, torch.Tensor
     back (no value is rounded on the way), renamed, the padding rows appended, a tied head dropped."""
     from mamba3lite.model import Mamba3Transformer
 
-    dtypes = _stored_dtypes(checkpoint_files(run.path, step)["model"])
+    dtypes = run.ckpt.sharded_dtypes(step) or _stored_dtypes(checkpoint_files(run.path, step)["model"])
     widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
     model = Mamba3Transformer(cfg).to(widest)
     run.ckpt.load(step, model, None, map_location="cpu")

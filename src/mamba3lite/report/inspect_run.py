@@ -18,7 +18,7 @@ import numpy as np
 
 from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
-from mamba3lite.rundir import SUPERSEDED_DIRNAME
+from mamba3lite.rundir import SUPERSEDED_DIRNAME, sharded_dir
 
 PREVIEW_TOKENS = 64
 
@@ -55,8 +55,10 @@ def describe_checkpoint_dir(path: Path) -> tuple[str, list[str], list[int], bool
             weights_only.append(step)
             state = "weights only"
             note += " (the weights verify: generate and eval can use them; training cannot resume here)"
+        if st.sharded:  # one shard directory holds both: its size under weights
+            note = f"sharded ({sharded_dir(path, step).name}/)" + (f"; {note}" if note else "")
         lines.append(
-            f"{step:>10,}  {state:<12}{_fmt_size(st.sizes.get('model')):>12}"
+            f"{step:>10,}  {state:<12}{_fmt_size(st.sizes.get('model') or st.sizes.get('shards')):>12}"
             f"{_fmt_size(st.sizes.get('optim')):>12}  {note}"
         )
         if not st.loadable:

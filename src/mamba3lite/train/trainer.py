@@ -203,7 +203,10 @@ class Pretrainer:
                 self._start(target, until_step)
                 stopped = self._loop(target)
                 self._finish(stopped)
+                self.ckpt.finish_pending()  # the last checkpoint's meta before train() returns
             except Exception as e:
+                with contextlib.suppress(Exception):
+                    self.ckpt.finish_pending()  # what was written is a good checkpoint: commit it
                 with contextlib.suppress(Exception):
                     self.logger.flush()  # the steps since the last row (superseded if they were not saved)
                     self.logger.event(
@@ -311,10 +314,16 @@ class Pretrainer:
 
     # ------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> None:
-        """Write the checkpoint of the current step (rank 0 writes; all ranks wait)."""
-        if self.dist.is_main:
-            self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state())
-        D.barrier(self.dist)
+        """Write the checkpoint of the current step through the manager, which chooses the format from the
+        model: a sharded model's every rank writes its own shards (training goes on while they are
+        written when training.async_checkpoint; the meta follows), else rank 0 writes while all wait."""
+        if self.ckpt.every_rank_saves(self.raw_model):
+            self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state(),
+                           async_save=self.tc.async_checkpoint)  # fmt: skip
+        else:
+            if self.dist.is_main:
+                self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state())
+            D.barrier(self.dist)
         self.progress.last_saved = self.step
         self.guard.on_saved(self.step)
 
@@ -416,8 +425,8 @@ class Pretrainer:
             self.logger.event(
                 self.step, "warning", "seed-format checkpoint: no sampler state, data order restarts"
             )
-        if state.rng is not None:
-            self.rng.load_state_dict(state.rng)
+        if (rng := state.rng_of(self.dist.rank)) is not None:
+            self.rng.load_state_dict(rng)
         self.wandb_run_id = state.wandb_run_id or self.wandb_run_id
         p.last_eval = state.last_eval
         if isinstance(p.last_eval, dict) and p.last_eval.get("step") == p.step:
@@ -560,6 +569,7 @@ class Pretrainer:
         """Back to the newest checkpoint after `why` (e.g. "5 consecutive non-finite losses"), going on
         with the data after the batches that led here."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.ckpt.finish_pending()  # a sharded save still being written is the newest checkpoint
         self.ckpt.forget_hashes()  # the files were written (and hashed) maybe hours ago: check them anew
         latest = self.ckpt.latest_step() if self.dist.is_main else None
         target = D.broadcast_int(-1 if latest is None else latest, self.dist)
