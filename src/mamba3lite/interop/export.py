@@ -55,7 +55,7 @@ def _stored_dtypes(path: Path) -> dict[str, torch.dtype]:
         raise CheckpointError(f"{path}: cannot read weights ({e})") from None
 
 
-def _pick_step(ckpt, p: Path, step: int | None, notes: list[str]) -> int:
+def pick_step(ckpt, p: Path, step: int | None, notes: list[str]) -> int:
     if step is not None:
         if step not in ckpt.list_steps():
             raise CheckpointError(
@@ -104,7 +104,7 @@ def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> 
     return vocab, rows
 
 
-def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
+def tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
     """(tokenizer.json bytes, a description) for the run's tokenizer."""
     from mamba3lite.interop.gpt2_tokenizer import gpt2_tokenizer_json
     from mamba3lite.pretrained import recorded_tokenizer
@@ -149,12 +149,12 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     p = check_run_dir(run_dir)
     ckpt = CheckpointManager(p)
     notes: list[str] = []
-    step = _pick_step(ckpt, p, step, notes)
+    step = pick_step(ckpt, p, step, notes)
     meta, config = verified_meta(ckpt, p, step)
     cfg = config.model
     vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
     official_cfg = official_config_from_model(cfg, vocab)
-    tok_bytes, tok_desc = _tokenizer_json(p, meta, cfg.vocab_size)
+    tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
     state = _official_state(ckpt, step, cfg, padding)
     notes += _behaviour_notes(cfg)
     a_act = cfg.a_activation
@@ -184,10 +184,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     return ExportResult(out, step, n_params, notes)
 
 
-def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint `step` as the official state_dict: loaded through the manager (sizes and sha256
-    verified, strict) into a model of the widest stored dtype, then every tensor given its stored dtype
-    back (no value is rounded on the way), renamed, the padding rows appended, a tied head dropped."""
+def checkpoint_state(ckpt, step: int, cfg) -> dict[str, torch.Tensor]:
+    """Checkpoint `step` as our state_dict: loaded through the manager (sizes and sha256 verified,
+    strict) into a model of the widest stored dtype, then every tensor given its stored dtype back (no
+    value is rounded on the way). A tied head is the embedding's tensor."""
     from mamba3lite.model import Mamba3Transformer
     from mamba3lite.rundir import checkpoint_files
 
@@ -199,7 +199,13 @@ def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> d
     for name, t in model.state_dict().items():
         dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)
         state[name] = t.to(dt)
-    state = to_official(state)
+    return state
+
+
+def _official_state(ckpt, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint `step` as the official state_dict (`checkpoint_state`): renamed, the padding rows
+    appended, a tied head dropped."""
+    state = to_official(checkpoint_state(ckpt, step, cfg))
     for name, rows in padding.items():
         state[name] = torch.cat([state[name], rows.to(state[name].dtype)])
     if cfg.tie_embeddings:
