@@ -120,7 +120,7 @@ def hf_config(cfg, dtype: torch.dtype) -> dict:
             "AutoConfig": f"{CONFIGURATION_NAME[:-3]}.Mamba3LiteConfig",
             "AutoModelForCausalLM": f"{MODELING_NAME[:-3]}.{ARCHITECTURE}",
         },
-        "mamba3lite": {**asdict(cfg), "scan_impl": "chunked"},
+        "mamba3lite": asdict(cfg),  # the glue runs the chunked scan whatever scan_impl says
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,

@@ -1,0 +1,91 @@
+"""The user's side of a Hugging Face export, run as a script in a process where `import mamba3lite` fails
+(a meta-path blocker, installed before anything else is imported, and no src/ on the path): only torch,
+transformers, tokenizers (and peft) are there.
+
+    python tests/hf_side.py EXPORT_DIR JOB.json RESULT.json
+
+JOB: {"texts": [...], "ids": [[...]], "prompt": "...", "new_tokens": N, "peft": bool}
+RESULT: {"blocked": true, "encodings": [[...]], "logits": [[[...]]], "generated": [...],
+         "fed_per_forward": [...], "peft": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+class _Blocker:
+    """Refuses the package by name, wherever it might be installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "mamba3lite":
+            raise ModuleNotFoundError(f"{name} is blocked in this process", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Blocker())
+
+
+def _blocked() -> bool:
+    try:
+        import mamba3lite  # noqa: F401
+    except ModuleNotFoundError:
+        return True
+    return False
+
+
+def main(export_dir: str, job_path: str, result_path: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    job = json.loads(open(job_path, encoding="utf-8").read())
+    model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=True)
+    result = {"blocked": _blocked(), "eos": [tok.eos_token_id, tok.bos_token_id, tok.pad_token_id]}
+    result["encodings"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
+    result["defaults"] = [tok(t)["input_ids"] for t in job["texts"]]
+    with torch.no_grad():
+        result["logits"] = model(torch.tensor(job["ids"])).logits.tolist()
+
+    # Tokens the model reads per forward call (its embedding's input): the prompt, then 1 per new token.
+    fed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda m, args, out: fed.append(args[0].shape[1])
+    )
+    # As `mamba3lite generate`: a document starts after the EOS (the tokenizer's bos_token).
+    prompt_ids = [tok.bos_token_id, *tok.encode(job["prompt"], add_special_tokens=False)]
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=job["new_tokens"], do_sample=False,
+        eos_token_id=None, pad_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    hook.remove()
+    result["generated"] = out[0, len(prompt_ids) :].tolist()
+    result["fed_per_forward"] = fed
+    if job.get("peft"):
+        result["peft"] = _peft_step(model, job["ids"])
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+def _peft_step(model, ids) -> dict:
+    """A LoRA adapter on in_proj/out_proj: one forward/backward/optimizer step."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj", "out_proj"]))
+    lora.train()
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    x = torch.tensor(ids)
+    loss = lora(input_ids=x, labels=x, use_cache=False).loss
+    loss.backward()
+    grads = {n: float(p.grad.abs().sum()) for n, p in lora.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=0.1)
+    opt.step()
+    with torch.no_grad():
+        after = lora(input_ids=x, labels=x, use_cache=False).loss
+    return {"trainable": trainable, "loss": float(loss), "after": float(after), "grads": grads}
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
