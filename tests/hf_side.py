@@ -39,7 +39,8 @@ def main(export_dir: str, job_path: str, result_path: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    job = json.loads(open(job_path, encoding="utf-8").read())
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
     model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True).eval()
     tok = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=True)
     result = {"blocked": _blocked(), "eos": [tok.eos_token_id, tok.bos_token_id, tok.pad_token_id]}
@@ -48,10 +49,11 @@ def main(export_dir: str, job_path: str, result_path: str) -> None:
     with torch.no_grad():
         result["logits"] = model(torch.tensor(job["ids"])).logits.tolist()
 
-    # Tokens the model reads per forward call (its embedding's input): the prompt, then 1 per new token.
+    # Tokens the model reads per forward call (its embedding's input, one row): the prompt, then 1 per
+    # new token.
     fed: list[int] = []
     hook = model.get_input_embeddings().register_forward_hook(
-        lambda m, args, out: fed.append(args[0].shape[1])
+        lambda m, args, out: fed.append(args[0].numel())
     )
     # As `mamba3lite generate`: a document starts after the EOS (the tokenizer's bos_token).
     prompt_ids = [tok.bos_token_id, *tok.encode(job["prompt"], add_special_tokens=False)]

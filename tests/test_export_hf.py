@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -153,8 +154,8 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
     ids = [
         [tok.eos_id, *tok.encode(PROMPT + "    x = a + b\n"), tok.eos_id, *tok.encode("for i in range(3):")]
     ]
-    got = _run_side(out, {"texts": TEXTS, "ids": ids, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "peft": True},
-                    tmp_path)  # fmt: skip
+    job = {"texts": TEXTS, "ids": ids, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "peft": True}
+    got = _run_side(out, job, tmp_path)
 
     assert got["blocked"], "the subprocess could import mamba3lite"
     assert got["eos"] == [tok.eos_id] * 3
@@ -168,11 +169,11 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
     hf_ids = got["generated"]
     cut = hf_ids.index(tok.eos_id) if tok.eos_id in hf_ids else len(hf_ids)
     assert hf_ids[:cut] == ref.token_ids and (cut < len(hf_ids)) == ref.stopped_at_eos
-    # The CLI prints the same text.
+    # The CLI prints the prompt and the same continuation.
     capsys.readouterr()
     assert main(["generate", "--checkpoint-dir", str(run), "--prompt", PROMPT, "--temperature", "0",
                  "--max-new-tokens", str(NEW_TOKENS), "--no-token-healing"]) == 0  # fmt: skip
-    assert capsys.readouterr().out.rstrip("\n") == tok.decode(hf_ids[:cut]).rstrip("\n")
+    assert capsys.readouterr().out.rstrip("\n") == (PROMPT + tok.decode(hf_ids[:cut])).rstrip("\n")
     # O(1) per new token: the prompt once, then exactly one token per forward, never the prefix again.
     n_prompt = len(tok.encode(PROMPT)) + 1
     assert got["fed_per_forward"] == [n_prompt] + [1] * (NEW_TOKENS - 1)
@@ -319,7 +320,7 @@ class _FakeHub:
     """huggingface_hub.HfApi's two calls the upload makes, into a local folder per repository."""
 
     root: Path
-    calls: list = []
+    calls: ClassVar[list] = []
 
     def __init__(self, *args, **kwargs) -> None:
         pass
