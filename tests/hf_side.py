@@ -4,9 +4,9 @@ transformers, tokenizers (and peft) are there.
 
     python tests/hf_side.py EXPORT_DIR JOB.json RESULT.json
 
-JOB: {"texts": [...], "ids": [[...]], "prompt": "...", "new_tokens": N, "peft": bool}
+JOB: {"texts": [...], "ids": [[...]], "prompt": "...", "short_prompt": "...", "new_tokens": N, "peft": bool}
 RESULT: {"blocked": true, "encodings": [[...]], "logits": [[[...]]], "generated": [...],
-         "fed_per_forward": [...], "peft": {...}}
+         "fed_per_forward": [...], "batched": [[...], [...]], "short_alone": [...], "peft": {...}}
 """
 
 from __future__ import annotations
@@ -52,22 +52,31 @@ def main(export_dir: str, job_path: str, result_path: str) -> None:
     # Tokens the model reads per forward call (its embedding's input, one row): the prompt, then 1 per
     # new token.
     fed: list[int] = []
-    hook = model.get_input_embeddings().register_forward_hook(
-        lambda m, args, out: fed.append(args[0].numel())
-    )
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: fed.append(args[0].numel()))
     # As `mamba3lite generate`: a document starts after the EOS (the tokenizer's bos_token).
     prompt_ids = [tok.bos_token_id, *tok.encode(job["prompt"], add_special_tokens=False)]
-    out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=job["new_tokens"], do_sample=False,
-        eos_token_id=None, pad_token_id=tok.eos_token_id,
-    )  # fmt: skip
+    result["generated"] = _greedy(model, tok, [prompt_ids], job["new_tokens"])[0]
     hook.remove()
-    result["generated"] = out[0, len(prompt_ids) :].tolist()
     result["fed_per_forward"] = fed
+    # A batch of two prompts of different lengths, left-padded, and the shorter one alone.
+    short_ids = [tok.bos_token_id, *tok.encode(job["short_prompt"], add_special_tokens=False)]
+    result["batched"] = _greedy(model, tok, [prompt_ids, short_ids], job["new_tokens"])
+    result["short_alone"] = _greedy(model, tok, [short_ids], job["new_tokens"])[0]
     if job.get("peft"):
         result["peft"] = _peft_step(model, job["ids"])
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(result, f)
+
+
+def _greedy(model, tok, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy generate() on left-padded rows with their attention mask; each row's new tokens."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    return out[:, width:].tolist()
 
 
 def _peft_step(model, ids) -> dict:

@@ -48,6 +48,7 @@ TEXTS = [
     "",
 ]
 PROMPT = "def add(a, b):\n"
+SHORT_PROMPT = "import"
 NEW_TOKENS = 12
 
 
@@ -136,6 +137,10 @@ def _run_side(export_dir: Path, job: dict, tmp: Path) -> dict:
     return json.loads(result_path.read_text())
 
 
+def _until_eos(ids: list[int], eos_id: int) -> list[int]:
+    return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "bpe", "mimo"])
 def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, capsys):
@@ -154,7 +159,8 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
     ids = [
         [tok.eos_id, *tok.encode(PROMPT + "    x = a + b\n"), tok.eos_id, *tok.encode("for i in range(3):")]
     ]
-    job = {"texts": TEXTS, "ids": ids, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "peft": True}
+    job = dict(texts=TEXTS, ids=ids, prompt=PROMPT, short_prompt=SHORT_PROMPT, new_tokens=NEW_TOKENS)
+    job["peft"] = True
     got = _run_side(out, job, tmp_path)
 
     assert got["blocked"], "the subprocess could import mamba3lite"
@@ -166,17 +172,21 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
     torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-5, atol=1e-5)
 
     ref = generate_text(model, tok, PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0, token_healing=False)
-    hf_ids = got["generated"]
-    cut = hf_ids.index(tok.eos_id) if tok.eos_id in hf_ids else len(hf_ids)
-    assert hf_ids[:cut] == ref.token_ids and (cut < len(hf_ids)) == ref.stopped_at_eos
+    # generate() stops at EOS and pads the rest with it, as `mamba3lite generate` stops there.
+    hf_ids = _until_eos(got["generated"], tok.eos_id)
+    assert hf_ids == ref.token_ids and (len(hf_ids) < NEW_TOKENS) == ref.stopped_at_eos
     # The CLI prints the prompt and the same continuation.
     capsys.readouterr()
     assert main(["generate", "--checkpoint-dir", str(run), "--prompt", PROMPT, "--temperature", "0",
                  "--max-new-tokens", str(NEW_TOKENS), "--no-token-healing"]) == 0  # fmt: skip
-    assert capsys.readouterr().out.rstrip("\n") == (PROMPT + tok.decode(hf_ids[:cut])).rstrip("\n")
+    assert capsys.readouterr().out.rstrip("\n") == (PROMPT + tok.decode(hf_ids)).rstrip("\n")
     # O(1) per new token: the prompt once, then exactly one token per forward, never the prefix again.
     n_prompt = len(tok.encode(PROMPT)) + 1
-    assert got["fed_per_forward"] == [n_prompt] + [1] * (NEW_TOKENS - 1)
+    n_forwards = min(len(hf_ids) + 1, NEW_TOKENS)
+    assert got["fed_per_forward"] == [n_prompt] + [1] * (n_forwards - 1)
+    # Left padding: each row of a batch generates what it generates alone.
+    assert _until_eos(got["batched"][0], tok.eos_id) == hf_ids
+    assert _until_eos(got["batched"][1], tok.eos_id) == _until_eos(got["short_alone"], tok.eos_id)
 
     peft = got["peft"]
     assert peft["trainable"] and all("lora_" in n for n in peft["trainable"])

@@ -14,6 +14,9 @@ the names are defined above it in the generated file).
 
 Left padding (attention_mask 0 before the text): the row's state is reset at its first real token, so
 padded rows compute what they would alone. Masks with holes are not supported (one clear error).
+The pad token is the EOS, which also starts every prompt (as `mamba3lite generate` feeds it): pass the
+attention_mask (the tokenizer's) with the ids; generate() leaves it all ones while its eos_token_id is
+the EOS, but with eos_token_id=None it would take that first EOS for padding.
 """
 
 from __future__ import annotations
