@@ -398,3 +398,37 @@ def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path):
     assert got["piqa"]["n"] == want["piqa"]["n"] == 40
     assert got["piqa"]["acc"] == want["piqa"]["acc"]
     assert got["piqa"]["acc_norm"] == want["piqa"]["acc_norm"]
+
+
+def test_a_wrapped_out_proj_runs_its_own_forward_and_computes_the_same():
+    """LoRA replaces out_proj by a wrapper; the mixer then calls it instead of the fused gate+out_proj,
+    with the same outputs and gradients as the fused path (and the wrapper's forward does run)."""
+    from torch import nn
+
+    calls = []
+
+    class Wrapped(nn.Linear):
+        def forward(self, x):
+            calls.append(x.shape)
+            return super().forward(x)
+
+    cfg = (
+        Config()
+        .replace("model", vocab_size=64, eos_id=0, is_mimo=True, mimo_rank=2, **TINY_MODEL_SHAPE)
+        .model
+    )
+    torch.manual_seed(0)
+    fused = Mamba3Transformer(cfg)
+    wrapped = Mamba3Transformer(cfg)
+    wrapped.load_state_dict(fused.state_dict())
+    for block in wrapped.layers:
+        old = block.mixer.out_proj
+        block.mixer.out_proj = Wrapped(old.in_features, old.out_features, bias=False)
+        block.mixer.out_proj.weight = old.weight
+    ids = torch.randint(0, 64, (2, 11))
+    for m in (fused, wrapped):
+        m(ids, ids).backward()
+    assert calls  # the wrapper ran
+    torch.testing.assert_close(wrapped(ids), fused(ids))
+    for (name, a), b in zip(fused.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
