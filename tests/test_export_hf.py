@@ -216,6 +216,25 @@ def test_modeling_file_is_the_package_source_with_no_import_of_the_package():
         assert last_def in text, name
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from mamba3lite.model.other import helper\n",  # a name no earlier model module defines
+        "from mamba3lite.model.scan import chunked_scan as cs\n",  # an alias the inlined file lacks
+        "import mamba3lite.model.scan\n",
+        "def f():\n    from mamba3lite.errors import ConfigError\n",
+    ],
+)
+def test_the_generator_refuses_a_package_import_it_cannot_inline(source):
+    from mamba3lite.interop.hf_modeling import _strip
+
+    with pytest.raises(AssertionError):
+        _strip(source, "mod", {"chunked_scan", "ConfigError"})
+    assert (
+        _strip("from mamba3lite.model.scan import chunked_scan\nx = 1\n", "m", {"chunked_scan"})[0] == "x = 1"
+    )
+
+
 def test_export_files_tokenizer_config_and_chat_template(runs, tmp_path):
     run = runs("bpe")
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -46,7 +46,7 @@ def is_hf_export(root: str | Path) -> bool:
 
 
 def local_root(src: str) -> Path:
-    """The directory of `src`: a path, or hf:NAME downloaded (the whole snapshot)."""
+    """The directory of `src`: a path, or hf:NAME downloaded (the model's files)."""
     return download_hf(src[len(HUB_PREFIX) :]) if src.startswith(HUB_PREFIX) else Path(src)
 
 

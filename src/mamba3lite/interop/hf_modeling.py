@@ -70,15 +70,24 @@ def _defined_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def _strip(source: str, where: str) -> tuple[str, ast.Module]:
-    """`source` without its top-level package imports (and `__all__`); any import of the package left
-    elsewhere (inside a function) is a bug in the generator's module list."""
+def _strip(source: str, where: str, defined: set[str]) -> tuple[str, ast.Module]:
+    """`source` without its top-level package imports (and `__all__`). Every name such an import
+    brings must be in `defined` (bound by a module earlier in the file), under its own name; any
+    other import of the package (`import mamba3lite.x`, an alias, one inside a function) is an
+    AssertionError: the model modules changed, and MODEL_MODULES or the model must follow."""
     tree = ast.parse(source)
     drop: set[int] = set()
     for node in tree.body:
         is_all = isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
         )
+        if _is_package_import(node) and getattr(node, "module", None) != "__future__":
+            assert isinstance(node, ast.ImportFrom), f"{where}: `import {PACKAGE}...` cannot be inlined"
+            for alias in node.names:
+                assert alias.asname is None and alias.name in defined, (
+                    f"{where} imports {alias.name} from {node.module}, which no module before it in "
+                    "MODEL_MODULES defines"
+                )
         if is_all or _is_package_import(node):
             drop |= set(range(node.lineno, node.end_lineno + 1))
     for node in ast.walk(tree):
@@ -93,14 +102,14 @@ def modeling_source() -> str:
     parts, seen = [], {}
     for name in MODEL_MODULES:
         module = importlib.import_module(name)
-        text, tree = _strip(inspect.getsource(module), name)
+        text, tree = _strip(inspect.getsource(module), name, set(seen))
         for defined in _defined_names(tree) - {"__all__"}:
             # Two modules binding one name would silently shadow each other in one file.
             assert defined not in seen, f"{defined} is defined in both {seen.get(defined)} and {name}"
             seen[defined] = name
         parts.append(f"# ---- {name} " + "-" * max(0, 100 - len(name)) + "\n" + text)
     glue = GLUE_FILE.read_text(encoding="utf-8")
-    glue_text, _ = _strip(glue, str(GLUE_FILE))
+    glue_text, _ = _strip(glue, str(GLUE_FILE), set(seen))
     parts.append("# ---- transformers glue " + "-" * 86 + "\n" + glue_text)
     body = "\n\n".join(parts)
     out = _HEADER.format(modules=", ".join(m.split(".")[-1] for m in MODEL_MODULES)) + "\n" + body + "\n"
