@@ -426,10 +426,20 @@ def test_a_wrapped_out_proj_runs_its_own_forward_and_computes_the_same():
 
     calls = []
 
-    class Wrapped(nn.Linear):
+    class Wrapped(nn.Module):
+        """As PEFT's LoRA layer: not an nn.Linear; holds the original and shows its weight."""
+
+        def __init__(self, base: nn.Linear) -> None:
+            super().__init__()
+            self.base = base
+
+        @property
+        def weight(self):
+            return self.base.weight
+
         def forward(self, x):
             calls.append(x.shape)
-            return super().forward(x)
+            return self.base(x)
 
     cfg = (
         Config()
@@ -441,9 +451,7 @@ def test_a_wrapped_out_proj_runs_its_own_forward_and_computes_the_same():
     wrapped = Mamba3Transformer(cfg)
     wrapped.load_state_dict(fused.state_dict())
     for block in wrapped.layers:
-        old = block.mixer.out_proj
-        block.mixer.out_proj = Wrapped(old.in_features, old.out_features, bias=False)
-        block.mixer.out_proj.weight = old.weight
+        block.mixer.out_proj = Wrapped(block.mixer.out_proj)
     ids = torch.randint(0, 64, (2, 11))
     for m in (fused, wrapped):
         m(ids, ids).backward()
