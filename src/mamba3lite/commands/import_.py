@@ -1,6 +1,8 @@
-"""`mamba3lite import`: an official mamba_ssm Mamba-3 model -> a run directory.
+"""`mamba3lite import`: an official mamba_ssm Mamba-3 model, or an `export --format hf` directory
+(recognised by its config.json's model_type "mamba3lite"), -> a run directory.
 
     mamba3lite import path/to/official-dir --out runs/mamba3-187m
+    mamba3lite import exported/tiny-hf --out runs/tiny-again
     mamba3lite import hf:state-spaces/mamba3-siso-187m --out runs/mamba3-187m   # needs huggingface_hub
     mamba3lite generate --checkpoint-dir runs/mamba3-187m --prompt "The"
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "turn an official mamba_ssm Mamba-3 model (a directory or hf:NAME) into a run directory"
+HELP = "turn an official mamba_ssm Mamba-3 model or an HF export (a directory, hf:NAME) into a run directory"
 # As mamba3lite.model.config.A_ACTIVATIONS and interop.import_.DEFAULT_A_ACTIVATION (not imported here:
 # they would bring torch into `mamba3lite --help`; a test checks they agree).
 A_ACTIVATIONS = ("heavy_tail", "softplus")
@@ -41,9 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mamba3lite.interop.hf_import import import_hf, is_hf_export, local_root
     from mamba3lite.interop.import_ import import_official
 
-    result = import_official(args.source, args.out, a_activation=args.a_activation, tokenizer=args.tokenizer)
+    if is_hf_export(local_root(args.source)):
+        result = import_hf(args.source, args.out, tokenizer=args.tokenizer)
+    else:
+        result = import_official(
+            args.source, args.out, a_activation=args.a_activation, tokenizer=args.tokenizer
+        )
     c = result.config
     kind = f"MIMO rank {c.mimo_rank}" if c.is_mimo else "SISO"
     print(

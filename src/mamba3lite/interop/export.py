@@ -86,7 +86,7 @@ def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> 
     return vocab, rows
 
 
-def _tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
+def tokenizer_json(p: Path, meta: dict, vocab_size: int) -> tuple[bytes, str]:
     """(tokenizer.json bytes, a description) for the run's tokenizer."""
     from mamba3lite.interop.gpt2_tokenizer import gpt2_tokenizer_json
     from mamba3lite.tokenizer import GPT2_VOCAB_SIZE
@@ -127,7 +127,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     cfg = config.model
     vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
     official_cfg = official_config_from_model(cfg, vocab)
-    tok_bytes, tok_desc = _tokenizer_json(p, meta, cfg.vocab_size)
+    tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
     state = _official_state(run, step, cfg, padding)
     notes += _behaviour_notes(cfg)
     a_act = cfg.a_activation
@@ -157,10 +157,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     return ExportResult(out, step, n_params, notes)
 
 
-def _official_state(run: RunDir, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint `step` as the official state_dict: loaded through the manager (sizes and sha256
-    verified, strict) into a model of the widest stored dtype, then every tensor given its stored dtype
-    back (no value is rounded on the way), renamed, the padding rows appended, a tied head dropped."""
+def checkpoint_state(run: RunDir, step: int, cfg) -> dict[str, torch.Tensor]:
+    """Checkpoint `step` as our state_dict: loaded through the manager (sizes and sha256 verified,
+    strict) into a model of the widest stored dtype, then every tensor given its stored dtype back (no
+    value is rounded on the way). A tied head is the embedding's tensor."""
     from mamba3lite.model import Mamba3Transformer
 
     dtypes = run.ckpt.sharded_dtypes(step) or _stored_dtypes(checkpoint_files(run.path, step)["model"])
@@ -171,7 +171,13 @@ def _official_state(run: RunDir, step: int, cfg, padding: dict[str, torch.Tensor
     for name, t in model.state_dict().items():
         dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)
         state[name] = t.to(dt)
-    state = to_official(state)
+    return state
+
+
+def _official_state(run: RunDir, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint `step` as the official state_dict (`checkpoint_state`): renamed, the padding rows
+    appended, a tied head dropped."""
+    state = to_official(checkpoint_state(run, step, cfg))
     for name, rows in padding.items():
         state[name] = torch.cat([state[name], rows.to(state[name].dtype)])
     if cfg.tie_embeddings:

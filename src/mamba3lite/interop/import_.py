@@ -227,9 +227,7 @@ def import_official(
     hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
     from safetensors.torch import save_file
 
-    from mamba3lite.checkpoint import CheckpointManager
-    from mamba3lite.config import Config, write_resolved_config
-    from mamba3lite.interop.outdir import check_out_dir, staged_dir
+    from mamba3lite.interop.outdir import check_out_dir
 
     out = Path(out)
     check_out_dir(out)  # before a download
@@ -244,18 +242,36 @@ def import_official(
     tok = tokenizer_identity(tokenizer)
     w = translate(source, tok, a_activation)
     model = build_model(w)
-    cfg = Config(model=w.config).replace("training", checkpoint_dir=str(out))
+
+    def write_padding(tmp: Path) -> None:
+        if any(t.numel() for t in w.padding.values()):
+            save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
+
+    def run_state(cfg, tmp: Path):
+        return _import_state(cfg, tok, source, src, a_activation, tmp)
+
+    write_imported_run(out, model, tok, run_state, write_padding)
+    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.tokenizer_file is not None else "gpt2"
+    return ImportResult(out, w.config, final_tok, [*w.notes, TOKENS_SEEN_NOTE])
+
+
+def write_imported_run(out: Path, model, tok: DataIdentity, run_state, extra=None) -> None:
+    """Write the run directory `out` (built aside, renamed in) holding `model` as its verified step 0,
+    its config, and the tokenizer `tok`; `run_state(config, tmp)` gives the step's RunState, `extra(tmp)`
+    writes any other file first."""
+    from mamba3lite.checkpoint import CheckpointManager
+    from mamba3lite.config import Config, write_resolved_config
+    from mamba3lite.interop.outdir import staged_dir
+
+    cfg = Config(model=model.cfg).replace("training", checkpoint_dir=str(out))
     with staged_dir(out) as tmp:
         if tok.tokenizer_file is not None:  # the bytes that hash to the identity recorded below
             data = tok.verify(what="it was read for this import", error=CheckpointError)
             (tmp / TOKENIZER_NAME).write_bytes(data)
-        if any(t.numel() for t in w.padding.values()):
-            save_file(w.padding, tmp / PADDING_NAME, metadata={"format": "pt"})
+        if extra is not None:
+            extra(tmp)
         write_resolved_config(cfg, tmp / CONFIG_NAME)
-        state = _import_state(cfg, tok, source, src, a_activation, tmp)
-        CheckpointManager(tmp).save(0, model, None, state)
-    final_tok = str((out / TOKENIZER_NAME).resolve()) if tok.tokenizer_file is not None else "gpt2"
-    return ImportResult(out, w.config, final_tok, [*w.notes, TOKENS_SEEN_NOTE])
+        CheckpointManager(tmp).save(0, model, None, run_state(cfg, tmp))
 
 
 def _import_state(cfg, tok: DataIdentity, source: OfficialSource, src: str, a_activation: str, tmp: Path):

@@ -433,6 +433,10 @@ class Mamba3(nn.Module):
         # lets that output (about twice z's size) be freed after the forward.
         zr = z_BTE.contiguous().unflatten(-1, (H, P)).transpose(1, 2).unsqueeze(3)  # (B, H, T, 1, P)
         mimo = (self.mimo_z, self.mimo_o) if self.is_mimo else (None, None)
+        if not isinstance(self.out_proj, nn.Linear):
+            # out_proj was replaced by a wrapper after construction (a PEFT LoRA layer): the fused path
+            # below reads its weight only and would bypass the wrapper's own forward.
+            return self.out_proj(_gated(y, zr, *mimo).transpose(1, 2).flatten(2))
         gated_out_proj = eager_or_traced(_GatedOutProj, _gated_out_proj_autograd)
         return gated_out_proj(y, zr, *mimo, self.out_proj.weight)
 
