@@ -359,3 +359,23 @@ def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch
     monkeypatch.setattr(Pretrainer, "train", boom)
     with pytest.raises(RuntimeError, match="something else broke"):
         cli.main(["train", "--config", config])
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_global_batch_unless_it_is_set_explicitly(cli, tmp_path):
+    """A run of 2 x 1 windows per step resumed with accumulation 2 would train on twice the batch:
+    refused in one line naming both values and both fixes; set explicitly, it resumes and says so."""
+    cfg = tiny_yaml(tmp_path)
+    run = tmp_path / "run"
+    Pretrainer(load_config(cfg, ["training.max_steps=2", f"training.checkpoint_dir={run}"])).train()
+    r = cli(*_train_cmd(cfg, run, "--max-steps", "3", "--set", "training.gradient_accumulation_steps=2")[3:])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "global batch" in x]
+    assert line.startswith("error: checkpoint step 2")
+    assert "global batch of 2 windows" in line and "this run's is 4" in line
+    assert "--set training.global_batch_size=2" in line and "--set training.global_batch_size=4" in line
+    ok = cli(*_train_cmd(cfg, run, "--max-steps", "3", "--set", "training.global_batch_size=4")[3:])
+    assert ok.returncode == 0, ok.stderr
+    notes = [r["message"] for r in rows(run) if r.get("event") == "warning" and "global_batch" in r["message"]]
+    assert len(notes) == 1 and "changed from 2 (checkpoint step 2) to 4" in notes[0]
+    assert CheckpointManager(run).read_meta(3)["global_batch_windows"] == 4
