@@ -376,6 +376,7 @@ def test_resume_keeps_the_global_batch_unless_it_is_set_explicitly(cli, tmp_path
     assert "--set training.global_batch_size=2" in line and "--set training.global_batch_size=4" in line
     ok = cli(*_train_cmd(cfg, run, "--max-steps", "3", "--set", "training.global_batch_size=4")[3:])
     assert ok.returncode == 0, ok.stderr
-    notes = [r["message"] for r in rows(run) if r.get("event") == "warning" and "global_batch" in r["message"]]
+    warned = [r["message"] for r in rows(run) if r.get("event") == "warning"]
+    notes = [m for m in warned if "global_batch" in m]
     assert len(notes) == 1 and "changed from 2 (checkpoint step 2) to 4" in notes[0]
     assert CheckpointManager(run).read_meta(3)["global_batch_windows"] == 4
