@@ -284,7 +284,7 @@ def test_out_of_memory_is_one_clear_error_naming_the_knobs(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert rc == 2
     assert f"out of memory on {where}" in err
-    fix = "--set training.micro_batch_size=1 --set training.gradient_accumulation_steps=2"
+    fix = "--set training.micro_batch_size=1 --set training.global_batch_size=2"  # the batch pinned
     assert fix in err
     args = build_parser().parse_args(["train", "--config", "tiny", *fix.split()])  # a command that parses
     assert args.overrides == fix.split()[1::2]
@@ -346,6 +346,25 @@ def test_out_of_memory_advice_names_compile_when_it_is_on():
     cfg.training.compile = True
     advice = out_of_memory_advice(oom, cfg)
     assert "--set training.compile=false" in advice and "training.grad_checkpointing=true" in advice
+
+
+def test_out_of_memory_advice_keeps_the_global_batch_and_names_fsdp_when_replicated():
+    from mamba3lite.config import load_config
+    from mamba3lite.train.entry import out_of_memory_advice
+
+    oom = torch.OutOfMemoryError("CUDA out of memory.")
+    cfg = load_config("tiny", ["training.micro_batch_size=4", "training.global_batch_size=16"])
+    one = out_of_memory_advice(oom, cfg)
+    # the global batch is stated: halving the micro batch keeps it, nothing else to set
+    assert "keep the batch: --set training.micro_batch_size=2, or --set training.grad_checkpointing" in one
+    assert "global_batch_size" not in one and "parallelism" not in one  # one process: nothing to shard
+    eight = out_of_memory_advice(oom, load_config("tiny", ["training.parallelism=ddp"]), world_size=8)
+    assert "--set training.parallelism=fsdp" in eight and "8 processes" in eight
+    sharded = load_config("tiny", ["training.parallelism=fsdp"])
+    assert "parallelism" not in out_of_memory_advice(oom, sharded, world_size=8)
+    built = out_of_memory_advice(oom, load_config("tiny", ["training.parallelism=ddp"]), True, world_size=8)
+    assert "while building the model" in built and "--set training.parallelism=fsdp" in built
+    assert "micro_batch_size" not in built
 
 
 def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
