@@ -399,3 +399,30 @@ def test_resume_keeps_the_global_batch_unless_it_is_set_explicitly(cli, tmp_path
     notes = [m for m in warned if "global_batch" in m]
     assert len(notes) == 1 and "changed from 2 (checkpoint step 2) to 4" in notes[0]
     assert CheckpointManager(run).read_meta(3)["global_batch_windows"] == 4
+
+
+def test_plan_prints_each_ranks_estimate_without_building_anything(tmp_path, monkeypatch, capsys):
+    from mamba3lite import cli
+    from mamba3lite.model.memory import per_rank_memory
+
+    run = tmp_path / "run"
+    config = tiny_yaml(tmp_path, checkpoint_dir=str(run), global_batch_size=16)
+    monkeypatch.setattr(Pretrainer, "__init__", lambda *a, **k: pytest.fail("--plan built a trainer"))
+    fsdp = ["--set", "training.parallelism=fsdp", "--device-memory-gib", "80"]
+    assert cli.main(["train", "--config", config, "--plan", "--nproc", "4", *fsdp]) == 0
+    out = capsys.readouterr().out.splitlines()
+    est = per_rank_memory(load_config(config).model, load_config(config).training, shards=4)
+    assert out[0].endswith("fsdp: 4 data-parallel x 1 context-parallel; model state in 4 shard(s)")
+    assert "micro batch 2, 2 accumulated per data-parallel process" in out[1]  # 16 / (2 x 4)
+    assert out[2] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
+    assert out[3] == "device planned for: 80.0 GiB (72.0 usable): fits"
+    assert not run.exists()
+    # torchrun's WORLD_SIZE when --nproc is not given; a device too small is said not to fit
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tight = ["--set", "training.parallelism=ddp", "--device-memory-gib", "0.0001"]
+    assert cli.main(["train", "--config", config, "--plan", *tight]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 process(es), ddp" in out and "model state in 1 shard(s)" in out and "does NOT fit" in out
+    # a global batch that does not split over the processes: the run's own error, one line
+    assert cli.main(["train", "--config", config, "--plan", "--nproc", "3"]) == 2
+    assert "does not split into micro batches" in capsys.readouterr().err
