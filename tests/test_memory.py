@@ -112,3 +112,22 @@ def test_the_3b_and_7b_presets_fit_8_x_80gb_with_fsdp_and_not_replicated(name):
     ddp = per_rank_memory(cfg.model, t, shards=shard_count("ddp", 8))
     assert fsdp.total <= usable < ddp.total, (fsdp.total / GIB, ddp.total / GIB)
     assert t.accumulation(8) * t.micro_batch_size * 8 == t.global_batch_size == 256
+
+
+def test_the_readme_memory_table_renders_each_presets_estimate():
+    from mamba3lite.report.memory_table import memory_table_markdown
+
+    cfg = load_config("tiny")
+    ddp = per_rank_memory(cfg.model, cfg.training, shards=1).total
+    fsdp = per_rank_memory(cfg.model, cfg.training, shards=4).total
+    between = (fsdp + ddp) / 2 / memory.USABLE_FRACTION / GIB  # a device that holds fsdp's rank only
+    head, rule, row = memory_table_markdown(["tiny"], world_size=4, device_gib=between).splitlines()
+    assert "ddp x 4" in head and "fsdp x 4" in head and rule.startswith("|---|")
+    n = count_parameters(cfg.model)
+    assert row == (
+        f"| `tiny` | {n / 1e6:,.0f}M | {cfg.training.micro_batch_size} | {ddp / GIB:,.1f} | "
+        f"{fsdp / GIB:,.1f} | no / yes |"
+    )
+    assert (
+        memory_table_markdown(["tiny"], world_size=4, device_gib=80).splitlines()[2].endswith("| yes / yes |")
+    )
