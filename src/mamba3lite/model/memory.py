@@ -79,7 +79,7 @@ def activation_bytes_per_token(cfg: ModelConfig, seq_len: int = 2048) -> float:
     probe = min(seq_len, PROBE_TOKENS)
     key = (repr(cfg), probe)
     if key not in _PER_TOKEN_CACHE:
-        with torch.random.fork_rng():  # building the layer draws its init: the caller's RNG is untouched
+        with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
             _PER_TOKEN_CACHE[key] = saved_bytes_per_token(Block(cfg), cfg.d_model, probe)
     return _PER_TOKEN_CACHE[key]
 
