@@ -511,7 +511,8 @@ def _train_args(data: Path, run: Path, source: Path) -> list[str]:
     return [
         "train", "--config", "tiny", "--data-path", str(data), "--checkpoint-dir", str(run),
         "--init-from", str(source), "--set", "training.max_seq_len=16",
-        "--set", "training.micro_batch_size=2", "--set", "training.warmup_steps=1",
+        "--set", "training.micro_batch_size=2", "--set", "training.global_batch_size=2",
+        "--set", "training.warmup_steps=1",
         "--set", "training.progress=false", "--set", "training.eval_every=0", "--set", "training.device=cpu",
     ]  # fmt: skip
 

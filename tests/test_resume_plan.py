@@ -108,3 +108,25 @@ def test_changed_data_and_window_length_are_warnings():
     config = {"model": dict(RUN["model"]), "training": {"max_seq_len": 32}}
     (longer,) = resume_warnings(_meta(config=config), RUN)
     assert "training.max_seq_len changed from 32 (checkpoint step 4) to 16" in longer
+
+
+def test_a_changed_global_batch_is_refused_with_both_ways_on():
+    run = {**RUN, "global_batch_windows": 8, "global_batch_explicit": False}
+    assert resume_warnings(_meta(global_batch_windows=8), run) == []
+    with pytest.raises(CheckpointError) as e:
+        resume_warnings(_meta(global_batch_windows=32), run)
+    msg = str(e.value)
+    assert "global batch of 32 windows" in msg and "this run's is 8" in msg
+    assert "--set training.global_batch_size=32" in msg and "--set training.global_batch_size=8" in msg
+
+
+def test_an_explicitly_set_global_batch_may_change_and_is_reported():
+    run = {**RUN, "global_batch_windows": 64, "global_batch_explicit": True}
+    (changed,) = resume_warnings(_meta(global_batch_windows=32), run)
+    assert "training.global_batch_size changed from 32 (checkpoint step 4) to 64" in changed
+
+
+def test_a_checkpoint_without_a_recorded_global_batch_compares_nothing():
+    run = {**RUN, "global_batch_windows": 8, "global_batch_explicit": False}
+    assert resume_warnings(_meta(), run) == []  # written before the field existed
+    assert resume_warnings({"step": 4}, run) == []  # seed format

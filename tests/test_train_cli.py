@@ -284,7 +284,7 @@ def test_out_of_memory_is_one_clear_error_naming_the_knobs(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert rc == 2
     assert f"out of memory on {where}" in err
-    fix = "--set training.micro_batch_size=1 --set training.gradient_accumulation_steps=2"
+    fix = "--set training.micro_batch_size=1 --set training.global_batch_size=2"  # the batch pinned
     assert fix in err
     args = build_parser().parse_args(["train", "--config", "tiny", *fix.split()])  # a command that parses
     assert args.overrides == fix.split()[1::2]
@@ -348,6 +348,25 @@ def test_out_of_memory_advice_names_compile_when_it_is_on():
     assert "--set training.compile=false" in advice and "training.grad_checkpointing=true" in advice
 
 
+def test_out_of_memory_advice_keeps_the_global_batch_and_names_fsdp_when_replicated():
+    from mamba3lite.config import load_config
+    from mamba3lite.train.entry import out_of_memory_advice
+
+    oom = torch.OutOfMemoryError("CUDA out of memory.")
+    cfg = load_config("tiny", ["training.micro_batch_size=4", "training.global_batch_size=16"])
+    one = out_of_memory_advice(oom, cfg)
+    # the global batch is stated: halving the micro batch keeps it, nothing else to set
+    assert "keep the batch: --set training.micro_batch_size=2, or --set training.grad_checkpointing" in one
+    assert "global_batch_size" not in one and "parallelism" not in one  # one process: nothing to shard
+    eight = out_of_memory_advice(oom, load_config("tiny", ["training.parallelism=ddp"]), world_size=8)
+    assert "--set training.parallelism=fsdp" in eight and "8 processes" in eight
+    sharded = load_config("tiny", ["training.parallelism=fsdp"])
+    assert "parallelism" not in out_of_memory_advice(oom, sharded, world_size=8)
+    built = out_of_memory_advice(oom, load_config("tiny", ["training.parallelism=ddp"]), True, world_size=8)
+    assert "while building the model" in built and "--set training.parallelism=fsdp" in built
+    assert "micro_batch_size" not in built
+
+
 def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
     from mamba3lite import cli
 
@@ -359,3 +378,51 @@ def test_other_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch
     monkeypatch.setattr(Pretrainer, "train", boom)
     with pytest.raises(RuntimeError, match="something else broke"):
         cli.main(["train", "--config", config])
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_global_batch_unless_it_is_set_explicitly(cli, tmp_path):
+    """A run of 2 x 1 windows per step resumed with accumulation 2 would train on twice the batch:
+    refused in one line naming both values and both fixes; set explicitly, it resumes and says so."""
+    cfg = tiny_yaml(tmp_path)
+    run = tmp_path / "run"
+    Pretrainer(load_config(cfg, ["training.max_steps=2", f"training.checkpoint_dir={run}"])).train()
+    r = cli(*_train_cmd(cfg, run, "--max-steps", "3", "--set", "training.gradient_accumulation_steps=2")[3:])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "global batch" in x]
+    assert line.startswith("error: checkpoint step 2")
+    assert "global batch of 2 windows" in line and "this run's is 4" in line
+    assert "--set training.global_batch_size=2" in line and "--set training.global_batch_size=4" in line
+    ok = cli(*_train_cmd(cfg, run, "--max-steps", "3", "--set", "training.global_batch_size=4")[3:])
+    assert ok.returncode == 0, ok.stderr
+    warned = [r["message"] for r in rows(run) if r.get("event") == "warning"]
+    notes = [m for m in warned if "global_batch" in m]
+    assert len(notes) == 1 and "changed from 2 (checkpoint step 2) to 4" in notes[0]
+    assert CheckpointManager(run).read_meta(3)["global_batch_windows"] == 4
+
+
+def test_plan_prints_each_ranks_estimate_without_building_anything(tmp_path, monkeypatch, capsys):
+    from mamba3lite import cli
+    from mamba3lite.model.memory import per_rank_memory
+
+    run = tmp_path / "run"
+    config = tiny_yaml(tmp_path, checkpoint_dir=str(run), global_batch_size=16)
+    monkeypatch.setattr(Pretrainer, "__init__", lambda *a, **k: pytest.fail("--plan built a trainer"))
+    fsdp = ["--set", "training.parallelism=fsdp", "--device-memory-gib", "80"]
+    assert cli.main(["train", "--config", config, "--plan", "--nproc", "4", *fsdp]) == 0
+    out = capsys.readouterr().out.splitlines()
+    est = per_rank_memory(load_config(config).model, load_config(config).training, shards=4)
+    assert out[0].endswith("fsdp: 4 data-parallel x 1 context-parallel; model state in 4 shard(s)")
+    assert "micro batch 2, 2 accumulated per data-parallel process" in out[1]  # 16 / (2 x 4)
+    assert out[2] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
+    assert out[3] == "device planned for: 80.0 GiB (72.0 usable): fits"
+    assert not run.exists()
+    # torchrun's WORLD_SIZE when --nproc is not given; a device too small is said not to fit
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tight = ["--set", "training.parallelism=ddp", "--device-memory-gib", "0.0001"]
+    assert cli.main(["train", "--config", config, "--plan", *tight]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 process(es), ddp" in out and "model state in 1 shard(s)" in out and "does NOT fit" in out
+    # a global batch that does not split over the processes: the run's own error, one line
+    assert cli.main(["train", "--config", config, "--plan", "--nproc", "3"]) == 2
+    assert "does not split into micro batches" in capsys.readouterr().err

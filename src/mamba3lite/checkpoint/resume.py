@@ -8,7 +8,10 @@ newer one in its place); newer checkpoints are then moved to DIR/superseded/<UTC
 abandoned timeline, and saves cut short before their meta (never checkpoints) are deleted. If no
 checkpoint in DIR verifies, `resume="latest"` is refused, not a fresh start over them.
 
-`resume_warnings` compares a checkpoint's meta with the run that loads it: a pure function.
+`resume_warnings` compares a checkpoint's meta with the run that loads it: a pure function. The global
+batch (windows per optimizer step, all processes together) is part of the run's contract: a resume
+keeps it at any world size, and a checkpoint recorded with another one is refused unless the run sets
+`training.global_batch_size` explicitly (then the change is reported).
 """
 
 from __future__ import annotations
@@ -98,8 +101,11 @@ def resume_warnings(meta: dict, run: dict) -> list[str]:
     """What makes checkpoint `meta` unfit for the run described by `run`, or its continuation inexact.
 
     `run`: {"model": the run's model config dict, "data": its data identity dict or None, "data_path",
-    "max_seq_len", "run_dir"}. Raises CheckpointError for another model config or another tokenizer;
-    returns warnings for changed data and a changed max_seq_len (both allowed).
+    "max_seq_len", "run_dir"}, and optionally "global_batch_windows" (the run's global batch) with
+    "global_batch_explicit" (training.global_batch_size was set, not derived). Raises CheckpointError for
+    another model config, another tokenizer, or another global batch that the run did not set
+    explicitly; returns warnings for changed data, a changed max_seq_len and an explicitly changed
+    global batch (all allowed).
     """
     step, out = meta.get("step"), []
     saved_cfg = meta.get("config") or {}
@@ -136,6 +142,7 @@ def resume_warnings(meta: dict, run: dict) -> list[str]:
             "differs): training goes on over the new data from the saved position, no longer an exact "
             "continuation of the run"
         )
+    out += _global_batch_change(meta, run)
     saved_len = (saved_cfg.get("training") or {}).get("max_seq_len")
     if saved_len not in (None, run["max_seq_len"]):
         # The sampler's position counts windows of the old length in the old permutation.
@@ -145,3 +152,27 @@ def resume_warnings(meta: dict, run: dict) -> list[str]:
             "continuation of the run's (some text comes again, some is skipped this epoch)"
         )
     return out
+
+
+def _global_batch_change(meta: dict, run: dict) -> list[str]:
+    """[] when checkpoint `meta` and `run` train with the same global batch (or the meta predates the
+    record: nothing to compare); the warning for a change that the run set explicitly; CheckpointError
+    for a change that only follows from other settings (micro batch x accumulation), which would
+    silently change the optimisation: the fix names both ways on."""
+    saved, mine = meta.get("global_batch_windows"), run.get("global_batch_windows")
+    if saved is None or mine is None or int(saved) == int(mine):
+        return []
+    step = meta.get("step")
+    if not run.get("global_batch_explicit"):
+        raise CheckpointError(
+            f"checkpoint step {step} in {run['run_dir']} was trained with a global batch of {saved} windows "
+            f"per optimizer step, this run's is {mine} (micro_batch_size x gradient_accumulation_steps; "
+            f"training.global_batch_size is not set): to continue as recorded, --set "
+            f"training.global_batch_size={saved}; to change the global batch, set it explicitly "
+            f"(--set training.global_batch_size={mine})"
+        )
+    return [
+        f"training.global_batch_size changed from {saved} (checkpoint step {step}) to {mine} windows per "
+        "optimizer step, as the config sets it: the run goes on from the saved data position and schedule "
+        "step with the new batch"
+    ]

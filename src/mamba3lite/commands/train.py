@@ -13,13 +13,16 @@ of a run directory or an official mamba_ssm directory, with that model's config 
 change what does not change a parameter's shape); data tokenized with another tokenizer is refused;
 once the new run has a checkpoint, a resume takes the weights from it and never reads SRC again.
 `--dry-run` trains 2 steps end to end, evaluates, and writes a checkpoint (the seed's smoke test),
-always as a fresh run in a directory without checkpoints. SIGTERM / Ctrl-C: the current step
-finishes, a checkpoint is written, exit code 0.
+always as a fresh run in a directory without checkpoints, and prints the plan first. `--plan` prints
+each rank's memory estimate for the run's strategy on `--nproc N` processes (default: torchrun's
+WORLD_SIZE, else 1) without building anything (train/plan.py), then exits. SIGTERM / Ctrl-C: the
+current step finishes, a checkpoint is written, exit code 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from mamba3lite import intake
@@ -66,6 +69,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_override_option(parser)
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print each rank's memory estimate (weights, gradients, optimizer state, activations) for the "
+        "strategy and world size, and whether it fits the device; nothing is built; then exit",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="processes the plan is for (default: torchrun's WORLD_SIZE, else 1)",
+    )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        metavar="G",
+        help="plan for a device of G GiB (default: the memory of the run's device on this machine)",
+    )
 
 
 def parse_resume(text: str) -> str | int:
@@ -145,14 +166,36 @@ def train_options(args: argparse.Namespace):
     )
 
 
+def plan_world_size(args: argparse.Namespace) -> int:
+    """--nproc, else torchrun's WORLD_SIZE, else 1."""
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        return args.nproc
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"WORLD_SIZE must be a number >= 1, got {text!r}")
+    return int(text)
+
+
 def run(args: argparse.Namespace) -> int:
     from mamba3lite.train.entry import resolve_init, training_session
+    from mamba3lite.train.plan import memory_plan
 
     opts = train_options(args)
     cfg = build_config(args)
     if args.print_config:
         print(resolve_init(cfg, opts)[0].to_yaml(), end="")
         return 0
+    gib = args.device_memory_gib
+    if gib is not None and not gib > 0:
+        raise ConfigError(f"--device-memory-gib must be > 0, got {gib}")
+    plan = {"device_bytes": None if gib is None else gib * 2**30}
+    if args.plan:
+        print(memory_plan(cfg, plan_world_size(args), **plan), flush=True)
+        return 0
+    if args.dry_run and cfg.training.init_from is None and os.environ.get("RANK", "0") == "0":
+        print(memory_plan(cfg, plan_world_size(args), **plan), flush=True)
     # The one training entry (train/entry.py): every check, the distributed set-up, SIGTERM, the build.
     with training_session(cfg, opts) as trainer:
         result = trainer.train()

@@ -12,17 +12,38 @@ accelerator. The estimate measures the layer with the config's scan (`chunked` o
 benchmarks/activation_memory.py compares it with the Triton scan's and the Transformer's. Under
 torch.compile (`training.compile`) the compiler picks what to save and the peaks were ~1.4x this
 estimate.
+
+Per rank (`per_rank_memory`): the fp32 weights, gradients and optimizer state (AdamW 8 bytes per
+parameter; Muon 4 for the hidden matrices it owns, momentum only) are divided by the processes that
+shard them (fsdp: the data-parallel size; hsdp: its shard groups; ddp and one process: 1), plus what a
+sharded model gathers while a block computes (two blocks' weights, the one running and the one
+prefetched, and one block's unsharded gradients; every block's weights from forward to backward when
+`reshard_after_forward` is off); activations are divided by the context-parallel size C, each rank
+holding T / C tokens of each window. `check_model_fits` refuses what cannot fit even sharded, and
+`replicated_fits` is the question `parallelism: auto` asks. The autograd measurement runs at 256 tokens
+at most: the bytes kept per token are the same at any length (the chunked scan's memory is linear in
+T; tests/test_memory.py checks it), and a 7B layer forward at 2,048 tokens takes minutes on a CPU.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
-from mamba3lite.model.flops import count_parameters
+from mamba3lite.model.flops import count_parameters, mixer_parameters
+
+# Tokens of the autograd measurement: bytes per token do not depend on the length (module docstring).
+PROBE_TOKENS = 256
+# Of a device's memory, what training may plan to use: the CUDA context, the allocator's fragmentation
+# and the collectives' buffers take the rest (the presets keep 72 of 80 GB).
+USABLE_FRACTION = 0.9
+_PER_TOKEN_CACHE: dict[tuple[str, int], float] = {}
 
 
 def saved_bytes(layer: torch.nn.Module, d_model: int, seq_len: int) -> int:
@@ -50,23 +71,149 @@ def saved_bytes_per_token(layer: torch.nn.Module, d_model: int, seq_len: int = 2
 
 
 def activation_bytes_per_token(cfg: ModelConfig, seq_len: int = 2048) -> float:
-    """Bytes saved for backward per token by one layer (bf16 autocast, batch 1, `seq_len` tokens)."""
+    """Bytes saved for backward per token by one layer (bf16 autocast, batch 1), in windows of
+    `seq_len` tokens, measured at min(seq_len, PROBE_TOKENS) tokens (the same per token) once per
+    config and length in a process."""
     from mamba3lite.model.transformer import Block
 
-    return saved_bytes_per_token(Block(cfg), cfg.d_model, seq_len)
+    probe = min(seq_len, PROBE_TOKENS)
+    key = (repr(cfg), probe)
+    if key not in _PER_TOKEN_CACHE:
+        with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
+            _PER_TOKEN_CACHE[key] = saved_bytes_per_token(Block(cfg), cfg.d_model, probe)
+    return _PER_TOKEN_CACHE[key]
+
+
+def activation_bytes(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    grad_checkpointing: bool = False,
+    context_parallel: int = 1,
+) -> float:
+    """Activations of one micro step on one rank: micro_batch windows of seq_len / context_parallel
+    tokens each. With gradient checkpointing each layer keeps its fp32 input and one layer's
+    activations are live at a time."""
+    tokens = micro_batch * seq_len / context_parallel
+    per_layer = activation_bytes_per_token(cfg, seq_len) * tokens
+    if grad_checkpointing:
+        return cfg.n_layers * 4 * cfg.d_model * tokens + per_layer
+    return cfg.n_layers * per_layer
 
 
 def training_memory_bytes(
     cfg: ModelConfig, micro_batch: int, seq_len: int, grad_checkpointing: bool = False
 ) -> float:
-    """Estimated peak bytes of one training process: activations of a micro step + model state."""
-    tokens = micro_batch * seq_len
-    per_layer = activation_bytes_per_token(cfg, seq_len) * tokens
-    if grad_checkpointing:  # each layer keeps its fp32 input; one layer's activations are live at a time
-        activations = cfg.n_layers * 4 * cfg.d_model * tokens + per_layer
-    else:
-        activations = cfg.n_layers * per_layer
-    return activations + 16 * count_parameters(cfg)
+    """Estimated peak bytes of one training process holding the whole model (AdamW): activations of a
+    micro step + 16 bytes per parameter."""
+    return activation_bytes(cfg, micro_batch, seq_len, grad_checkpointing) + 16 * count_parameters(cfg)
+
+
+def hidden_matrix_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the 2-D hidden matrices Muon optimizes (train/optim.py `is_hidden_matrix`): each
+    layer's in_proj and out_proj, and its MLP's fc1 and fc2."""
+    D, F = cfg.d_model, cfg.d_mlp
+    per_layer = D * cfg.d_in_proj + cfg.d_inner * D + (3 * D * F if F > 0 else 0)
+    return cfg.n_layers * per_layer
+
+
+def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
+    """Bytes of optimizer state for the whole model: AdamW's two fp32 moments per parameter; with
+    Muon, its one fp32 momentum for the hidden matrices and AdamW's moments for the rest."""
+    n = count_parameters(cfg)
+    if optimizer == "muon":
+        m = hidden_matrix_parameters(cfg)
+        return 4 * m + 8 * (n - m)
+    assert optimizer == "adamw", optimizer
+    return 8 * n
+
+
+def largest_unit_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the largest piece a sharded model gathers at once: one block (norms, mixer, MLP),
+    or the embedding (with the final norm and an untied head, gathered with the root module)."""
+    D, F = cfg.d_model, cfg.d_mlp
+    block = D + mixer_parameters(cfg) + (D + 3 * D * F if F > 0 else 0)
+    root = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + D
+    return max(block, root)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Estimated peak bytes of one training rank, by part."""
+
+    params: float  # fp32 weights held by this rank (its shard)
+    grads: float  # fp32 gradients held by this rank (its shard)
+    optimizer: float  # optimizer state of its shard
+    gathered: float  # a sharded model's gathered weights and unsharded gradients while a block computes
+    activations: float  # kept for the backward of one micro step
+    shards: int = 1  # processes the model state is divided over
+    context_parallel: int = 1  # processes sharing each window
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations
+
+    def parts_gib(self) -> dict[str, float]:
+        """{part: GiB} for printing, total last."""
+        names = ("params", "grads", "optimizer", "gathered", "activations", "total")
+        return {k: getattr(self, k) / 2**30 for k in names}
+
+
+def per_rank_memory(
+    model_cfg: ModelConfig, training_cfg: Any, *, shards: int = 1, context_parallel: int | None = None
+) -> RankMemory:
+    """The estimate for one rank of a run of `model_cfg` with `training_cfg` (micro_batch_size,
+    max_seq_len, grad_checkpointing, optimizer, reshard_after_forward) when the model state is sharded
+    over `shards` processes and each window over `context_parallel` (default: the config's)."""
+    t = training_cfg
+    cp = t.context_parallel if context_parallel is None else context_parallel
+    if shards < 1 or cp < 1:
+        raise ConfigError(f"shards and context_parallel must be >= 1, got {shards} and {cp}")
+    n = count_parameters(model_cfg)
+    gathered = 0.0
+    if shards > 1:
+        unit = largest_unit_parameters(model_cfg)
+        kept = 2 * 4 * unit  # the block computing and the one prefetched
+        if not getattr(t, "reshard_after_forward", True):
+            kept = max(kept, 4 * n)  # every block stays gathered from its forward to its backward
+        gathered = kept + 4 * unit
+    return RankMemory(
+        params=4 * n / shards,
+        grads=4 * n / shards,
+        optimizer=optimizer_state_bytes(model_cfg, getattr(t, "optimizer", "adamw")) / shards,
+        gathered=gathered,
+        activations=activation_bytes(model_cfg, t.micro_batch_size, t.max_seq_len, t.grad_checkpointing, cp),
+        shards=shards,
+        context_parallel=cp,
+    )
+
+
+def shard_count(parallelism: str, dp_size: int, dp_replicate: int = 1) -> int:
+    """Processes the model state is divided over: fsdp all `dp_size` data-parallel ones, hsdp one
+    shard group (dp_size / dp_replicate), ddp (and one process) none."""
+    if dp_size <= 1 or parallelism == "ddp":
+        return 1
+    if parallelism == "fsdp":
+        return dp_size
+    if parallelism == "hsdp":
+        return max(1, dp_size // dp_replicate)
+    raise ConfigError(
+        f"shard_count: parallelism must be ddp, fsdp or hsdp (auto is resolved first), got {parallelism}"
+    )
+
+
+def usable_memory_bytes(device: torch.device) -> float | None:
+    """What training may plan to use of `device` (USABLE_FRACTION of it); None where unknown."""
+    have = physical_memory_bytes(device)
+    return None if have is None else USABLE_FRACTION * have
+
+
+def replicated_fits(model_cfg: ModelConfig, training_cfg: Any, device: torch.device) -> bool:
+    """Whether one whole copy of the model trains on `device` (ddp, or one process), by
+    `per_rank_memory` against the usable part of its memory; True where the memory is unknown (nothing
+    to decide from)."""
+    have = usable_memory_bytes(device)
+    return have is None or per_rank_memory(model_cfg, training_cfg, shards=1).total <= have
 
 
 def physical_memory_bytes(device: torch.device) -> int | None:
@@ -74,6 +221,8 @@ def physical_memory_bytes(device: torch.device) -> int | None:
     unknown."""
     device = torch.device(device)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None  # a plan for a CUDA machine made on one without
         return torch.cuda.get_device_properties(device).total_memory
     if device.type == "cpu":
         try:
@@ -83,23 +232,34 @@ def physical_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_model_fits(cfg: ModelConfig, device: torch.device) -> None:
+def check_model_fits(
+    cfg: ModelConfig, device: torch.device, *, shards: int = 1, optimizer: str = "adamw"
+) -> None:
     """ConfigError, before anything is built, for a model whose training state cannot fit `device` at
-    all: 16 bytes per parameter (fp32 weights, gradients, AdamW's two moments) beyond its whole memory,
-    or fp32 weights beyond the host's RAM, where the model is built first. (Building 10^8 layers one
-    small allocation at a time would not fail: it would take hours.)"""
+    all: fp32 weights, gradients and optimizer state (16 bytes per parameter with AdamW) divided over
+    `shards` processes beyond its whole memory, or fp32 weights beyond the host's RAM, where the model is
+    built first. (Building 10^8 layers one small allocation at a time would not fail: it would take
+    hours.) When sharding over more processes would fit, the message says so."""
     n = count_parameters(cfg)
-    for where, need, have in (
-        (
-            "this machine's RAM (the model is built on the host)",
-            4 * n,
-            physical_memory_bytes(torch.device("cpu")),
-        ),
-        (f"{torch.device(device)}'s memory", 16 * n, physical_memory_bytes(device)),
-    ):
-        if have is not None and need > have:
-            raise ConfigError(
-                f"the model has {n / 1e6:,.1f}M parameters (d_model {cfg.d_model}, n_layers {cfg.n_layers}, "
-                f"vocab_size {cfg.vocab_size}): ~{need / 2**30:,.1f} GiB, more than {where}, "
-                f"{have / 2**30:,.1f} GiB; use a smaller model (e.g. --config tiny)"
-            )
+    state = 8 * n + optimizer_state_bytes(cfg, optimizer)
+    shape = f"d_model {cfg.d_model}, n_layers {cfg.n_layers}, vocab_size {cfg.vocab_size}"
+    size = f"{n / 1e6:,.1f}M parameters ({shape})"
+    have = physical_memory_bytes(torch.device("cpu"))
+    if have is not None and 4 * n > have:
+        raise ConfigError(
+            f"the model has {size}: ~{4 * n / 2**30:,.1f} GiB, more than this machine's RAM (the model is "
+            f"built on the host), {have / 2**30:,.1f} GiB; use a smaller model (e.g. --config tiny)"
+        )
+    have = physical_memory_bytes(device)
+    if have is None or state / shards <= have:
+        return
+    where = f"{torch.device(device)}'s memory, {have / 2**30:,.1f} GiB"
+    need = math.ceil(state / have)
+    what = f"~{state / shards / 2**30:,.1f} GiB of weights, gradients and {optimizer} state"
+    if shards > 1:
+        what += f" per process over {shards} shards"
+    raise ConfigError(
+        f"the model has {size}: {what}, more than {where}; shard it over {need} or more processes "
+        f"(training.parallelism=fsdp, torchrun --nproc_per_node {need}), or use a smaller model "
+        "(e.g. --config tiny)"
+    )

@@ -141,5 +141,5 @@ def recipe_overrides() -> list[str]:
         f"training.min_lr={LR / 10}",
         f"training.micro_batch_size={MICRO_BATCH}",
         f"training.max_seq_len={SEQ_LEN}",
-        "training.gradient_accumulation_steps=1",
+        f"training.global_batch_size={MICRO_BATCH}",  # one micro batch per step, whatever the preset's
     ]

@@ -167,11 +167,12 @@ def check_data_tokenizer(cfg) -> None:
     )
 
 
-def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str | None:
+def out_of_memory_advice(exc: BaseException, cfg, building: bool = False, world_size: int = 1) -> str | None:
     """The message for an allocation failure (CUDA or CPU), naming the knobs; None for other errors.
     A step that ran out of memory never reaches the optimizer or a checkpoint: the run directory holds
     what the last save wrote, and `train` resumes from it. `building`: it happened while the model and
-    optimizer were built, before any step, where the batch knobs cannot help."""
+    optimizer were built, before any step, where the batch knobs cannot help. `world_size`: processes of
+    the job; a replicated model over several names fsdp, which divides the model state among them."""
     import torch
 
     text = str(exc)
@@ -181,29 +182,42 @@ def out_of_memory_advice(exc: BaseException, cfg, building: bool = False) -> str
     t = cfg.training
     where = "the accelerator" if isinstance(exc, torch.OutOfMemoryError) else "host memory"
     first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    replicated = world_size > 1 and t.parallelism in ("ddp", "auto")
+    shard = (
+        "--set training.parallelism=fsdp (the weights, gradients and optimizer state divided over the "
+        f"{world_size} processes)"
+    )
     if building:
         from mamba3lite.model import count_parameters
 
         n = count_parameters(cfg.model)
+        how = (
+            f"Shard it: {shard}; or use a smaller model"
+            if replicated
+            else "Use a smaller model (e.g. --config tiny), shard it over several processes (torchrun "
+            "--nproc_per_node N ... --set training.parallelism=fsdp)"
+        )
         return (
             f"out of memory on {where} while building the model ({first}): {n / 1e6:,.1f}M parameters "
             f"need ~{16 * n / 2**30:,.1f} GiB for fp32 weights, gradients and AdamW moments before any "
-            "activation. Use a smaller model (e.g. --config tiny) or a device with more memory."
+            f"activation. {how}, or a device with more memory."
         )
-    fix = (
-        f"--set training.micro_batch_size={t.micro_batch_size // 2} "
-        f"--set training.gradient_accumulation_steps={2 * t.gradient_accumulation_steps}"
-        if t.micro_batch_size > 1
-        else f"--set training.max_seq_len={max(1, t.max_seq_len // 2)}"
-    )
-    ckpt = ""
+    if t.micro_batch_size > 1:
+        # The global batch is the run's contract: with it stated, a smaller micro batch only means more
+        # accumulation; derived (micro x accumulation), it is pinned so that halving keeps it.
+        fix = f"--set training.micro_batch_size={t.micro_batch_size // 2}"
+        if not t.global_batch_size:
+            fix += f" --set training.global_batch_size={t.global_windows}"
+    else:
+        fix = f"--set training.max_seq_len={max(1, t.max_seq_len // 2)}"
+    more = f", or {shard}" if replicated else ""
     if not t.grad_checkpointing:
-        ckpt = ", or --set training.grad_checkpointing=true (recomputes each layer)"
+        more += ", or --set training.grad_checkpointing=true (recomputes each layer)"
     if t.compile:
-        ckpt += ", or --set training.compile=false (the compiled model keeps ~1.4x the activations)"
+        more += ", or --set training.compile=false (the compiled model keeps ~1.4x the activations)"
     return (
         f"out of memory on {where} with micro_batch_size {t.micro_batch_size} x max_seq_len {t.max_seq_len} "
-        f"({first}). Use less per micro-step and keep the batch: {fix}{ckpt}. "
+        f"({first}). Use less per micro-step and keep the batch: {fix}{more}. "
         f"Checkpoints in {t.checkpoint_dir} are untouched; the run resumes from the newest one."
     )
 
@@ -257,7 +271,7 @@ def _actionable(e: BaseException, cfg, info, building: bool) -> BaseException:
             f"rank {info.rank} stops because another rank of this job stopped first; that rank's "
             "`error:` line says why (torchrun's summary, if it was killed)"
         )
-    advice = out_of_memory_advice(e, cfg, building=building)
+    advice = out_of_memory_advice(e, cfg, building=building, world_size=info.world_size)
     return e if advice is None else TrainingError(advice)
 
 

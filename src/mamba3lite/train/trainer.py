@@ -406,6 +406,8 @@ class Pretrainer:
             "data_path": self.cfg.data.train_data_path,
             "max_seq_len": self.tc.max_seq_len,
             "run_dir": self.run_dir,
+            "global_batch_windows": self.tc.global_windows,
+            "global_batch_explicit": self.tc.global_batch_size > 0,
         }
         warnings = resume_warnings(meta, facts)  # raises for another model or tokenizer
         state, p = RunState.from_meta(meta), self.progress

@@ -1,0 +1,88 @@
+"""The presets' memory per rank as a markdown table for the README: for each preset its parameters, its
+micro batch, and model/memory.py's estimate per rank on N processes replicated (ddp) and sharded
+(fsdp), against a device of G GiB (of which USABLE_FRACTION may be planned for).
+
+    python -m mamba3lite.report.memory_table                  # every preset, 8 processes, 80 GB
+    python -m mamba3lite.report.memory_table --nproc 4 mamba3_1_5b mamba3_3b
+
+The estimate measures each preset's layer on the CPU once (a few seconds; a minute for 7B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from mamba3lite.config import available_presets, load_config
+from mamba3lite.model.flops import count_parameters
+from mamba3lite.model.memory import USABLE_FRACTION, per_rank_memory, shard_count
+
+
+@dataclass(frozen=True)
+class PresetMemory:
+    """One row: a preset's estimate per rank, in bytes."""
+
+    preset: str
+    parameters: int
+    micro_batch_size: int
+    grad_checkpointing: bool
+    ddp_bytes: float
+    fsdp_bytes: float
+
+
+def preset_memory(name: str, world_size: int = 8) -> PresetMemory:
+    """The row of preset `name` (or a config path) on `world_size` processes, with its own micro
+    batch, gradient checkpointing, optimizer and context parallelism."""
+    cfg = load_config(name)
+    t, dp = cfg.training, world_size // cfg.training.context_parallel
+    return PresetMemory(
+        preset=name,
+        parameters=count_parameters(cfg.model),
+        micro_batch_size=t.micro_batch_size,
+        grad_checkpointing=t.grad_checkpointing,
+        ddp_bytes=per_rank_memory(cfg.model, t, shards=shard_count("ddp", dp)).total,
+        fsdp_bytes=per_rank_memory(cfg.model, t, shards=shard_count("fsdp", dp)).total,
+    )
+
+
+def memory_table_markdown(
+    names: list[str] | None = None, world_size: int = 8, device_gib: float = 80.0
+) -> str:
+    """The markdown table of `names` (default: every packaged preset)."""
+    usable = USABLE_FRACTION * device_gib * 2**30
+    rows = [preset_memory(n, world_size) for n in (names or available_presets())]
+
+    def cell(need: float) -> str:
+        return f"{need / 2**30:,.1f}"
+
+    def fits(need: float) -> str:
+        return "yes" if need <= usable else "no"
+
+    gb = f"{device_gib:g} GB"
+    lines = [
+        f"| preset | parameters | micro batch | GiB per rank, ddp x {world_size} | GiB per rank, fsdp x "
+        f"{world_size} | fits {gb}: ddp / fsdp |",
+        "|---|---:|---:|---:|---:|:---:|",
+    ]
+    for r in rows:
+        micro = f"{r.micro_batch_size}" + (" (grad ckpt)" if r.grad_checkpointing else "")
+        lines.append(
+            f"| `{r.preset}` | {r.parameters / 1e6:,.0f}M | {micro} | {cell(r.ddp_bytes)} | "
+            f"{cell(r.fsdp_bytes)} | {fits(r.ddp_bytes)} / {fits(r.fsdp_bytes)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("presets", nargs="*", help="preset names or config files (default: every preset)")
+    parser.add_argument("--nproc", type=int, default=8, help="processes per run (default 8)")
+    parser.add_argument("--device-gib", type=float, default=80.0, help="device memory (default 80)")
+    args = parser.parse_args(argv)
+    print(memory_table_markdown(args.presets or None, args.nproc, args.device_gib), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
