@@ -53,7 +53,8 @@ def data_wait(data: Path, run_dir: Path, *, prefetch: int, steps: int, read_dela
         trainer._batch = lambda indices: (time.sleep(read_delay_s), gather(indices))[1]
     trainer.train()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in rows if r["kind"] == "train" and not r.get("warmup_window")]
+    train = [r for r in rows if r["kind"] == "train"]
+    steady = [r for r in train if not r.get("warmup_window")] or train  # a short run: all it has
     seconds = sum(r["window_seconds"] for r in steady)
     waited = sum(r["data_wait"] * r["window_seconds"] for r in steady)
     tokens = sum(r["tokens_per_s"] * r["window_seconds"] for r in steady)

@@ -7,6 +7,7 @@ checkpoint resumes exactly there, and the data-wait fraction reaches metrics.jso
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -21,6 +22,7 @@ from mamba3lite.train.metrics import TrainingLogger
 from mamba3lite.train.metrics.console import format_console
 from mamba3lite.train.prefetch import Prefetcher
 from mamba3lite.train.trainer import Pretrainer
+from test_benchmarks_smoke import run_script
 from test_trainer import VOCAB, make_dataset, metrics, tiny_config, weights
 
 
@@ -229,3 +231,10 @@ def test_the_data_wait_reaches_metrics_jsonl(tmp_path):
         assert 0.0 <= r["data_wait"] <= 1.0
         assert r["data_wait"] * r["window_seconds"] >= 0.2 * r["window_steps"] * 0.95, r
     assert all("data_wait" in json.dumps(r) for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_data_wait_prints_its_table():
+    out = run_script("bench_data_wait.py", "--steps", "10", "--read-delay-ms", "10")
+    assert "| read delay (ms) | wait, off | wait, on | off / on | tokens/s off | tokens/s on |" in out
+    assert re.search(r"^\| 10 \| [\d.]+% \| [\d.]+% \| [\d.]+x \| [\d,]+ \| [\d,]+ \|$", out, re.M), out
