@@ -72,6 +72,8 @@ def test_a_meta_written_before_run_state_loads_and_resumes(tmp_path):
     assert result.step == 3 and result.tokens_seen == 96
     new = CheckpointManager(run).read_meta(3)
     assert RunState.from_meta(new).sampler["consumed"] > state.sampler["consumed"]
+    # its sampler state had no "order": the run goes on in the permutation it began with, and says so
+    assert "order" not in state.sampler and RunState.from_meta(new).sampler["order"] == "pcg64-perm"
 
 
 @pytest.mark.parametrize("bad", [{"tokens_seen": "64"}, {"rng": None}, {"world_size": 1.5}])

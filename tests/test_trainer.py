@@ -555,15 +555,18 @@ def test_running_a_finished_run_again_logs_no_second_evaluation(tmp_path):
     assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "eval"] == [3, 4]
 
 
-def test_a_rollback_skips_the_data_that_led_to_the_divergence(tmp_path):
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_rollback_skips_the_data_that_led_to_the_divergence(tmp_path, prefetch):
     """Non-finite losses caused by the data itself (here: the windows of step 6) recurred identically
     after a rollback that replayed the same batches, until max_rollbacks stopped the run. The rollback
-    now continues with the batches after the failure."""
+    now continues with the batches after the failure (also with the next steps already prefetched)."""
     t = Pretrainer(
-        tiny_config(tmp_path, max_steps=12, save_every=2, nan_guard_max_consecutive=2, max_rollbacks=1)
-    )
+        tiny_config(tmp_path, max_steps=12, save_every=2, nan_guard_max_consecutive=2, max_rollbacks=1,
+                    prefetch_batches=prefetch)
+    )  # fmt: skip
     order = [t.sampler.global_batch(0, i) for i in range(12)]
     poison = set(order[5])
+    poison_rows = t.train_data.get_batch(sorted(poison))[0]
     forward, drawn = t.raw_model.forward, []
     batch = t._batch
 
@@ -571,9 +574,12 @@ def test_a_rollback_skips_the_data_that_led_to_the_divergence(tmp_path):
         drawn.append(list(indices))
         return batch(indices)
 
+    def poisoned(x):  # the batch holds a window of step 6 (by content: the batch is produced ahead)
+        return bool((x[:, None, :] == poison_rows[None]).all(-1).any())
+
     t._batch = tracked_batch
     t.raw_model.forward = lambda x, y=None: (
-        forward(x, y) * (float("nan") if t.raw_model.training and poison & set(drawn[-1]) else 1.0)
+        forward(x, y) * (float("nan") if t.raw_model.training and poisoned(x) else 1.0)
     )
     result = t.train()
     assert result.step == 12 and result.rollbacks == 1
@@ -643,10 +649,11 @@ def test_the_steps_saved_before_a_damaged_batch_keep_their_rows(tmp_path):
         "data", dummy=False, train_data_path=data
     )
     t = Pretrainer(cfg)
-    next_indices = t._next_indices
+    next_indices, drawn = t._next_indices, []
 
-    def damaged_at_step_4():
-        if t.step == 3:
+    def damaged_at_step_4():  # counts draws, not t.step: the prefetcher draws steps ahead of training
+        drawn.append(None)
+        if len(drawn) == 4:
             raise DataError("shard_00000.bin: token id 67 at position 5 is outside the vocabulary")
         return next_indices()
 

@@ -63,6 +63,7 @@ from mamba3lite.train.model_setup import build_model
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
 from mamba3lite.train.notes import epoch_summary, start_message, start_warnings
 from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
+from mamba3lite.train.prefetch import Batches, Prefetcher
 from mamba3lite.train.progress import Progress, TrainData, TrainResult
 from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
 from mamba3lite.train.stop import StopFlag
@@ -135,6 +136,11 @@ class Pretrainer:
             seed=tc.seed,
             shuffle=True,
         )
+        # The input of the next steps, produced ahead on a thread (prefetch.py); self.sampler stays the
+        # position of the batches consumed, what checkpoints record.
+        self.prefetcher = Prefetcher(self.sampler.clone(), self._produce_step, depth=tc.prefetch_batches,
+                                     pin=self.device.type == "cuda")  # fmt: skip
+        self._data_wait_s = 0.0  # the training thread's wait for input since the last logged step
         self.ckpt = CheckpointManager(tc.checkpoint_dir, keep_last_n=tc.keep_last_n)
         self.guard = NonFiniteGuard(tc.nan_guard_max_consecutive, tc.max_rollbacks)
         self.rng = RngState()
@@ -214,6 +220,7 @@ class Pretrainer:
                     )
                 raise
             finally:
+                self.prefetcher.close()
                 self.logger.close()
         return TrainResult(
             step=self.step,
@@ -438,11 +445,24 @@ class Pretrainer:
 
     # ------------------------------------------------------------------------------------ steps
     def _next_indices(self) -> list[int]:
-        return self.sampler.next_batch()
+        """This rank's windows of the next step to produce, from the prefetcher's sampler (ahead of
+        `self.sampler` by the steps produced and not yet consumed)."""
+        return self.prefetcher.sampler.next_batch()
 
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BT, y_BT = self.train_data.get_batch(indices)  # one gather, no per-window tensors
-        return x_BT.to(self.device, non_blocking=True), y_BT.to(self.device, non_blocking=True)
+        """Windows `indices` on the CPU: one gather, no per-window tensors."""
+        return self.train_data.get_batch(indices)
+
+    def _produce_step(self) -> Batches:
+        """One step's micro-batches on the CPU (the prefetcher runs it, on its thread when it has one)."""
+        mb, accum = self.tc.micro_batch_size, self.accum
+        indices = self._next_indices()
+        assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
+        return [self._batch(indices[i * mb : (i + 1) * mb]) for i in range(accum)]
+
+    def _take_data_wait(self) -> float:
+        waited, self._data_wait_s = self._data_wait_s, 0.0
+        return waited
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -505,28 +525,31 @@ class Pretrainer:
             tokens_processed=tokens + pending_tokens,
             tokens_total=self.tokens_seen,
             skipped=skipped + pending_skipped,
+            data_wait_s=self._take_data_wait(),
         )
         return True
 
-    def _draw_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The step's micro-batches on the device. A damaged batch on any rank: DataError on every rank,
-        the sampler put back to before the step (nothing of it has happened, so the checkpoint `train`
-        writes now resumes exactly here)."""
-        mb, accum = self.tc.micro_batch_size, self.accum
+    def _draw_batches(self) -> Batches:
+        """The step's micro-batches on the device, taken from the prefetcher (the time waited for them is
+        the data wait); the sampler then holds the position after them. A damaged batch on any rank:
+        DataError on every rank, the sampler put back to before the step (nothing of it has happened, so
+        the checkpoint `train` writes now resumes exactly here)."""
         sampler_before = self.sampler.state_dict()
-        indices = self._next_indices()
-        assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
-        if self.sampler.epoch != sampler_before["epoch"]:
-            self._event("epoch", f"{epoch_summary(self.sampler)} begins at step {self.step + 1}")
-        bad: DataError | None = None
-        try:
-            batches = [self._batch(indices[i * mb : (i + 1) * mb]) for i in range(accum)]
-        except DataError as e:  # a shard whose bytes changed since prepare (the message names it)
-            batches, bad = [], e
+        t0 = time.perf_counter()
+        item = self.prefetcher.take(sampler_before)
+        self._data_wait_s += time.perf_counter() - t0
+        bad = item.error  # a DataError: a shard whose bytes changed since prepare (the message names it)
+        if bad is not None and not isinstance(bad, DataError):
+            raise bad
+        if bad is None:
+            self.sampler.load_state_dict(item.after)  # consumed: what a checkpoint from now on records
+            if self.sampler.epoch != sampler_before["epoch"]:
+                self._event("epoch", f"{epoch_summary(self.sampler)} begins at step {self.step + 1}")
         if (err := self._damaged_on_any_rank(bad, f"batch for step {self.step + 1}")) is not None:
             self.sampler.load_state_dict(sampler_before)
             raise err
-        return batches
+        to = functools.partial(torch.Tensor.to, device=self.device, non_blocking=True)
+        return [(to(x_BT), to(y_BT)) for x_BT, y_BT in item.batches]
 
     def _accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, float, int] | None:
         """Forward and backward of each micro-batch the guard lets through: (good, loss sum, skipped),

@@ -1,6 +1,7 @@
 """The console sink: each row as one line, in the seed's format for train rows.
 
-    step=     50 | loss=3.2500 | ppl=25.79 | lr=3.00e-04 | tps=12,346 | gnorm=0.750 | ... | tokens=1,000
+    step=     50 | loss=3.2500 | ppl=25.79 | lr=3.00e-04 | tps=12,346 | gnorm=0.750 | data_wait=0.4% | ...
+                 | tokens=1,000
     eval step=     50 | val_loss=3.1000 | val_ppl=22.20 | val_bpb=1.2000
     eval step=     50 | piqa acc=0.5400 acc_norm=0.5500            (downstream tasks: "<task>/<metric>")
     [rollback] step=40: ...                                        (events)
@@ -48,6 +49,8 @@ def _format_train(row: dict) -> str:
     ]
     if row.get("grad_norm") is not None:
         parts.append(f"gnorm={row['grad_norm']:.3f}")
+    if row.get("data_wait") is not None:
+        parts.append(f"data_wait={100 * row['data_wait']:.1f}%")
     if row.get("skipped"):
         parts.append(f"skipped={row['skipped']}")
     if row.get("mfu") is not None:

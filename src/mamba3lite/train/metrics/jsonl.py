@@ -116,7 +116,7 @@ class RunMetrics:
 _COUNTS = ("step", "tokens", "window_steps", "skipped")
 _NUMBERS = (
     "time", "loss", "ppl", "lr", "grad_norm", "grad_norm_max", "tokens_per_s", "window_seconds", "mfu",
-    "peak_mem_mb", "val_loss", "val_ppl", "val_bpb",
+    "data_wait", "peak_mem_mb", "val_loss", "val_ppl", "val_bpb",
 )  # fmt: skip
 
 

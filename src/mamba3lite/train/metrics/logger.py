@@ -89,9 +89,11 @@ class TrainingLogger:
         tokens_processed: int,
         tokens_total: int,
         skipped: int = 0,
+        data_wait_s: float = 0.0,
     ) -> dict | None:
         """Record one optimizer step (`step` = steps completed). loss None: every micro-step of the step
-        was skipped. Emits and returns the train row when the window closes, else None."""
+        was skipped; `data_wait_s`: seconds the training thread waited for the step's input. Emits and
+        returns the train row when the window closes, else None."""
         self._window.add(
             step,
             loss=loss,
@@ -100,6 +102,7 @@ class TrainingLogger:
             tokens_processed=tokens_processed,
             tokens_total=tokens_total,
             skipped=skipped,
+            data_wait_s=data_wait_s,
         )
         self.progress.update(step, loss)
         if step % self.log_every == 0:

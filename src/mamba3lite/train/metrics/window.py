@@ -10,6 +10,9 @@ train row when the window closes at clock time `now`:
     skipped       non-finite micro-steps skipped in the window (NaN guard)
     tokens_per_s  tokens actually processed in the window (micro-batch × seq × accumulation × world,
                   per step, skipped micro-steps included: they ran) / the window's wall time
+    data_wait     the fraction of the window's wall time the training thread waited for its input
+                  (0: the prefetcher always had the next step ready; with prefetch_batches 0, the time
+                  spent reading the batches)
     window_steps, window_seconds   what the averages are over
     mfu           model FLOPs/token × tokens_per_s / peak FLOP/s (`mfu`; when the peak is known)
     peak_mem_mb   as measured by the caller (`memory.peak_memory_mb`)
@@ -40,6 +43,7 @@ class Window:
     lr: float = float("nan")  # of the last step
     last_step: int | None = None
     tokens_total: int = 0  # cumulative, at the last step
+    data_wait_s: float = 0.0  # seconds the training thread waited for input in the window
 
     def add(
         self,
@@ -51,8 +55,10 @@ class Window:
         tokens_processed: int,
         tokens_total: int,
         skipped: int,
+        data_wait_s: float = 0.0,
     ) -> None:
-        """Record optimizer step `step` (loss None: every micro-step of it was skipped)."""
+        """Record optimizer step `step` (loss None: every micro-step of it was skipped); `data_wait_s`:
+        the seconds waited for its input (and for that of the abandoned steps before it)."""
         if loss is not None:
             assert math.isfinite(loss), "non-finite losses are skipped before they reach the logger"
             self.losses.append(float(loss))
@@ -64,6 +70,7 @@ class Window:
         self.lr = float(lr)
         self.last_step = step
         self.tokens_total = int(tokens_total)
+        self.data_wait_s += max(0.0, float(data_wait_s))
 
 
 def mfu(flops_per_token: float | None, tokens_per_s: float, peak_flops_per_s: float | None) -> float | None:
@@ -98,6 +105,7 @@ def window_row(
         "grad_norm": sum(w.grad_norms) / len(w.grad_norms) if w.grad_norms else None,
         "grad_norm_max": max(w.grad_norms) if w.grad_norms else None,
         "tokens_per_s": tps,
+        "data_wait": min(1.0, w.data_wait_s / elapsed),
         "window_steps": w.steps,
         "window_seconds": elapsed,
         "skipped": w.skipped,
