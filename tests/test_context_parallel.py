@@ -199,3 +199,15 @@ def test_context_parallel_loss_and_every_gradient_equal_one_process(C, tmp_path)
         for p, g_ref in ref_grads.items():
             rel = float((grads[p] - g_ref).norm() / g_ref.norm())
             assert g_ref.norm() > 0 and rel <= 1e-5, (name, p, rel)
+
+
+def test_state_correction_gradients_equal_autograd_of_the_formula():
+    g = torch.Generator().manual_seed(2)
+    d = torch.float64
+    y = torch.randn(2, 3, 7, 2, 5, generator=g, dtype=d, requires_grad=True)
+    q = torch.randn(2, 3, 7, 2, 4, generator=g, dtype=d, requires_grad=True)
+    S = torch.randn(2, 3, 5, 4, generator=g, dtype=d, requires_grad=True)
+    w = torch.rand(2, 3, 7, generator=g, dtype=d, requires_grad=True)
+    assert torch.autograd.gradcheck(state_correction, (y, q, S, w))
+    ref = y + torch.einsum("bhpn,bhtrn->bhtrp", S, q) * w[..., None, None]
+    torch.testing.assert_close(state_correction(y, q, S, w), ref, rtol=1e-14, atol=1e-14)

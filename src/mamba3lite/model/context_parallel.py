@@ -115,11 +115,36 @@ def first_token_boa(dt_BHT: Tensor, lam_BHT: Tensor, reset_BT: Tensor | None) ->
     return b if reset_BT is None else b * (~reset_BT[:, :1]).to(sd)
 
 
+class _StateCorrection(torch.autograd.Function):
+    """y + w ⊙ (S q) per token and rank, saving q (which the scan keeps anyway: the same storage), S and
+    w; autograd would also keep the (B, H, T, R, P) product S q for w's gradient. Computed in the state
+    dtype (w's), returned in y's."""
+
+    @staticmethod
+    def forward(ctx, y_BHTRP, q_BHTRN, S_BHPN, w_BHT):
+        sd = w_BHT.dtype
+        with torch.autocast(y_BHTRP.device.type, enabled=False):
+            Sq = torch.einsum("bhpn,bhtrn->bhtrp", S_BHPN.to(sd), q_BHTRN.to(sd))
+            out = y_BHTRP + (Sq * w_BHT[..., None, None]).to(y_BHTRP.dtype)
+        ctx.save_for_backward(q_BHTRN, S_BHPN, w_BHT)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_BHTRP):
+        q, S, w = ctx.saved_tensors
+        sd = w.dtype
+        with torch.autocast(g_BHTRP.device.type, enabled=False):
+            g, qf, Sf = g_BHTRP.to(sd), q.to(sd), S.to(sd)
+            d_w = (g * torch.einsum("bhpn,bhtrn->bhtrp", Sf, qf)).sum((-2, -1))
+            gw = g * w[..., None, None]
+            d_q = torch.einsum("bhtrp,bhpn->bhtrn", gw, Sf).to(q.dtype)
+            d_S = torch.einsum("bhtrp,bhtrn->bhpn", gw, qf).to(S.dtype)
+        return g_BHTRP, d_q, d_S, d_w
+
+
 def state_correction(y_BHTRP: Tensor, q_BHTRN: Tensor, S_BHPN: Tensor, w_BHT: Tensor) -> Tensor:
     """y_t + w_t · S q_t (per rank r), in y's dtype (the module docstring, step 4)."""
-    sd = w_BHT.dtype
-    corr = torch.einsum("bhpn,bhtrn->bhtrp", S_BHPN.to(sd), q_BHTRN.to(sd)) * w_BHT[..., None, None]
-    return y_BHTRP + corr.to(y_BHTRP.dtype)
+    return _StateCorrection.apply(y_BHTRP, q_BHTRN, S_BHPN, w_BHT)
 
 
 def _pack(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
