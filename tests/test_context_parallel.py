@@ -23,10 +23,12 @@ from mamba3lite.model.context_parallel import (
     combine_states,
     cut_window,
     first_token_boa,
+    rotated_state_correction,
     state_correction,
     state_weights,
 )
 from mamba3lite.model.mamba3 import cumulative_angles
+from mamba3lite.model.rotation import bias_rotate
 from mamba3lite.model.scan import chunked_scan, sequential_scan
 from mamba3lite.model.transformer import Mamba3Transformer
 
@@ -211,3 +213,23 @@ def test_state_correction_gradients_equal_autograd_of_the_formula():
     assert torch.autograd.gradcheck(state_correction, (y, q, S, w))
     ref = y + torch.einsum("bhpn,bhtrn->bhtrp", S, q) * w[..., None, None]
     torch.testing.assert_close(state_correction(y, q, S, w), ref, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("halves", [False, True])
+@pytest.mark.parametrize("rope", [True, False])
+def test_rotated_state_correction_equals_the_correction_of_the_rotated_queries(halves, rope):
+    g = torch.Generator().manual_seed(4)
+    d = torch.float64
+    B, G, H, T, R, N, P, S = 2, 1, 2, 5, 2, 4, 3, 1
+    y = torch.randn(B, H, T, R, P, generator=g, dtype=d, requires_grad=True)
+    q_hat = torch.randn(B, G, T, R, N, generator=g, dtype=d, requires_grad=True)
+    bias = torch.randn(H, R, N, generator=g, dtype=d, requires_grad=True)
+    theta = (torch.rand(B, H, T, S, generator=g, dtype=d) * 6).requires_grad_(rope) if rope else None
+    S_BHPN = torch.randn(B, H, P, N, generator=g, dtype=d, requires_grad=True)
+    w = torch.rand(B, H, T, generator=g, dtype=d, requires_grad=True)
+    q = bias_rotate(q_hat, q_hat, bias, bias, theta, halves, d)[1]
+    ref = state_correction(y, q, S_BHPN, w)
+    got = rotated_state_correction(y, q_hat, bias, theta, halves, S_BHPN, w)
+    torch.testing.assert_close(got, ref, rtol=1e-14, atol=1e-14)
+    inputs = (y, q_hat, bias, theta, halves, S_BHPN, w)
+    assert torch.autograd.gradcheck(rotated_state_correction, inputs)

@@ -20,7 +20,8 @@ The exchange, per Mamba-3 layer (h_t ∈ R^{P×N}, the recurrence of model/scan.
    One all-gather of (h̃_c, D_c, b_c, k_last, v_last) per layer; every rank then runs the C-step prefix
    locally (C is small; the C·P·N products are negligible next to the scan).
 4. The correction y_t += w_t · S_c q_t (per MIMO rank), an O(T·R·P·N) product like the scan's own state
-   read, instead of re-running the scan from S_c.
+   read, instead of re-running the scan from S_c. It keeps q for its backward (the scan's own q), or on
+   the Triton path q̂ and θ, from which it recomputes q (the fused scan keeps those, not q).
 
 The collectives are differentiable (`_AllGather`: all-gather forward, all-reduce of the gathered
 gradient and this rank's slice backward), so the backward sends the gradients of S_c and Θ_c back to
@@ -53,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mamba3lite.errors import ConfigError
+from mamba3lite.model.rotation import bias_rotate_grads, per_head, rotate_, rotation_factors
 
 
 def cut_window(x_BT: Tensor, y_BT: Tensor, rank: int, size: int) -> tuple[Tensor, Tensor]:
@@ -147,6 +149,60 @@ def state_correction(y_BHTRP: Tensor, q_BHTRN: Tensor, S_BHPN: Tensor, w_BHT: Te
     return _StateCorrection.apply(y_BHTRP, q_BHTRN, S_BHPN, w_BHT)
 
 
+def _rotated_queries(q_hat_BGTRN: Tensor, q_bias_HRN: Tensor, theta_BHTS: Tensor | None, halves: bool):
+    """q = R(θ)(q̂ + C_bias) per head (B, H, T, R, N), in q̂'s dtype (rotation.bias_rotate's queries)."""
+    q = per_head(q_hat_BGTRN, q_bias_HRN)
+    if theta_BHTS is None:
+        return q
+    return rotate_(q, rotation_factors(theta_BHTS.to(q.dtype)[:, :, :, None], halves), halves)
+
+
+class _RotatedStateCorrection(torch.autograd.Function):
+    """`_StateCorrection` given the per-group normed queries q̂ (B, G, T, R, N), their per-head bias and
+    the angles instead of q: the Triton scan's fused op keeps exactly those (not the per-head q, H/G
+    times larger), and this recomputes q from them in its backward too (rotation.py's closed forms)."""
+
+    @staticmethod
+    def forward(ctx, y_BHTRP, q_hat_BGTRN, q_bias_HRN, theta_BHTS, halves, S_BHPN, w_BHT):
+        sd = w_BHT.dtype
+        with torch.autocast(y_BHTRP.device.type, enabled=False):
+            q = _rotated_queries(q_hat_BGTRN, q_bias_HRN, theta_BHTS, halves).to(sd)
+            Sq = torch.einsum("bhpn,bhtrn->bhtrp", S_BHPN.to(sd), q)
+            out = y_BHTRP + (Sq * w_BHT[..., None, None]).to(y_BHTRP.dtype)
+        ctx.save_for_backward(q_hat_BGTRN, q_bias_HRN, theta_BHTS, S_BHPN, w_BHT)
+        ctx.halves = halves
+        return out
+
+    @staticmethod
+    def backward(ctx, g_BHTRP):
+        q_hat, q_bias, theta, S, w = ctx.saved_tensors
+        sd = w.dtype
+        with torch.autocast(g_BHTRP.device.type, enabled=False):
+            q = _rotated_queries(q_hat, q_bias, theta, ctx.halves)
+            g, qf, Sf = g_BHTRP.to(sd), q.to(sd), S.to(sd)
+            d_w = (g * torch.einsum("bhpn,bhtrn->bhtrp", Sf, qf)).sum((-2, -1))
+            gw = g * w[..., None, None]
+            d_q = torch.einsum("bhtrp,bhpn->bhtrn", gw, Sf)
+            d_S = torch.einsum("bhtrp,bhtrn->bhpn", gw, qf).to(S.dtype)
+            _, d_q_hat, _, d_bias, d_theta = bias_rotate_grads(
+                theta, q, q, None, d_q, ctx.halves, q_hat.shape[1], q_hat.dtype
+            )
+        return g_BHTRP, d_q_hat, d_bias.to(q_bias.dtype), d_theta, None, d_S, d_w
+
+
+def rotated_state_correction(
+    y_BHTRP: Tensor,
+    q_hat_BGTRN: Tensor,
+    q_bias_HRN: Tensor,
+    theta_BHTS: Tensor | None,
+    halves: bool,
+    S_BHPN: Tensor,
+    w_BHT: Tensor,
+) -> Tensor:
+    """`state_correction` with q = R(θ)(q̂ + C_bias) recomputed, never kept (the Triton path's form)."""
+    return _RotatedStateCorrection.apply(y_BHTRP, q_hat_BGTRN, q_bias_HRN, theta_BHTS, halves, S_BHPN, w_BHT)
+
+
 def _pack(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
     """(B, ...) tensors -> one (B, F) tensor of `dtype` (one collective for all of them)."""
     return torch.cat([t.to(dtype).flatten(1) for t in tensors], dim=1)
@@ -211,22 +267,21 @@ class ContextParallel:
         shift = theta_in_BHS[:, :, None].to(wide) * (1 if live is None else live[..., None].to(wide))
         return torch.remainder(theta_loc.to(wide) + shift, 2 * math.pi).to(theta_loc.dtype)
 
-    def continue_state(
+    def incoming_state(
         self,
-        y_BHTRP: Tensor,
         h_end_BHPN: Tensor,
-        q_BHTRN: Tensor,
         k_last_BHRN: Tensor,
         v_last_BHRP: Tensor,
         adt_BHT: Tensor,
         dt_BHT: Tensor,
         lam_BHT: Tensor,
         reset_BT: Tensor | None,
-    ) -> Tensor:
-        """The piece's outputs y (scanned from a zero state) plus the contribution of the state the
-        previous pieces leave (module docstring, steps 3-4)."""
+    ) -> tuple[Tensor, Tensor]:
+        """(S_BHPN, w_BHT): the state the previous pieces leave, and how much of it each token of this
+        piece keeps (module docstring, step 3), from this piece's local final state h_end, its last
+        token's k and v, and its per-token ΔA, Δ, λ and resets. The caller adds w_t·S q_t to y_t
+        (`state_correction`, step 4)."""
         w_BHT = state_weights(adt_BHT, reset_BT)
-        sd = w_BHT.dtype
         parts = [
             h_end_BHPN,
             w_BHT[:, :, -1],
@@ -234,9 +289,8 @@ class ContextParallel:
             k_last_BHRN,
             v_last_BHRP,
         ]
-        gathered = _unpack(self.gather(_pack(parts, sd)), parts)
-        S_BHPN = combine_states(*gathered)[self.rank]
-        return state_correction(y_BHTRP, q_BHTRN, S_BHPN, w_BHT)
+        gathered = _unpack(self.gather(_pack(parts, w_BHT.dtype)), parts)
+        return combine_states(*gathered)[self.rank], w_BHT
 
     def previous_token(self, input_ids_BT: Tensor) -> Tensor:
         """The last input token of the previous piece per row (B,), −1 on the first piece."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig, check_scan_impl
-from mamba3lite.model.context_parallel import ContextParallel
+from mamba3lite.model.context_parallel import ContextParallel, rotated_state_correction, state_correction
 from mamba3lite.model.rotation import (  # noqa: F401 (pair_views, rotate_, rotation_factors: tests)
     bias_rotate,
     bias_rotate_grads,
@@ -493,19 +493,24 @@ class Mamba3(nn.Module):
         scan = self._bound_scan(u_BTD.device)
         adt = A * dt
         if self.scan_impl == "triton":
+            # One contiguous q̂ that the fused scan and the correction both keep (one storage).
+            q_hat = q_hat.contiguous()
             mimo_x = self.mimo_x if self.is_mimo else None
             y, h_BHPN = rotated_scan(
                 k_hat, q_hat, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, x, adt, dt, lam,
                 chunk_size=self.chunk_size, reset_BT=reset_BT, v_scale_HRP=mimo_x,
             )  # fmt: skip
-            q, k = self._qk(k_hat, q_hat, theta_BHTS)
+            last = None if theta_BHTS is None else theta_BHTS[:, :, -1:]
+            k_last = self._qk(k_hat[:, :, -1:], q_hat[:, :, -1:], last)[1][:, :, 0]
             v_last = self._values(x[:, :, -1:])[:, :, 0]
+            S, w = cp.incoming_state(h_BHPN, k_last, v_last, adt, dt, lam, reset_BT)
+            y = rotated_state_correction(y, q_hat, self.C_bias, theta_BHTS, self.is_mimo, S, w)
         else:
             v = self._values(x)
             q, k = self._qk(k_hat, q_hat, theta_BHTS)
             y, h_BHPN = scan(q, k, v, adt, dt, lam, reset_BT=reset_BT)
-            v_last = v[:, :, -1]
-        y = cp.continue_state(y, h_BHPN, q, k[:, :, -1], v_last, adt, dt, lam, reset_BT)
+            S, w = cp.incoming_state(h_BHPN, k[:, :, -1], v[:, :, -1], adt, dt, lam, reset_BT)
+            y = state_correction(y, q, S, w)
         return self._output(y, x, z)
 
     def step(self, u_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None = None) -> Tensor:
