@@ -8,7 +8,7 @@ The exchange, per Mamba-3 layer (h_t ∈ R^{P×N}, the recurrence of model/scan.
 1. Angles first (they are needed before q and k are rotated). θ_t is a running sum of dθ that restarts
    at resets, so a piece that starts from 0 ends at θ̃_c (the sum since its start or its last reset);
    the global angle entering piece c is Θ_0 = 0, Θ_{c+1} = (Θ_c·[no reset in piece c] + θ̃_c) mod 2π,
-   and token t of piece c has θ_t = θ̃_t + Θ_c·[no reset in (start, t]].
+   and token t of piece c has θ_t = θ̃_t + Θ_c·[no reset in [start, t]].
 2. Each rank scans its piece from a zero state (any backend: the scan's contract is unchanged), giving
    the local outputs ỹ_t and the local final state h̃_c.
 3. The state entering piece c, in the chunked scan's carried form (scan.start_state), is
@@ -33,16 +33,20 @@ Resets at a piece boundary: the first token of piece c is a reset when the last 
 c−1 is EOS; `ContextParallel.previous_token` exchanges it (one int per row) and the LM's reset rule
 uses it as a decode cache's last token.
 
-Public API for the training seam (train/parallel/ builds the group from the device mesh):
-    model.set_context_parallel(group)       Mamba3Transformer: every mixer exchanges over `group`
-                                            (a ProcessGroup, or None: C = 1, no exchange)
-    cut_window(x_BT, y_BT, rank, size)      this rank's piece of the batch (ConfigError if T % size)
-    ContextParallel(group).reduce_loss(l)   the window's mean loss from the pieces' (for logging)
+Public API for the training seam (train/parallel/ builds the group from the device mesh's "cp" dimension):
+    model.set_context_parallel(group)        Mamba3Transformer: every mixer exchanges over `group` (a
+                                             ProcessGroup; None: C = 1, no exchange, the default)
+    cut_window(x_BT, y_BT, rank, size)       this rank's piece of a batch of windows (rank and size
+                                             within the group; a ConfigError when size does not divide T)
+    model.context_parallel.reduce_loss(l)    the window's mean loss from the pieces' (detached, for logs)
 Each rank computes the mean loss of its piece and backpropagates it; averaging the gradients over the
-flattened (data parallel × context parallel) ranks, as DDP/FSDP do, then gives the whole window's
-gradient (exact when every piece scores the same number of targets, as without ignored targets).
-A piece need not be a multiple of the chunk size (each piece is scanned on its own, the last chunk
-zero-padded); a multiple is faster.
+flattened (data parallel × context parallel) ranks, as DDP/FSDP do over their group, then gives the
+whole window's gradient (exact when every piece scores the same number of targets, as without ignored
+targets). The exchange's own collectives run on `group` inside forward and backward, in the same order
+on every rank of it. Decode (a cache) stays on one process: clear the group (None) first.
+Every scan backend works unchanged (sequential, chunked, triton: each piece is scanned from a zero
+state by the backend's own function). A piece need not be a multiple of the chunk size (the last chunk
+is zero-padded, as in any scan); a multiple wastes nothing.
 """
 
 from __future__ import annotations

@@ -250,6 +250,8 @@ class Mamba3(nn.Module):
     With a cache, the scan starts from it and writes the final state back.
     step(u_BD, cache, reset_B=None) -> out_BD: one token in O(1), cache updated in place.
     `reset_BT[b, t]` true: token t starts a fresh state (packed documents; the LM computes it).
+    With a context-parallel group set (`set_context_parallel`), forward scans this rank's piece of the
+    window and adds the state the previous pieces leave (model/context_parallel.py).
 
     Ablations (not official arguments): `trapezoid=False` (λ ≡ 1, the λ projection is dropped) and
     `rope=False` (no rotation, the θ projection is dropped). An official state_dict loads with
