@@ -2,8 +2,9 @@
 
 Fast: the combine math, C pieces simulated in one process against the sequential scan in float64.
 Slow: C = 2 and 4 gloo processes training a tiny LM on the pieces of a window, whose loss and every
-parameter gradient equal one process's on the whole window (fp32), for SISO/MIMO, the chunked and the
-Triton (interpreter) scans, resets at EOS inside a piece and at a piece boundary, checkpointing.
+parameter gradient equal one process's on the whole window (fp32), for SISO/MIMO, the chunked, the
+sequential and the Triton (interpreter) scans, resets at EOS inside a piece and at a piece boundary,
+activation checkpointing, a piece that is not a multiple of the chunk size.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ CASES = {
     "siso-chunked-resets-ckpt-chunk6": dict(
         is_mimo=False, scan_impl="chunked", reset_at_eos=True, chunk_size=6
     ),
+    "siso-sequential-resets": dict(is_mimo=False, scan_impl="sequential", reset_at_eos=True),
     "mimo-chunked-resets": dict(is_mimo=True, mimo_rank=2, scan_impl="chunked", reset_at_eos=True),
     "siso-triton-resets": dict(is_mimo=False, scan_impl="triton", reset_at_eos=True),
     "mimo-triton-resets": dict(is_mimo=True, mimo_rank=2, scan_impl="triton", reset_at_eos=True),
