@@ -378,3 +378,11 @@ def test_time_to_quality_smallest_budget_prints_its_table(tmp_path):
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert "all" in rows and "tokenizer" in rows and "error" not in out
     assert "| 300 |" in rows["all"] and "| muon |" in rows["all"] and "| adamw |" in rows["tokenizer"]
+
+
+@pytest.mark.slow
+def test_bench_context_parallel_smallest_budget_prints_its_table():
+    out = run_script("bench_context_parallel.py", "--seq-len", "128", "--cp", "1", "2", "--steps", "1")
+    assert "| C | activation MiB | x C=1 | step s | exchanged KiB/layer | ring attention KiB/layer |" in out
+    assert re.search(r"^\| 1 \| [\d.]+ \| 1\.00 \| [\d.]+ \| 0\.0 \| 0\.0 \|$", out, re.M), out
+    assert re.search(r"^\| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig, check_scan_impl
+from mamba3lite.model.context_parallel import ContextParallel, rotated_state_correction, state_correction
 from mamba3lite.model.rotation import (  # noqa: F401 (pair_views, rotate_, rotation_factors: tests)
     bias_rotate,
     bias_rotate_grads,
@@ -250,6 +251,8 @@ class Mamba3(nn.Module):
     With a cache, the scan starts from it and writes the final state back.
     step(u_BD, cache, reset_B=None) -> out_BD: one token in O(1), cache updated in place.
     `reset_BT[b, t]` true: token t starts a fresh state (packed documents; the LM computes it).
+    With a context-parallel group set (`set_context_parallel`), forward scans this rank's piece of the
+    window and adds the state the previous pieces leave (model/context_parallel.py).
 
     Ablations (not official arguments): `trapezoid=False` (λ ≡ 1, the λ projection is dropped) and
     `rope=False` (no rotation, the θ projection is dropped). An official state_dict loads with
@@ -322,6 +325,7 @@ class Mamba3(nn.Module):
 
         self._f_A = heavy_tail if a_activation == "heavy_tail" else F.softplus
         self.set_scan_impl(scan_impl)
+        self.context_parallel: ContextParallel | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, device=None, dtype=None) -> Mamba3:
@@ -353,6 +357,11 @@ class Mamba3(nn.Module):
         bound = self._resolve_scan(name, torch.device(device)) if device is not None else (None, None, None)
         self.scan_impl_requested = name
         self.scan_impl, self._scan, self._scan_device_type = bound
+
+    def set_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Scan this rank's piece of each window and exchange the state with the other pieces' ranks
+        (model/context_parallel.py); None: the whole window is here (no exchange)."""
+        self.context_parallel = cp
 
     def _resolve_scan(self, name: str, device: torch.device) -> tuple[str, Callable, str]:
         """(backend, its scan callable, device type) for the requested `name` on `device`."""
@@ -444,6 +453,9 @@ class Mamba3(nn.Module):
     def forward(
         self, u_BTD: Tensor, cache: Mamba3Cache | None = None, reset_BT: Tensor | None = None
     ) -> Tensor:
+        if self.context_parallel is not None:
+            assert cache is None, "decode runs on one process: clear the context-parallel group first"
+            return self._forward_piece(u_BTD, reset_BT, self.context_parallel)
         z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BTD)
         theta_BHTS = None
         if dtheta is not None:
@@ -476,6 +488,36 @@ class Mamba3(nn.Module):
                 cache.ssm_BHPN.copy_(h_BHPN)
                 cache.k_BRHN.copy_(k[:, :, -1].transpose(1, 2))
                 cache.v_BHP.copy_(x_BTHP[:, -1])
+        return self._output(y, x, z)
+
+    def _forward_piece(self, u_BTD: Tensor, reset_BT: Tensor | None, cp: ContextParallel) -> Tensor:
+        """forward of one context-parallel piece: angles continued from the previous pieces, the piece
+        scanned from a zero state, then the incoming state's contribution added (context_parallel.py)."""
+        z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BTD)
+        theta_BHTS = None if dtheta is None else cp.angles(dtheta, reset_BT, cumulative_angles)
+        k_hat, q_hat = self._normed(Bp, Cp)
+        x = self._raw_values(x_BTHP)
+        scan = self._bound_scan(u_BTD.device)
+        adt = A * dt
+        if self.scan_impl == "triton":
+            # One contiguous q̂ that the fused scan and the correction both keep (one storage).
+            q_hat = q_hat.contiguous()
+            mimo_x = self.mimo_x if self.is_mimo else None
+            y, h_BHPN = rotated_scan(
+                k_hat, q_hat, self.B_bias, self.C_bias, theta_BHTS, self.is_mimo, x, adt, dt, lam,
+                chunk_size=self.chunk_size, reset_BT=reset_BT, v_scale_HRP=mimo_x,
+            )  # fmt: skip
+            last = None if theta_BHTS is None else theta_BHTS[:, :, -1:]
+            k_last = self._qk(k_hat[:, :, -1:], q_hat[:, :, -1:], last)[1][:, :, 0]
+            v_last = self._values(x[:, :, -1:])[:, :, 0]
+            S, w = cp.incoming_state(h_BHPN, k_last, v_last, adt, dt, lam, reset_BT)
+            y = rotated_state_correction(y, q_hat, self.C_bias, theta_BHTS, self.is_mimo, S, w)
+        else:
+            v = self._values(x)
+            q, k = self._qk(k_hat, q_hat, theta_BHTS)
+            y, h_BHPN = scan(q, k, v, adt, dt, lam, reset_BT=reset_BT)
+            S, w = cp.incoming_state(h_BHPN, k[:, :, -1], v[:, :, -1], adt, dt, lam, reset_BT)
+            y = state_correction(y, q, S, w)
         return self._output(y, x, z)
 
     def step(self, u_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None = None) -> Tensor:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from mamba3lite.model.config import ModelConfig
+from mamba3lite.model.context_parallel import ContextParallel
 from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache, RMSNorm, linear_in_own_dtype
 from mamba3lite.model.sampling import sample_next
 from mamba3lite.model.scan import autocast_dtype
@@ -179,6 +180,7 @@ class Mamba3Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.grad_checkpointing = False
+        self.context_parallel: ContextParallel | None = None
         fk = {"device": device, "dtype": dtype}
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, **fk)
         self.layers = nn.ModuleList(Block(cfg, **fk) for _ in range(cfg.n_layers))
@@ -205,6 +207,15 @@ class Mamba3Transformer(nn.Module):
         `device` now when given, else at the first forward (see `Mamba3.set_scan_impl`)."""
         for block in self.layers:
             block.mixer.set_scan_impl(name, device)
+
+    def set_context_parallel(self, group) -> None:
+        """Train on pieces of each window: this process holds piece `rank` of the `size` contiguous
+        pieces of every window (`context_parallel.cut_window`), and every mixer passes the recurrent
+        state over `group` (a torch.distributed ProcessGroup). None: the whole window is here."""
+        cp = None if group is None else ContextParallel(group)
+        self.context_parallel = cp
+        for block in self.layers:
+            block.mixer.set_context_parallel(cp)
 
     @property
     def scan_impl(self) -> str | None:
@@ -240,7 +251,10 @@ class Mamba3Transformer(nn.Module):
         return self.norm_f(x_BTD)
 
     def forward(self, input_ids_BT: Tensor, targets_BT: Tensor | None = None) -> Tensor:
-        h_BTD = self._body(input_ids_BT, self._resets(input_ids_BT, None))
+        last_B = None  # the token before the window: none, unless this is a later context-parallel piece
+        if self.context_parallel is not None and self.cfg.reset_at_eos:
+            last_B = self.context_parallel.previous_token(input_ids_BT)
+        h_BTD = self._body(input_ids_BT, self._resets(input_ids_BT, last_B))
         if targets_BT is None:
             return linear_in_own_dtype(self.lm_head, h_BTD)
         w_VD = self.lm_head.weight
