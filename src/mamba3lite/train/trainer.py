@@ -332,11 +332,22 @@ class Pretrainer:
     # ------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> None:
         """Write the checkpoint of the current step (rank 0 writes; all ranks wait)."""
+        model, optimizer = self.raw_model, self.optimizer
+        if self.par.is_sharded:  # the full weights and state, gathered onto rank 0 (a collective)
+            model, optimizer = self.par.gathered_copies(model, optimizer, self._replica) or (None, None)
         if self.dist.is_main:
-            self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state())
+            self.ckpt.save(self.step, model, optimizer, self._run_state())
         D.barrier(self.dist)
         self.progress.last_saved = self.step
         self.guard.on_saved(self.step)
+
+    def _replica(self) -> tuple[torch.nn.Module, Any]:
+        """A fresh one-process (model, optimizer) on the CPU, the shape of the trained ones: what a
+        sharded run's state is gathered into for the three-file checkpoint format."""
+        from mamba3lite.model import Mamba3Transformer
+
+        model = Mamba3Transformer(self.cfg.model)
+        return model, build_optimizer(model, self.tc)
 
     def _run_state(self) -> RunState:
         """What the checkpoint of the current step records of the run (its meta: run_state.py)."""
@@ -410,7 +421,12 @@ class Pretrainer:
 
     def _restore(self, step: int) -> RunState:
         """Load checkpoint `step` into model, optimizer, sampler, RNG and counters (all ranks)."""
-        meta = self.ckpt.load(step, self.raw_model, self.optimizer, map_location=self.device)
+        if self.par.is_sharded:  # every rank reads the full files into a copy and keeps its shard
+            copies = self._replica()
+            meta = self.ckpt.load(step, *copies, map_location="cpu")
+            self.par.load_from_copies(self.raw_model, self.optimizer, copies)
+        else:
+            meta = self.ckpt.load(step, self.raw_model, self.optimizer, map_location=self.device)
         facts = {
             "model": self.cfg.to_dict()["model"],
             "data": self._data_identity(),

@@ -137,12 +137,14 @@ class Parallelism:
             return model.state_dict()
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def optimizer_state_dict(self, model: torch.nn.Module, optimizer: Any) -> dict:
+    def optimizer_state_dict(self, model: torch.nn.Module, optimizer: Any) -> list[dict]:
         """The optimizer's state over the full tensors, keyed by parameter name (torch's
-        `get_optimizer_state_dict` form: {"state": {name: ...}, "param_groups": [{..., "params": names}]}).
-        A collective under fsdp/hsdp."""
+        `get_optimizer_state_dict` form: {"state": {name: ...}, "param_groups": [{..., "params": names}]}),
+        one per torch optimizer inside ours (`optimizer_parts`: torch's helper refuses several optimizers
+        together when a group is empty, as AdamW's decayed group is beside Muon with a tied head). A
+        collective under fsdp/hsdp."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=self.is_sharded)
-        return get_optimizer_state_dict(model, optimizer_parts(optimizer), options=opts)
+        return [get_optimizer_state_dict(model, part, options=opts) for part in optimizer_parts(optimizer)]
 
     def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict (every process holds it) into the model, sharding it where the
@@ -152,10 +154,37 @@ class Parallelism:
             return
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
-    def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer: Any, state: dict) -> None:
+    def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer: Any, states: list[dict]) -> None:
         """Inverse of `optimizer_state_dict` (every process holds the full state)."""
         opts = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(model, optimizer_parts(optimizer), state, options=opts)
+        for part, state in zip(optimizer_parts(optimizer), states, strict=True):
+            set_optimizer_state_dict(model, part, state, options=opts)
+
+    def gathered_copies(self, model: torch.nn.Module, optimizer: Any, replica: Any) -> tuple[Any, Any] | None:
+        """A one-process (model, optimizer) pair holding the full state of the sharded ones, on rank 0
+        (None elsewhere): what the three-file checkpoint format writes. `replica()`: a fresh unsharded
+        (model, optimizer) pair of the same architecture on the CPU. A collective: every rank calls it."""
+        model_sd = self.model_state_dict(model)
+        optim_sd = self.optimizer_state_dict(model, optimizer)
+        if not self.info.is_main:
+            return None
+        copy_model, copy_optimizer = replica()
+        copy_model.load_state_dict(model_sd)
+        for part, state in zip(optimizer_parts(copy_optimizer), optim_sd, strict=True):
+            set_optimizer_state_dict(copy_model, part, state, options=StateDictOptions(full_state_dict=True))
+        return copy_model, copy_optimizer
+
+    def load_from_copies(self, model: torch.nn.Module, optimizer: Any, copies: tuple[Any, Any]) -> None:
+        """The inverse of `gathered_copies` on every rank: each holds an unsharded (model, optimizer)
+        pair loaded from the checkpoint, and keeps its shard of it."""
+        copy_model, copy_optimizer = copies
+        self.load_model_state_dict(model, copy_model.state_dict())
+        if copy_optimizer is not None:
+            opts = StateDictOptions(full_state_dict=True)
+            full = [
+                get_optimizer_state_dict(copy_model, p, options=opts) for p in optimizer_parts(copy_optimizer)
+            ]
+            self.load_optimizer_state_dict(model, optimizer, full)
 
 
 def optimizer_parts(optimizer: Any) -> list[torch.optim.Optimizer]:
