@@ -226,6 +226,8 @@ def test_ddp_reduces_during_the_last_backward_and_a_steady_step_reads_the_device
         "training.save_every=100",
         "--set",
         "training.max_steps=5",
+        "--set",
+        "training.gradient_accumulation_steps=4",  # global 8 windows: 2 micro-steps of 2 on each rank
     )
     train(config, tmp_path / "run", 2, *opts, "--set", f"training.parallelism={strategy}")
     for rank in (0, 1):
@@ -316,7 +318,11 @@ def test_layouts_from_the_config():
     "settings,world,message",
     [
         ({"parallelism": "hsdp", "dp_replicate": 3}, 4, r"dp_replicate 3 does not divide the 4 processes"),
-        ({"parallelism": "hsdp", "dp_replicate": 1}, 4, r"hsdp needs replicas .* training.dp_replicate is 1 of 4"),
+        (
+            {"parallelism": "hsdp", "dp_replicate": 1},
+            4,
+            r"hsdp needs replicas .* training.dp_replicate is 1 of 4",
+        ),
         ({"parallelism": "hsdp", "dp_replicate": 4}, 4, r"dp_replicate is 4 of 4 processes \(1 is fsdp"),
         ({"parallelism": "hsdp", "dp_replicate": 2}, 1, r"dp_replicate is 2 but this is one process"),
         ({"context_parallel": 2}, 4, r"context_parallel is 2, but context parallelism is not available"),
