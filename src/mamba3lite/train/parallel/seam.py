@@ -95,7 +95,8 @@ class Parallelism:
         """This process's index among the data-parallel ones: the sampler's rank."""
         if self.mesh is None:
             return 0
-        return self.mesh["dp_replicate", "dp_shard"]._flatten().get_local_rank()
+        replica, shard, _cp = self.mesh.get_coordinate() or (0, 0, 0)
+        return replica * self.layout.dp_shard + shard
 
     # ---------------------------------------------------------------------------- the step
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
