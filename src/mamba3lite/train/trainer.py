@@ -293,6 +293,8 @@ class Pretrainer:
         # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
         scan = getattr(self.raw_model, "scan_impl", None)
         message = start_message(self.step, target, self.dist, self.tc, self.sampler, scan)
+        if self.dist.distributed:  # which strategy `auto` chose, and the mesh
+            message += f"; parallelism {self.par.name} ({self.par.describe()})"
         scan_field = {"scan_impl": scan} if scan else {}
         self.logger.event(self.step, "start", message, tokens_total=self.tokens_seen, **scan_field)
         no_val = None if self.val_data is not None else self.data.no_val_reason

@@ -80,6 +80,11 @@ class Parallelism:
     def name(self) -> str:
         return self.layout.strategy
 
+    def describe(self) -> str:
+        """The mesh in words, e.g. "dp_replicate 2 x dp_shard 2"."""
+        dims = zip(MESH_DIMS, self.layout.mesh_shape, strict=True)
+        return " x ".join(f"{name} {size}" for name, size in dims if size > 1) or "one process"
+
     @property
     def is_sharded(self) -> bool:
         """The parameters are DTensors (fsdp/hsdp)."""
