@@ -369,3 +369,16 @@ def test_time_to_quality_smallest_budget_prints_its_table(tmp_path):
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert "all" in rows and "tokenizer" in rows and "error" not in out
     assert "| 300 |" in rows["all"] and "| muon |" in rows["all"] and "| adamw |" in rows["tokenizer"]
+
+
+@pytest.mark.slow
+def test_bench_parallel_smallest_budget_prints_its_tables():
+    out = run_script(
+        "bench_parallel.py", "--steps", "3", "--nproc", "2", "--mem-nproc", "2", "--d-model", "16",
+        "--layers", "1", "--seq-len", "16", "--accum", "2", timeout=600,
+    )  # fmt: skip
+    assert "| reduction | ms / step | vs hand-written |" in out
+    for mode in ("hand_reduce", "ddp", "fsdp"):
+        assert re.search(rf"^\| {mode} \| [\d.]+ \| [\d.]+x \|$", out, re.M), out
+    total = re.search(r"^\| total \| [\d.]+ MiB \| [\d.]+ MiB \| ([\d.]+)x \|$", out, re.M)
+    assert total and float(total.group(1)) < 0.75, out  # sharded over 2: about half of a replica
