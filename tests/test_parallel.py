@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.config import Config, TrainingConfig
 from mamba3lite.errors import ConfigError
 from mamba3lite.train.parallel import Parallelism, StepTally, plan_layout
@@ -105,27 +106,28 @@ def test_an_fsdp_run_saves_and_resumes_the_checkpoint_of_one_process(tmp_path):
 
     config = write_config(tmp_path)
     opts = (*EQUAL_RECIPE, "--set", "training.save_every=2")
-    train(config, tmp_path / "ref", 1, *opts)
-    run = tmp_path / "run"
-    train(config, run, 2, *opts, "--set", "training.parallelism=fsdp", "--max-steps", "2")
-    train(config, run, 2, *opts, "--set", "training.parallelism=fsdp", "--max-steps", "4")
-    for step in (2, 4):  # written by the sharded run: every tensor of the one-process checkpoint
-        ref_w, got_w = (load_file(d / f"model_step_{step}.safetensors") for d in (tmp_path / "ref", run))
+    ref_dir, run = tmp_path / "ref", tmp_path / "run"
+    train(config, ref_dir, 1, *opts)
+    train(config, run, 2, *opts, "--set", "training.parallelism=fsdp")
+    for step in (2, 4, 6):  # written by the sharded run: every tensor of the one-process checkpoint
+        ref_w, got_w = (load_file(d / f"model_step_{step}.safetensors") for d in (ref_dir, run))
         assert sorted(ref_w) == sorted(got_w)
         for k in ref_w:
             torch.testing.assert_close(got_w[k], ref_w[k], rtol=1e-4, atol=1e-6)
-        ref_o, got_o = (
-            torch.load(d / f"optim_step_{step}.pt", weights_only=True) for d in (tmp_path / "ref", run)
-        )
+        ref_o, got_o = (torch.load(d / f"optim_step_{step}.pt", weights_only=True) for d in (ref_dir, run))
         assert ref_o["state"].keys() == got_o["state"].keys() and len(ref_o["state"]) > 5
         for name, state in ref_o["state"].items():
             for k, v in state.items():
                 torch.testing.assert_close(got_o["state"][name][k], v, rtol=1e-3, atol=1e-8)
-    train(config, run, 1, *opts)
-    ref, got = losses(tmp_path / "ref"), losses(run)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in ref:
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got, ref)
+    ref = losses(ref_dir)
+    for nproc, strategy in ((2, "fsdp"), (1, "auto")):  # resume step 2 (written sharded) both ways
+        for step in (4, 6):
+            CheckpointManager(run).delete(step)
+        train(config, run, nproc, *opts, "--set", f"training.parallelism={strategy}")
+        got = losses(run)
+        assert sorted(got) == [1, 2, 3, 4, 5, 6]
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=1e-5), (nproc, step, got, ref)
 
 
 # Loaded by every torchrun worker: records, per rank, when DDP's reducer hook runs relative to each
