@@ -184,7 +184,7 @@ def test_a_damaged_batch_on_one_rank_stops_every_rank_with_the_good_steps_saved(
         tokenizer={"name": "t", "vocab_hash": "ab" * 32},
     )
     n_windows = len(PretrainDataset(str(data), 16, 128))
-    rank1 = iter(WindowSampler(n_windows, 2 * 2 * 2, rank=1, world_size=2, seed=1337))  # training.seed
+    rank1 = iter(WindowSampler(n_windows, 2 * 2, rank=1, world_size=2, seed=1337))  # global batch, seed
     window = [next(rank1) for _ in range(3)][2][0]
     shard = next((data / "train").glob("*.bin"))
     ids = np.fromfile(shard, dtype="<u2")
