@@ -257,9 +257,13 @@ class Pretrainer:
         return stopped
 
     def _agreed_stop(self) -> bool:
-        """Whether every rank stops now: the stop flags the step's one agreement read (no collective of
-        its own in steady state), or, after work outside the step (evaluation, save), a fresh agreement."""
+        """Whether every rank stops now. One process: its flag. Several: the flags as the step's one
+        agreement read them (no collective of its own in steady state; a flag set after that read, while
+        the optimizer stepped, stops the run after the next step), or, after work outside the step
+        (evaluation, save), a fresh agreement."""
         settled, self._settled_stop = self._settled_stop, None
+        if not self.dist.distributed:
+            return self.stop.is_set()
         return settled if settled is not None else D.any_rank(self.stop.is_set(), self.dist)
 
     def _periodic(self) -> None:
