@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from mamba3lite.config import ModelConfig
 from mamba3lite.model import Mamba3Transformer
+from mamba3lite.model.config import ModelConfig
 from mamba3lite.train.optim import build_optimizer
 from mamba3lite.train.parallel import DistInfo, Layout, Parallelism
 
