@@ -386,3 +386,16 @@ def test_bench_context_parallel_smallest_budget_prints_its_table():
     assert "| C | activation MiB | x C=1 | step s | exchanged KiB/layer | ring attention KiB/layer |" in out
     assert re.search(r"^\| 1 \| [\d.]+ \| 1\.00 \| [\d.]+ \| 0\.0 \| 0\.0 \|$", out, re.M), out
     assert re.search(r"^\| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_parallel_smallest_budget_prints_its_tables():
+    out = run_script(
+        "bench_parallel.py", "--steps", "3", "--nproc", "2", "--mem-nproc", "2", "--d-model", "16",
+        "--layers", "1", "--seq-len", "16", "--accum", "2", timeout=600,
+    )  # fmt: skip
+    assert "| reduction | ms / step | vs hand-written |" in out
+    for mode in ("hand_reduce", "ddp", "fsdp"):
+        assert re.search(rf"^\| {mode} \| [\d.]+ \| [\d.]+x \|$", out, re.M), out
+    total = re.search(r"^\| total \| [\d.]+ MiB \| [\d.]+ MiB \| ([\d.]+)x \|$", out, re.M)
+    assert total and float(total.group(1)) < 0.75, out  # sharded over 2: about half of a replica

@@ -153,7 +153,7 @@ def test_cli_ends_a_worker_that_left_a_process_group_without_finalization(monkey
     """Interpreter finalization of a gloo worker can abort after a clean teardown: the CLI ends such a
     process with os._exit(code) once flushed; any other process returns normally."""
     from mamba3lite import cli
-    from mamba3lite.train import distributed as D
+    from mamba3lite.train.parallel import process_group as D
 
     exits = []
     monkeypatch.setattr(cli.os, "_exit", exits.append)
@@ -165,8 +165,9 @@ def test_cli_ends_a_worker_that_left_a_process_group_without_finalization(monkey
 
 def test_a_damaged_batch_on_one_rank_stops_every_rank_with_the_good_steps_saved(tmp_path):
     # One id >= vocab_size in a window only rank 1 reads, at step 3. Rank 1 alone raising would leave
-    # rank 0 waiting in the gradient all-reduce; both must stop together, after saving step 2, and the
-    # same command resumes once the byte is repaired.
+    # rank 0 waiting in the step's collectives; rank 1 runs the step on stand-in batches and both stop
+    # together at its agreement, after saving step 2, and the same command resumes once the byte is
+    # repaired.
     import numpy as np
 
     from mamba3lite.data.dataset import PretrainDataset

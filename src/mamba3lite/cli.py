@@ -114,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         # over (a training run has saved everything): a SIGTERM during interpreter shutdown, which takes a
         # while after torch, must not turn a finished run into exit -15. (Not for in-process callers.)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    dist = sys.modules.get("mamba3lite.train.distributed")  # imported only by commands that train
+    # imported only by commands that train
+    dist = sys.modules.get("mamba3lite.train.parallel.process_group")
     if dist is not None and dist.left_process_group:
         # A distributed worker whose run is over and written: skip interpreter finalization, which can
-        # abort a gloo process (see train/distributed.py `teardown`).
+        # abort a gloo process (see train/parallel/process_group.py `teardown`).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

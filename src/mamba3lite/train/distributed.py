@@ -1,233 +1,25 @@
-"""torchrun set-up and the few collectives the trainer needs.
-
-`init_distributed()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): with WORLD_SIZE > 1
-it initialises the default process group (NCCL on CUDA, gloo on CPU) and pins the local GPU; without
-it, everything here is a no-op for one process. The trainer then:
-- wraps the model in DDP (`wrap_ddp`), which broadcasts rank 0's initial weights;
-- runs every micro-step under `no_sync()` and averages gradients ONCE per optimizer step with
-  `all_reduce_grads`. Reason: the NaN guard may skip any micro-step, including the last one, and DDP
-  expects a backward after every synchronising forward; an explicit all-reduce after accumulation is
-  correct whichever micro-steps ran (all ranks skip the same ones: `all_agree_finite`);
-- uses `any_rank` so all ranks agree on stop signals, and `broadcast_int` for rollback targets.
-"""
+"""The former home of the process-group helpers, kept importable: they live in
+train/parallel/process_group.py (the parallelism seam: train/parallel/)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from mamba3lite.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """This process's place in the job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+from mamba3lite.train.parallel import process_group as _pg
+from mamba3lite.train.parallel.process_group import (  # noqa: F401
+    DistInfo,
+    any_rank,
+    barrier,
+    broadcast_int,
+    held_on_rank0,
+    init_distributed,
+    lost_a_peer,
+    mean_across,
+    pick_device,
+    sum_across,
+    teardown,
+)
 
 
-def pick_device(preference: str, local_rank: int = 0) -> torch.device:
-    """`auto` -> cuda:local_rank when CUDA is available, else cpu; `cuda` -> cuda:local_rank."""
-    if preference == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    if preference == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"training.device is {preference} but this PyTorch ({torch.__version__}) sees no CUDA device; "
-            "use training.device=cpu (or auto)"
-        )
-    index = local_rank if preference == "cuda" else int(preference.split(":", 1)[1])
-    if index >= torch.cuda.device_count():
-        raise ConfigError(
-            f"training.device {preference}: this machine has {torch.cuda.device_count()} CUDA device(s) "
-            f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
-        )
-    return torch.device(f"cuda:{index}")
-
-
-def init_distributed(device_preference: str = "auto") -> DistInfo:
-    """Initialise from torchrun's environment; a single process when WORLD_SIZE is unset or 1."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(device_preference, local_rank)
-    if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
-
-
-# Set once this process has left a process group (see `teardown`): the CLI then ends the process
-# without interpreter finalization.
-left_process_group = False
-
-
-def teardown(after_error: bool = False) -> None:
-    """Leave the process group. Every rank first waits for the others: a gloo group destroyed while a
-    peer still talks to it aborts the process ("terminate called without an active exception").
-    `after_error`: this rank is stopping on an error, and the others may be waiting in another
-    collective (an error of this rank alone: a metrics row on a full disk) that a barrier would never
-    pair with, hanging both until gloo's 30-minute timeout: leave without waiting; the others then fail
-    on the closed connection and stop with one line (`lost_a_peer`).
-
-    Even after a clean barrier + destroy, interpreter finalization of a gloo worker aborts the same way
-    now and then (seen ~1 run in 15 on a loaded 2-core machine, after every atexit handler had run):
-    torch's C++ objects are torn down with a thread still joinable. `cli.main` therefore ends a process
-    that has left a group with `os._exit` once everything is written and flushed."""
-    global left_process_group
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        if not after_error:
-            dist.barrier()
-    finally:
-        with contextlib.suppress(RuntimeError) if after_error else contextlib.nullcontext():
-            dist.destroy_process_group()
-        left_process_group = True
-
-
-# What a collective raises on a rank whose peer has gone (it stopped on an error of its own, or was
-# killed): gloo names the closed connection in a plain RuntimeError; NCCL and the rendezvous store raise
-# the Dist*Error family.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def lost_a_peer(error: BaseException, info: DistInfo) -> bool:
-    """True if `error` is a collective failing because another rank of this job is gone."""
-    if not info.distributed or not isinstance(error, RuntimeError):
-        return False
-    return isinstance(error, dist.DistError) or any(s in str(error) for s in _PEER_GONE)
-
-
-def wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    """DDP-wrap when distributed (broadcasts rank 0's parameters); the model itself otherwise."""
-    if not info.distributed:
-        return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=ids)
-
-
-def all_reduce_grads(params: list[torch.nn.Parameter], world_size: int) -> None:
-    """Average gradients across ranks in place, in flat buckets (one collective per ~32 MB)."""
-    if world_size <= 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    bucket: list[torch.Tensor] = []
-    size = 0
-    limit = 32 * 2**20
-
-    def flush() -> None:
-        nonlocal bucket, size
-        if not bucket:
-            return
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= world_size
-        offset = 0
-        for g in bucket:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
-        bucket, size = [], 0
-
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > limit):
-            flush()
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-    flush()
-
-
-def _device_for_collectives(info: DistInfo) -> torch.device:
-    return info.device if info.device.type == "cuda" else torch.device("cpu")
-
-
-def all_agree_finite(loss: torch.Tensor, info: DistInfo) -> bool:
-    """True iff the loss is finite on EVERY rank (so all ranks skip the same micro-steps)."""
-    ok = torch.isfinite(loss.detach()).all().to(torch.float32).reshape(1)
-    if info.distributed:
-        ok = ok.to(_device_for_collectives(info))
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item() > 0)
-
-
-def any_rank(flag: bool, info: DistInfo) -> bool:
-    """True if `flag` is true on any rank (stop signals: one rank's SIGTERM stops all)."""
-    if not info.distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=_device_for_collectives(info))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def mean_across(value: float, info: DistInfo) -> float:
-    """Average of a float over ranks."""
-    if not info.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=_device_for_collectives(info))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item() / info.world_size)
-
-
-def sum_across(values: list[float], info: DistInfo) -> list[float]:
-    if not info.distributed:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=_device_for_collectives(info))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
-
-
-def broadcast_int(value: int, info: DistInfo, src: int = 0) -> int:
-    """Rank `src`'s integer on every rank (e.g. the rollback step rank 0 found)."""
-    if not info.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=_device_for_collectives(info))
-    dist.broadcast(t, src=src)
-    return int(t.item())
-
-
-def barrier(info: DistInfo) -> None:
-    if info.distributed:
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def held_on_rank0(lock, info: DistInfo, busy: str):
-    """`lock` (a DirLock) acquired by rank 0 for the block; its refusal is raised on every rank (rank 0
-    raising alone would leave the others waiting in their next collective). `busy`: the other ranks'
-    message."""
-    from mamba3lite.errors import CheckpointError
-
-    error: CheckpointError | None = None
-    if info.is_main:
-        try:
-            lock.acquire()
-        except CheckpointError as e:
-            error = e
-    if any_rank(error is not None, info):
-        raise error or CheckpointError(busy)
-    try:
-        yield
-    finally:
-        lock.release()
+def __getattr__(name: str) -> Any:  # `left_process_group` changes after import: read it live
+    return getattr(_pg, name)

@@ -14,9 +14,11 @@ What happens, in order, before anything is written:
        holds its lock
     4. the data's tokenizer loads here and fits the model (`check_data_tokenizer`), by the rule
        `generate` and `eval` apply later; the sinks of `logging.sinks` can be built
-    5. init_distributed; SIGTERM sets the run's stop flag from here on (the run stops after a step,
-       with a checkpoint); the model is refused before it is built when it cannot fit the device
-       (model.memory.check_model_fits, in the trainer's build)
+    5. init_distributed (training.dist_timeout_s); the parallelism seam is built once, in the trainer
+       (train/parallel/: the layout is checked before the model is built); SIGTERM sets the run's
+       stop flag from here on (the run stops after a step, with a checkpoint); the model is refused
+       before it is built when it cannot fit the device (model.memory.check_model_fits, in the
+       trainer's build)
     6. out of memory (CUDA or host) is one line naming the knobs; a rank that stops because another
        one did says so
 """
@@ -239,12 +241,12 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
     handling (see the module docstring). `stop`: the run's `StopFlag` (default a new one), e.g. one that
     a caller's timer sets. Allocation failures and a lost peer, in the build or in the block, become
     one-line TrainingErrors."""
-    from mamba3lite.train import distributed as D
+    from mamba3lite.train.parallel import process_group as D
     from mamba3lite.train.stop import StopFlag
     from mamba3lite.train.trainer import Pretrainer
 
     cfg, init_model = prepare_run(cfg, opts)
-    info = D.init_distributed(cfg.training.device)
+    info = D.init_distributed(cfg.training.device, cfg.training.dist_timeout_s)
     stop = stop or StopFlag(announce=info.is_main)
     after = signal.SIG_IGN if opts.own_process else None
     resume = "none" if opts.dry_run else opts.resume
@@ -264,7 +266,7 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
 
 def _actionable(e: BaseException, cfg, info, building: bool) -> BaseException:
     """The TrainingError a user can act on for `e` (a lost peer, out of memory), else `e` itself."""
-    from mamba3lite.train import distributed as D
+    from mamba3lite.train.parallel import process_group as D
 
     if isinstance(e, RuntimeError) and D.lost_a_peer(e, info):
         return TrainingError(

@@ -56,4 +56,7 @@ class FaultInjector:
         """`loss`, or NaN when this micro-step is one to spoil; advances the clock."""
         spoil = self.micro_count in self.bad_micro_steps
         self.micro_count += 1
-        return loss * float("nan") if spoil else loss
+        # NaN in value with the gradient of `loss` itself: the non-finite guard masks it with
+        # torch.where, and the model's backward then sees an exact zero (loss * nan would send NaN
+        # back into it: d(loss * nan)/d loss = nan, and 0 * nan = nan)
+        return loss + (float("nan") - loss.detach()) if spoil else loss

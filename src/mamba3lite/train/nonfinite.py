@@ -1,7 +1,9 @@
 """The non-finite guard: what a NaN/Inf loss or gradient norm does to the run.
 
-If a micro-step's loss is non-finite on ANY rank, every rank skips that micro-step (no backward:
-gradients and optimizer state are untouched). After `max_consecutive` consecutive skipped
+If a micro-step's loss is non-finite on ANY rank, every rank skips that micro-step: its backward
+still runs (the strategy's collectives pair up on every rank) but on a loss masked to an exact zero, so
+it adds nothing to the gradients (train/parallel/tally.py); the step's gradient is the mean over the
+micro-steps that counted. After `max_consecutive` consecutive skipped
 micro-steps, or as many consecutive steps whose losses were finite but whose gradient norm was not,
 the run rolls back to the newest verified checkpoint and goes on with the data AFTER the failure (as
 large runs skip the data around a loss spike: replaying it would most often diverge the same way).

@@ -12,9 +12,11 @@ A tied parameter appears once (`named_parameters()` de-duplicates), so its momen
 `training.optimizer: muon` (`MuonWithAdamW`): `torch.optim.Muon` for the 2-D hidden matrices (the
 decayed matrices above except the LM head: the mixers' in_proj/out_proj, the MLP's fc1/fc2), AdamW as
 above for everything else (embedding, head, norms, biases, the 1-D Mamba parameters), the split of the
-modded-nanogpt speedrun. Muon runs with `adjust_lr_fn="match_rms_adamw"` (each matrix's orthogonalised
-update is scaled by 0.2·sqrt(max(rows, cols)), so its RMS is AdamW's typical 0.2·lr: Moonshot, "Muon is
-Scalable for LLM Training"), which lets one peak lr and one weight_decay serve both optimizers;
+modded-nanogpt speedrun. Under fsdp/hsdp each sharded matrix is gathered for its update
+(`FullMatrixMuon`): Muon orthogonalises the whole matrix, as on one process. Muon runs with
+`adjust_lr_fn="match_rms_adamw"` (each matrix's orthogonalised update is scaled by
+0.2·sqrt(max(rows, cols)), so its RMS is AdamW's typical 0.2·lr: Moonshot, "Muon is Scalable for LLM
+Training"), which lets one peak lr and one weight_decay serve both optimizers;
 `training.muon_lr` sets Muon's peak apart. Muon's decay is decoupled like AdamW's: p ← p·(1 − lr·wd)
 with the group's (unscaled) lr.
 
@@ -30,6 +32,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import muon
 
 from mamba3lite.errors import CheckpointError, ConfigError
 
@@ -90,6 +94,46 @@ def build_adamw(
         except (RuntimeError, ValueError):  # a build without the fused kernel for this device
             pass
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+class FullMatrixMuon(torch.optim.Muon):
+    """`torch.optim.Muon` that orthogonalises each WHOLE matrix when the parameters are sharded DTensors
+    (fsdp/hsdp). Newton-Schulz on a shard would orthogonalise a block of rows, not the matrix; torch's
+    Muon (2.13) runs its plain tensor ops on whatever it is given. Per sharded matrix this gathers the
+    parameter, its gradient and its momentum (`full_tensor`, one matrix at a time), runs torch's own
+    single-tensor Muon step on them (the spec, unchanged), and keeps this rank's shard of the new
+    parameter and momentum: the result equals one process's Muon exactly. Plain tensors take torch's
+    path. The state keeps torch's keys ("momentum_buffer", sharded like the parameter)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        assert closure is None, "the trainer computes the loss itself"
+        sharded = [[p for p in g["params"] if isinstance(p, DTensor)] for g in self.param_groups]
+        if not any(sharded):
+            super().step()
+            return
+        for group, group_sharded in zip(self.param_groups, sharded, strict=True):
+            plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+            assert not plain, "a Muon group is either all sharded or all plain"
+            for p in group_sharded:
+                if p.grad is not None:
+                    self._full_matrix_step(p, group)
+
+    def _full_matrix_step(self, p: DTensor, group: dict) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf = state["momentum_buffer"]
+        full_p, full_g, full_buf = p.full_tensor(), p.grad.full_tensor(), buf.full_tensor()
+        muon(
+            [full_p], [full_g], [full_buf],
+            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+            nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], eps=group["eps"],
+            ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"], has_complex=False,
+        )  # fmt: skip
+        for sharded, full in ((p, full_p), (buf, full_buf)):
+            mine = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
+            sharded.to_local().copy_(mine.to_local())
 
 
 class MuonWithAdamW:
@@ -165,7 +209,7 @@ def build_optimizer(
             "head, norms, biases); use --set training.optimizer=adamw"
         )
     muon_lr = training.lr if training.muon_lr is None else training.muon_lr
-    muon = torch.optim.Muon(
+    muon = FullMatrixMuon(
         [p for _, p in hidden],
         lr=muon_lr,
         weight_decay=training.weight_decay,

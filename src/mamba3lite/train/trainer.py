@@ -12,11 +12,14 @@ of (seed, epoch, consumed), so a run continues the same batches at any world siz
                    the run record (run_record.py), then loop: train_step, every `eval_every` steps
                    evaluate, every `save_every` steps save_checkpoint; stop at max_steps or when the
                    stop flag (stop.py) is set, with a checkpoint
-    train_step()   per micro-step: forward under autocast (bf16 when configured), the non-finite
-                   guard (nonfinite.py: skip or roll back), backward; then gradients averaged across
-                   ranks (one explicit all-reduce; see distributed.py), global-norm clipping (the
-                   pre-clip norm is logged), lr = `lr_at(step)` (a pure function: the "scheduler
-                   state" is the step), AdamW, and one `logger.log_step`
+    train_step()   per micro-step: forward under autocast (bf16 when configured), the loss admitted
+                   by the step's tally (zero where any rank's is non-finite), backward, during which
+                   the strategy reduces the gradients (parallel/: DDP's reducer on the last micro-step,
+                   FSDP's reduce-scatter); then rescale for skipped micro-steps, global-norm clipping
+                   (the pre-clip norm is logged), ONE agreement and host read of the step's numbers
+                   (parallel/tally.py), the non-finite guard's verdicts (nonfinite.py: skip or roll
+                   back), lr = `lr_at(step)` (a pure function: the "scheduler state" is the step), the
+                   optimizer step, and one `logger.log_step`
 
 A rollback goes back to the newest verified checkpoint (model, optimizer, RNG, counters) and on with
 the data AFTER the failure: the batches drawn since the checkpoint are skipped (the event says which).
@@ -50,7 +53,6 @@ from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.malloc import keep_freed_memory
-from mamba3lite.train import distributed as D
 from mamba3lite.train.data import (
     build_train_data,
     build_val_data,
@@ -63,6 +65,8 @@ from mamba3lite.train.model_setup import build_model
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
 from mamba3lite.train.notes import epoch_summary, start_message, start_warnings
 from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
+from mamba3lite.train.parallel import Parallelism, StepOutcome
+from mamba3lite.train.parallel import process_group as D
 from mamba3lite.train.prefetch import Batches, Prefetcher
 from mamba3lite.train.progress import Progress, TrainData, TrainResult
 from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
@@ -79,7 +83,8 @@ class Pretrainer:
         config: the resolved config. `training.checkpoint_dir` is the run directory.
         resume: "latest" (newest verified checkpoint, or a fresh start), "none" (fresh; refuses a
             directory that already holds checkpoints), or a step number (exactly that checkpoint).
-        dist: from `distributed.init_distributed()`; default: one process on `training.device`.
+        dist: from `parallel.init_distributed()`; default: one process on `training.device`.
+        parallelism: the seam (parallel/seam.py); default: built from the config for `dist`.
         model, train_data, val_data: injected instead of built from the config (tests).
         stop: the run's stop flag (`mamba3lite train` installs it before building); default: a new
             one, whose signal handlers `train()` installs for its duration.
@@ -95,6 +100,7 @@ class Pretrainer:
         train_data: Any = None,
         val_data: Any = None,
         stop: StopFlag | None = None,
+        parallelism: Parallelism | None = None,
     ) -> None:
         if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
             raise ConfigError(f"resume must be 'latest', 'none' or a step number >= 0, got {resume!r}")
@@ -102,9 +108,12 @@ class Pretrainer:
         self.dist = dist or D.DistInfo(device=D.pick_device(config.training.device))
         self.stop = stop or StopFlag(announce=self.dist.is_main)
         tc = self.tc
-        # Micro-steps per optimizer step on this process: the global batch over the world size (a split
-        # that does not divide is a ConfigError now, before anything is built).
-        self.accum = tc.accumulation(self.dist.world_size)
+        # How the model is spread over the processes: one object, built once (a bad layout is a
+        # ConfigError now, before anything is built).
+        self.par = parallelism or Parallelism.from_config(config, self.dist)
+        # Micro-steps per optimizer step on this process: the global batch over the data-parallel size
+        # (a split that does not divide is a ConfigError now, before anything is built).
+        self.accum = tc.accumulation(self.par.dp_size)
         if self.device.type == "cpu":
             keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
         if has_manifest(tc.checkpoint_dir):
@@ -116,7 +125,7 @@ class Pretrainer:
         self.faults = FaultInjector.from_env(self.dist.rank)
         _seed_everything(tc.seed)
         self.data = self._build_data(train_data, val_data)
-        self.raw_model, self.model = build_model(self.cfg, self.dist, model)
+        self.raw_model, self.model = build_model(self.cfg, self.dist, self.par, model)
         self.optimizer = build_optimizer(self.raw_model, tc)
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
         # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
@@ -131,8 +140,8 @@ class Pretrainer:
         self.sampler = WindowSampler(
             len(self.data.train),
             self.global_windows,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=self.par.dp_rank,
+            world_size=self.par.dp_size,
             seed=tc.seed,
             shuffle=True,
         )
@@ -148,6 +157,9 @@ class Pretrainer:
         self.logger = TrainingLogger.disabled()  # the real one is opened by train(), on rank 0
         self.wandb_run_id: str | None = None
         self._code_version: dict | None = None
+        self._settled_stop: bool | None = None  # the stop flags as the last step's agreement read them
+        self._damage: DataError | None = None  # this rank's damaged batch, until the step's agreement
+        self._sampler_before: dict = {}  # the sampler's state before the step's batches were drawn
 
     # ---------------------------------------------------------------------------- derived values
     tc = property(lambda self: self.cfg.training)
@@ -239,7 +251,7 @@ class Pretrainer:
             while self.step < target and not stopped:
                 if self.train_step():
                     self._periodic()
-                stopped = D.any_rank(self.stop.is_set(), self.dist)
+                stopped = self._agreed_stop()
             self.logger.flush()
             if (
                 not stopped
@@ -254,9 +266,21 @@ class Pretrainer:
             raise
         return stopped
 
+    def _agreed_stop(self) -> bool:
+        """Whether every rank stops now. One process: its flag. Several: the flags as the step's one
+        agreement read them (no collective of its own in steady state; a flag set after that read, while
+        the optimizer stepped, stops the run after the next step), or, after work outside the step
+        (evaluation, save), a fresh agreement."""
+        settled, self._settled_stop = self._settled_stop, None
+        if not self.dist.distributed:
+            return self.stop.is_set()
+        return settled if settled is not None else D.any_rank(self.stop.is_set(), self.dist)
+
     def _periodic(self) -> None:
         """After a step: the evaluation and the checkpoint due at it (their time is not training time)."""
         tc = self.tc
+        if self.step % tc.save_every == 0 or (tc.eval_every and self.step % tc.eval_every == 0):
+            self._settled_stop = None  # time passes outside the step: agree on the stop flags anew
         if self.step % tc.save_every == 0:
             # A step a run can resume from ends a window: a resume or rollback to it then supersedes
             # whole rows of the abandoned steps, never kept ones.
@@ -283,6 +307,8 @@ class Pretrainer:
         # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
         scan = getattr(self.raw_model, "scan_impl", None)
         message = start_message(self.step, target, self.dist, self.tc, self.sampler, scan)
+        if self.dist.distributed:  # which strategy `auto` chose, and the mesh
+            message += f"; parallelism {self.par.name} ({self.par.describe()})"
         scan_field = {"scan_impl": scan} if scan else {}
         self.logger.event(self.step, "start", message, tokens_total=self.tokens_seen, **scan_field)
         no_val = None if self.val_data is not None else self.data.no_val_reason
@@ -406,6 +432,7 @@ class Pretrainer:
 
     def _restore(self, step: int) -> RunState:
         """Load checkpoint `step` into model, optimizer, sampler, RNG and counters (all ranks)."""
+        # The manager's one loader: either format into this strategy at this world size (resharded).
         meta = self.ckpt.load(step, self.raw_model, self.optimizer, map_location=self.device)
         facts = {
             "model": self.cfg.to_dict()["model"],
@@ -469,34 +496,30 @@ class Pretrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _no_sync(self) -> contextlib.AbstractContextManager:
-        inner = getattr(self.model, "_orig_mod", self.model)
-        return inner.no_sync() if self.dist.distributed else contextlib.nullcontext()
-
-    def _damaged_on_any_rank(self, mine: DataError | None, what: str) -> DataError | None:
-        """The error every rank raises together when any rank's batch was damaged (one rank raising alone
-        would leave the others waiting in the next collective), else None."""
-        if not D.any_rank(mine is not None, self.dist):
-            return None
-        return mine or DataError(f"another rank's {what} is damaged (its log names the shard)")
-
     def train_step(self) -> bool:
-        """One optimizer step (accumulation, non-finite guard, all-reduce, clip, AdamW). Returns False
-        when the step was abandoned (every micro-step skipped, or a rollback happened)."""
+        """One optimizer step (accumulation, reduction, clip, one agreement, the non-finite guard,
+        the optimizer). Returns False when the step was abandoned (every micro-step skipped, a
+        non-finite gradient norm, or a rollback)."""
         lr = lr_at(self.step, **self._sched_kw())
         set_lr(self.optimizer, lr)
         batches = self._draw_batches()
-        accumulated = self._accumulate(batches)
-        if accumulated is None:  # rolled back
+        tally = self._accumulate(batches)
+        max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
+        norm = self.par.reduce_and_clip(self.params, tally, max_norm, self.accum)
+        outcome = tally.settle(norm, stop=self.stop.is_set(), damaged=self._damage is not None)
+        self._settled_stop = outcome.stop
+        if outcome.damaged:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise self._damaged_batch_error()
+        if not self._judge_losses(outcome):  # rolled back
             return False
-        good, loss_sum, skipped = accumulated
+        skipped, good, grad_norm = len(outcome.finite) - outcome.good, outcome.good, outcome.grad_norm
         tokens = self.tc.tokens_per_step()
         self.progress.tokens_seen += tokens
         if good == 0:
             self.optimizer.zero_grad(set_to_none=True)
             self.guard.on_abandoned_step(skipped, tokens)
             return False
-        grad_norm = self._reduce_and_clip(good)
         if (verdict := self.guard.on_grad_norm(math.isfinite(grad_norm))) != OK:
             # finite losses, overflowing backward: skipped like a non-finite loss
             self.optimizer.zero_grad(set_to_none=True)
@@ -514,12 +537,11 @@ class Pretrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
-        loss_mean = D.mean_across(loss_sum / good, self.dist)
-        self.progress.history.append((self.step, loss_mean))
+        self.progress.history.append((self.step, outcome.loss_mean))
         pending_skipped, pending_tokens = self.guard.take_pending()
         self.logger.log_step(
             self.step,
-            loss=loss_mean,
+            loss=outcome.loss_mean,
             lr=lr,
             grad_norm=grad_norm,
             tokens_processed=tokens + pending_tokens,
@@ -531,9 +553,11 @@ class Pretrainer:
 
     def _draw_batches(self) -> Batches:
         """The step's micro-batches on the device, taken from the prefetcher (the time waited for them is
-        the data wait); the sampler then holds the position after them. A damaged batch on any rank:
-        DataError on every rank, the sampler put back to before the step (nothing of it has happened, so
-        the checkpoint `train` writes now resumes exactly here)."""
+        the data wait); the sampler then holds the position after them. A damaged batch: zero stand-ins
+        of its shape (the step still runs its collectives with every rank, contributing nothing), and the
+        error kept for the step's agreement, which raises it on every rank with the sampler put back to
+        before the step (nothing of it has happened, so the checkpoint `train` writes then resumes exactly
+        here)."""
         sampler_before = self.sampler.state_dict()
         t0 = time.perf_counter()
         item = self.prefetcher.take(sampler_before)
@@ -541,34 +565,45 @@ class Pretrainer:
         bad = item.error  # a DataError: a shard whose bytes changed since prepare (the message names it)
         if bad is not None and not isinstance(bad, DataError):
             raise bad
-        if bad is None:
-            self.sampler.load_state_dict(item.after)  # consumed: what a checkpoint from now on records
-            if self.sampler.epoch != sampler_before["epoch"]:
-                self._event("epoch", f"{epoch_summary(self.sampler)} begins at step {self.step + 1}")
-        if (err := self._damaged_on_any_rank(bad, f"batch for step {self.step + 1}")) is not None:
-            self.sampler.load_state_dict(sampler_before)
-            raise err
+        self._damage, self._sampler_before = bad, sampler_before
+        if bad is not None:
+            stand_in = torch.zeros(self.tc.micro_batch_size, self.tc.max_seq_len, dtype=torch.long,
+                                   device=self.device)  # fmt: skip
+            return [(stand_in, stand_in)] * self.accum
+        self.sampler.load_state_dict(item.after)  # consumed: what a checkpoint from now on records
+        if self.sampler.epoch != sampler_before["epoch"]:
+            self._event("epoch", f"{epoch_summary(self.sampler)} begins at step {self.step + 1}")
         to = functools.partial(torch.Tensor.to, device=self.device, non_blocking=True)
         return [(to(x_BT), to(y_BT)) for x_BT, y_BT in item.batches]
 
-    def _accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, float, int] | None:
-        """Forward and backward of each micro-batch the guard lets through: (good, loss sum, skipped),
-        or None after a rollback."""
-        good, loss_sum, skipped = 0, 0.0, 0
-        accum = len(batches)
+    def _damaged_batch_error(self) -> DataError:
+        """The error every rank raises together when any rank's batch was damaged (one rank raising
+        alone would leave the others waiting in the next collective); the sampler back to before it."""
+        mine, self._damage = self._damage, None
+        self.sampler.load_state_dict(self._sampler_before)
+        return mine or DataError(
+            f"another rank's batch for step {self.step + 1} is damaged (its log names the shard)"
+        )
+
+    def _accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Forward and backward of every micro-batch, each loss admitted by the step's tally (zero
+        where any rank's is non-finite: parallel/tally.py); the tally, read once by `settle`."""
+        tally, accum = self.par.tally(), len(batches)
+        usable = self._damage is None
         for i, (x, y) in enumerate(batches):
-            with self._no_sync():
+            with self.par.micro_step(last=i == accum - 1):
                 with self._autocast():
                     loss = self.model(x, y)
                 loss = self.faults.apply(loss)
-                finite = D.all_agree_finite(loss, self.dist)
-                if finite:
-                    (loss / accum).backward()
-                    good += 1
-                    loss_sum += float(loss.detach())
+                (tally.admit(loss, usable) / accum).backward()
+        return tally
+
+    def _judge_losses(self, outcome: StepOutcome) -> bool:
+        """The guard's verdict on each micro-step's agreed loss, in order: events for the skipped ones;
+        False after a rollback."""
+        for i, finite in enumerate(outcome.finite):
             if (verdict := self.guard.on_loss(finite)) == OK:
                 continue
-            skipped += 1
             streak = self.guard.nan_streak
             self._event(
                 "nan_skip",
@@ -576,19 +611,8 @@ class Pretrainer:
             )
             if verdict == ROLLBACK:
                 self._rollback(f"{streak} consecutive non-finite losses")
-                return None
-        return good, loss_sum, skipped
-
-    def _reduce_and_clip(self, good: int) -> float:
-        """Average the gradients across ranks (over the `good` micro-steps that ran), clip; the norm."""
-        params, accum = self.params, self.accum
-        D.all_reduce_grads(params, self.dist.world_size)
-        if good < accum:  # mean over the micro-batches that ran
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(accum / good)
-        max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                return False
+        return True
 
     def _rollback(self, why: str) -> None:
         """Back to the newest checkpoint after `why` (e.g. "5 consecutive non-finite losses"), going on
@@ -623,7 +647,7 @@ class Pretrainer:
             return None
         self.progress.evaluated_at = self.step
         use_autocast = self.autocast_dtype is not None
-        out = validate(self.raw_model, self.val_data, self.tc, self.dist, use_autocast)
+        out = validate(self.raw_model, self.val_data, self.tc, self.dist, use_autocast, self.par.is_sharded)
         if not math.isfinite(out["val_loss"]):
             # not an evaluation to record (metrics and meta are strict JSON), and no reason to lose the step
             self._event("eval_nonfinite", nonfinite_note(out["val_loss"], self.step))

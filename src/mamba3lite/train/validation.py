@@ -16,15 +16,19 @@ import math
 
 from mamba3lite.errors import DataError
 from mamba3lite.evaluate import spread_picks, window_loss_sum
-from mamba3lite.train import distributed as D
+from mamba3lite.train.parallel import process_group as D
 
 
-def validation_loss_sum(model, val_data, tc, dist: D.DistInfo, use_autocast: bool) -> tuple[float, float]:
+def validation_loss_sum(
+    model, val_data, tc, dist: D.DistInfo, use_autocast: bool, sharded: bool = False
+) -> tuple[float, float]:
     """(sum of window losses, windows) over all ranks of `tc.eval_batches` micro-batches of windows;
-    the model is put back in train mode."""
+    the model is put back in train mode. `sharded`: the model's forward is a collective (fsdp/hsdp),
+    so every rank scores every pick (the same forwards on all ranks) and nothing is summed across."""
     n = len(val_data)
     total = min(tc.eval_batches * tc.micro_batch_size, n)
-    mine = spread_picks(n, total)[dist.rank :: dist.world_size]
+    picks = spread_picks(n, total)
+    mine = picks if sharded else picks[dist.rank :: dist.world_size]
     model.eval()
     bad: DataError | None = None
     try:
@@ -35,6 +39,8 @@ def validation_loss_sum(model, val_data, tc, dist: D.DistInfo, use_autocast: boo
         model.train()
     if D.any_rank(bad is not None, dist):
         raise bad or DataError("another rank's validation batch is damaged (its log names the shard)")
+    if sharded:
+        return loss_sum, float(len(mine))
     loss_sum, count = D.sum_across([loss_sum, float(len(mine))], dist)
     return loss_sum, count
 
@@ -48,10 +54,10 @@ def eval_row(val_loss: float, windows: float, bytes_per_token: float | None) -> 
     return out
 
 
-def validate(model, val_data, tc, dist: D.DistInfo, use_autocast: bool) -> dict:
+def validate(model, val_data, tc, dist: D.DistInfo, use_autocast: bool, sharded: bool = False) -> dict:
     """The evaluation's row (eval_row) over all ranks; its val_loss may be non-finite (a diverging model,
     or an overflow in the evaluation's dtype): see nonfinite_note."""
-    loss_sum, count = validation_loss_sum(model, val_data, tc, dist, use_autocast)
+    loss_sum, count = validation_loss_sum(model, val_data, tc, dist, use_autocast, sharded)
     return eval_row(loss_sum / max(count, 1), count, getattr(val_data, "bytes_per_token", None))
 
 

@@ -1,0 +1,130 @@
+"""The parallelism seam: one object, built once from the config and torchrun's environment, that owns
+how the model is spread over the processes and everything in a step that depends on it.
+
+    par = Parallelism.from_config(cfg, info)       # layout (layout.py), mesh, strategy (strategies.py)
+    model = par.wrap(raw_model)                    # DDP / FSDP2 / HSDP / the plain module, compiled
+    tally = par.tally()                            # one step's device-side account (tally.py)
+    for i, batch in enumerate(micro_batches):
+        with par.micro_step(last=i == accum - 1):
+            tally.admit(loss).div(accum).backward()
+    norm = par.reduce_and_clip(params, tally, max_norm)   # rescale for skipped micro-steps, clip
+    outcome = tally.settle(norm, stop, damaged)    # one all-reduce, one host read
+
+The loop never asks which strategy runs. What the checkpoint code needs is here too: `mesh`,
+`is_sharded` (DTensor parameters), `dp_size`/`dp_rank` (the sampler's). The state dicts themselves are
+the checkpoint package's (checkpoint/state.py, on torch.distributed.checkpoint.state_dict): its manager
+reads the strategy off the model (DTensor parameters: every rank writes its shards with DCP; else rank 0
+writes the three files) and loads either format into any strategy at any world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from mamba3lite.model.memory import replicated_fits
+from mamba3lite.train.parallel.layout import MESH_DIMS, Layout, plan_layout
+from mamba3lite.train.parallel.process_group import DistInfo
+from mamba3lite.train.parallel.strategies import Local, Replicated, Sharded
+from mamba3lite.train.parallel.tally import StepTally
+
+
+class Parallelism:
+    """See the module docstring. Built by `from_config`; `Parallelism.local(device)` is one process."""
+
+    def __init__(self, layout: Layout, info: DistInfo, *, reshard_after_forward: bool = True,
+                 param_dtype: torch.dtype | None = None, compile: bool = False) -> None:  # fmt: skip
+        assert layout.world_size == info.world_size, (layout, info.world_size)
+        self.layout, self.info, self.compile = layout, info, compile
+        self.mesh: DeviceMesh | None = None
+        if layout.strategy == "local":
+            self.strategy: Local | Replicated | Sharded = Local()
+            return
+        device_type = "cuda" if info.device.type == "cuda" else "cpu"
+        self.mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_DIMS)
+        if layout.strategy == "ddp":
+            self.strategy = Replicated(self.mesh, info.device)
+        else:
+            self.strategy = Sharded(self.mesh, layout, reshard_after_forward, param_dtype)
+
+    @classmethod
+    def from_config(cls, cfg, info: DistInfo) -> Parallelism:
+        """The seam for `cfg.training` on this job (ConfigError for settings that make no mesh)."""
+        tc = cfg.training
+        fits = True
+        if info.distributed and tc.parallelism == "auto" and tc.dp_replicate == 1:
+            fits = replicated_fits(cfg.model, tc, info.device)
+        layout = plan_layout(tc, info.world_size, fits)
+        # bf16 parameters for the sharded forward/backward on an accelerator; the CPU keeps fp32 ones
+        # (autocast still computes in bf16 where training.dtype asks for it)
+        param_dtype = torch.bfloat16 if tc.dtype == "bf16" and info.device.type == "cuda" else None
+        return cls(layout, info, reshard_after_forward=tc.reshard_after_forward, param_dtype=param_dtype,
+                   compile=tc.compile)  # fmt: skip
+
+    @classmethod
+    def local(cls, device: torch.device, compile: bool = False) -> Parallelism:
+        return cls(Layout("local"), DistInfo(device=device), compile=compile)
+
+    # ---------------------------------------------------------------------- what others read
+    @property
+    def name(self) -> str:
+        return self.layout.strategy
+
+    def describe(self) -> str:
+        """The mesh in words, e.g. "dp_replicate 2 x dp_shard 2"."""
+        dims = zip(MESH_DIMS, self.layout.mesh_shape, strict=True)
+        return " x ".join(f"{name} {size}" for name, size in dims if size > 1) or "one process"
+
+    @property
+    def is_sharded(self) -> bool:
+        """The parameters are DTensors (fsdp/hsdp)."""
+        return self.strategy.is_sharded
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel processes (they read different windows): the sampler's world size."""
+        return self.layout.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's index among the data-parallel ones: the sampler's rank."""
+        if self.mesh is None:
+            return 0
+        replica, shard, _cp = self.mesh.get_coordinate() or (0, 0, 0)
+        return replica * self.layout.dp_shard + shard
+
+    # ---------------------------------------------------------------------------- the step
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the training step calls (the raw `model` is changed in place where the strategy
+        shards it: its parameters become DTensors)."""
+        return self.strategy.wrap(model, self.compile)
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-step's forward AND backward; `last`: its backward completes the
+        step's gradient reduction."""
+        return self.strategy.micro_step(last)
+
+    def tally(self) -> StepTally:
+        """A new step's account; every process of the job agrees on each micro-step."""
+        group = dist.group.WORLD if self.info.distributed else None
+        return StepTally(self.info.device, group, self.dp_size)
+
+    def reduce_and_clip(self, params: list[torch.nn.Parameter], tally: StepTally, max_norm: float,
+                        accum: int) -> torch.Tensor:  # fmt: skip
+        """After the last backward (the strategy has reduced the gradients): rescale them to the mean
+        over the good micro-steps (accum / good; x1.0 when none was skipped, which changes no bit), clip
+        their global L2 norm to `max_norm` (inf: no clipping) and return the pre-clip norm, a plain
+        tensor on the device (not read here)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.info.device)
+        scale = accum / tally.good_count().clamp(min=1)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        # over DTensor gradients the norm is a DTensor too (its shards' partial sums): the global value
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
