@@ -213,7 +213,10 @@ if os.environ.get("RANK") is not None and os.environ.get("SEAM_TRACE_DIR"):
 
     def train_step(self):
         events.append(["step"])
-        return original_step(self)
+        try:
+            return original_step(self)
+        finally:
+            events.append(["step_end"])
 
     trainer.Pretrainer.train_step = train_step
     original_train = trainer.Pretrainer.train
@@ -231,14 +234,17 @@ if os.environ.get("RANK") is not None and os.environ.get("SEAM_TRACE_DIR"):
 
 
 def per_step(events: list) -> list[list]:
-    """The events of each loop iteration: from one train_step's start to the next (or the end)."""
+    """The events inside each train_step (not the evaluations, checkpoints and the run's end between
+    and after them)."""
     steps: list[list] = []
+    inside = False
     for e in events:
         if e[0] == "step":
             steps.append([])
-        elif e[0] == "end":
-            break
-        elif steps:
+            inside = True
+        elif e[0] in ("step_end", "end"):
+            inside = False
+        elif inside:
             steps[-1].append(e)
     return steps
 
