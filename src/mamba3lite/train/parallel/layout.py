@@ -45,8 +45,9 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Processes one copy of the model state (weights, gradients, optimizer) is divided over."""
-        return self.dp_shard
+        """Processes one copy of the model state (weights, gradients, optimizer) is divided over: a
+        sharded strategy shards over dp_shard x cp (every rank of a window's group holds a shard)."""
+        return self.dp_shard * self.cp if self.strategy in ("fsdp", "hsdp") else 1
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
