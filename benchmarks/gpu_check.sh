@@ -21,7 +21,8 @@
 #      GitHub; --no-deps: nothing of the machine's torch is touched). Failure is tolerated: the official
 #      rows then say why;
 #   3. the CLI on cuda: train the tiny preset with the triton scan, resume it with scan_impl=auto (another
-#      backend: the checkpoint must resume);
+#      backend: the checkpoint must resume); on a node with 2 or more GPUs also torchrun on 2 of them with
+#      training.context_parallel=2 (each window's halves on two GPUs, the state exchanged over NCCL);
 #   4. gpu_model.py --baseline --official: mamba3_440m at 16 x 2048 and 4 x 8192 and mamba3_180m at
 #      16 x 2048, triton and chunked (eager, compiled), the Transformer (SDPA, compiled) and the official
 #      Mamba-3 layer (where mamba-ssm imports), with the ratios and the issue-16 targets; cases that would
@@ -87,6 +88,15 @@ cli=($PY -m mamba3lite train --config tiny --dummy --set training.device=cuda --
 part cli_triton 60 "${cli[@]}" --checkpoint-dir "$run/triton" --max-steps 20 --resume none \
     --set model.scan_impl=triton
 part cli_resume_auto 45 "${cli[@]}" --checkpoint-dir "$run/triton" --max-steps 30 --set model.scan_impl=auto
+ngpu=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${ngpu:-0}" -ge 2 ]; then
+    part cli_context_parallel 60 $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m mamba3lite \
+        train --config tiny --dummy --set training.device=cuda --set training.eval_every=10 \
+        --checkpoint-dir "$run/cp" --max-steps 20 --resume none --set model.scan_impl=triton \
+        --set training.context_parallel=2
+else
+    echo "== cli_context_parallel: skipped, ${ngpu:-0} GPU(s) (it needs 2)"
+fi
 
 # The benchmark gets what is left but 100 s (kept for the compiled CLI run after it); it starts no case
 # in its last 60 s (a case compiling at T = 8192 takes up to about a minute), so it ends on its own

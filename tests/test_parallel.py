@@ -350,6 +350,12 @@ def test_layouts_from_the_config():
     hsdp = plan_layout(tc(parallelism="hsdp", dp_replicate=2), 8)
     assert (hsdp.strategy, hsdp.mesh_shape, hsdp.dp_size) == ("hsdp", (2, 4, 1), 8)
     assert plan_layout(tc(dp_replicate=2), 4).strategy == "hsdp"  # auto with replicas asked for
+    # context parallel: world = data-parallel x C; sharded over every rank, the cp ones included
+    cp_ddp = plan_layout(tc(parallelism="ddp", context_parallel=2), 4)
+    assert (cp_ddp.mesh_shape, cp_ddp.dp_size, cp_ddp.shards) == ((2, 1, 2), 2, 1)
+    cp_fsdp = plan_layout(tc(parallelism="fsdp", context_parallel=2), 4)
+    assert (cp_fsdp.mesh_shape, cp_fsdp.dp_size, cp_fsdp.shards) == ((1, 2, 2), 2, 4)
+    assert plan_layout(tc(context_parallel=2), 2).mesh_shape == (1, 1, 2)  # one data-parallel rank
 
 
 @pytest.mark.parametrize(
@@ -363,7 +369,11 @@ def test_layouts_from_the_config():
         ),
         ({"parallelism": "hsdp", "dp_replicate": 4}, 4, r"dp_replicate is 4 of 4 processes \(1 is fsdp"),
         ({"parallelism": "hsdp", "dp_replicate": 2}, 1, r"dp_replicate is 2 but this is one process"),
-        ({"context_parallel": 2}, 4, r"context_parallel is 2, but context parallelism is not available"),
+        ({"context_parallel": 2}, 1, r"context_parallel is 2 but this is one process"),
+        ({"context_parallel": 3}, 4, r"context_parallel 3 does not divide the 4 processes"),
+        ({"context_parallel": 2, "max_seq_len": 15}, 4, r"does not divide the window of 15 tokens"),
+        ({"context_parallel": 2, "eval_tasks": ["piqa"]}, 4, r"eval_tasks .* with training.context_par"),
+        ({"context_parallel": 2, "parallelism": "hsdp", "dp_replicate": 2}, 8, r"hsdp is not supported"),
         (
             {"parallelism": "fsdp", "eval_tasks": ["piqa"]},
             2,

@@ -35,8 +35,7 @@ def planned_strategy(cfg, world_size: int, device: torch.device, device_bytes: f
     """The parallelism the run uses on `world_size` processes ("one process" for a single
     data-parallel one); auto resolved as the module docstring says, for `device` or, given, a device of
     `device_bytes`."""
-    dp = world_size // cfg.training.context_parallel
-    if dp <= 1:
+    if world_size <= 1:
         return "one process"
     if cfg.training.parallelism != "auto":
         return cfg.training.parallelism
@@ -66,7 +65,9 @@ def memory_plan(
             f"hsdp: the data-parallel size {dp} does not split into training.dp_replicate {t.dp_replicate} "
             "replicas"
         )
-    shards = 1 if strategy == "one process" else shard_count(strategy, dp, t.dp_replicate)
+    shards = 1  # fsdp shards over the data-parallel x context-parallel ranks (as training does)
+    if strategy in ("fsdp", "hsdp"):
+        shards = shard_count(strategy, dp, t.dp_replicate) * t.context_parallel
     accumulation = t.accumulation(dp)  # ConfigError when the global batch does not split
     est = per_rank_memory(cfg.model, t, shards=shards, context_parallel=t.context_parallel)
     parts = " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())

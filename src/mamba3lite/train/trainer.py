@@ -485,7 +485,7 @@ class Pretrainer:
         mb, accum = self.tc.micro_batch_size, self.accum
         indices = self._next_indices()
         assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
-        return [self._batch(indices[i * mb : (i + 1) * mb]) for i in range(accum)]
+        return [self.par.cut(*self._batch(indices[i * mb : (i + 1) * mb])) for i in range(accum)]
 
     def _take_data_wait(self) -> float:
         waited, self._data_wait_s = self._data_wait_s, 0.0
@@ -647,7 +647,9 @@ class Pretrainer:
             return None
         self.progress.evaluated_at = self.step
         use_autocast = self.autocast_dtype is not None
-        out = validate(self.raw_model, self.val_data, self.tc, self.dist, use_autocast, self.par.is_sharded)
+        with self.par.whole_windows():  # every rank scores whole windows (exact; no exchange)
+            sharded = self.par.is_sharded
+            out = validate(self.raw_model, self.val_data, self.tc, self.dist, use_autocast, sharded)
         if not math.isfinite(out["val_loss"]):
             # not an evaluation to record (metrics and meta are strict JSON), and no reason to lose the step
             self._event("eval_nonfinite", nonfinite_note(out["val_loss"], self.step))

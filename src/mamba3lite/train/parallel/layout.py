@@ -2,9 +2,13 @@
 size and the memory estimate, checked at the border (one ConfigError per bad combination).
 
 The mesh has named dimensions, outermost first: `dp_replicate` (replicas of the model), `dp_shard` (the
-processes one copy of the model is sharded over) and, once context parallelism lands, `cp` (processes
-that share each window; `training.context_parallel`, 1 for now). world = dp_replicate x dp_shard x cp;
-the data-parallel size (what the sampler and the accumulation divide by) is dp_replicate x dp_shard.
+processes one copy of the model is sharded over) and `cp` (the C processes that share each window,
+each holding T/C contiguous tokens; `training.context_parallel`). world = dp_replicate x dp_shard x cp;
+the data-parallel size (what the sampler and the accumulation divide by) is world / C.
+
+With C > 1 the model is replicated (ddp) or sharded (fsdp/hsdp) over the flattened data-parallel x cp
+ranks: each rank back-propagates the mean loss of its piece, so the average of the gradients over all of
+them is the gradient of the windows' mean loss (the mean over C equal pieces).
 
     ddp   dp_replicate = world, dp_shard = 1: every process holds the whole model
     fsdp  dp_replicate = 1,     dp_shard = world: parameters, gradients, optimizer state sharded
@@ -41,8 +45,9 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Processes one copy of the model state (weights, gradients, optimizer) is divided over."""
-        return self.dp_shard
+        """Processes one copy of the model state (weights, gradients, optimizer) is divided over: a
+        sharded strategy shards over dp_shard x cp (every rank of a window's group holds a shard)."""
+        return self.dp_shard * self.cp if self.strategy in ("fsdp", "hsdp") else 1
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -53,12 +58,10 @@ def plan_layout(tc, world_size: int, fits_replicated: bool = True) -> Layout:
     """The layout for `training.parallelism` (auto: fsdp when a replica does not fit, else ddp) on
     `world_size` processes; ConfigError when the settings cannot make a mesh of that size."""
     cp = tc.context_parallel
-    if cp != 1:
-        raise ConfigError(
-            f"training.context_parallel is {cp}, but context parallelism is not available in this version; "
-            "set training.context_parallel=1"
-        )
-    if world_size == 1:
+    if cp > 1:
+        check_context_parallel(tc, world_size)
+    world_size //= cp  # from here on: the data-parallel processes
+    if world_size * cp == 1:
         if tc.dp_replicate > 1:
             raise ConfigError(
                 f"training.dp_replicate is {tc.dp_replicate} but this is one process; run it under torchrun "
@@ -81,9 +84,9 @@ def plan_layout(tc, world_size: int, fits_replicated: bool = True) -> Layout:
             "training.parallelism=ddp, or evaluate the checkpoints with `mamba3lite eval`"
         )
     if name == "ddp":
-        return Layout("ddp", dp_replicate=world_size)
+        return cp_layout(tc, Layout("ddp", dp_replicate=world_size, cp=cp))
     if name == "fsdp":
-        return Layout("fsdp", dp_shard=world_size)
+        return cp_layout(tc, Layout("fsdp", dp_shard=world_size, cp=cp))
     assert name == "hsdp", name
     if tc.dp_replicate in (1, world_size):
         raise ConfigError(
@@ -91,4 +94,39 @@ def plan_layout(tc, world_size: int, fits_replicated: bool = True) -> Layout:
             f"{tc.dp_replicate} of {world_size} processes (1 is fsdp, {world_size} is ddp); choose a "
             f"divisor of {world_size} between them, or parallelism fsdp/ddp"
         )
-    return Layout("hsdp", dp_replicate=tc.dp_replicate, dp_shard=world_size // tc.dp_replicate)
+    return cp_layout(tc, Layout("hsdp", dp_replicate=tc.dp_replicate, dp_shard=world_size // tc.dp_replicate,
+                                cp=cp))  # fmt: skip
+
+
+def check_context_parallel(tc, world_size: int) -> None:
+    """ConfigError for a `training.context_parallel` C > 1 that this job cannot run."""
+    cp = tc.context_parallel
+    if world_size == 1:
+        raise ConfigError(
+            f"training.context_parallel is {cp} but this is one process; run it under torchrun with a "
+            f"multiple of {cp} processes, or set training.context_parallel=1"
+        )
+    if world_size % cp:
+        raise ConfigError(
+            f"training.context_parallel {cp} does not divide the {world_size} processes of this job; "
+            f"choose a divisor of {world_size}"
+        )
+    if tc.max_seq_len % cp:
+        raise ConfigError(
+            f"training.context_parallel {cp} does not divide the window of {tc.max_seq_len} tokens "
+            "(training.max_seq_len); choose a context_parallel that divides it"
+        )
+    if tc.eval_tasks:
+        raise ConfigError(
+            "training.eval_tasks (in-loop benchmarks) cannot run with training.context_parallel > 1: they "
+            "decode and score whole items on one process; evaluate the checkpoints with `mamba3lite eval`"
+        )
+
+
+def cp_layout(tc, layout: Layout) -> Layout:
+    """`layout` (already carrying C), after the checks that need the strategy."""
+    if layout.cp > 1 and layout.dp_replicate > 1 and layout.dp_shard > 1:
+        raise ConfigError(
+            "training.context_parallel > 1 with parallelism hsdp is not supported; use fsdp or ddp"
+        )
+    return layout

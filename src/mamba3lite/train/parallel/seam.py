@@ -3,6 +3,7 @@ how the model is spread over the processes and everything in a step that depends
 
     par = Parallelism.from_config(cfg, info)       # layout (layout.py), mesh, strategy (strategies.py)
     model = par.wrap(raw_model)                    # DDP / FSDP2 / HSDP / the plain module, compiled
+    micro_batches = [par.cut(x, y) for x, y in windows]   # context parallel: this rank's piece
     tally = par.tally()                            # one step's device-side account (tally.py)
     for i, batch in enumerate(micro_batches):
         with par.micro_step(last=i == accum - 1):
@@ -11,10 +12,16 @@ how the model is spread over the processes and everything in a step that depends
     outcome = tally.settle(norm, stop, damaged)    # one all-reduce, one host read
 
 The loop never asks which strategy runs. What the checkpoint code needs is here too: `mesh`,
-`is_sharded` (DTensor parameters), `dp_size`/`dp_rank` (the sampler's). The state dicts themselves are
-the checkpoint package's (checkpoint/state.py, on torch.distributed.checkpoint.state_dict): its manager
-reads the strategy off the model (DTensor parameters: every rank writes its shards with DCP; else rank 0
-writes the three files) and loads either format into any strategy at any world size.
+`is_sharded` (DTensor parameters), `dp_size`/`dp_rank` (the sampler's: all cp ranks of a group read
+the same windows). Under context parallelism (`training.context_parallel` C > 1) `wrap` sets the model's
+group (the mesh's "cp" dimension), `cut` gives each rank its T/C piece of every window, the tally's loss
+is the mean over every rank (so over the C pieces of each window), and `whole_windows()` is the context
+in which the model runs on whole windows, alone (validation, anything that decodes).
+
+The state dicts themselves are the checkpoint package's (checkpoint/state.py, on
+torch.distributed.checkpoint.state_dict): its manager reads the strategy off the model (DTensor
+parameters: every rank writes its shards with DCP; else rank 0 writes the three files) and loads either
+format into any strategy at any world size.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from mamba3lite.model.context_parallel import cut_window
 from mamba3lite.model.memory import replicated_fits
 from mamba3lite.train.parallel.layout import MESH_DIMS, Layout, plan_layout
 from mamba3lite.train.parallel.process_group import DistInfo
@@ -97,11 +105,45 @@ class Parallelism:
         replica, shard, _cp = self.mesh.get_coordinate() or (0, 0, 0)
         return replica * self.layout.dp_shard + shard
 
+    @property
+    def cp_rank(self) -> int:
+        """This process's piece of each window (0 without context parallelism)."""
+        if self.mesh is None:
+            return 0
+        return (self.mesh.get_coordinate() or (0, 0, 0))[2]
+
     # ---------------------------------------------------------------------------- the step
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the training step calls (the raw `model` is changed in place where the strategy
-        shards it: its parameters become DTensors)."""
+        shards it: its parameters become DTensors). Under context parallelism the model exchanges its
+        recurrent states over the mesh's "cp" group from here on."""
+        self.raw_model = model
+        if self.layout.cp > 1:
+            assert self.mesh is not None
+            model.set_context_parallel(self.mesh["cp"].get_group())
         return self.strategy.wrap(model, self.compile)
+
+    def cut(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a micro-batch of windows: all of it, or under context parallelism its
+        contiguous piece (B, T/C) of every window."""
+        if self.layout.cp == 1:
+            return x_BT, y_BT
+        x_BT, y_BT = cut_window(x_BT, y_BT, self.cp_rank, self.layout.cp)
+        return x_BT.contiguous(), y_BT.contiguous()
+
+    @contextlib.contextmanager
+    def whole_windows(self):
+        """The model (the raw one given to `wrap`) runs on whole windows on this process inside: the
+        context-parallel group is unset, then set again (nothing to do without context parallelism)."""
+        if self.layout.cp == 1:
+            yield
+            return
+        assert self.mesh is not None
+        self.raw_model.set_context_parallel(None)
+        try:
+            yield
+        finally:
+            self.raw_model.set_context_parallel(self.mesh["cp"].get_group())
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         """The context of one micro-step's forward AND backward; `last`: its backward completes the
@@ -109,9 +151,11 @@ class Parallelism:
         return self.strategy.micro_step(last)
 
     def tally(self) -> StepTally:
-        """A new step's account; every process of the job agrees on each micro-step."""
+        """A new step's account; every process of the job agrees on each micro-step. Its loss is the mean
+        over every process: over the data-parallel ranks and, within each, the C pieces of the windows
+        (each piece's mean loss; equal pieces, so their mean is the windows' mean loss)."""
         group = dist.group.WORLD if self.info.distributed else None
-        return StepTally(self.info.device, group, self.dp_size)
+        return StepTally(self.info.device, group, self.layout.world_size)
 
     def reduce_and_clip(self, params: list[torch.nn.Parameter], tally: StepTally, max_norm: float,
                         accum: int) -> torch.Tensor:  # fmt: skip

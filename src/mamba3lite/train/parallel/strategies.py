@@ -36,8 +36,9 @@ class Local:
 
 
 class Replicated:
-    """DDP over the mesh's `dp_replicate` dimension: rank 0's weights broadcast at wrap, gradients
-    averaged by the reducer's hooks while the last micro-step's backward runs."""
+    """DDP over the mesh's `dp_replicate` dimension (flattened with `cp` under context parallelism: every
+    rank's piece gradient is averaged): rank 0's weights broadcast at wrap, gradients averaged by the
+    reducer's hooks while the last micro-step's backward runs."""
 
     is_sharded = False
 
@@ -52,7 +53,7 @@ class Replicated:
         self.ddp = DDP(
             model,
             device_ids=ids,
-            process_group=self.mesh.get_group("dp_replicate"),
+            process_group=replicas_group(self.mesh),
             gradient_as_bucket_view=True,
         )
         return torch.compile(self.ddp) if compile else self.ddp
@@ -84,9 +85,12 @@ class Sharded:
     def wrap(self, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = (
-            self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh["dp_shard"]
-        )
+        if self.layout.cp > 1:  # shard over every rank of the window's group too (as torchtitan does)
+            mesh = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        elif self.layout.dp_replicate > 1:
+            mesh = self.mesh["dp_replicate", "dp_shard"]
+        else:
+            mesh = self.mesh["dp_shard"]
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         kw = {"mesh": mesh, "mp_policy": mp}
         for block in getattr(model, "layers", []):
@@ -103,3 +107,11 @@ class Sharded:
         if self.layout.dp_replicate > 1:
             self.root.set_requires_all_reduce(last)
         return contextlib.nullcontext()
+
+
+def replicas_group(mesh: DeviceMesh):
+    """The process group DDP averages gradients over: `dp_replicate`, or with a `cp` dimension of more
+    than one rank the whole (dp_replicate x cp) mesh, flattened."""
+    if mesh.size(mesh.mesh_dim_names.index("cp")) == 1:
+        return mesh.get_group("dp_replicate")
+    return mesh._flatten("dp_cp").get_group()

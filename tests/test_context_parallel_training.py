@@ -1,0 +1,63 @@
+"""Context parallelism in training (train/parallel/: the "cp" mesh dimension): runs whose windows are
+shared by C processes train the same losses as one process (fp32, the same global batch), resume
+across C in both directions, and every setting that cannot run is one clear error through the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_distributed import losses, train, write_config
+
+pytestmark = pytest.mark.slow
+
+CP2 = ("--set", "training.context_parallel=2")
+
+
+def assert_equal_losses(ref: dict[int, float], got: dict[int, float], steps: list[int]) -> None:
+    assert sorted(ref) == sorted(got) == steps, (ref, got)
+    for step in steps:
+        assert abs(ref[step] - got[step]) <= 1e-5 * abs(ref[step]), (step, ref[step], got[step])
+
+
+def test_two_processes_sharing_each_window_equal_one_and_resume_across_cp(tmp_path):
+    config = write_config(tmp_path)
+    train(config, tmp_path / "one", 1)
+    train(config, tmp_path / "cp", 2, *CP2)  # one data-parallel rank, each window cut in two
+    one = losses(tmp_path / "one")
+    assert_equal_losses(one, losses(tmp_path / "cp"), [1, 2, 3, 4])
+    ev1, ev2 = losses(tmp_path / "one", "eval", "val_loss"), losses(tmp_path / "cp", "eval", "val_loss")
+    assert sorted(ev1) == [2, 4] and all(abs(ev1[s] - ev2[s]) <= 1e-5 * ev1[s] for s in ev1)
+    # a cp=2 checkpoint resumes on one process, and a one-process checkpoint at cp=2
+    down, up = tmp_path / "down", tmp_path / "up"
+    train(config, down, 2, *CP2, "--max-steps", "2")
+    train(config, down, 1)
+    assert_equal_losses(one, losses(down), [1, 2, 3, 4])
+    train(config, up, 1, "--max-steps", "2")
+    train(config, up, 2, *CP2)
+    assert_equal_losses(one, losses(up), [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_data_parallel_2_x_context_parallel_2_equals_one_process(tmp_path, parallelism):
+    config = write_config(tmp_path)
+    train(config, tmp_path / "one", 1)
+    train(config, tmp_path / "four", 4, *CP2, "--set", f"training.parallelism={parallelism}")
+    assert_equal_losses(losses(tmp_path / "one"), losses(tmp_path / "four"), [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize(
+    ("nproc", "settings", "says"),
+    [
+        (1, CP2, "context_parallel is 2 but this is one process"),
+        (2, ("--set", "training.context_parallel=3"), "does not divide the 2 processes"),
+        (2, (*CP2, "--set", "training.max_seq_len=15"), "does not divide the window of 15 tokens"),
+    ],
+)
+def test_a_context_parallel_setting_that_cannot_run_is_one_error(tmp_path, nproc, settings, says):
+    proc = train(write_config(tmp_path), tmp_path / "run", nproc, *settings, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all(says in line for line in errors), proc.stderr[-2000:]
+    assert len(errors) == nproc, proc.stderr[-2000:]  # one line per process
+    assert "src/mamba3lite/" not in proc.stderr  # no worker traceback (torchrun prints its own)
+    assert nproc > 1 or "Traceback" not in proc.stderr
