@@ -27,7 +27,9 @@
 #      16 x 2048, triton and chunked (eager, compiled), the Transformer (SDPA, compiled) and the official
 #      Mamba-3 layer (where mamba-ssm imports), with the ratios and the issue-16 targets; cases that would
 #      start too late are printed as skipped (chunked ones first: earlier sessions measured them);
-#   5. the CLI on cuda: train the tiny preset compiled with the triton scan.
+#   5. the CLI on cuda: train the tiny preset compiled with the triton scan;
+#   on a node with 2+ GPUs also: context parallelism (C = 2) and mamba3_180m under ddp and fsdp on every
+#   GPU (NCCL), tokens/s side by side in $OUT/multi_gpu.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 TOTAL=${TOTAL:-540}
@@ -94,8 +96,20 @@ if [ "${ngpu:-0}" -ge 2 ]; then
         train --config tiny --dummy --set training.device=cuda --set training.eval_every=10 \
         --checkpoint-dir "$run/cp" --max-steps 20 --resume none --set model.scan_impl=triton \
         --set training.context_parallel=2
+    # Several GPUs (NCCL): the same 180M steps under ddp and under fsdp on every GPU of the node; each
+    # run's metrics.jsonl has its tokens/s (all processes) for the side-by-side (RESULTS.md, Scale out).
+    for strategy in ddp fsdp; do
+        part "multi_gpu_$strategy" 90 $PY -m torch.distributed.run --standalone --nproc_per_node "$ngpu" \
+            -m mamba3lite train --config mamba3_180m --dummy --set training.device=cuda --max-steps 12 \
+            --set training.log_every=4 --set training.eval_every=0 --set training.save_every=1000 \
+            --set training.parallelism=$strategy --set training.global_batch_size=$((16 * ngpu)) \
+            --checkpoint-dir "$run/multi_$strategy" --resume none
+        $PY -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; \
+t=[r for r in rows if r.get('kind') == 'train']; print('$strategy tokens/s', t[-1].get('tokens_per_s') if t else None)" \
+            "$run/multi_$strategy/metrics.jsonl" 2>&1 | tee -a "$OUT/multi_gpu.log" || true
+    done
 else
-    echo "== cli_context_parallel: skipped, ${ngpu:-0} GPU(s) (it needs 2)"
+    echo "== cli_context_parallel, multi_gpu_ddp, multi_gpu_fsdp: skipped, ${ngpu:-0} GPU(s) (they need 2)"
 fi
 
 # The benchmark gets what is left but 100 s (kept for the compiled CLI run after it); it starts no case
