@@ -115,15 +115,11 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.interop.weights import write_official_weights
     from mamba3lite.model import count_parameters
-    from mamba3lite.pretrained import verified_meta
 
     out = Path(out)
     check_out_dir(out)
-    run = RunDir(run_dir).check()
+    run, step, notes, meta, config = exported_step(run_dir, step)
     p = run.path
-    pick = run.resolve(step)
-    step, notes = pick.step, list(pick.notes)
-    meta, config = verified_meta(run, step)
     cfg = config.model
     vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
     official_cfg = official_config_from_model(cfg, vocab)
@@ -155,6 +151,17 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
         (tmp / TOKENIZER_NAME).write_bytes(tok_bytes)
         (tmp / "README.md").write_text(card, encoding="utf-8")
     return ExportResult(out, step, n_params, notes)
+
+
+def exported_step(run_dir: str | Path, step: int | None):
+    """(the RunDir, the step: `step` or the newest verified one, notes on skipped steps, its meta, its
+    Config), its files verified: what every export format starts from."""
+    from mamba3lite.pretrained import verified_meta
+
+    run = RunDir(run_dir).check()
+    pick = run.resolve(step)
+    meta, config = verified_meta(run, pick.step)
+    return run, pick.step, list(pick.notes), meta, config
 
 
 def checkpoint_state(run: RunDir, step: int, cfg) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from mamba3lite.errors import CheckpointError, ConfigError
-from mamba3lite.interop.export import checkpoint_state, tokenizer_json
+from mamba3lite.interop.export import checkpoint_state, exported_step, tokenizer_json
 from mamba3lite.interop.hf_modeling import (
     CONFIGURATION_NAME,
     MODELING_NAME,
@@ -166,21 +166,17 @@ def export_hf(
 ) -> HFExportResult:
     """Write the Hugging Face directory `out` (absent or empty) for checkpoint `step` (default: the
     newest verified one) of run `run_dir`; see the module docstring for what it holds."""
-    from mamba3lite.checkpoint import RunDir
     from mamba3lite.interop.outdir import check_out_dir, staged_dir
     from mamba3lite.model import count_parameters
-    from mamba3lite.pretrained import recorded_tokenizer, verified_meta
+    from mamba3lite.pretrained import recorded_tokenizer
     from mamba3lite.serve.chat import find_chat_template
 
     if max_shard_bytes < 1:
         raise ConfigError(f"--max-shard-size must be >= 1 byte, got {max_shard_bytes}")
     out = Path(out)
     check_out_dir(out)
-    run = RunDir(run_dir).check()
+    run, step, notes, meta, config = exported_step(run_dir, step)
     p = run.path
-    pick = run.resolve(step)
-    step, notes = pick.step, list(pick.notes)
-    meta, config = verified_meta(run, step)
     cfg = config.model
     tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
     tok_name = recorded_tokenizer((meta.get("data") or {}).get("tokenizer"), p)

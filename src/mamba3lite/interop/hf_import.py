@@ -26,9 +26,9 @@ from mamba3lite.interop.import_ import (
     write_imported_run,
 )
 from mamba3lite.interop.names import EMBED_OURS, HEAD
-from mamba3lite.interop.source import CONFIG_NAME, download_hf
+from mamba3lite.interop.source import CONFIG_NAME, download_hf, weight_files
 from mamba3lite.interop.source import HF_PREFIX as HUB_PREFIX
-from mamba3lite.interop.weights import INDEX_NAME, SAFETENSORS_NAME, read_official_weights
+from mamba3lite.interop.weights import read_official_weights
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.rundir import TOKENIZER_NAME
 
@@ -48,22 +48,6 @@ def is_hf_export(root: str | Path) -> bool:
 def local_root(src: str) -> Path:
     """The directory of `src`: a path, or hf:NAME downloaded (the model's files)."""
     return download_hf(src[len(HUB_PREFIX) :]) if src.startswith(HUB_PREFIX) else Path(src)
-
-
-def _weight_files(root: Path) -> tuple[list[Path], dict | None]:
-    if (root / INDEX_NAME).is_file():
-        index = intake.read_json(root / INDEX_NAME, intake.SAFETENSORS_INDEX)
-        wm = index.get("weight_map")
-        if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
-            raise CheckpointError(f"{root / INDEX_NAME}: no weight_map (tensor name -> shard file)")
-        files = [root / f for f in dict.fromkeys(wm.values())]
-        for f in files:
-            if f.parent != root or not f.is_file():
-                raise CheckpointError(f"{f}: a shard named by {INDEX_NAME} is missing (or not in {root})")
-        return files, index
-    if (root / SAFETENSORS_NAME).is_file():
-        return [root / SAFETENSORS_NAME], None
-    raise CheckpointError(f"{root} has {CONFIG_NAME} but no weights ({SAFETENSORS_NAME} or {INDEX_NAME})")
 
 
 def _model_config(root: Path) -> ModelConfig:
@@ -118,7 +102,7 @@ def import_hf(src: str | Path, out: str | Path, *, tokenizer: str | None = None)
     check_out_dir(out)
     root = local_root(str(src))
     cfg = _model_config(root)
-    files, index = _weight_files(root)
+    files, index = weight_files(root, bin_ok=False)
     names = ", ".join(f.name for f in files)
     state = _our_state(read_official_weights(files, index), cfg, names)
     if tokenizer is None:

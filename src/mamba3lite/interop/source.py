@@ -68,7 +68,15 @@ def open_source(src: str) -> OfficialSource:
     # Through the border reader: a pipe, a huge file, NaN or a list instead of an object are each one
     # CheckpointError naming the file.
     config = intake.read_json(config_path, intake.OFFICIAL_CONFIG)
-    index = None
+    files, index = weight_files(root)
+    tok = root / TOKENIZER_NAME
+    return OfficialSource(root, config, files, index, tok if tok.is_file() else None, src)
+
+
+def weight_files(root: Path, *, bin_ok: bool = True) -> tuple[list[Path], dict | None]:
+    """(the weight files of the model directory `root`, its safetensors index or None): the shards its
+    index names (each a file directly in `root`), else model.safetensors, else (`bin_ok`) the
+    torch-pickled weights; CheckpointError naming the file otherwise."""
     if (root / INDEX_NAME).is_file():
         index = intake.read_json(root / INDEX_NAME, intake.SAFETENSORS_INDEX)
         wm = index.get("weight_map")
@@ -80,13 +88,10 @@ def open_source(src: str) -> OfficialSource:
                 raise CheckpointError(f"{root / INDEX_NAME}: shard {f} is not a file directly in {root}")
             if not f.is_file():
                 raise CheckpointError(f"{f}: a shard named by {INDEX_NAME} is missing; fetch it again")
-    elif (root / SAFETENSORS_NAME).is_file():
-        files = [root / SAFETENSORS_NAME]
-    elif (root / BIN_NAME).is_file():
-        files = [root / BIN_NAME]
-    else:
-        raise CheckpointError(
-            f"{root} has {CONFIG_NAME} but no weights ({SAFETENSORS_NAME}, {INDEX_NAME} or {BIN_NAME})"
-        )
-    tok = root / TOKENIZER_NAME
-    return OfficialSource(root, config, files, index, tok if tok.is_file() else None, src)
+        return files, index
+    if (root / SAFETENSORS_NAME).is_file():
+        return [root / SAFETENSORS_NAME], None
+    if bin_ok and (root / BIN_NAME).is_file():
+        return [root / BIN_NAME], None
+    found = f"{SAFETENSORS_NAME}, {INDEX_NAME}" + (f" or {BIN_NAME}" if bin_ok else "")
+    raise CheckpointError(f"{root} has {CONFIG_NAME} but no weights ({found})")
