@@ -249,6 +249,21 @@ def test_the_commands_read_a_sharded_run_in_one_process(saved_by_four, tmp_path,
     assert any(torch.equal(t, ref["model"]["embed.weight"]) for t in exported.values())
     source = load_init_source(str(run))  # --init-from
     H.assert_same({k: v for k, v in ref["model"].items()}, dict(source.state))
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    # serve: the server's loader on the sharded run, one completion over HTTP
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    import httpx
+
+    from mamba3lite.pretrained import load_pretrained
+    from serve_helpers import live_server
+
+    loaded = load_pretrained(run)
+    H.assert_same(ref["model"], {k: v for k, v in loaded.model.state_dict().items() if k in ref["model"]})
+    with live_server(loaded, loaded.load_tokenizer()) as srv:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
 
 
 @pytest.mark.slow
