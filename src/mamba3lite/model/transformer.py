@@ -151,8 +151,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        # loss.backward() (grad 1): skip two full passes. Not while compiling (no data-dependent branch).
-        if not torch.compiler.is_compiling() and float(grad_out) == 1.0:
+        # loss.backward() (grad 1) on the CPU: skip two full passes. Not while compiling (no data-dependent
+        # branch), and not on an accelerator, where reading grad_out would be a host sync per micro-step
+        # and the two passes are cheap.
+        if grad_out.device.type == "cpu" and not torch.compiler.is_compiling() and float(grad_out) == 1.0:
             return grad_h, grad_w, None, None, None, None
         return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None
 
