@@ -18,7 +18,9 @@ README = ROOT / "README.md"
 
 
 def code_blocks(text: str) -> list[str]:
-    return re.findall(r"```(?:bash)?\n(.*?)```", text, re.S)
+    """The shell blocks (```bash or a bare fence), each fence pair matched as a pair (a python block's
+    closing fence is not the opening of one)."""
+    return [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S) if lang in ("", "bash")]
 
 
 def command_lines(text: str) -> list[list[str]]:
