@@ -29,7 +29,9 @@ written, a "stop" event logged, and `train()` returns (exit code 0).
 
 Resume is exact: model, optimizer (by parameter name), sampler position, Python/numpy/torch RNG states,
 step and token counters are in the checkpoint, so N steps == N/2 + resume + N/2 bit for bit (fp32, CPU).
-Only rank 0 writes files; the other ranks log to a logger that discards (`TrainingLogger.disabled`).
+Rank 0 writes the metrics and run records (the other ranks log to a logger that discards,
+`TrainingLogger.disabled`) and the checkpoints of replicated runs; a sharded run's every rank writes its
+own shards (checkpoint/sharded.py), rank 0 the meta last.
 Fault injection for tests: faults.py.
 """
 
@@ -388,8 +390,9 @@ class Pretrainer:
         return True
 
     def _save_before_data_error(self) -> None:
-        """A damaged batch stops the run (on every rank: `_damaged_on_any_rank`), but the steps done since
-        the last checkpoint are good: save them, so that the run resumes here once the data is repaired."""
+        """A damaged batch stops the run (on every rank together: `_damaged_batch_error`, after the step's
+        agreement), but the steps done since the last checkpoint are good: save them, so that the run
+        resumes here once the data is repaired."""
         if self._save_unsaved():
             self._event(
                 "save",
