@@ -217,23 +217,7 @@ class TrainingConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"training.betas must be two numbers in [0, 1), got {list(self.betas)}")
         self._check_optimizer()
-        if self.parallelism not in PARALLELISMS:
-            hint = did_you_mean_hint(self.parallelism, PARALLELISMS)
-            raise ConfigError(
-                f"training.parallelism must be one of {', '.join(PARALLELISMS)}, "
-                f"got {self.parallelism!r}{hint}"
-            )
-        if self.dp_replicate > 1 and self.parallelism not in ("hsdp", "auto"):
-            raise ConfigError(
-                f"training.dp_replicate is {self.dp_replicate} but training.parallelism is "
-                f"{self.parallelism}: replicas of a sharded model are hsdp; set training.parallelism=hsdp"
-            )
-        if self.global_batch_size and self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(
-                f"training.global_batch_size {self.global_batch_size} is not a multiple of "
-                f"training.micro_batch_size {self.micro_batch_size}; choose a global batch that whole micro "
-                "batches make up"
-            )
+        self._check_scale_out()
         if self.dtype not in DTYPES:
             raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
@@ -252,6 +236,28 @@ class TrainingConfig:
                 "name the tasks, e.g. --set 'training.eval_tasks=[piqa,arc_easy]'"
             )
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+    def _check_scale_out(self) -> None:
+        """training.parallelism names a strategy (did you mean ...), replicas go with hsdp, and the global
+        batch is made of whole micro batches. (What needs the world size is checked where the mesh is
+        planned: train/parallel/layout.py, and `accumulation`.)"""
+        if self.parallelism not in PARALLELISMS:
+            hint = did_you_mean_hint(self.parallelism, PARALLELISMS)
+            raise ConfigError(
+                f"training.parallelism must be one of {', '.join(PARALLELISMS)}, "
+                f"got {self.parallelism!r}{hint}"
+            )
+        if self.dp_replicate > 1 and self.parallelism not in ("hsdp", "auto"):
+            raise ConfigError(
+                f"training.dp_replicate is {self.dp_replicate} but training.parallelism is "
+                f"{self.parallelism}: replicas of a sharded model are hsdp; set training.parallelism=hsdp"
+            )
+        if self.global_batch_size and self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"training.global_batch_size {self.global_batch_size} is not a multiple of "
+                f"training.micro_batch_size {self.micro_batch_size}; choose a global batch that whole micro "
+                "batches make up"
+            )
 
     def _check_optimizer(self) -> None:
         """training.optimizer names a known optimizer (did you mean ...), and Muon's settings are sane.
