@@ -140,7 +140,8 @@ def summary(results: list[dict]) -> str:
     lines, by = [head, "|" + "---|" * 6], {}
     for m, t in pairs:
         goal = m.get("xz_given_train") or float("nan")
-        ratios = (m["tokens_per_s"] / t["tokens_per_s"], 1 - m["bpb"] / t["bpb"], m["bpb"] / goal,
+        speed = (m["tokens_per_s"] or float("nan")) / t["tokens_per_s"]  # None: no window past start-up
+        ratios = (speed, 1 - m["bpb"] / t["bpb"], m["bpb"] / goal,
                   t["bpb"] / goal)  # fmt: skip
         by.setdefault(m["recipe"], []).append(ratios)
         lines.append(_summary_row(m["recipe"], m["seed"], ratios))
