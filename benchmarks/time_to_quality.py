@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -151,16 +152,23 @@ def summary(results: list[dict]) -> str:
         lines.append(_summary_row(f"{name} (mean of {len(xs)})", "", mean))
         speed, lower = mean[:2]
         targets.append(
-            f"{name}: Mamba-3 >= 0.9x the Transformer's tokens/s: {speed:.2f}x -> "
+            f"{name}: Mamba-3 >= 0.9x the Transformer's tokens/s: {_cell(speed, '.2f', 'x')} -> "
             f"{'met' if speed >= 0.9 else 'NOT met'}; bits/byte >= 3% below the Transformer's: "
-            f"{100 * lower:.1f}% -> {'met' if lower >= 0.03 else 'NOT met'}"
+            f"{_cell(100 * lower, '.1f', '%')} -> {'met' if lower >= 0.03 else 'NOT met'}"
         )
     return "\n".join([*lines, "", *targets])
 
 
 def _summary_row(name: str, seed: object, ratios: tuple[float, ...]) -> str:
     speed, lower, vs_xz, t_xz = ratios
-    return f"| {name} | {seed} | {speed:.2f}x | {100 * lower:.1f}% | {vs_xz:.3f}x | {t_xz:.3f}x |"
+    cells = [_cell(speed, ".2f", "x"), _cell(100 * lower, ".1f", "%"), _cell(vs_xz, ".3f", "x"),
+             _cell(t_xz, ".3f", "x")]  # fmt: skip
+    return f"| {name} | {seed} | " + " | ".join(cells) + " |"
+
+
+def _cell(x: float, spec: str, unit: str) -> str:
+    """`x` formatted, or "n/a" for nan (a number the run did not produce)."""
+    return "n/a" if math.isnan(x) else f"{x:{spec}}{unit}"
 
 
 def plot(results: list[dict], path: Path) -> None:
