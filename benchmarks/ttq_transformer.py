@@ -2,7 +2,7 @@
 trained by a finished Mamba-3 quickstart run's own recipe, for that run's training time, and evaluated
 as the quickstart evaluates.
 
-    python benchmarks/ttq_transformer.py RUN [--threads N]
+    python benchmarks/ttq_transformer.py RUN [--threads N] [--budget-s S]
 
 RUN is the quickstart's run directory (WORKDIR/run...). The trainer builds only Mamba-3 models, so this
 is a small loop, made of the library's pieces so that it is the same recipe:
@@ -15,11 +15,13 @@ is a small loop, made of the library's pieces so that it is the same recipe:
                `WindowSampler` with the trainer's arguments: the same windows in the same order
     optimizer  `build_optimizer(model, cfg.training)`: under `optimizer: muon` the attention's and the
                MLP's matrices are Muon's, the embedding (= tied head) and the norms AdamW's
-    schedule   `lr_at` with the run's lr and min_lr; warmup by the quickstart's `warmup_for`
+    schedule   `lr_at` with the run's lr and min_lr; warmup by the quickstart's `warmup_for` from the
+               run's warmup_steps (which the quickstart already capped at a fifth of its own plan)
     step       forward under bf16 autocast when training.dtype is bf16, backward, the trainer's clip
                (training.grad_clip), the optimizer; glibc keeps freed memory, as the trainer sets on CPU
     budget     the run's training time: the sum of its train rows' window_seconds (RUN/metrics.jsonl:
-               step time only; the trainer leaves evaluations and checkpoint writes out of its windows)
+               step time only; the trainer leaves evaluations and checkpoint writes out of its windows);
+               --budget-s S trains S seconds instead (a check of the loop on a short run)
     plan       as the quickstart plans: 1 untimed + 3 timed steps of a throw-away copy give the s/step
                for `plan_steps(s/step, budget)`; after the warmup steps, the steps are planned again
                from their own measured s/step for the time left (the quickstart's probe and re-plan), so
@@ -148,6 +150,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, help="a finished quickstart run directory")
     p.add_argument("--threads", type=int, default=None, help="torch threads (the quickstart's choice)")
+    p.add_argument("--budget-s", type=float, default=None, help="train this long instead of the run's time")
     args = p.parse_args()
     if not (args.run / CONFIG_NAME).is_file():
         sys.exit(f"error: {args.run} has no {CONFIG_NAME}: not a run directory")
@@ -156,7 +159,7 @@ def main() -> None:
     keep_freed_memory()
     cfg = load_config(args.run / CONFIG_NAME)
     model_cfg = transformer_config(cfg.model)
-    budget_s = training_seconds(args.run)
+    budget_s = args.budget_s or training_seconds(args.run)
     result = train(cfg, model_cfg, build_train_data(cfg), budget_s)
     model = result.pop("model")
     evaluate = evaluator(cfg, Path(cfg.data.train_data_path), lambda line: print(line, file=sys.stderr))
