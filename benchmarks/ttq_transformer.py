@@ -23,9 +23,10 @@ is a small loop, made of the library's pieces so that it is the same recipe:
                step time only; the trainer leaves evaluations and checkpoint writes out of its windows);
                --budget-s S trains S seconds instead (a check of the loop on a short run)
     plan       as the quickstart plans: 1 untimed + 3 timed steps of a throw-away copy give the s/step
-               for `plan_steps(s/step, budget)`; after the warmup steps, the steps are planned again
-               from their own measured s/step for the time left (the quickstart's probe and re-plan), so
-               the cosine ends where the time does; training stops when the budget is spent
+               for `plan_steps(s/step, budget)` (for 1.25x the budget); after the warmup steps, when
+               the plan holds 4 warmups, the steps are planned again from their own measured s/step for
+               the time left (the quickstart's probe and re-plan, at 1.0x), so the cosine ends where the
+               time does; training stops when the budget is spent (as the quickstart's timer stops it)
     threads    --threads (the quickstart's choice, from its log), else torch's default
     evaluation the quickstart's `Evaluator` (quickstart/dataset.py): every window of the val split, the
                run's window length, batch and dtype, so bits/byte means the same as in the Mamba-3 row
@@ -122,7 +123,7 @@ def calibrate(cfg, model_cfg: ModelConfig, train_data) -> float:
 def train(cfg, model_cfg: ModelConfig, train_data, budget_s: float) -> dict:
     """Train for `budget_s` seconds of steps, planned as the module docstring says."""
     tc = cfg.training
-    n_steps = plan_steps(calibrate(cfg, model_cfg, train_data), budget_s, REPLAN_FRACTION).n_steps
+    n_steps = plan_steps(calibrate(cfg, model_cfg, train_data), budget_s).n_steps
     warmup = warmup_for(n_steps, tc.warmup_steps, 0)
     loop, step_s, losses = Loop(cfg, model_cfg, train_data), [], []
     while len(step_s) < n_steps and sum(step_s) < budget_s:
@@ -132,8 +133,8 @@ def train(cfg, model_cfg: ModelConfig, train_data, budget_s: float) -> dict:
         losses.append(loop.step(lr))
         step_s.append(time.perf_counter() - t0)
         if step + 1 == warmup and n_steps >= 4 * warmup:  # the quickstart's probe: re-plan the rest
-            left = budget_s - sum(step_s)
-            n_steps = warmup + plan_steps(statistics.mean(step_s), left, REPLAN_FRACTION).n_steps
+            measured = statistics.mean(step_s[1:] or step_s)  # its first step's window left out, as there
+            n_steps = warmup + plan_steps(measured, budget_s - sum(step_s), REPLAN_FRACTION).n_steps
     # The Mamba-3 row's tokens/s: the median of its logged windows, the start-up window left out.
     window, tokens = max(1, tc.log_every), tc.tokens_per_step()
     starts = range(window, len(step_s) - window + 1, window)
