@@ -11,9 +11,9 @@ storages saved for the backward, at --seq-len and half of it: the growth per tok
   mamba3 triton    the Triton scan, fused with the bias + rotation prologue (TRITON_INTERPRET=1: the
                    kernels run in the interpreter, but the op saves exactly the tensors, dtypes and shapes
                    it saves on a GPU: it gets its operands in bf16 and keeps no kernel output)
-  transformer      the benchmarks' same-shape Transformer block (bench_model.py): RoPE attention through
-                   SDPA and the same MLP. On the CPU SDPA's flash kernel saves q, k, v, the output and
-                   the log-sum-exp, as the CUDA flash kernel does.
+  transformer      the benchmarks' same-shape Transformer block (baseline_transformer.py): RoPE
+                   attention through SDPA and the same MLP. On the CPU SDPA's flash kernel saves q, k,
+                   v, the output and the log-sum-exp, as the CUDA flash kernel does.
 The "model GiB" column is activations of every layer at --batch x --seq-len plus 16 bytes per parameter
 (fp32 weights, gradients, AdamW's two moments); the embedding and head activations (the same for
 both models) are left out. Ratios are against the Transformer of the same preset.
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_model
+import baseline_transformer
 from mamba3lite.config import load_config
 from mamba3lite.model.flops import count_parameters
 from mamba3lite.model.memory import saved_bytes_per_token
@@ -42,7 +42,7 @@ from mamba3lite.model.transformer import Block
 
 def transformer_parameters(cfg) -> int:
     with torch.device("meta"):
-        model = bench_model.BaselineTransformer(cfg)
+        model = baseline_transformer.BaselineTransformer(cfg)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     for preset in args.presets.split(","):
         cfg = load_config(preset).model
         torch.manual_seed(0)
-        twin = bench_model.TransformerBlock(cfg)
+        twin = baseline_transformer.TransformerBlock(cfg)
         rows = {
             "transformer": (
                 saved_bytes_per_token(twin, cfg.d_model, args.seq_len),

@@ -10,7 +10,7 @@ One prepared run on one accelerator, everything in one process:
      PyTorch scan), each eager and compiled (--modes). "compiled" wraps every layer in `torch.compile`
      (regional compilation: one graph, reused by all the identical layers); embedding and the fused
      chunked LM loss stay eager;
-   - with --baseline, the same-width, same-depth Transformer of bench_model.py (SDPA, flash on the
+   - with --baseline, the same-width, same-depth Transformer of baseline_transformer.py (SDPA, flash on the
      GPU), in --baseline-modes (default compiled, its faster mode);
    - with --official, the same LM with every mixer replaced by the official Mamba-3 layer
      (`mamba_ssm.modules.mamba3.Mamba3`, its fused Triton kernels) of the same shape (d_model, d_state,
@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_model import BaselineTransformer, transformer_flops_per_token
+from baseline_transformer import BaselineTransformer, transformer_flops_per_token
 from mamba3lite.config import load_config
 from mamba3lite.errors import Mamba3LiteError
 from mamba3lite.model import Mamba3Transformer, ModelConfig, count_parameters, model_flops_per_token

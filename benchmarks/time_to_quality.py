@@ -2,6 +2,7 @@
 
     python benchmarks/time_to_quality.py [--minutes 5] [--source stdlib] [--seeds 0]
                                          [--recipes today,tokenizer,muon,shape,all] [--out DIR] [--plot]
+                                         [--no-transformer] [--transformer-after all]
 
 Each recipe is a fresh `mamba3lite quickstart` in its own work directory (so each pays for its data
 preparation, as a new user does), one after the other, never two at once (they would share the cores):
@@ -11,6 +12,15 @@ preparation, as a new user does), one after the other, never two at once (they w
     muon       the tiny shape and GPT-2's vocabulary, with Muon
     shape      the recipe's shape chosen by measurement and batch, GPT-2's vocabulary, AdamW
     all        the recipe: its BPE, Muon, the measured shape (what `make quickstart` runs)
+
+After each run of a recipe in --transformer-after (`all` by default), a `transformer` row: the baseline
+Transformer (baseline_transformer.py: a pre-norm GPT of the run's width, depth and SwiGLU width, heads of
+64) trained by ttq_transformer.py with that run's recipe (its data, windows, batch, optimizer split,
+schedule, dtype and thread count) for that run's training time, its steps planned from its own measured
+s/step, and evaluated by the same evaluation on the whole val split. The summary then prints, per seed
+and as the mean over seeds, Mamba-3's tokens/s over the Transformer's (the CPU step target: >= 0.9x),
+how much lower Mamba-3's bits/byte is than the Transformer's (target: >= 3%) and Mamba-3 / xz given the
+train text.
 
 The table: the final bits per byte on the whole val split, its ratio to xz given the training text (the
 number to beat, report/baselines.py, on the same val text), zlib's and xz's, training tokens/s, the
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -68,7 +79,28 @@ def run_one(name: str, extra: list[str], minutes: float, source: str, seed: int,
         "tokens_per_s": statistics.median([r["tokens_per_s"] for r in train]) if train else None,
         "steps": int(re.search(r"steps         \d+ -> (\d+)", text).group(1)),
         "vocab": recipe.group(1) if recipe else "?", "shape": recipe.group(2) if recipe else "?",
-        "optimizer": recipe.group(3) if recipe else "?",
+        "optimizer": recipe.group(3) if recipe else "?", "run": str(run),
+        "threads": int(m.group(1)) if (m := re.search(r"^threads\s+(\d+)", text, re.M)) else None,
+    }  # fmt: skip
+
+
+def run_transformer(pair: dict, out: Path) -> dict:
+    """The Transformer row after the Mamba-3 run `pair` (ttq_transformer.py on its run directory)."""
+    name = "transformer" if pair["recipe"] == "all" else f"transformer-{pair['recipe']}"
+    cmd = [sys.executable, str(Path(__file__).with_name("ttq_transformer.py")), pair["run"]]
+    cmd += ["--threads", str(pair["threads"])] if pair.get("threads") else []
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    (out / f"{name}-seed{pair['seed']}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"recipe": name, "seed": pair["seed"], "error": why}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    keep = ("bpb", "tokens_per_s", "steps", "steps_planned", "vocab", "shape", "optimizer", "train_s",
+            "budget_s", "threads")  # fmt: skip
+    return {
+        "recipe": name, "seed": pair["seed"], "pairs_with": pair["recipe"], "wall_s": time.time() - t0,
+        "curve": [], **{k: r[k] for k in keep}, **{k: pair.get(k) for k in ("xz_given_train", "xz", "zlib")},
     }  # fmt: skip
 
 
@@ -98,6 +130,47 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: list[dict]) -> str:
+    """Mamba-3 against the Transformer trained after it: per seed, and the mean over seeds."""
+    rows = {(r["recipe"], r["seed"]): r for r in results if "error" not in r}
+    pairs = [(rows[(t["pairs_with"], t["seed"])], t) for t in rows.values() if "pairs_with" in t]
+    if not pairs:
+        return "(no Transformer row to compare with)"
+    head = ("| Mamba-3 recipe | seed | Mamba-3 / Transformer tokens/s | Mamba-3 bits/byte below the "
+            "Transformer's | Mamba-3 / xz given train | Transformer / xz given train |")  # fmt: skip
+    lines, by = [head, "|" + "---|" * 6], {}
+    for m, t in pairs:
+        goal = m.get("xz_given_train") or float("nan")
+        speed = (m["tokens_per_s"] or float("nan")) / t["tokens_per_s"]  # None: no window past start-up
+        ratios = (speed, 1 - m["bpb"] / t["bpb"], m["bpb"] / goal,
+                  t["bpb"] / goal)  # fmt: skip
+        by.setdefault(m["recipe"], []).append(ratios)
+        lines.append(_summary_row(m["recipe"], m["seed"], ratios))
+    targets = []
+    for name, xs in by.items():
+        mean = tuple(statistics.mean(c) for c in zip(*xs, strict=True))
+        lines.append(_summary_row(f"{name} (mean of {len(xs)})", "", mean))
+        speed, lower = mean[:2]
+        targets.append(
+            f"{name}: Mamba-3 >= 0.9x the Transformer's tokens/s: {_cell(speed, '.2f', 'x')} -> "
+            f"{'met' if speed >= 0.9 else 'NOT met'}; bits/byte >= 3% below the Transformer's: "
+            f"{_cell(100 * lower, '.1f', '%')} -> {'met' if lower >= 0.03 else 'NOT met'}"
+        )
+    return "\n".join([*lines, "", *targets])
+
+
+def _summary_row(name: str, seed: object, ratios: tuple[float, ...]) -> str:
+    speed, lower, vs_xz, t_xz = ratios
+    cells = [_cell(speed, ".2f", "x"), _cell(100 * lower, ".1f", "%"), _cell(vs_xz, ".3f", "x"),
+             _cell(t_xz, ".3f", "x")]  # fmt: skip
+    return f"| {name} | {seed} | " + " | ".join(cells) + " |"
+
+
+def _cell(x: float, spec: str, unit: str) -> str:
+    """`x` formatted, or "n/a" for nan (a number the run did not produce)."""
+    return "n/a" if math.isnan(x) else f"{x:{spec}}{unit}"
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -106,7 +179,7 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
-        if "error" not in r:
+        if "error" not in r and r["curve"]:  # the Transformer rows have their final point only: none
             xs, ys = zip(*r["curve"])
             ax.plot([x / 60 for x in xs], ys, marker="o", label=f"{r['recipe']} (seed {r['seed']})")
     goal = next((r["xz_given_train"] for r in results if r.get("xz_given_train")), None)
@@ -129,6 +202,9 @@ def main() -> None:
     p.add_argument("--extra", action="append", default=[], help="one more quickstart argument, to all")
     p.add_argument("--out", default="ttq-runs")
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--transformer", action=argparse.BooleanOptionalAction, default=True,
+                   help="a Transformer row after each run of a recipe in --transformer-after")  # fmt: skip
+    p.add_argument("--transformer-after", default="all", help="comma-separated recipes it pairs with")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,9 +213,15 @@ def main() -> None:
         for name in args.recipes.split(","):
             results.append(run_one(name, RECIPES[name] + args.extra, args.minutes, args.source, seed, out))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
+            if args.transformer and name in args.transformer_after.split(",") and "error" not in results[-1]:
+                results.append(run_transformer(results[-1], out))
+                print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, {args.minutes:g} min each, source {args.source}\n")
     print(table(results))
+    if args.transformer:
+        print("\nMamba-3 against the Transformer trained after it (same data, recipe, time and evaluation)\n")
+        print(summary(results))
     if args.plot:
         plot(results, out / "time_to_quality.png")
         print(f"\nplot: {out / 'time_to_quality.png'}")

@@ -52,6 +52,36 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.1]
 
 
+def test_the_split_is_by_role_so_an_attention_lm_gets_the_same_one():
+    """The name rule is general: a pre-norm attention LM named as the Mamba-3 LM is (embed, norm, norm_f)
+    with attention matrices `attn.qkv`/`attn.out` (the benchmarks' Transformer baseline) has its
+    attention and MLP matrices in Muon, its tied embedding and norms in AdamW, undecayed."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.norm2 = nn.RMSNorm(8), nn.RMSNorm(8)
+            self.attn = nn.ModuleDict(
+                {"qkv": nn.Linear(8, 24, bias=False), "out": nn.Linear(8, 8, bias=False)}
+            )
+            self.mlp = nn.ModuleDict(
+                {"fc1": nn.Linear(8, 32, bias=False), "fc2": nn.Linear(16, 8, bias=False)}
+            )
+
+    model = nn.Module()
+    model.embed, model.layers, model.norm_f = (
+        nn.Embedding(64, 8),
+        nn.ModuleList([Layer(), Layer()]),
+        nn.RMSNorm(8),
+    )
+    opt = build_optimizer(model, muon_training(weight_decay=0.1))
+    decayed, not_decayed, muon = names_of(model, opt.param_groups)
+    matrices = ("attn.qkv.weight", "attn.out.weight", "mlp.fc1.weight", "mlp.fc2.weight")
+    assert muon == {f"layers.{i}.{n}" for i in range(2) for n in matrices}
+    norms = {f"layers.{i}.{n}.weight" for i in range(2) for n in ("norm", "norm2")}
+    assert decayed == set() and not_decayed == {"embed.weight", "norm_f.weight", *norms}
+
+
 def test_steps_equal_torch_muon_and_adamw_side_by_side_with_the_scheduled_lrs():
     """The composite is torch's Muon + AdamW on the same split: same weights after a few steps, each
     group at the schedule's lr times its scale (Muon's peak is muon_lr)."""
