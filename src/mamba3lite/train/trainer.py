@@ -202,7 +202,8 @@ class Pretrainer:
 
     def _sched_kw(self) -> dict:
         tc = self.tc
-        return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps}
+        return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps,
+                "schedule": tc.lr_schedule, "decay_fraction": tc.decay_fraction}  # fmt: skip
 
     # -------------------------------------------------------------------------------------- run
     def request_stop(self, reason: str = "signal") -> None:
@@ -362,14 +363,23 @@ class Pretrainer:
         self.progress.last_saved = self.step
         self.guard.on_saved(self.step)
 
+    def _scheduler_state(self) -> dict:
+        """The meta's record of the schedule: its kind ("warmup_" + training.lr_schedule), the step and
+        the lr of the last step taken (wsd: also its decay_fraction). Informational: the lr is a pure
+        function of the step and the config, so a resume follows its own config's schedule."""
+        state = {"kind": f"warmup_{self.tc.lr_schedule}", "step": self.step,
+                 "lr": lr_at(max(self.step - 1, 0), **self._sched_kw())}  # fmt: skip
+        if self.tc.lr_schedule == "wsd":
+            state["decay_fraction"] = self.tc.decay_fraction
+        return state
+
     def _run_state(self) -> RunState:
         """What the checkpoint of the current step records of the run (its meta: run_state.py)."""
         return RunState(
             step=self.step,
             config=self.cfg.to_dict(),
             tokens_seen=self.tokens_seen,
-            scheduler={"kind": "warmup_cosine", "step": self.step,
-                       "lr": lr_at(max(self.step - 1, 0), **self._sched_kw())},
+            scheduler=self._scheduler_state(),
             sampler=self.sampler.state_dict(),
             rng=self.rng.state_dict(),
             data=self._data_identity(),
