@@ -48,8 +48,14 @@ RECIPES = {
     "all": [],
     "eos_reset": ["--set", "model.reset_at_eos=true"],
     # the recipe's global_batch_size is its micro batch: set with it, or a step would be 2 micro batches
-    "window256": "--set training.max_seq_len=256 --set training.micro_batch_size=4 "
-    "--set training.global_batch_size=4".split(),
+    "window256": [
+        "--set",
+        "training.max_seq_len=256",
+        "--set",
+        "training.micro_batch_size=4",
+        "--set",
+        "training.global_batch_size=4",
+    ],
     # ends at the recipe's lr 4e-3 / 100
     "wsd": ["--set", "training.lr_schedule=wsd", "--set", "training.min_lr=4e-5"],
     "average": ["--set", "training.ema_decay=0.99"],
