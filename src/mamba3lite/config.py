@@ -95,6 +95,13 @@ class TrainingConfig:
         "decoupled weight decay on matrices (not norms, biases, embeddings, dt_bias, D): AdamW's, and with "
         "optimizer: muon also Muon's",
     )
+    ema_decay: float = _f(
+        0.0,
+        "weight averaging: after every optimizer step avg = ema_decay x avg + (1 - ema_decay) x weights "
+        "(the first step copies), in [0, 1); 0 = off. Checkpoints keep the average beside the raw weights "
+        "(training resumes from the raw ones); eval, generate, serve, export and the quickstart's final "
+        "evaluation use the average. e.g. 0.99: an average over the last ~100 steps. Not with fsdp/hsdp",
+    )
     betas: tuple[float, float] = _f((0.9, 0.95), "AdamW (beta1, beta2)")
     eps: float = _f(1e-8, "AdamW epsilon")
     optimizer: str = _f(
@@ -272,7 +279,8 @@ class TrainingConfig:
             )
 
     def _check_schedule(self) -> None:
-        """training.lr_schedule names a known schedule (did you mean ...); decay_fraction is a share."""
+        """training.lr_schedule names a known schedule (did you mean ...); decay_fraction is a share;
+        ema_decay is a decay (and not beside sharding: train/averaging.py)."""
         if self.lr_schedule not in LR_SCHEDULES:
             hint = did_you_mean_hint(self.lr_schedule, LR_SCHEDULES)
             raise ConfigError(
@@ -281,6 +289,14 @@ class TrainingConfig:
             )
         if not 0.0 < self.decay_fraction <= 1.0:  # NaN fails this too
             raise ConfigError(f"training.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"training.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
+        if self.ema_decay and self.parallelism in ("fsdp", "hsdp"):
+            raise ConfigError(
+                f"training.ema_decay is {self.ema_decay} but training.parallelism is {self.parallelism}: "
+                "weight averaging keeps a whole copy of the weights on each process and is not supported "
+                "for sharded models; use ddp, or --set training.ema_decay=0"
+            )
 
     def _check_optimizer(self) -> None:
         """training.optimizer names a known optimizer (did you mean ...), and Muon's settings are sane.

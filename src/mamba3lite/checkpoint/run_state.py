@@ -49,6 +49,9 @@ class RunState:
     # {"kind": "warmup_cosine" | "warmup_linear" | "warmup_wsd", "step", "lr"} (wsd: "decay_fraction"):
     # the lr is a pure function of the step and the config
     scheduler: dict | None = field(default=None, metadata=ABSENT)
+    # train/averaging.py's WeightAverage (training.ema_decay > 0): {"decay", "updates"}; its weights are
+    # the step's average_step_N.safetensors
+    average: dict | None = field(default=None, metadata=ABSENT)
     # WindowSampler.state_dict(): epoch and windows consumed
     sampler: dict | None = field(default=None, metadata=ABSENT)
     # RngState.state_dict(): the Python, numpy, torch (and CUDA) generators (rank 0's)
