@@ -278,6 +278,19 @@ class TrainingConfig:
                 "batches make up"
             )
 
+    def _check_optimizer(self) -> None:
+        """training.optimizer names a known optimizer (did you mean ...), and Muon's settings are sane.
+        (Whether the model has a matrix for Muon is checked where the optimizer is built: train/optim.py.)"""
+        if self.optimizer not in OPTIMIZERS:
+            hint = did_you_mean_hint(self.optimizer, OPTIMIZERS)
+            raise ConfigError(
+                f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}{hint}"
+            )
+        if self.muon_lr is not None:
+            _positive("training", self, ("muon_lr",))
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+
     def _check_schedule(self) -> None:
         """training.lr_schedule names a known schedule (did you mean ...); decay_fraction is a share;
         ema_decay is a decay (and not beside sharding: train/averaging.py)."""
@@ -297,19 +310,6 @@ class TrainingConfig:
                 "weight averaging keeps a whole copy of the weights on each process and is not supported "
                 "for sharded models; use ddp, or --set training.ema_decay=0"
             )
-
-    def _check_optimizer(self) -> None:
-        """training.optimizer names a known optimizer (did you mean ...), and Muon's settings are sane.
-        (Whether the model has a matrix for Muon is checked where the optimizer is built: train/optim.py.)"""
-        if self.optimizer not in OPTIMIZERS:
-            hint = did_you_mean_hint(self.optimizer, OPTIMIZERS)
-            raise ConfigError(
-                f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}{hint}"
-            )
-        if self.muon_lr is not None:
-            _positive("training", self, ("muon_lr",))
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
 
     @property
     def global_windows(self) -> int:
