@@ -153,7 +153,8 @@ def weights_description(meta: dict) -> str:
     if not has_average(meta):
         return "trained"
     avg = meta.get("average") if isinstance(meta.get("average"), dict) else {}
-    return f"averaged weights (EMA, decay {avg.get('decay', '?')}, {avg.get('updates', '?')} steps)"
+    n = avg.get("updates", "?")
+    return f"averaged weights (EMA, decay {avg.get('decay', '?')}, {n} step{'' if n == 1 else 's'})"
 
 
 def verified_meta(run: RunDir, step: int) -> tuple[dict, Any]:
