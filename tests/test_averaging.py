@@ -18,7 +18,7 @@ from mamba3lite.interop.export import checkpoint_state, exported_step
 from mamba3lite.pretrained import load_pretrained
 from mamba3lite.rundir import average_file, checkpoint_files
 from mamba3lite.train.averaging import NoAverage, WeightAverage, build_average
-from mamba3lite.train.trainer import Pretrainer
+from mamba3lite.train.trainer import INJECT_ENV, Pretrainer
 from tiny_shapes import TINY_MODEL_SHAPE
 
 OLD_RUN = Path(__file__).parent / "data" / "run_v1_step2"  # written before averaging existed
@@ -132,3 +132,16 @@ def test_a_checkpoint_without_an_average_loads_as_before(tmp_path):
     t.train()
     assert t.average.updates == 2
     assert json.loads(checkpoint_files(tmp_path / "old", 8)["meta"].read_text())["average"]["updates"] == 2
+
+
+def test_a_rollback_takes_the_average_back_to_the_checkpoints(tmp_path, monkeypatch):
+    # saves at 2 and 4; micro-steps 10..12 (steps 6-7) are non-finite: back to step 4, then on to 8
+    monkeypatch.setenv(INJECT_ENV, "10:3")
+    t = Pretrainer(tiny(tmp_path, max_steps=8, save_every=2, gradient_accumulation_steps=2,
+                        nan_guard_max_consecutive=3))  # fmt: skip
+    result = t.train()
+    assert (result.step, result.rollbacks) == (8, 1)
+    # steps 1-5 before the failure; the average of step 4 restored, then steps 5-8 again
+    assert t.average.updates == 8
+    meta = json.loads(checkpoint_files(tmp_path, 8)["meta"].read_text())
+    assert meta["average"]["updates"] == 8
