@@ -13,6 +13,14 @@ preparation, as a new user does), one after the other, never two at once (they w
     shape      the recipe's shape chosen by measurement and batch, GPT-2's vocabulary, AdamW
     all        the recipe: its BPE, Muon, the measured shape (what `make quickstart` runs)
 
+and the levers, each the `all` recipe plus --set items (or a quickstart option):
+
+    eos_reset  model.reset_at_eos: each document's scan starts from a zero state
+    window256  windows of 256 tokens, 4 per step (the recipe's 8 x 128: the same tokens per step)
+    wsd        the warmup-stable-decay schedule, ending at lr / 100 instead of the cosine's lr / 10
+    average    the final evaluation on an exponential moving average of the weights (decay 0.99)
+    vocab8k    a BPE of 8,192 ids instead of the recipe's 4,096
+
 After each run of a recipe in --transformer-after (`all` by default), a `transformer` row: the baseline
 Transformer (baseline_transformer.py: a pre-norm GPT of the run's width, depth and SwiGLU width, heads of
 64) trained by ttq_transformer.py with that run's recipe (its data, windows, batch, optimizer split,
@@ -49,6 +57,20 @@ RECIPES = {
     "muon": ["--config", "tiny", "--tokenizer", "gpt2", "--set", "training.optimizer=muon"],
     "shape": ["--tokenizer", "gpt2", "--set", "training.optimizer=adamw"],
     "all": [],
+    "eos_reset": ["--set", "model.reset_at_eos=true"],
+    # the recipe's global_batch_size is its micro batch: set with it, or a step would be 2 micro batches
+    "window256": [
+        "--set",
+        "training.max_seq_len=256",
+        "--set",
+        "training.micro_batch_size=4",
+        "--set",
+        "training.global_batch_size=4",
+    ],
+    # ends at the recipe's lr 4e-3 / 100
+    "wsd": ["--set", "training.lr_schedule=wsd", "--set", "training.min_lr=4e-5"],
+    "average": ["--set", "training.ema_decay=0.99"],
+    "vocab8k": ["--vocab", "8192"],
 }
 
 

@@ -37,6 +37,7 @@ PRESET_DIR = Path(__file__).resolve().parent / "configs"
 SECTIONS = ("model", "training", "data", "logging")
 DTYPES = ("bf16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "linear", "wsd")
 PARALLELISMS = ("auto", "ddp", "fsdp", "hsdp")
 
 
@@ -75,14 +76,31 @@ class TrainingConfig:
         "at any world size (accumulation = global_batch_size / (micro_batch_size x data-parallel size), "
         "which must divide). 0 = micro_batch_size x gradient_accumulation_steps",
     )
-    max_steps: int = _f(256_000, "optimizer steps of the run; also the end of the cosine schedule")
+    max_steps: int = _f(256_000, "optimizer steps of the run; also the end of the learning-rate schedule")
     lr: float = _f(1.5e-3, "peak learning rate (after warmup)")
-    min_lr: float = _f(1e-5, "learning rate at the end of the cosine decay (reached at max_steps)")
+    min_lr: float = _f(1e-5, "learning rate at the end of the decay (reached at max_steps)")
     warmup_steps: int = _f(2000, "optimizer steps of linear warmup from 0 to lr")
+    lr_schedule: str = _f(
+        "cosine",
+        "the decay from lr to min_lr after warmup: cosine (over all the steps after warmup), linear (a "
+        "straight line over them), wsd (warmup-stable-decay: lr held, then a straight line over the last "
+        "decay_fraction of max_steps)",
+        choices=LR_SCHEDULES,
+    )
+    decay_fraction: float = _f(
+        0.2, "lr_schedule wsd: the share of max_steps, at the end, over which lr decays to min_lr; in (0, 1]"
+    )
     weight_decay: float = _f(
         0.1,
         "decoupled weight decay on matrices (not norms, biases, embeddings, dt_bias, D): AdamW's, and with "
         "optimizer: muon also Muon's",
+    )
+    ema_decay: float = _f(
+        0.0,
+        "weight averaging: after every optimizer step avg = ema_decay x avg + (1 - ema_decay) x weights "
+        "(the first step copies), in [0, 1); 0 = off. Checkpoints keep the average beside the raw weights "
+        "(training resumes from the raw ones); eval, generate, serve, export and the quickstart's final "
+        "evaluation use the average. e.g. 0.99: an average over the last ~100 steps. Not with fsdp/hsdp",
     )
     betas: tuple[float, float] = _f((0.9, 0.95), "AdamW (beta1, beta2)")
     eps: float = _f(1e-8, "AdamW epsilon")
@@ -96,7 +114,7 @@ class TrainingConfig:
     )
     muon_lr: float | None = _f(
         None,
-        "peak learning rate of the Muon matrices (optimizer: muon), following the same warmup and cosine "
+        "peak learning rate of the Muon matrices (optimizer: muon), following the same warmup and decay "
         "(its floor is min_lr x muon_lr / lr); null = lr. Muon's update is scaled per matrix to AdamW's "
         "RMS (torch's adjust_lr_fn=match_rms_adamw: 0.2 x sqrt(max(rows, cols))), so one lr serves both "
         "optimizers; set this to tune Muon apart",
@@ -217,6 +235,7 @@ class TrainingConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"training.betas must be two numbers in [0, 1), got {list(self.betas)}")
         self._check_optimizer()
+        self._check_schedule()
         self._check_scale_out()
         if self.dtype not in DTYPES:
             raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -271,6 +290,26 @@ class TrainingConfig:
             _positive("training", self, ("muon_lr",))
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+
+    def _check_schedule(self) -> None:
+        """training.lr_schedule names a known schedule (did you mean ...); decay_fraction is a share;
+        ema_decay is a decay (and not beside sharding: train/averaging.py)."""
+        if self.lr_schedule not in LR_SCHEDULES:
+            hint = did_you_mean_hint(self.lr_schedule, LR_SCHEDULES)
+            raise ConfigError(
+                f"training.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
+                f"got {self.lr_schedule!r}{hint}"
+            )
+        if not 0.0 < self.decay_fraction <= 1.0:  # NaN fails this too
+            raise ConfigError(f"training.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"training.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
+        if self.ema_decay and self.parallelism in ("fsdp", "hsdp"):
+            raise ConfigError(
+                f"training.ema_decay is {self.ema_decay} but training.parallelism is {self.parallelism}: "
+                "weight averaging keeps a whole copy of the weights on each process and is not supported "
+                "for sharded models; use ddp, or --set training.ema_decay=0"
+            )
 
     @property
     def global_windows(self) -> int:

@@ -8,6 +8,8 @@ A run directory (`training.checkpoint_dir`) holds `model_step_N.safetensors`, `o
 model was trained on (tokenizer name, vocabulary hash, vocab size, EOS id). From those this module
 rebuilds `Mamba3Transformer(config.model)`, loads the verified weights (sha256 checked against the meta
 by `CheckpointManager`) and the tokenizer the model was trained with. The optimizer file is not read.
+A run that averaged its weights (training.ema_decay) gives the average (average_step_N.safetensors):
+`Pretrained.weights` and a note say which weights were loaded.
 
 Every problem a user can fix is a `CheckpointError` naming the directory or file and the fix: a
 directory that does not exist, one without checkpoints, a step that is not there (the message lists the
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mamba3lite.checkpoint.manager import has_average
 from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.data_identity import DataIdentity, resolve_name
 from mamba3lite.errors import CheckpointError, ConfigError
@@ -47,6 +50,8 @@ class Pretrained:
     tokenizer_name: what `load_tokenizer` takes ("gpt2" or a tokenizer.json path); vocab_hash: the
     sha256 of the vocabulary the training data was tokenized with (None for dummy-data runs).
     notes: human-readable remarks (e.g. a newer damaged checkpoint that was skipped).
+    weights: which weights `model` holds: "trained" (the optimizer's), or e.g. "averaged weights (EMA,
+    decay 0.99, 400 steps)" for a run that averaged them (`weights_description`).
     """
 
     model: torch.nn.Module
@@ -57,6 +62,7 @@ class Pretrained:
     tokenizer_name: str
     vocab_hash: str | None
     notes: list[str]
+    weights: str = "trained"
 
     @property
     def tokens_seen(self) -> int:
@@ -122,6 +128,9 @@ def load_pretrained(
                 raise
             notes.append(f"step {pick.step} was removed while loading it (a running training's retention?)")
     model.to(device).eval()
+    weights = weights_description(meta)
+    if weights != "trained":
+        notes.append(f"weights: the run's {weights}, not the trained weights of step {pick.step}")
     notes += bind_scan(model, config.model.scan_impl, torch.device(device))
     where = f"the meta of step {pick.step} in {run.path}"
     data = DataIdentity.from_dict(meta.get("data"), run.path, where=where, error=CheckpointError)
@@ -134,7 +143,18 @@ def load_pretrained(
         tokenizer_name=data.tokenizer if data else resolve_name(None, run.path),
         vocab_hash=data.vocab_hash if data else None,
         notes=notes,
+        weights=weights,
     )
+
+
+def weights_description(meta: dict) -> str:
+    """What the model of a checkpoint with `meta` is when loaded for use: "trained", or "averaged (EMA,
+    decay D, N steps)" when the step holds averaged weights (the manager's `load(averaged=True)`)."""
+    if not has_average(meta):
+        return "trained"
+    avg = meta.get("average") if isinstance(meta.get("average"), dict) else {}
+    n = avg.get("updates", "?")
+    return f"averaged weights (EMA, decay {avg.get('decay', '?')}, {n} step{'' if n == 1 else 's'})"
 
 
 def verified_meta(run: RunDir, step: int) -> tuple[dict, Any]:
@@ -168,7 +188,8 @@ def _load_step(run: RunDir, step: int):
 
     meta, config = verified_meta(run, step)
     model = Mamba3Transformer(config.model)
-    run.ckpt.load(step, model, None, map_location="cpu")  # verifies sizes and sha256 first
+    # verifies sizes and sha256 first; a run that averaged: its averaged weights
+    run.ckpt.load(step, model, None, map_location="cpu", averaged=True)
     # The sha256 proves the file is what training wrote, not that training wrote numbers: a run saved
     # after it diverged gives `eval` a loss of nan and `generate` a sampling error, so refuse it here.
     for name, t in model.state_dict().items():

@@ -15,6 +15,8 @@ and the checkpoints, three files per step (`checkpoint_files`; the one pattern e
     RUN/model_step_N.safetensors     weights
     RUN/optim_step_N.pt              optimizer state
     RUN/meta_step_N.json             everything else, written last
+    RUN/average_step_N.safetensors   the averaged weights (training.ema_decay > 0), a fourth file
+                                     (`average_file`)
 
 or, for a run whose parameters are sharded (FSDP2/HSDP), a directory of every rank's shards and the meta:
 
@@ -54,8 +56,10 @@ NEUTRAL_ENTRIES = frozenset({LOCK_NAME, TENSORBOARD_DIRNAME, SUPERSEDED_DIRNAME}
 
 # kind -> extension: the one definition of the layout; the patterns below are built from it.
 EXTENSIONS = {"model": "safetensors", "optim": "pt", "meta": "json"}
-_KIND = "|".join(EXTENSIONS)
-_EXT = "|".join(EXTENSIONS.values())
+# Every kind of a step's file: the three, and the averaged weights of a run that averages.
+_ALL_KINDS = {**EXTENSIONS, "average": "safetensors"}
+_KIND = "|".join(_ALL_KINDS)
+_EXT = "|".join(sorted(set(_ALL_KINDS.values())))
 _NAME_RE = re.compile(rf"^({_KIND})_step_(\d+)\.({_EXT})$")
 _TEMP_RE = re.compile(rf"^\.({_KIND})_step_\d+\.({_EXT})\..+\.tmp$")
 _ANY_RE = re.compile(rf"^\.?({_KIND})_step_\d+\.({_EXT})")
@@ -66,6 +70,11 @@ _SHARDED_RE = re.compile(rf"^{SHARDED_PREFIX}(\d+)$")
 def checkpoint_files(directory: Path, step: int) -> dict[str, Path]:
     """The three paths of one step: {"model": ..., "optim": ..., "meta": ...}."""
     return {kind: Path(directory) / f"{kind}_step_{step}.{ext}" for kind, ext in EXTENSIONS.items()}
+
+
+def average_file(directory: Path, step: int) -> Path:
+    """The averaged weights of one step (training.ema_decay > 0): beside its three files."""
+    return Path(directory) / f"average_step_{step}.{_ALL_KINDS['average']}"
 
 
 def sharded_dir(directory: Path, step: int) -> Path:
@@ -79,7 +88,7 @@ def step_of(name: str) -> int | None:
     if (m := _SHARDED_RE.match(name)) is not None:
         return int(m.group(1))
     m = _NAME_RE.match(name)
-    if m is None or EXTENSIONS[m.group(1)] != m.group(3):
+    if m is None or _ALL_KINDS[m.group(1)] != m.group(3):
         return None
     return int(m.group(2))
 

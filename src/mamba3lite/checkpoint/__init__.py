@@ -9,6 +9,20 @@ on load.
                                    (rng.py), dataset identity, last metrics, W&B run id, and the size
                                    and sha256 of the other two files and of itself      meta.py
 
+A run that averages its weights (training.ema_decay > 0, train/averaging.py) writes a fourth file per
+step, before the meta:
+
+    DIR/average_step_N.safetensors the averaged weights, in the model file's form (the model's
+                                   state_dict keys, tied tensors once, the same aliases)
+
+recorded in the meta's `files` as "average" (size and sha256, verified with the others by every reader)
+and the average's counters in its `average` field ({"decay", "updates"}). The contract: model_step_N
+stays the weights the optimizer trains (a resume loads them, and the average back into the averager,
+`read_average`); the users of a trained model (load_pretrained: eval, generate, serve, the quickstart;
+export) load with `load(..., averaged=True)`, which takes the average when the meta records one and the
+model file otherwise, so checkpoints without an average (older ones, runs that do not average) load as
+before. Sharded runs (fsdp/hsdp) do not average (a ConfigError), so the sharded format has no average.
+
 A run whose parameters are sharded (FSDP2/HSDP DTensors) writes instead DIR/dcp_step_N/, every rank's
 own shards through torch.distributed.checkpoint (async by default), and the same meta, written last by
 rank 0 with the size and sha256 of every shard file (sharded.py). Either format loads into a plain, DDP

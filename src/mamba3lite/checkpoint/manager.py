@@ -68,6 +68,7 @@ from mamba3lite.checkpoint.weights import load_model_file, read_model_file, spli
 from mamba3lite.errors import CheckpointError
 from mamba3lite.rundir import (
     SUPERSEDED_DIRNAME,
+    average_file,
     checkpoint_files,
     finished_save,
     is_temp_file,
@@ -113,6 +114,11 @@ class _PendingSave:
     error: BaseException | None = None
 
 
+def has_average(meta: dict) -> bool:
+    """Whether the step of `meta` holds averaged weights (average_step_N.safetensors, in its files)."""
+    return "average" in (meta.get("files") or {})
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -129,6 +135,20 @@ def _gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _write_weights_file(path: Path, unique: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict:
+    """A safetensors file of `unique` (tied aliases in its header, as the model file), atomically;
+    returns {"size", "sha256"} of the file."""
+    out = HashingAtomicFile(path)
+    try:
+        write_safetensors(
+            out, unique, {"format": "pt", "mamba3lite_tied": json.dumps(aliases, sort_keys=True)}
+        )
+        return {"size": out.size, "sha256": out.commit()}
+    except BaseException:
+        out.abort()
+        raise
 
 
 def _write_optimizer_file(path: Path, optim_state: dict) -> dict:
@@ -182,6 +202,7 @@ class CheckpointManager:
         *,
         sharded: bool | None = None,
         async_save: bool = False,
+        average: dict[str, torch.Tensor] | None = None,
     ) -> Path:
         """Write the checkpoint of `step`; then apply retention. The meta is `state.to_meta()` (default:
         a RunState of only the step) with the manager's file-integrity fields. Returns the meta path.
@@ -191,11 +212,16 @@ class CheckpointManager:
         atomically. Sharded
         (`saves_sharded(model, sharded)`; every rank calls it, each with its own `state`, whose RNG
         states are gathered into the meta): see `_save_sharded`; `async_save` returns before the files
-        are written, and the meta path it returns exists only after `finish_pending()`."""
+        are written, and the meta path it returns exists only after `finish_pending()`.
+
+        `average`: the averaged weights (train/averaging.py: a state_dict of the model's keys), written to
+        a fourth file, average_step_N.safetensors, recorded in the meta's files as "average" (three-file
+        format only: sharded runs do not average)."""
         assert step >= 0
         state = RunState(step=step) if state is None else state
         assert state.step == step, f"the run state is of step {state.step}, saved as step {step}"
         if self.saves_sharded(model, sharded):
+            assert average is None, "weight averaging is refused for sharded runs (config.py)"
             return self._save_sharded(step, model, optimizer, state, async_save)
         self.finish_pending()
         paths = checkpoint_files(self.dir, step)
@@ -218,11 +244,14 @@ class CheckpointManager:
         else:
             optim_state = {"format": OPTIM_FORMAT, "state": {}, "param_groups": []}
         files = self._write_data_files(paths, unique, aliases, optim_state)
+        if average is not None:  # written before the meta: the meta vouches for it too
+            paths = {**paths, "average": average_file(self.dir, step)}
+            files["average"] = _write_weights_file(paths["average"], split_tied(average)[0], aliases)
         record = self._record(step, state, optimizer is not None)
         record["tied"] = aliases
-        record["files"] = {k: {"name": paths[k].name, **files[k]} for k in ("model", "optim")}
+        record["files"] = {k: {"name": paths[k].name, **files[k]} for k in files}
         self._write_meta(paths["meta"], record)
-        for kind in ("model", "optim"):  # what we just wrote needs no re-hash when loaded
+        for kind in files:  # what we just wrote needs no re-hash when loaded
             self._remember_sha(paths[kind], files[kind]["sha256"])
         self.prune()
         if gathered:
@@ -453,6 +482,9 @@ class CheckpointManager:
             if sharded:
                 problems = shard_problems(meta["shards"], sdir, self._cached_sha)
             else:
+                if "average" in meta.get("files", {}):  # every user of the step may read the average
+                    kinds, paths = (*kinds, "average"), {**paths, "average": average_file(self.dir, step)}
+                    sizes["average"] = paths["average"].stat().st_size if paths["average"].exists() else None
                 problems = self._data_file_problems(meta, paths, sizes, kinds)
         ok = not problems
         return CheckpointStatus(step, ok, ok, fmt, problems, sizes, sharded)
@@ -506,10 +538,14 @@ class CheckpointManager:
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         map_location: str | torch.device = "cpu",
+        *,
+        averaged: bool = False,
     ) -> dict:
         """Verify step `step`, load its weights into `model` and its state into `optimizer` (either may
         be None), and return the meta dict. CheckpointError naming the file if anything is wrong. The
-        optimizer file is checked only when `optimizer` is given."""
+        optimizer file is checked only when `optimizer` is given. `averaged`: the model gets the step's
+        averaged weights when it has them (`has_average(meta)`), else its weights (what users of a
+        trained model read); training resumes from the weights (the default)."""
         need_optimizer = optimizer is not None
         st = self.status(step, need_optimizer=need_optimizer)
         if not st.loadable:
@@ -528,6 +564,8 @@ class CheckpointManager:
             return meta
         if model is not None:
             tied = meta.get("tied") if st.format == META_FORMAT else {}
+            if averaged and has_average(meta):
+                paths = {**paths, "model": average_file(self.dir, step)}
             if is_sharded(model):  # whole tensors from the file, each rank keeps its shards
                 set_full_model_state(model, read_model_file(paths["model"], tied))
             else:
@@ -535,6 +573,14 @@ class CheckpointManager:
         if optimizer is not None:
             self._load_optimizer(optimizer, model, meta, paths["optim"], map_location)
         return meta
+
+    def read_average(self, step: int) -> dict[str, torch.Tensor] | None:
+        """The averaged weights of step `step` (a state_dict, tied aliases filled), or None when it has
+        none. Call after `load` of the same step, which verified them."""
+        meta = self.read_meta(step)
+        if not has_average(meta):
+            return None
+        return read_model_file(average_file(self.dir, step), meta.get("tied") or {})
 
     def _load_sharded(
         self, step: int, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
@@ -589,9 +635,9 @@ class CheckpointManager:
         """Remove a step's files and shard directory, meta first (so a half-deleted step is never
         'verified')."""
         paths = checkpoint_files(self.dir, step)
-        for kind in ("meta", "model", "optim"):
+        for path in (paths["meta"], paths["model"], paths["optim"], average_file(self.dir, step)):
             with contextlib.suppress(FileNotFoundError):
-                paths[kind].unlink()
+                path.unlink()
         shutil.rmtree(sharded_dir(self.dir, step), ignore_errors=True)
 
     def prune(self) -> list[int]:
@@ -632,7 +678,11 @@ class CheckpointManager:
             except FileExistsError:
                 continue
         for s in steps:
-            for p in [*checkpoint_files(self.dir, s).values(), sharded_dir(self.dir, s)]:
+            for p in [
+                *checkpoint_files(self.dir, s).values(),
+                average_file(self.dir, s),
+                sharded_dir(self.dir, s),
+            ]:
                 if p.exists():
                     os.replace(p, target / p.name)
         fsync_dir(target)

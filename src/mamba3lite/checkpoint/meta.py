@@ -66,7 +66,7 @@ def schema_problem(meta: dict, path: Path) -> str | None:
             sections = tuple(_CONFIG_SECTIONS)
             intake.expect(meta["config"], _CONFIG_SECTIONS, where=where, kind=kind, optional=sections,
                           prefix="config.")  # fmt: skip
-        for name in ("model", "optim"):
+        for name in ("model", "optim", "average"):
             if name in meta.get("files", {}):
                 intake.expect(meta["files"][name], _FILE_ENTRY, where=where, kind=kind,
                               optional=("name",), prefix=f"files.{name}.")  # fmt: skip

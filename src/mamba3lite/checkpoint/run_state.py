@@ -46,8 +46,12 @@ class RunState:
     config: dict = field(default_factory=dict)
     # training tokens consumed (all ranks), skipped steps included
     tokens_seen: int = 0
-    # {"kind": "warmup_cosine", "step", "lr"}: the lr is a pure function of the step
+    # {"kind": "warmup_cosine" | "warmup_linear" | "warmup_wsd", "step", "lr"} (wsd: "decay_fraction"):
+    # the lr is a pure function of the step and the config
     scheduler: dict | None = field(default=None, metadata=ABSENT)
+    # train/averaging.py's WeightAverage (training.ema_decay > 0): {"decay", "updates"}; its weights are
+    # the step's average_step_N.safetensors
+    average: dict | None = field(default=None, metadata=ABSENT)
     # WindowSampler.state_dict(): epoch and windows consumed
     sampler: dict | None = field(default=None, metadata=ABSENT)
     # RngState.state_dict(): the Python, numpy, torch (and CUDA) generators (rank 0's)

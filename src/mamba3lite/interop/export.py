@@ -156,12 +156,15 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
 def exported_step(run_dir: str | Path, step: int | None):
     """(the RunDir, the step: `step` or the newest verified one, notes on skipped steps, its meta, its
     Config), its files verified: what every export format starts from."""
-    from mamba3lite.pretrained import verified_meta
+    from mamba3lite.pretrained import verified_meta, weights_description
 
     run = RunDir(run_dir).check()
     pick = run.resolve(step)
     meta, config = verified_meta(run, pick.step)
-    return run, pick.step, list(pick.notes), meta, config
+    notes = list(pick.notes)
+    if (weights := weights_description(meta)) != "trained":
+        notes.append(f"exported the run's {weights}, not the trained weights of step {pick.step}")
+    return run, pick.step, notes, meta, config
 
 
 def checkpoint_state(run: RunDir, step: int, cfg) -> dict[str, torch.Tensor]:
@@ -173,7 +176,7 @@ def checkpoint_state(run: RunDir, step: int, cfg) -> dict[str, torch.Tensor]:
     dtypes = run.ckpt.sharded_dtypes(step) or _stored_dtypes(checkpoint_files(run.path, step)["model"])
     widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
     model = Mamba3Transformer(cfg).to(widest)
-    run.ckpt.load(step, model, None, map_location="cpu")
+    run.ckpt.load(step, model, None, map_location="cpu", averaged=True)  # what eval and generate read
     state = {}
     for name, t in model.state_dict().items():
         dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)

@@ -183,6 +183,8 @@ def _finish(
     loaded = load_pretrained(run_dir)
     end_eval = evaluate(loaded.model)
     log(f"after     step {loaded.step}: {fmt_eval(end_eval)}")
+    if loaded.weights != "trained":
+        log(f"weights   {loaded.weights}: what the evaluation above and the sample use")
     tok = loaded.load_tokenizer()
     log(f"sample    (prompt {opts.prompt!r}, temperature 0.8, top-k 50, seed {opts.seed}):\n")
     sample = generate_text(

@@ -20,10 +20,12 @@ Training"), which lets one peak lr and one weight_decay serve both optimizers;
 `training.muon_lr` sets Muon's peak apart. Muon's decay is decoupled like AdamW's: p ← p·(1 − lr·wd)
 with the group's (unscaled) lr.
 
-Schedule (`lr_at`): linear warmup from 0 to `lr` over `warmup_steps`, then cosine from `lr` to `min_lr`
-at `max_steps`, then `min_lr`. It depends only on its arguments: the trainer sets every group's lr from
-it before each optimizer step (`set_lr`: the Muon groups get it times muon_lr / lr), so resuming needs
-nothing but the step number.
+Schedule (`lr_at`, `training.lr_schedule`): linear warmup from 0 to `lr` over `warmup_steps`, then from
+`lr` to `min_lr` at `max_steps` by a cosine, a straight line, or (wsd: warmup-stable-decay) a hold at
+`lr` and a straight line over the last `decay_fraction` of the steps; then `min_lr`. It depends only on
+its arguments: the trainer sets every group's lr from it before each optimizer step (`set_lr`: the Muon
+groups get it times muon_lr / lr), so resuming needs nothing but the step number (and a resume whose
+config names another schedule follows the new one from the saved step, as with a changed lr).
 """
 
 from __future__ import annotations
@@ -221,20 +223,40 @@ def build_optimizer(
     return MuonWithAdamW(build_adamw(groups, **kw), muon, muon_lr / training.lr)
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
+def lr_at(
+    step: int,
+    *,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    max_steps: int,
+    schedule: str = "cosine",
+    decay_fraction: float = 0.2,
+) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then `schedule` down to min_lr.
 
     warmup: lr·(step+1)/warmup_steps for step < warmup_steps (never 0, so the first step moves);
-    decay:  min_lr + ½(lr − min_lr)(1 + cos(π·t)), t = (step − warmup)/(max_steps − warmup) ∈ [0, 1];
+    decay from `start` to max_steps, t = (step − start)/(max_steps − start) ∈ [0, 1]:
+        cosine  start = warmup_steps:  min_lr + ½(lr − min_lr)(1 + cos(π·t))
+        linear  start = warmup_steps:  min_lr + (lr − min_lr)(1 − t)
+        wsd     start = max(warmup_steps, max_steps − round(decay_fraction·max_steps)): lr until start
+                (warmup-stable-decay), then linear as above; decay_fraction 1 is `linear`
     after max_steps: min_lr.
     """
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if step >= max_steps:
         return min_lr
-    span = max(1, max_steps - warmup_steps)
-    t = (step - warmup_steps) / span
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * t))
+    start = warmup_steps
+    if schedule == "wsd":
+        start = max(warmup_steps, max_steps - round(decay_fraction * max_steps))
+        if step < start:
+            return lr
+    t = (step - start) / max(1, max_steps - start)
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * t))
+    assert schedule in ("linear", "wsd"), f"unknown schedule {schedule!r}"
+    return min_lr + (lr - min_lr) * (1.0 - t)
 
 
 def set_lr(optimizer: Any, lr: float) -> None:

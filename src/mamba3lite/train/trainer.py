@@ -55,6 +55,7 @@ from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.malloc import keep_freed_memory
+from mamba3lite.train.averaging import build_average
 from mamba3lite.train.data import (
     build_train_data,
     build_val_data,
@@ -129,6 +130,14 @@ class Pretrainer:
         self.data = self._build_data(train_data, val_data)
         self.raw_model, self.model = build_model(self.cfg, self.dist, self.par, model)
         self.optimizer = build_optimizer(self.raw_model, tc)
+        if tc.ema_decay and self.par.is_sharded:  # parallelism auto chose fsdp (explicit: config.py)
+            raise ConfigError(
+                f"training.ema_decay is {tc.ema_decay} but this run shards its model ({self.par.name}): "
+                "weight averaging is not supported for sharded models; --set training.parallelism=ddp "
+                "or training.ema_decay=0"
+            )
+        # The average of the weights that users of the checkpoints read (averaging.py; off: NoAverage).
+        self.average = build_average(self.raw_model, tc.ema_decay)
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
         # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
         manifest = getattr(self.data.train, "manifest", None)
@@ -202,7 +211,8 @@ class Pretrainer:
 
     def _sched_kw(self) -> dict:
         tc = self.tc
-        return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps}
+        return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps,
+                "schedule": tc.lr_schedule, "decay_fraction": tc.decay_fraction}  # fmt: skip
 
     # -------------------------------------------------------------------------------------- run
     def request_stop(self, reason: str = "signal") -> None:
@@ -357,10 +367,21 @@ class Pretrainer:
                            async_save=self.tc.async_checkpoint)  # fmt: skip
         else:
             if self.dist.is_main:
-                self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state())
+                self.ckpt.save(self.step, self.raw_model, self.optimizer, self._run_state(),
+                               average=self.average.averaged_state(self.raw_model))  # fmt: skip
             D.barrier(self.dist)
         self.progress.last_saved = self.step
         self.guard.on_saved(self.step)
+
+    def _scheduler_state(self) -> dict:
+        """The meta's record of the schedule: its kind ("warmup_" + training.lr_schedule), the step and
+        the lr of the last step taken (wsd: also its decay_fraction). Informational: the lr is a pure
+        function of the step and the config, so a resume follows its own config's schedule."""
+        state = {"kind": f"warmup_{self.tc.lr_schedule}", "step": self.step,
+                 "lr": lr_at(max(self.step - 1, 0), **self._sched_kw())}  # fmt: skip
+        if self.tc.lr_schedule == "wsd":
+            state["decay_fraction"] = self.tc.decay_fraction
+        return state
 
     def _run_state(self) -> RunState:
         """What the checkpoint of the current step records of the run (its meta: run_state.py)."""
@@ -368,8 +389,9 @@ class Pretrainer:
             step=self.step,
             config=self.cfg.to_dict(),
             tokens_seen=self.tokens_seen,
-            scheduler={"kind": "warmup_cosine", "step": self.step,
-                       "lr": lr_at(max(self.step - 1, 0), **self._sched_kw())},
+            scheduler=self._scheduler_state(),
+            average=None if not self.average.updates else {"decay": self.average.decay,
+                                                           "updates": self.average.updates},
             sampler=self.sampler.state_dict(),
             rng=self.rng.state_dict(),
             data=self._data_identity(),
@@ -449,6 +471,10 @@ class Pretrainer:
         warnings = resume_warnings(meta, facts)  # raises for another model or tokenizer
         state, p = RunState.from_meta(meta), self.progress
         p.step, p.tokens_seen = int(state.step), int(state.tokens_seen)
+        # The average goes back with the weights (a checkpoint without one: averaging starts anew).
+        weights = self.ckpt.read_average(step) if state.average else None
+        self.average.load_state_dict({"updates": state.average["updates"], "weights": weights} if weights
+                                     else {"updates": 0, "weights": {}})  # fmt: skip
         for warning in warnings:
             self.logger.event(self.step, "warning", warning)
         tc = self.tc
@@ -539,6 +565,7 @@ class Pretrainer:
             return False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.average.update(self.raw_model)
         self.progress.step += 1
         self.progress.history.append((self.step, outcome.loss_mean))
         pending_skipped, pending_tokens = self.guard.take_pending()
