@@ -32,7 +32,7 @@ PERIODIC_EVALS = 3  # validation rows the trainer writes during the run (for the
 class Calibration:
     """What the calibration measured on this machine, before training."""
 
-    step_s: float  # seconds per optimizer step (see _time_steps)
+    step_s: float  # seconds per optimizer step (see calibrate.time_steps)
     eval_s: float  # seconds for one before/after evaluation
     sample_s: float  # seconds the final sample will take
     n_params: int
