@@ -1,6 +1,6 @@
 """Every validation number says what it is a mean over: the trainer's evaluation rows record the windows
 scored and the windows of the whole validation set (`val_windows`, `val_split_windows`), and the console
-line of `mamba3lite train` labels a subset as a subset and the whole set as the whole set."""
+line of `mamba3lite train` (and `inspect`) labels a subset as a subset and the whole set as the whole set."""
 
 from __future__ import annotations
 
@@ -39,3 +39,7 @@ def test_train_eval_line_and_row_say_which_windows(tmp_path, capsys, eval_batche
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     (ev,) = [r for r in rows if r["kind"] == "eval"]
     assert (ev["val_windows"], ev["val_split_windows"]) == (2 * eval_batches, 8)
+    # `inspect` labels both its eval lines (the checkpoint's last evaluation, the log's last eval row)
+    assert main(["inspect", str(run)]) == 0
+    report = capsys.readouterr().out
+    assert report.count(f"({label})") == 2, report
