@@ -71,7 +71,7 @@ def test_quickstart_resolves_once_and_labels_every_validation_number(tmp_path, m
     periodic = re.findall(r"^eval step=\s+(\d+) \|.* \| subset (\d+) of (\d+) val windows$", out, re.M)
     assert [step for step, _, _ in periodic] == ["4", "6"]
     (subset,) = {n for _, n, _ in periodic}
-    assert {of for _, _, of in periodic} == {whole} and int(whole) // 2 <= int(subset) < int(whole)
+    assert {of for _, _, of in periodic} == {whole} and int(whole) / 2 <= int(subset) < int(whole)
     assert f"on the whole val split, {whole} windows" in out.split("quickstart summary")[1]
     run = work / "run-stdlib-bpe300"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

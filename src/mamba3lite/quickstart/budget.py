@@ -108,7 +108,7 @@ def run_settings(
         "max_steps": start_step + n_steps,
         "warmup_steps": warmup,
         "eval_every": 0 if probe else max(1, math.ceil(n_steps / PERIODIC_EVALS)),
-        "eval_batches": max(1, eval_batches // 2),
+        "eval_batches": max(1, math.ceil(eval_batches / 2)),  # at least half, not one batch short
         "save_every": max(1, n_steps // 2),
         "log_every": 1 if probe else max(1, min(log_every, n_steps // 20 or 1)),
     }

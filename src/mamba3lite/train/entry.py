@@ -242,7 +242,8 @@ class PreparedRun:
     (None without --init-from, or once the run resumes from its own checkpoints). `training_session` and
     `run_training` take one in place of (cfg, opts): a caller that trains the same run several times
     (the quickstart: a calibration, a probe, the main run) prepares it once and changes only what the
-    checks do not read, through the methods below."""
+    checks do not read, through the methods below. The runs made with `with_training` share the init
+    model: the first one trains it, and the next ones resume from the checkpoint it wrote."""
 
     cfg: Any
     opts: TrainOptions
