@@ -20,12 +20,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mamba3lite.checkpoint.run_dir import RunDir
+from mamba3lite.data.shards import Manifest
 from mamba3lite.quickstart import recipe
 from mamba3lite.quickstart.budget import Budget, Calibration, Plan
 from mamba3lite.quickstart.calibrate import calibrate
 from mamba3lite.quickstart.dataset import Evaluator, evaluator
 from mamba3lite.quickstart.options import QuickstartOptions
 from mamba3lite.quickstart.summary import fmt_eval
+from mamba3lite.train.entry import PreparedRun, TrainOptions, prepare_run
 
 # The share of what is left after preparing the data that the shape rule counts as training time (the
 # calibration, the evaluations, checkpoints, the sample and the plot take the rest).
@@ -36,8 +39,8 @@ TRAIN_SHARE = 0.8
 class QuickstartPlan:
     """The quickstart's run, resolved once (see the module docstring)."""
 
-    prepared: object  # the run as train/entry.py checked it (`PreparedRun`); its config is final
-    manifest: object  # the dataset's manifest (data/shards.py `Manifest`)
+    prepared: PreparedRun  # the run as train/entry.py checked it; its config is the final one
+    manifest: Manifest  # the dataset's
     data_path: Path
     data_reused: bool  # the dataset was reused, not prepared again
     run_dir: Path
@@ -63,7 +66,7 @@ class QuickstartPlan:
         return max(1, math.ceil(windows / self.cfg.training.micro_batch_size))
 
 
-def base_config(preset, opts: QuickstartOptions, manifest, data_path: Path, run_dir: Path):
+def base_config(preset, opts: QuickstartOptions, manifest: Manifest, data_path: Path, run_dir: Path):
     """The config before the recipe's shape: `preset` (as loaded: the `tiny` preset's cadence under
     `auto`, with the recipe's vocabulary-independent settings), the dataset's vocabulary, its data and
     run directory, then the user's --set items."""
@@ -74,12 +77,12 @@ def base_config(preset, opts: QuickstartOptions, manifest, data_path: Path, run_
     return cfg.replace("training", checkpoint_dir=str(run_dir)).with_overrides(opts.overrides)
 
 
-def choose_model(prepared, opts: QuickstartOptions, deadline: float) -> tuple[object, int, str]:
+def choose_model(
+    prepared: PreparedRun, opts: QuickstartOptions, deadline: float
+) -> tuple[PreparedRun, int, str]:
     """(the prepared run with its model shape, the step it resumes from, what was chosen and why). A
     resumed run keeps its recorded shape; an --init-from source, a given config (or a --set of the
     shape) keep their own; else the recipe measures the shapes here."""
-    from mamba3lite.checkpoint.run_dir import RunDir
-
     cfg = prepared.cfg
     run = RunDir(cfg.training.checkpoint_dir)
     step = run.resume_step("latest")  # the newest checkpoint verified once, here
@@ -118,9 +121,6 @@ def resolve_plan(
 ) -> QuickstartPlan:
     """Resolve the quickstart's run once (see the module docstring), logging the recipe, the threads,
     the "before" evaluation and the plan."""
-    from mamba3lite.data.shards import Manifest
-    from mamba3lite.train.entry import TrainOptions, prepare_run
-
     manifest = Manifest.load(data_path)
     cfg = base_config(preset, opts, manifest, data_path, run_dir)
     # train's checks (train/entry.py), once, on the real run directory before the shapes are measured and
