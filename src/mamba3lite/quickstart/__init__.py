@@ -17,8 +17,11 @@ fixed, evenly spread half of the val windows, for the curve of the plot, and its
 ("on the whole val split, 570 windows"). A framework user expects both: a cheap curve during the run
 on the same windows each time (so its points compare with each other), and one final number on every
 held-out window (the one to compare with the compressors, read on the same text). Half the windows is
-what the budget already pays for, and close to the whole split's number; a different number at the
-last step is then the subset's sampling, and both lines say which is which.
+what the budget already pays for, and close to the whole split's number: on a 100-step model and the
+stdlib's 168 val windows of 128 tokens, the two evenly spread halves were 0.4% and 0.2% off the whole
+split's bits per byte, where evenly spread sets of 16 windows (the earlier periodic evaluation) were
+up to 3% off. What difference is left at the last step is the subset's sampling, and both lines say
+which number is which.
     sample    a continuation of "def" from the newest checkpoint (token healing on)
     plot      WORKDIR/run/metrics.png (when matplotlib is installed)
 
