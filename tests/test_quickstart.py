@@ -174,7 +174,9 @@ def test_set_help_names_the_refused_fields_and_the_rest_pass(capsys):
 def summary_of(split: str = "val", stopped_by: str | None = None, **options) -> str:
     from mamba3lite.quickstart import QuickstartOptions, QuickstartResult, summary_text
 
-    ev = {"loss": 5.0, "bits_per_byte": 2.0, "tokens": 1000, "split": split}
+    whole = split == "val"  # the whole val split, or a few train windows when val is too small
+    windows = {"windows": 50 if whole else 32, "whole_split": whole}
+    ev = {"loss": 5.0, "bits_per_byte": 2.0, "tokens": 1000, "split": split, **windows}
     work = Path(options.get("workdir", "mamba3lite-quickstart"))
     result = QuickstartResult(
         data_path=work / "data" / "stdlib",
@@ -221,22 +223,25 @@ def test_summary_next_commands_name_this_runs_options():
 
 def test_summary_names_the_split_evaluated_and_a_stop():
     val = summary_of("val")
-    assert "val loss      5.000 -> 4.000 nats/token" in val and "on 1,000 val tokens)" in val
+    assert "val loss      5.000 -> 4.000 nats/token" in val
+    assert "on the whole val split, 50 windows, 1,000 tokens)" in val
     assert "stopped" not in val
     train = summary_of("train", stopped_by="signal")
-    assert "val loss" not in train and "val tokens" not in train
-    assert "train loss    5.000 -> 4.000" in train and "on 1,000 train tokens: no usable val split" in train
+    assert "val loss" not in train and "whole val split" not in train
+    assert "train loss    5.000 -> 4.000" in train
+    assert "on 32 train windows, 1,000 tokens: no usable val split" in train
     assert "steps         0 -> 10   tokens seen 100   (stopped by signal)" in train
 
 
 def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
     """SIGINT in the first step of the probe (the trainer whose first `warmup_steps` steps re-plan the
     rest): the quickstart must not go on to train the planned steps, and ends as a stopped run does."""
+    import mamba3lite.quickstart.calibrate as calibration
     import mamba3lite.quickstart.run as qs
     from mamba3lite.train.trainer import Pretrainer
 
     # A measured 1 ms/step plans thousands of steps, so the first warmup_steps (4) are a probe.
-    monkeypatch.setattr(qs, "_time_steps", lambda trainer, cpu: (1e-3, ""))
+    monkeypatch.setattr(calibration, "time_steps", lambda trainer, cpu: (1e-3, ""))
     monkeypatch.setattr(qs, "_process_age_s", lambda: 0.0)  # the budget starts now, not at pytest's start
     real_train, calls = Pretrainer.train, []
 
@@ -255,7 +260,10 @@ def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Pretrainer, "train", train)
     work = tmp_path / "qs"
     config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32, warmup_steps=4)
-    rc = main(["quickstart", "--minutes", "1", "--workdir", str(work), "--config", config,
+    # 5 minutes: a calibration slowed by a busy machine still leaves a plan long enough for a probe (at
+    # 1 minute, a machine running ten processes on two cores planned one step); the SIGINT ends the run
+    # after one step whatever the budget.
+    rc = main(["quickstart", "--minutes", "5", "--workdir", str(work), "--config", config,
                "--max-docs", "12", "--sample-tokens", "5", "--vocab", "300",
                "--set", "training.lr=2e-3"])  # fmt: skip
     out = capsys.readouterr().out

@@ -63,6 +63,11 @@ def test_run_settings_cadence():
                     "save_every": 50, "log_every": 5}  # fmt: skip
     probe = run_settings(100, probe=True, start_step=0, warmup=5, log_every=50, eval_batches=1)
     assert probe["eval_every"] == 0 and probe["log_every"] == 1 and probe["eval_batches"] == 1
+    # periodic evaluations score at least half the before/after one's batches (21 of 168 windows by 8: 11)
+    assert (
+        run_settings(9, probe=False, start_step=0, warmup=1, log_every=1, eval_batches=21)["eval_batches"]
+        == 11
+    )
     one = run_settings(1, probe=False, start_step=0, warmup=1, log_every=50, eval_batches=8)
     assert one["eval_every"] == 1 and one["save_every"] == 1 and one["log_every"] == 1
 

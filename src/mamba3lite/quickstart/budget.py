@@ -32,7 +32,7 @@ PERIODIC_EVALS = 3  # validation rows the trainer writes during the run (for the
 class Calibration:
     """What the calibration measured on this machine, before training."""
 
-    step_s: float  # seconds per optimizer step (see _time_steps)
+    step_s: float  # seconds per optimizer step (see calibrate.time_steps)
     eval_s: float  # seconds for one before/after evaluation
     sample_s: float  # seconds the final sample will take
     n_params: int
@@ -108,7 +108,7 @@ def run_settings(
         "max_steps": start_step + n_steps,
         "warmup_steps": warmup,
         "eval_every": 0 if probe else max(1, math.ceil(n_steps / PERIODIC_EVALS)),
-        "eval_batches": max(1, eval_batches // 2),
+        "eval_batches": max(1, math.ceil(eval_batches / 2)),  # at least half, not one batch short
         "save_every": max(1, n_steps // 2),
         "log_every": 1 if probe else max(1, min(log_every, n_steps // 20 or 1)),
     }

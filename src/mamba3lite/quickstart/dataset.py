@@ -72,7 +72,7 @@ def eval_split(manifest, max_seq_len: int) -> str:
 @dataclass(frozen=True)
 class Evaluator:
     """The before/after evaluation of a model on `split` of the dataset (`max_batches` None: every
-    window)."""
+    window). Its result is `evaluate_model`'s, with "whole_split": whether every window was scored."""
 
     data_path: Path
     split: str
@@ -91,14 +91,14 @@ class Evaluator:
             max_batches=self.max_batches, split=self.split, dtype=self.dtype, vocab_hash=self.vocab_hash,
             tokenizer_name=self.tokenizer_name,
         )  # fmt: skip
-        return r.to_dict()
+        return {**r.to_dict(), "whole_split": self.max_batches is None}
 
 
-def evaluator(cfg, data_path: Path, log) -> Evaluator:
-    """The evaluation of `cfg`'s runs on the dataset at `data_path`."""
+def evaluator(cfg, data_path: Path, log, manifest=None) -> Evaluator:
+    """The evaluation of `cfg`'s runs on the dataset at `data_path` (its `manifest`, loaded if None)."""
     from mamba3lite.data.shards import Manifest
 
-    tc, manifest = cfg.training, Manifest.load(data_path)
+    tc, manifest = cfg.training, manifest or Manifest.load(data_path)
     split = eval_split(manifest, tc.max_seq_len)
     if split == "train":
         log("note      the validation split is too small for one window; evaluating on the train split")

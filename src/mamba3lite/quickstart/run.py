@@ -1,35 +1,22 @@
-"""The quickstart's run: prepare, choose the recipe, calibrate, train for the budget, evaluate, sample,
-plot (the package docstring says what each step does and why)."""
+"""The quickstart's run: prepare the dataset, resolve the plan (plan.py: the recipe, the checks, the
+calibration, the budget), train for the budget, evaluate, sample, plot (the package docstring says what
+each step does and why)."""
 
 from __future__ import annotations
 
-import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.quickstart import recipe
-from mamba3lite.quickstart.budget import (
-    REPLAN_FRACTION,
-    Budget,
-    BudgetTimer,
-    Calibration,
-    Plan,
-    probe_steps,
-    run_settings,
-    warmup_for,
-)
-from mamba3lite.quickstart.dataset import EVAL_WINDOWS, Evaluator, dataset_name, ensure_dataset, evaluator
+from mamba3lite.quickstart.budget import REPLAN_FRACTION, BudgetTimer, probe_steps, run_settings, warmup_for
+from mamba3lite.quickstart.dataset import Evaluator, dataset_name, ensure_dataset
 from mamba3lite.quickstart.options import DEFAULT_SOURCE, QuickstartOptions, QuickstartResult, check_options
+from mamba3lite.quickstart.plan import QuickstartPlan, resolve_plan
 from mamba3lite.quickstart.summary import fmt_eval
 
-CALIBRATION_STEPS = 3  # timed steps per setting (after one untimed warm-up step)
-# The share of what is left after preparing the data that the shape rule counts as training time (the
-# calibration, the evaluations, checkpoints, the sample and the plot take the rest).
-TRAIN_SHARE = 0.8
 BASELINES_WAIT_S = 60.0  # at most this long for the compressors' child process after the sample
 
 
@@ -42,37 +29,6 @@ def _process_age_s() -> float:
     except (OSError, ValueError, IndexError):
         return 0.0
     return max(0.0, uptime - started)
-
-
-def _time_steps(trainer, cpu: bool) -> tuple[float, str]:
-    """Seconds per optimizer step of `trainer`: the median of CALIBRATION_STEPS timed steps (a busy
-    machine gives a few slow outliers; the timer guards against the plan running long). On CPU both
-    torch's default thread count and one thread are timed, each after one untimed step, and the faster
-    is kept (`torch.set_num_threads`): a model this small runs many small ops, and on a busy machine
-    every op of a multi-threaded run waits for its slowest thread. Returns (s/step, a note or "")."""
-    import statistics
-
-    import torch
-
-    def timed() -> float:
-        trainer.train_step()  # untimed: first step after a change of thread count
-        times = []
-        for _ in range(CALIBRATION_STEPS):
-            t0 = time.monotonic()
-            trainer.train_step()
-            times.append(time.monotonic() - t0)
-        return statistics.median(times)
-
-    default = torch.get_num_threads()
-    if not cpu or default == 1:
-        return timed(), ""
-    results = {default: timed()}
-    torch.set_num_threads(1)
-    results[1] = timed()
-    best = min(results, key=results.get)
-    torch.set_num_threads(best)
-    note = ", ".join(f"{n} thread{'s' * (n > 1)}: {sec:.2f} s/step" for n, sec in results.items())
-    return results[best], f"{best} ({note})"
 
 
 def _logged_step_s(run_dir: Path, after_step: int, upto_step: int) -> float | None:
@@ -89,66 +45,29 @@ def _logged_step_s(run_dir: Path, after_step: int, upto_step: int) -> float | No
     return sum(r["window_seconds"] for r in rows) / steps if steps else None
 
 
-def calibrate(
-    cfg, run_dir: Path, start_step: int, evaluate: Evaluator, opts: QuickstartOptions, stop
-) -> Calibration:
-    """Measure a step, an evaluation and the sample with a throw-away trainer of the same config, built
-    by the one training entry in a scratch directory (nothing written to the run directory). Its
-    untrained model is also what "before" means on a fresh start; a resumed run's "before" is its
-    newest checkpoint."""
-    from mamba3lite.generation import generate_text
-    from mamba3lite.pretrained import load_pretrained
-    from mamba3lite.tokenizer import load_tokenizer
-    from mamba3lite.train.entry import TrainOptions, training_session
-
-    with tempfile.TemporaryDirectory(prefix="mamba3lite-calibrate-") as scratch:
-        scratch_cfg = cfg.replace("training", checkpoint_dir=scratch, progress=False)
-        with training_session(scratch_cfg, TrainOptions(resume="none"), stop) as calib:
-            t0 = time.monotonic()
-            if start_step:
-                loaded = load_pretrained(run_dir, start_step, device=calib.device)
-                start_eval = evaluate(loaded.model)
-                del loaded
-            else:
-                start_eval = evaluate(calib.raw_model)
-            eval_s = time.monotonic() - t0
-            step_s, threads = _time_steps(calib, cpu=calib.device.type == "cpu")
-            tok = load_tokenizer(evaluate.tokenizer_name)
-            t0 = time.monotonic()
-            generate_text(calib.raw_model, tok, opts.prompt, max_new_tokens=4, seed=opts.seed,
-                          token_healing=opts.token_healing)  # fmt: skip
-            sample_s = (time.monotonic() - t0) / 4 * opts.sample_tokens
-            n_params = sum(p.numel() for p in calib.raw_model.parameters())
-            del calib
-    return Calibration(step_s, eval_s, sample_s, n_params, threads, start_eval)
-
-
-def _train(
-    cfg, run_dir: Path, start_step: int, plan: Plan, budget: Budget, stop, log
-) -> tuple[object, int, str | None]:
+def _train(plan: QuickstartPlan, stop, log) -> tuple[object, int, str | None]:
     """Train for the plan (re-planned after the probe) through the one training entry, stopped by the
     budget's timer when time is up. Returns (the train result, the steps planned, "time" / "signal" when
     stopped short, else None)."""
-    from mamba3lite.train.entry import TrainOptions, run_training
+    from mamba3lite.train.entry import run_training
 
-    tc, n_steps = cfg.training, plan.n_steps
+    tc, start_step, n_steps, budget = plan.cfg.training, plan.start_step, plan.steps.n_steps, plan.budget
     warmup = warmup_for(n_steps, tc.warmup_steps, start_step)
     probe = probe_steps(warmup, start_step, n_steps)
-    eval_batches = max(1, EVAL_WINDOWS // tc.micro_batch_size)
 
     def train(n: int, is_probe: bool, until_step: int | None = None):
         fields = run_settings(
             n, probe=is_probe, start_step=start_step, warmup=warmup, log_every=tc.log_every,
-            eval_batches=eval_batches,
+            eval_batches=plan.eval_batches,
         )  # fmt: skip
-        return run_training(cfg.replace("training", **fields), TrainOptions(), stop, until_step)
+        return run_training(plan.prepared.with_training(**fields), stop=stop, until_step=until_step)
 
     with BudgetTimer(budget.stop_in_s(), stop) as timer:
         # A probe stopped by a signal (Ctrl-C, SIGTERM) ends the training as the main run's stop would.
         result = None
         if probe:
             result = train(n_steps, True, until_step=start_step + probe)
-            measured = _logged_step_s(run_dir, start_step, start_step + probe)
+            measured = _logged_step_s(plan.run_dir, start_step, start_step + probe)
             if measured and not timer.fired and not result.stopped:
                 n_steps = probe + budget.steps_for(measured, REPLAN_FRACTION).n_steps
                 log(f"re-plan   {measured:.2f} s/step in the first {probe} steps -> {n_steps} steps in all")
@@ -203,40 +122,6 @@ def _finish(
     return end_eval, sample.text, plot
 
 
-def _base_config(opts: QuickstartOptions, manifest, data_path: Path, run_dir: Path):
-    """The config before the recipe's shape: the preset (the `tiny` preset's cadence under `auto`, with
-    the recipe's vocabulary-independent settings), the dataset's vocabulary, its data and run
-    directory, then the user's --set items."""
-    from mamba3lite.config import load_config
-
-    auto = opts.config == "auto"
-    cfg = load_config("tiny" if auto else opts.config)
-    items = recipe.recipe_overrides() if auto else []
-    items += [f"model.vocab_size={manifest.vocab_size}", f"model.eos_id={manifest.eos_id}"]
-    cfg = cfg.with_overrides(items)
-    cfg = cfg.replace("data", train_data_path=str(data_path), val_data_path=None, dummy=False)
-    return cfg.replace("training", checkpoint_dir=str(run_dir)).with_overrides(opts.overrides)
-
-
-def _choose_model(cfg, opts: QuickstartOptions, run_dir: Path, deadline: float, log) -> tuple[object, str]:
-    """(cfg with its model shape, what was chosen and why). A resumed run keeps its recorded shape; a
-    given config (or a --set of the shape) keeps its own; else the recipe measures the shapes here."""
-    from mamba3lite.train.entry import resumed_checkpoint
-
-    if (resumed := resumed_checkpoint(cfg, "latest")) is not None:
-        step, model = resumed
-        cfg = cfg.replace("model", **model).with_overrides(
-            [o for o in opts.overrides if o.strip().startswith("model.")]
-        )
-        return cfg, f"the run's own shape ({cfg.model.d_model}x{cfg.model.n_layers}, checkpoint step {step})"
-    pinned = any(o.strip().startswith(("model.d_model", "model.n_layers")) for o in opts.overrides)
-    if opts.config != "auto" or pinned:
-        return cfg, f"the config's shape ({cfg.model.d_model}x{cfg.model.n_layers})"
-    train_s = TRAIN_SHARE * max(0.0, deadline - time.monotonic())
-    shape, why = recipe.choose_shape(recipe.measure_shapes(cfg, train_s), train_s)
-    return cfg.with_overrides([*shape.overrides(), *opts.overrides]), why
-
-
 def _data_and_run(opts: QuickstartOptions, log) -> tuple[Path, bool, Path]:
     """(the dataset, whether it was reused, the run directory): WORKDIR/data/<source>-<tokenizer> and
     WORKDIR/run for the default source and tokenizer, WORKDIR/run-<source>-<tokenizer> for others."""
@@ -252,66 +137,35 @@ def _data_and_run(opts: QuickstartOptions, log) -> tuple[Path, bool, Path]:
 def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) -> QuickstartResult:
     """Prepare, choose the recipe, train for the budget, evaluate, sample, plot (see the package
     docstring)."""
-    from mamba3lite.checkpoint.run_dir import RunDir
     from mamba3lite.config import load_config
-    from mamba3lite.data.shards import Manifest
     from mamba3lite.report.baselines import start_baselines
-    from mamba3lite.train.entry import TrainOptions, check_run_directory, prepare_run
     from mamba3lite.train.stop import StopFlag
 
     check_options(opts)
     t_start = time.monotonic() - _process_age_s()  # the budget includes Python's and torch's start-up
     deadline = t_start + 60.0 * opts.minutes
-    load_config("tiny" if opts.config == "auto" else opts.config, opts.overrides)  # fails before any work
+    preset = load_config("tiny" if opts.config == "auto" else opts.config)  # the one load of the config
+    preset.with_overrides(opts.overrides)  # the --set items fail before any work
     data_path, reused, run_dir = _data_and_run(opts, log)
     # the compressors read the same val text meanwhile, in a child process at the lowest priority
     cache = Path(opts.workdir) / "baselines" / f"{data_path.name}.json"
     baselines = start_baselines(data_path, cache)
-    cfg = _base_config(opts, Manifest.load(data_path), data_path, run_dir)
-    # train's checks (train/entry.py) on the real run directory before the shapes are measured and the
-    # calibration spends time: a busy run directory; then, on the model chosen (a resumed run's own),
-    # data whose tokenizer does not fit it
-    check_run_directory(cfg, TrainOptions())
-    cfg, why = _choose_model(cfg, opts, run_dir, deadline, log)
-    prepare_run(cfg, TrainOptions())
-    log(f"recipe    {_recipe_line(cfg)}; shape: {why}")
-    evaluate = evaluator(cfg, data_path, log)
-    start_step = RunDir(run_dir).resume_step("latest") or 0  # the step the trainer resumes from
-
     stop = StopFlag()  # one for the whole quickstart: its signals and its timer stop whichever trainer runs
-    cal = calibrate(cfg, run_dir, start_step, evaluate, opts, stop)
-    if cal.threads:
-        log(f"threads   {cal.threads}")
-    vocab_size = cfg.model.vocab_size
-    ln_v = f"(ln {vocab_size:,} = {math.log(vocab_size):.2f})"
-    log(f"before    step {start_step}: {fmt_eval(cal.start_eval)}  {ln_v}")
-    budget = Budget.after(cal, deadline, opts.minutes)
-    plan = budget.steps_for(cal.step_s)
-    tokens = plan.n_steps * cfg.training.tokens_per_step()
-    log(f"plan      {cal.step_s:.2f} s/step measured -> {plan.n_steps} steps ({tokens:,} tokens)")
+    plan = resolve_plan(opts, preset, data_path, reused, run_dir, deadline, stop, log)
     try:
-        result, n_steps, stopped_by = _train(cfg, run_dir, start_step, plan, budget, stop, log)
+        result, n_steps, stopped_by = _train(plan, stop, log)
     except CheckpointError as e:
         raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
-    _log_stop(stopped_by, result.step, start_step + n_steps, log)
+    _log_stop(stopped_by, result.step, plan.start_step + n_steps, log)
 
-    end_eval, sample, plot = _finish(run_dir, evaluate, opts, log)
+    end_eval, sample, plot = _finish(run_dir, plan.evaluate, opts, log)
     return QuickstartResult(
-        data_path=data_path, run_dir=run_dir, data_reused=reused, start_step=start_step,
-        end_step=result.step, tokens_seen=result.tokens_seen, start_eval=cal.start_eval,
+        data_path=data_path, run_dir=run_dir, data_reused=reused, start_step=plan.start_step,
+        end_step=result.step, tokens_seen=result.tokens_seen, start_eval=plan.calibration.start_eval,
         end_eval=end_eval, sample=sample, plot=plot, seconds=time.monotonic() - t_start,
         steps_planned=n_steps, stopped_by=stopped_by, options=opts,
-        baselines=_baselines(baselines, cache, log), recipe=why,
+        baselines=_baselines(baselines, cache, log), recipe=plan.shape_why,
     )  # fmt: skip
-
-
-def _recipe_line(cfg) -> str:
-    m, t = cfg.model, cfg.training
-    lr = f"lr {t.lr:g}" + (f", muon lr {t.muon_lr:g}" if t.muon_lr is not None else "")
-    return (
-        f"vocab {m.vocab_size:,}, {m.d_model}x{m.n_layers} (d_state {m.d_state}), {t.optimizer} {lr}, "
-        f"{t.micro_batch_size} x {t.max_seq_len} tokens/step"
-    )
 
 
 def _baselines(proc, cache: Path, log) -> dict | None:

@@ -8,9 +8,17 @@ from mamba3lite.quickstart.options import DEFAULT_CONFIG, DEFAULT_SOURCE, DEFAUL
 from mamba3lite.report.baselines import as_text
 
 
+def eval_scope(ev: dict) -> str:
+    """What a before/after evaluation is a mean over: "the whole val split, 570 windows", or "32 train
+    windows" (a few windows of the train split, when val is too small for one)."""
+    if ev.get("whole_split"):
+        return f"the whole {ev['split']} split, {ev['windows']:,} windows"
+    return f"{ev['windows']:,} {ev['split']} windows"
+
+
 def fmt_eval(ev: dict) -> str:
     bpb = f", {ev['bits_per_byte']:.3f} bits/byte" if ev.get("bits_per_byte") is not None else ""
-    return f"{ev['split']} loss {ev['loss']:.3f}{bpb}"
+    return f"{ev['split']} loss {ev['loss']:.3f}{bpb} (on {eval_scope(ev)})"
 
 
 def summary_text(r: QuickstartResult) -> str:
@@ -33,10 +41,10 @@ def summary_text(r: QuickstartResult) -> str:
     model_bpb = e.get("bits_per_byte") if e["split"] == "val" else None
     if e["split"] == "val":
         loss = f"val loss      {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
-        where = f"on {e['tokens']:,} val tokens"
+        where = f"on {eval_scope(e)}, {e['tokens']:,} tokens"
     else:
         loss = f"train loss    {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
-        where = f"on {e['tokens']:,} {e['split']} tokens: no usable val split"
+        where = f"on {eval_scope(e)}, {e['tokens']:,} tokens: no usable val split"
     stopped = {"signal": "   (stopped by signal)", "time": "   (stopped: time budget ran out)"}
     lines = [
         "",

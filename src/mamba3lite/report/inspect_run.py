@@ -19,6 +19,7 @@ import numpy as np
 from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.rundir import SUPERSEDED_DIRNAME, sharded_dir
+from mamba3lite.train.metrics.console import val_windows_label
 
 PREVIEW_TOKENS = 64
 
@@ -103,7 +104,8 @@ def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
     ev = state.last_eval
     if isinstance(ev, dict) and isinstance(ev.get("val_loss"), (int, float)):
         bpb = f", bits/byte {ev['val_bpb']:.4f}" if isinstance(ev.get("val_bpb"), (int, float)) else ""
-        lines.append(f"last eval      step {ev.get('step')}: val loss {ev['val_loss']:.4f}{bpb}")
+        on = f" ({windows})" if (windows := val_windows_label(ev)) else ""
+        lines.append(f"last eval      step {ev.get('step')}: val loss {ev['val_loss']:.4f}{bpb}{on}")
     return lines
 
 
@@ -150,7 +152,8 @@ def last_metrics_rows(path: Path) -> list[str]:
     val = [r for r in m.eval if "val_loss" in r]
     if val:
         r = val[-1]
-        out.append(f"               last eval row: step {r['step']}, val loss {r['val_loss']:.4f}")
+        on = f" ({windows})" if (windows := val_windows_label(r)) else ""
+        out.append(f"               last eval row: step {r['step']}, val loss {r['val_loss']:.4f}{on}")
     tasks = [r for r in m.eval if "val_loss" not in r]
     if tasks:  # downstream benchmarks (training.eval_tasks)
         from mamba3lite.train.metrics.console import downstream_summary

@@ -7,6 +7,7 @@ from pathlib import Path
 from mamba3lite.errors import ConfigError, DataError
 from mamba3lite.report.metrics import ema
 from mamba3lite.rundir import PLOT_NAME
+from mamba3lite.train.metrics.console import val_windows_label
 from mamba3lite.train.metrics.jsonl import read_metrics
 
 _EVENT_STYLE = {"rollback": ("tab:red", "rollback"), "resume": ("tab:green", "resume")}
@@ -86,9 +87,11 @@ def _draw_loss(ax, m) -> None:
         ax.plot(steps, losses, color="tab:blue", alpha=0.3, lw=1, label="train loss")
         windows = [r.get("window_steps", 1) for r in m.train if "loss" in r]
         ax.plot(steps, ema(losses, steps=windows), color="tab:blue", lw=2, label="train loss (EMA)")
-    ev = [(r["step"], r["val_loss"]) for r in m.eval if "val_loss" in r]
-    if ev:
-        ax.plot(*zip(*ev), "o-", color="tab:orange", lw=2, label="validation loss")
+    val = [r for r in m.eval if "val_loss" in r]
+    if val:
+        on = f" ({windows})" if (windows := val_windows_label(val[-1])) else ""
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color="tab:orange", lw=2,
+                label=f"validation loss{on}")  # fmt: skip
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
 

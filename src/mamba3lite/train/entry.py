@@ -5,6 +5,8 @@ check added here reaches every command that trains.
     with training_session(cfg, opts) as trainer:    # checks, init_distributed, SIGTERM, build
         result = trainer.train(until_step)          # errors a user can act on become TrainingError
     run_training(cfg, opts)                         # the same in one call
+    prepared = prepare_run(cfg, opts)               # points 1-4 once: a `PreparedRun`, which both take
+                                                    # in place of (cfg, opts) (the quickstart's runs)
 
 What happens, in order, before anything is written:
     1. `--init-from` (training.init_from): the source's model config and weights, or, once the run has
@@ -26,11 +28,12 @@ What happens, in order, before anything is written:
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,28 +227,79 @@ def out_of_memory_advice(exc: BaseException, cfg, building: bool = False, world_
     )
 
 
-def prepare_run(cfg, opts: TrainOptions):
-    """(cfg, init model or None) after every check that needs no process group (points 1-4 above)."""
+# The training fields a caller may change on a prepared run: the length and cadence of its schedule and
+# its progress bar. No check of `prepare_run` reads them (the run directory, the data's tokenizer, the
+# sinks and --init-from do not depend on them), so changing them keeps the run checked.
+ADJUSTABLE_TRAINING_FIELDS = (
+    "max_steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "log_every", "progress",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedRun:
+    """A run after every check that needs no process group (points 1-4 above): its config as resolved
+    (an --init-from source's model config in it), its options, and the model holding the init weights
+    (None without --init-from, or once the run resumes from its own checkpoints). `training_session` and
+    `run_training` take one in place of (cfg, opts): a caller that trains the same run several times
+    (the quickstart: a calibration, a probe, the main run) prepares it once and changes only what the
+    checks do not read, through the methods below. The runs made with `with_training` share the init
+    model: the first one trains it, and the next ones resume from the checkpoint it wrote."""
+
+    cfg: Any
+    opts: TrainOptions
+    init_model: Any = None
+
+    def with_training(self, **fields: Any) -> PreparedRun:
+        """The same run with some of ADJUSTABLE_TRAINING_FIELDS changed (validated as --set values are)."""
+        assert set(fields) <= set(ADJUSTABLE_TRAINING_FIELDS), f"not adjustable: {sorted(fields)}"
+        return replace(self, cfg=self.cfg.replace("training", **fields))
+
+    def with_model(self, **fields: Any) -> PreparedRun:
+        """The same run with model fields changed (a shape the caller chose, a resumed run's recorded
+        model config), the data's tokenizer checked again against it: the one check that reads the
+        model. Not for a run with init weights, whose model they fix."""
+        assert self.init_model is None, "the init weights fix the model"
+        cfg = self.cfg.replace("model", **fields)
+        check_data_tokenizer(cfg)
+        return replace(self, cfg=cfg)
+
+    def in_scratch_dir(self, path: str | Path) -> PreparedRun:
+        """The same run, fresh, in `path`: a new, empty directory the caller made for a throw-away
+        trainer (nothing of the checked run directory is read or written). It trains a copy of the init
+        weights, so that its steps do not move the real run's starting point."""
+        fresh = replace(self.opts, resume="none")
+        cfg = self.cfg.replace("training", checkpoint_dir=str(path))
+        return replace(self, cfg=cfg, opts=fresh, init_model=copy.deepcopy(self.init_model))
+
+
+def prepare_run(cfg, opts: TrainOptions = TrainOptions()) -> PreparedRun:
+    """`cfg` run with `opts` after every check that needs no process group (points 1-4 above)."""
     from mamba3lite.train.metrics import resolve_sinks
 
     cfg, init_model = resolve_init(cfg, opts)
     check_run_directory(cfg, opts)
     check_data_tokenizer(cfg)
     resolve_sinks(cfg.logging)  # a named sink whose package is missing: refused now, not at the start
-    return cfg, init_model
+    return PreparedRun(cfg, opts, init_model)
 
 
 @contextlib.contextmanager
 def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None) -> Iterator[Any]:
     """A built `Pretrainer` for `cfg` after every check, inside the distributed set-up and the SIGTERM
-    handling (see the module docstring). `stop`: the run's `StopFlag` (default a new one), e.g. one that
-    a caller's timer sets. Allocation failures and a lost peer, in the build or in the block, become
-    one-line TrainingErrors."""
+    handling (see the module docstring). `cfg` may be a `PreparedRun` (checked already; its options are
+    its own, so `opts` is left at the default). `stop`: the run's `StopFlag` (default a new one), e.g.
+    one that a caller's timer sets. Allocation failures and a lost peer, in the build or in the block,
+    become one-line TrainingErrors."""
     from mamba3lite.train.parallel import process_group as D
     from mamba3lite.train.stop import StopFlag
     from mamba3lite.train.trainer import Pretrainer
 
-    cfg, init_model = prepare_run(cfg, opts)
+    if isinstance(cfg, PreparedRun):
+        assert opts == TrainOptions(), "a PreparedRun carries its own options"
+        prepared = cfg
+    else:
+        prepared = prepare_run(cfg, opts)
+    cfg, opts, init_model = prepared.cfg, prepared.opts, prepared.init_model
     info = D.init_distributed(cfg.training.device, cfg.training.dist_timeout_s)
     stop = stop or StopFlag(announce=info.is_main)
     after = signal.SIG_IGN if opts.own_process else None
@@ -278,7 +332,7 @@ def _actionable(e: BaseException, cfg, info, building: bool) -> BaseException:
 
 
 def run_training(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None, until_step: int | None = None):
-    """Check, set up, build and train `cfg` (to training.max_steps, or to `until_step` then save):
-    the `TrainResult`."""
+    """Check, set up, build and train `cfg` (a config, or a `PreparedRun`) to training.max_steps, or to
+    `until_step` then save: the `TrainResult`."""
     with training_session(cfg, opts, stop) as trainer:
         return trainer.train(until_step=until_step)

@@ -3,7 +3,8 @@
     validation_loss_sum(model, val_data, tc, dist, autocast) -> (sum of window losses, windows), all
         ranks together; each rank scores its share of the picks (evaluate.spread_picks: the same windows
         at every evaluation, whatever the world size)
-    eval_row(val_loss, windows, bytes_per_token) -> {"val_loss", "val_ppl", "val_windows"[, "val_bpb"]}
+    eval_row(val_loss, windows, bytes_per_token, split_windows) -> {"val_loss", "val_ppl", "val_windows"
+        (windows scored), "val_split_windows" (windows in the whole validation set)[, "val_bpb"]}
     validate(...)   the two together: the evaluation's row
 
 A damaged validation shard on any rank is a DataError on every rank (one rank raising alone would
@@ -45,10 +46,15 @@ def validation_loss_sum(
     return loss_sum, count
 
 
-def eval_row(val_loss: float, windows: float, bytes_per_token: float | None) -> dict:
-    """The evaluation's numbers: loss (nats/token), perplexity, windows, and bits per byte when the
-    dataset knows its bytes per token."""
+def eval_row(
+    val_loss: float, windows: float, bytes_per_token: float | None, split_windows: int | None = None
+) -> dict:
+    """The evaluation's numbers: loss (nats/token), perplexity, the windows scored and (when given) the
+    windows of the whole validation set they were picked from, so that a reader can tell a subset's
+    number from the whole set's, and bits per byte when the dataset knows its bytes per token."""
     out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_windows": int(windows)}
+    if split_windows is not None:
+        out["val_split_windows"] = int(split_windows)
     if bytes_per_token:
         out["val_bpb"] = val_loss / math.log(2) / bytes_per_token
     return out
@@ -58,7 +64,8 @@ def validate(model, val_data, tc, dist: D.DistInfo, use_autocast: bool, sharded:
     """The evaluation's row (eval_row) over all ranks; its val_loss may be non-finite (a diverging model,
     or an overflow in the evaluation's dtype): see nonfinite_note."""
     loss_sum, count = validation_loss_sum(model, val_data, tc, dist, use_autocast, sharded)
-    return eval_row(loss_sum / max(count, 1), count, getattr(val_data, "bytes_per_token", None))
+    bytes_per_token = getattr(val_data, "bytes_per_token", None)
+    return eval_row(loss_sum / max(count, 1), count, bytes_per_token, split_windows=len(val_data))
 
 
 def nonfinite_note(val_loss: float, step: int) -> str:

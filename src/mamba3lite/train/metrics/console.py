@@ -2,7 +2,7 @@
 
     step=     50 | loss=3.2500 | ppl=25.79 | lr=3.00e-04 | tps=12,346 | gnorm=0.750 | data_wait=0.4% | ...
                  | tokens=1,000
-    eval step=     50 | val_loss=3.1000 | val_ppl=22.20 | val_bpb=1.2000
+    eval step=     50 | val_loss=3.1000 | val_ppl=22.20 | val_bpb=1.2000 | subset 16 of 570 val windows
     eval step=     50 | piqa acc=0.5400 acc_norm=0.5500            (downstream tasks: "<task>/<metric>")
     [rollback] step=40: ...                                        (events)
 
@@ -35,8 +35,24 @@ def format_console(row: dict) -> str:
         ]
         if row.get("val_bpb") is not None:
             parts.append(f"val_bpb={row['val_bpb']:.4f}")
+        if (windows := val_windows_label(row)) is not None:
+            parts.append(windows)
         return " | ".join(parts)
     return f"[{row.get('event', 'event')}] step={row['step']}: {row.get('message', '')}"
+
+
+def val_windows_label(row: dict) -> str | None:
+    """What an evaluation row's numbers are a mean over: "subset 16 of 570 val windows" (the same evenly
+    spread windows at every evaluation of the run, training.eval_batches), "whole val split, 570
+    windows", "16 val windows" (a row that does not record the split's size); None without a count."""
+    scored, whole = row.get("val_windows"), row.get("val_split_windows")
+    if not isinstance(scored, int):
+        return None
+    if not isinstance(whole, int):
+        return f"{scored:,} val windows"
+    if scored >= whole:
+        return f"whole val split, {whole:,} windows"
+    return f"subset {scored:,} of {whole:,} val windows"
 
 
 def _format_train(row: dict) -> str:

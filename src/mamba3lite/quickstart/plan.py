@@ -1,0 +1,161 @@
+"""The quickstart resolved once: everything its training needs, decided before it starts, in one
+frozen `QuickstartPlan` that flows from the calibration to the run, the "after" evaluation and the
+summary.
+
+    resolve_plan(...)   the config (the preset loaded once, the recipe, the dataset's vocabulary, the
+                        user's --set items), the run prepared once by the one training entry
+                        (train/entry.py `prepare_run`: the run directory, the data's tokenizer, the
+                        sinks, --init-from), the step it resumes from, its shape (the run's own, the
+                        config's, or measured here), the evaluator, the calibration, the budget
+
+The calibration's throw-away trainer, the probe and the main run all train `plan.prepared`, changing
+only the fields the checks do not read (`PreparedRun.with_training`, `in_scratch_dir`): nothing is
+loaded, checked or verified twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mamba3lite.checkpoint.run_dir import RunDir
+from mamba3lite.data.shards import Manifest
+from mamba3lite.quickstart import recipe
+from mamba3lite.quickstart.budget import Budget, Calibration, Plan
+from mamba3lite.quickstart.calibrate import calibrate
+from mamba3lite.quickstart.dataset import Evaluator, evaluator
+from mamba3lite.quickstart.options import QuickstartOptions
+from mamba3lite.quickstart.summary import fmt_eval
+from mamba3lite.train.entry import PreparedRun, TrainOptions, prepare_run
+
+# The share of what is left after preparing the data that the shape rule counts as training time (the
+# calibration, the evaluations, checkpoints, the sample and the plot take the rest).
+TRAIN_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class QuickstartPlan:
+    """The quickstart's run, resolved once (see the module docstring)."""
+
+    prepared: PreparedRun  # the run as train/entry.py checked it; its config is the final one
+    manifest: Manifest  # the dataset's
+    data_path: Path
+    data_reused: bool  # the dataset was reused, not prepared again
+    run_dir: Path
+    start_step: int  # the step the trainer resumes from (0: a fresh run)
+    shape_why: str  # the model shape and why it was chosen, one line
+    # Which training step path runs (eager, or torch.compile) and why, printed in the plan line. The
+    # calibration is where such a choice is measured; until one is made, the config's training.compile.
+    step_path: str
+    evaluate: Evaluator  # the before/after evaluation (the whole val split)
+    calibration: Calibration
+    budget: Budget
+    steps: Plan  # the steps planned at the calibration's speed (the probe may re-plan the rest)
+
+    @property
+    def cfg(self):
+        return self.prepared.cfg
+
+    @property
+    def eval_batches(self) -> int:
+        """Micro-batches of the before/after evaluation: the periodic evaluations score a fixed, evenly
+        spread half of its windows (budget.run_settings; the budget pays for that)."""
+        windows = self.calibration.start_eval.get("windows") or 1
+        return max(1, math.ceil(windows / self.cfg.training.micro_batch_size))
+
+
+def base_config(preset, opts: QuickstartOptions, manifest: Manifest, data_path: Path, run_dir: Path):
+    """The config before the recipe's shape: `preset` (as loaded: the `tiny` preset's cadence under
+    `auto`, with the recipe's vocabulary-independent settings), the dataset's vocabulary, its data and
+    run directory, then the user's --set items."""
+    items = recipe.recipe_overrides() if opts.config == "auto" else []
+    items += [f"model.vocab_size={manifest.vocab_size}", f"model.eos_id={manifest.eos_id}"]
+    cfg = preset.with_overrides(items)
+    cfg = cfg.replace("data", train_data_path=str(data_path), val_data_path=None, dummy=False)
+    return cfg.replace("training", checkpoint_dir=str(run_dir)).with_overrides(opts.overrides)
+
+
+def choose_model(
+    prepared: PreparedRun, opts: QuickstartOptions, deadline: float
+) -> tuple[PreparedRun, int, str]:
+    """(the prepared run with its model shape, the step it resumes from, what was chosen and why). A
+    resumed run keeps its recorded shape; an --init-from source, a given config (or a --set of the
+    shape) keep their own; else the recipe measures the shapes here."""
+    cfg = prepared.cfg
+    run = RunDir(cfg.training.checkpoint_dir)
+    step = run.resume_step("latest")  # the newest checkpoint verified once, here
+    if step is not None:
+        recorded = run.run_state(step).config.get("model")
+        if isinstance(recorded, dict):  # a seed-format step records none: the config's shape
+            own = cfg.replace("model", **recorded).with_overrides(
+                [o for o in opts.overrides if o.strip().startswith("model.")]
+            )
+            if prepared.init_model is None:
+                prepared = prepared.with_model(**asdict(own.model))
+            m = prepared.cfg.model
+            return prepared, step, f"the run's own shape ({m.d_model}x{m.n_layers}, checkpoint step {step})"
+    step = step or 0
+    m = cfg.model
+    if prepared.init_model is not None:
+        return prepared, step, f"the --init-from model's shape ({m.d_model}x{m.n_layers})"
+    pinned = any(o.strip().startswith(("model.d_model", "model.n_layers")) for o in opts.overrides)
+    if opts.config != "auto" or pinned or step:
+        return prepared, step, f"the config's shape ({m.d_model}x{m.n_layers})"
+    train_s = TRAIN_SHARE * max(0.0, deadline - time.monotonic())
+    shape, why = recipe.choose_shape(recipe.measure_shapes(cfg, train_s), train_s)
+    shaped = cfg.with_overrides([*shape.overrides(), *opts.overrides])
+    return prepared.with_model(**asdict(shaped.model)), step, why
+
+
+def resolve_plan(
+    opts: QuickstartOptions,
+    preset,
+    data_path: Path,
+    data_reused: bool,
+    run_dir: Path,
+    deadline: float,
+    stop,
+    log,
+) -> QuickstartPlan:
+    """Resolve the quickstart's run once (see the module docstring), logging the recipe, the threads,
+    the "before" evaluation and the plan."""
+    manifest = Manifest.load(data_path)
+    cfg = base_config(preset, opts, manifest, data_path, run_dir)
+    # train's checks (train/entry.py), once, on the real run directory before the shapes are measured and
+    # the calibration spends time: a busy run directory, data whose tokenizer does not fit the model (the
+    # model chosen below, a resumed run's own, is checked again against it: PreparedRun.with_model)
+    prepared = prepare_run(cfg, TrainOptions())
+    prepared, start_step, why = choose_model(prepared, opts, deadline)
+    cfg = prepared.cfg
+    log(f"recipe    {_recipe_line(cfg)}; shape: {why}")
+    evaluate = evaluator(cfg, data_path, log, manifest)
+
+    cal = calibrate(prepared, start_step, evaluate, opts, stop)
+    if cal.threads:
+        log(f"threads   {cal.threads}")
+    ln_v = f"(ln {cfg.model.vocab_size:,} = {math.log(cfg.model.vocab_size):.2f})"
+    log(f"before    step {start_step}: {fmt_eval(cal.start_eval)}  {ln_v}")
+    budget = Budget.after(cal, deadline, opts.minutes)
+    steps = budget.steps_for(cal.step_s)
+    step_path = f"{'torch.compile' if cfg.training.compile else 'eager'} (the config's training.compile)"
+    tokens = steps.n_steps * cfg.training.tokens_per_step()
+    log(
+        f"plan      {cal.step_s:.2f} s/step measured -> {steps.n_steps} steps ({tokens:,} tokens); "
+        f"step path: {step_path}"
+    )
+    return QuickstartPlan(
+        prepared=prepared, manifest=manifest, data_path=data_path, data_reused=data_reused,
+        run_dir=run_dir, start_step=start_step, shape_why=why, step_path=step_path, evaluate=evaluate,
+        calibration=cal, budget=budget, steps=steps,
+    )  # fmt: skip
+
+
+def _recipe_line(cfg) -> str:
+    m, t = cfg.model, cfg.training
+    lr = f"lr {t.lr:g}" + (f", muon lr {t.muon_lr:g}" if t.muon_lr is not None else "")
+    return (
+        f"vocab {m.vocab_size:,}, {m.d_model}x{m.n_layers} (d_state {m.d_state}), {t.optimizer} {lr}, "
+        f"{t.micro_batch_size} x {t.max_seq_len} tokens/step"
+    )

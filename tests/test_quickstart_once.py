@@ -1,0 +1,81 @@
+"""The quickstart resolves its run once (quickstart/plan.py): one load of the config, one check of the
+run directory, one `prepare_run` for the calibration's throw-away trainer, the probe and the main run,
+one verification of the checkpoint it resumes from; and it prints one kind of number per line: the
+periodic evaluations labelled as a fixed subset of the val windows, before and after as the whole split.
+
+The plan is pinned (16 steps, re-planned to 6 after a 3-step probe) so that nothing asserted depends
+on how fast the machine is."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from mamba3lite.cli import main
+from userside_helpers import tiny_config_yaml
+
+
+@pytest.mark.slow
+def test_quickstart_resolves_once_and_labels_every_validation_number(tmp_path, monkeypatch, capsys):
+    import mamba3lite.config as config_module
+    import mamba3lite.quickstart.calibrate as calibration
+    import mamba3lite.quickstart.plan as plan
+    import mamba3lite.train.entry as entry
+    from mamba3lite.checkpoint.run_dir import RunDir
+    from mamba3lite.quickstart.budget import PLAN_FRACTION, Budget, Plan
+
+    calls: Counter = Counter()
+    loaded: list = []
+
+    def count(owner, name, record=None):
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            if record is not None:
+                record.append(args[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    count(config_module, "load_config", loaded)
+    for name in ("check_run_directory", "prepare_run", "training_session"):
+        count(entry, name)
+    count(plan, "prepare_run")  # the quickstart's own call (imported by name into plan.py)
+    count(RunDir, "resume_step")
+    # 16 steps at the calibration's speed: a 3-step probe (a fifth of the plan warms up); its re-plan: 3
+    # more steps, so the main run trains steps 4-6 and evaluates at 4 and 6 (every ceil(6 / 3) steps)
+    monkeypatch.setattr(
+        Budget,
+        "steps_for",
+        lambda self, s, fraction=PLAN_FRACTION: Plan(16 if fraction == PLAN_FRACTION else 3, s),
+    )
+    monkeypatch.setattr(calibration, "time_steps", lambda trainer, cpu: (1e-3, ""))
+    work = tmp_path / "qs"
+    # micro batches of 8: the evaluations of the whole val split (~270 windows) in few forwards
+    config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32, warmup_steps=4, micro_batch_size=8)
+    rc = main(["quickstart", "--minutes", "10", "--workdir", str(work), "--config", config,
+               "--max-docs", "12", "--sample-tokens", "3", "--vocab", "300"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert [str(c) for c in loaded] == [config]  # the preset itself is loaded once
+    assert calls["check_run_directory"] == 1 and calls["prepare_run"] == 1 and calls["resume_step"] == 1
+    assert calls["training_session"] == 3  # the calibration, the probe and the main run
+    assert "re-plan" in out and "step path: eager (the config's training.compile)" in out
+
+    # before and after: the whole val split, its windows counted; the periodic ones: a labelled subset
+    (whole,) = set(re.findall(r"\(on the whole val split, (\d+) windows\)", out))
+    assert re.search(rf"before    step 0: val loss .*\(on the whole val split, {whole} windows\)", out)
+    assert re.search(rf"after     step 6: val loss .*\(on the whole val split, {whole} windows\)", out)
+    periodic = re.findall(r"^eval step=\s+(\d+) \|.* \| subset (\d+) of (\d+) val windows$", out, re.M)
+    assert [step for step, _, _ in periodic] == ["4", "6"]
+    (subset,) = {n for _, n, _ in periodic}
+    assert {of for _, _, of in periodic} == {whole} and int(whole) / 2 <= int(subset) < int(whole)
+    assert f"on the whole val split, {whole} windows" in out.split("quickstart summary")[1]
+    run = work / "run-stdlib-bpe300"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    recorded = {(r["val_windows"], r["val_split_windows"]) for r in rows if r["kind"] == "eval"}
+    assert recorded == {(int(subset), int(whole))}
