@@ -181,7 +181,7 @@ def profile(trainee: Trainee, steps: int, row_limit: int) -> None:
     print(f"\ntorch.profiler, {trainee.name}, {steps} steps (fwd + bwd + optimizer), by self CPU time:")
     print(events.table(sort_by="self_cpu_time_total", row_limit=row_limit))
     total = sum(sum(v) for v in phases.values())
-    print(f"phases (wall, {steps} steps, outside the profiler's overhead not removed):")
+    print(f"phases (wall, {steps} steps, the profiler's overhead included):")
     for k, v in phases.items():
         print(f"  {k:<10} {sum(v) / steps * 1e3:8.1f} ms/step  {sum(v) / total:6.1%}")
     by_key = {e.key: e for e in events}
