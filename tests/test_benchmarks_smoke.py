@@ -399,3 +399,16 @@ def test_bench_parallel_smallest_budget_prints_its_tables():
         assert re.search(rf"^\| {mode} \| [\d.]+ \| [\d.]+x \|$", out, re.M), out
     total = re.search(r"^\| total \| [\d.]+ MiB \| [\d.]+ MiB \| ([\d.]+)x \|$", out, re.M)
     assert total and float(total.group(1)) < 0.75, out  # sharded over 2: about half of a replica
+
+
+@pytest.mark.slow
+def test_bench_cpu_step_prints_the_ratio_and_the_profile():
+    out = run_script(
+        "bench_cpu_step.py", "--shape", "128x2", "--steps", "1", "--chunk-sizes", "32,64", "--profile",
+        "--profile-steps", "1", "--rows", "5",
+    )  # fmt: skip
+    for row in ("mamba3 ", "transformer ", "mamba3 chunk_size=32 "):
+        assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+\s+[\d,]+\s+[\d.]+$", out, re.M), (row, out)
+    assert "aten::mm" in out and "mixer.scan" in out and "_ChunkCoreBackward" in out
+    for phase in ("forward", "backward", "optimizer"):
+        assert re.search(rf"^  {phase}\s+[\d.]+ ms/step", out, re.M), (phase, out)

@@ -1,0 +1,125 @@
+"""Whether the quickstart compiles its model's blocks (torch.compile, inductor): only when it pays.
+
+Compiling costs its seconds before the first step, once; it pays only when the seconds it saves over the
+training time left exceed them. `choose_compile` is that rule, a pure function of four measurements;
+`measure_compile` takes them on this machine for a config (eager and compiled steps of the same model
+and optimizer, and the compile time: the compiled model's first step less an eager step).
+
+Steps saved: with e and c the eager and compiled seconds per step, compile time K and training time
+left W, the eager run takes W / e steps and the compiled one (W − K) / c; compiling wins when
+(W − K) / c > W / e, i.e. when the gain W·(1 − c / e) exceeds K. A margin (COMPILE_MARGIN) keeps a
+measurement's noise from choosing compile for a gain inside it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mamba3lite.model import Mamba3Transformer
+from mamba3lite.train.optim import build_optimizer
+
+# Compile only if the time saved exceeds the compile time by this factor: the step times are medians of
+# a few steps on a machine that may be shared, and a compiled run also recompiles for a new batch shape.
+COMPILE_MARGIN = 1.5
+PROBE_STEPS = 3  # timed steps of each form (after the compile, or one untimed eager step)
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """The decision and its one-line reason, for the quickstart's plan."""
+
+    compile: bool
+    reason: str
+
+
+def choose_compile(
+    eager_step_s: float, compiled_step_s: float, compile_s: float, train_s: float
+) -> CompileChoice:
+    """Compile when the training seconds saved over `train_s` (the training time left, compile
+    included) exceed `compile_s` by COMPILE_MARGIN; eager otherwise (also when compiling is slower
+    per step, or when compile time is not finite: the compile failed)."""
+    assert eager_step_s > 0 and compiled_step_s > 0 and train_s >= 0
+    speedup = eager_step_s / compiled_step_s
+    head = f"torch.compile: {eager_step_s * 1e3:.0f} -> {compiled_step_s * 1e3:.0f} ms/step ({speedup:.2f}x)"
+    if not compile_s < float("inf"):
+        return CompileChoice(False, "torch.compile failed here: eager")
+    if compiled_step_s >= eager_step_s:
+        return CompileChoice(False, f"{head}, no faster: eager")
+    saved_s = train_s * (1 - compiled_step_s / eager_step_s)
+    pays = saved_s > COMPILE_MARGIN * compile_s
+    verdict = "compiled" if pays else "eager"
+    relation = ">" if pays else "<="
+    return CompileChoice(
+        pays,
+        f"{head} saves {saved_s:.0f} s of {train_s:.0f} s {relation} {COMPILE_MARGIN:g}x its "
+        f"{compile_s:.0f} s compile: {verdict}",
+    )
+
+
+@dataclass(frozen=True)
+class CompileTiming:
+    """What `measure_compile` measured: seconds per step eager and compiled, and the compile seconds
+    (inf when compiling failed)."""
+
+    eager_step_s: float
+    compiled_step_s: float
+    compile_s: float
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each layer's block in place (`nn.Module.compile`: the module keeps its parameters
+    and state_dict keys; the first call compiles). Per block, not the whole model: the blocks are the
+    same graph, so one compile serves them all, and the loss stays the eager fused Function."""
+    for block in model.layers:
+        block.compile()
+
+
+def time_steps(step: Callable[[], None], steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of `step`."""
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _trainer_step(cfg) -> tuple[nn.Module, Callable[[], None]]:
+    """A fresh model of `cfg` and one training step of it on fixed random ids (as recipe.time_shape)."""
+    tc, mc = cfg.training, cfg.model
+    torch.manual_seed(0)
+    model = Mamba3Transformer(mc)
+    optimizer = build_optimizer(model, tc)
+    ids = torch.randint(0, mc.vocab_size, (tc.micro_batch_size, tc.max_seq_len + 1))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def measure_compile(cfg, steps: int = PROBE_STEPS) -> CompileTiming:
+    """Eager and compiled (per block) seconds per step of `cfg`'s model and optimizer on this machine,
+    the medians of `steps` steps each, and the compile time: the compiled model's first step less the
+    eager median. A compile that raises gives compile_s = inf (choose_compile then says eager)."""
+    _, eager = _trainer_step(cfg)
+    eager()  # untimed: first-call allocations
+    eager_s = statistics.median(time_steps(eager, steps))
+    model, compiled = _trainer_step(cfg)
+    compile_blocks(model)
+    try:
+        first_s = time_steps(compiled, 1)[0]
+    except Exception:  # any compiler failure means: run eager
+        return CompileTiming(eager_s, eager_s, float("inf"))
+    compiled_s = statistics.median(time_steps(compiled, steps))
+    return CompileTiming(eager_s, compiled_s, max(first_s - compiled_s, 0.0))
