@@ -2,15 +2,16 @@
 Muon step alone with its Newton-Schulz in bf16 and in fp32, side by side.
 
     python benchmarks/bench_precision.py [--threads 1,2] [--rounds 3] [--steps 2] [--shape 192x3]
+                                         [--vocab 4096]
 
-The model is the quickstart's (the `tiny` preset with the recipe's optimizer, lr and batch, a 4,096-id
-vocabulary, and `--shape` D x layers of its family, quickstart/recipe.py). A training step is the
-quickstart's timing step (`recipe.time_shape`'s: forward under the resolved dtype's autocast, backward,
-Muon + AdamW step) on random token ids; the Muon step alone is `FullMatrixMuon.step` over the model's
-hidden matrices with fixed random gradients. The cases alternate within each round (A, B, A, B, ...), in
-one process, after one untimed step each; printed: the median ms per step and the ratio to the faster
-case, per thread count. What `auto` resolves to on this machine is printed above the table (on a CPU
-with native bf16 the two training rows are the same computation).
+The model is the quickstart's: the `tiny` preset with the recipe's optimizer, lr and batch, its 4,096-id
+vocabulary (unless `--vocab` says otherwise), and `--shape` D x layers of its family (quickstart/recipe.py).
+A training step is the quickstart's timing step (`recipe.time_shape`'s: forward under the resolved
+dtype's autocast, backward, Muon + AdamW step) on random token ids; the Muon step alone is
+`FullMatrixMuon.step` over the model's hidden matrices with fixed random gradients. The cases alternate
+within each round (A, B, A, B, ...), in one process, after one untimed step each; printed: the median ms
+per step and the ratio to the faster case, per thread count. What `auto` resolves to on this machine is
+printed above the table (on a CPU with native bf16 the two training rows are the same computation).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from mamba3lite.quickstart import recipe
 from mamba3lite.train.optim import FullMatrixMuon, build_optimizer, is_hidden_matrix
 
 
-def quickstart_config(shape: recipe.Shape, dtype: str) -> Config:
-    """The quickstart's config at `shape`, with training.dtype `dtype`."""
-    overrides = [*recipe.recipe_overrides(), f"model.vocab_size={recipe.VOCAB}", "model.eos_id=0"]
+def quickstart_config(shape: recipe.Shape, dtype: str, vocab: int = recipe.VOCAB) -> Config:
+    """The quickstart's config at `shape`, with training.dtype `dtype` (and `vocab` ids)."""
+    overrides = [*recipe.recipe_overrides(), f"model.vocab_size={vocab}", "model.eos_id=0"]
     return load_config("tiny").with_overrides([*overrides, *shape.overrides(), f"training.dtype={dtype}"])
 
 
@@ -85,14 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per thread count")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per case per round")
     ap.add_argument("--shape", default="192x3", help="the quickstart shape D x layers")
+    ap.add_argument("--vocab", type=int, default=recipe.VOCAB, help="vocabulary size (the quickstart's)")
     args = ap.parse_args(argv)
     d_model, n_layers = (int(x) for x in args.shape.split("x"))
     shape = recipe.Shape(d_model, n_layers)
-    configs = {dtype: quickstart_config(shape, dtype) for dtype in ("bf16", "auto")}
+    configs = {dtype: quickstart_config(shape, dtype, args.vocab) for dtype in ("bf16", "auto")}
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; dtype auto here: "
           f"{resolve_precision('auto', 'cpu').reason}")  # fmt: skip
-    print(f"quickstart shape {shape}, batch {recipe.MICRO_BATCH} x {recipe.SEQ_LEN}, Muon + AdamW; "
-          f"median of {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
+    print(f"quickstart shape {shape}, vocab {args.vocab:,}, batch {recipe.MICRO_BATCH} x {recipe.SEQ_LEN}, "
+          f"Muon + AdamW; median of {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
     print("\n| threads | case | ms/step | x fastest |\n|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
