@@ -6,10 +6,11 @@
                                       and a warning when an explicit bf16 will be slow here
 
 `auto` is bf16 where the device computes it natively and fp32 elsewhere. A CPU without a bf16 path (AVX2
-only: most AMD Zen 2/3, Intel before Skylake-SP) emulates every bf16 matmul in scalar code: a 1024^3
-matmul takes ~100x longer than in fp32, and a training step under bf16 autocast ~10x longer, which
-buys no memory worth having on a CPU. An explicit `bf16` is kept there (the user asked for it) and
-warned about, by whoever reads the config at its border (the trainer's start, `eval`).
+only: most AMD Zen 2/3, Intel before Skylake-SP) runs bf16 through slow fallback kernels: a 1024^3
+matmul takes ~100x as long as in fp32, a training step under bf16 autocast ~10x (the weights stay fp32
+either way, so the few activation bytes saved are not worth it). An explicit `bf16` is kept there (the
+user asked for it) and warned about by whoever reads the config at its border (the trainer's start,
+`eval`).
 
 The rule lives here, beside hardware.py's peak FLOP/s table, because it is a fact about a device that
 every layer above reads: the trainer (autocast), the sharded strategies (FSDP's parameter dtype), the
@@ -48,14 +49,14 @@ class Precision:
     dtype: torch.dtype | None
     """the autocast compute dtype: torch.bfloat16, or None for fp32 (no autocast)"""
     reason: str
-    """one line: what was asked, what runs, and why (e.g. "auto -> fp32: this CPU has no native bf16
-    (AVX2)")"""
+    """one line: what was asked, what runs, and why (e.g. "auto -> fp32: this CPU (AVX2) has no native
+    bf16")"""
     warning: str | None = None
     """an explicit bf16 on a device without native bf16: the cost and the fix, else None"""
 
     @property
     def name(self) -> str:
-        """ "bf16" or "fp32": what runs."""
+        """What runs: "bf16" or "fp32"."""
         return "fp32" if self.dtype is None else "bf16"
 
     @property
