@@ -330,6 +330,18 @@ def test_bench_checkpoint_stall_prints_its_ratio():
 
 
 @pytest.mark.slow
+def test_bench_precision_smallest_budget_prints_its_table():
+    out = run_script(
+        "bench_precision.py", "--threads", "1", "--rounds", "1", "--steps", "1", "--shape", "64x1", "--vocab",
+        "256",
+    )  # fmt: skip
+    assert re.search(r"^CPU capability \w+; dtype auto here: auto -> (bf16|fp32): ", out, re.M), out
+    for case in ("train step, dtype=bf16", "train step, dtype=auto", "Muon step alone, bf16 Newton-Schulz",
+                 "Muon step alone, fp32 Newton-Schulz"):  # fmt: skip
+        assert re.search(rf"^\| 1 \| {case} \| [\d,]+ \| [\d.]+ \|$", out, re.M), out
+
+
+@pytest.mark.slow
 def test_chaos_smallest_campaign_survives():
     out = run_script(
         "chaos.py", "--kill-trials", "1", "--sigterm-trials", "1", "--no-corruption", "--no-lock"

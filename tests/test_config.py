@@ -58,7 +58,7 @@ def test_every_field_is_documented():
     [
         ("training.lr=-1", "training.lr must be > 0, got -1"),
         ("training.min_lr=1", "training.min_lr"),
-        ("training.dtype=fp16", "training.dtype must be one of bf16, fp32"),
+        ("training.dtype=fp16", "training.dtype must be one of auto, bf16, fp32"),
         ("training.betas=0.9,1.5", "training.betas"),
         ("training.max_steps=abc", "training.max_steps must be an integer"),
         ("training.compile=maybe", "training.compile must be true or false"),

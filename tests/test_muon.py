@@ -84,8 +84,9 @@ def test_the_split_is_by_role_so_an_attention_lm_gets_the_same_one():
 
 def test_steps_equal_torch_muon_and_adamw_side_by_side_with_the_scheduled_lrs():
     """The composite is torch's Muon + AdamW on the same split: same weights after a few steps, each
-    group at the schedule's lr times its scale (Muon's peak is muon_lr)."""
-    tc = muon_training(muon_lr=3e-2, weight_decay=0.1, warmup_steps=2, max_steps=5)
+    group at the schedule's lr times its scale (Muon's peak is muon_lr). dtype bf16: torch's Newton-Schulz
+    dtype (the fp32 one is tested in test_muon_newton_schulz.py)."""
+    tc = muon_training(muon_lr=3e-2, weight_decay=0.1, warmup_steps=2, max_steps=5, dtype="bf16")
     a, b = tiny_model(), tiny_model()
     opt = build_optimizer(a, tc)
     hidden = [p for n, p in b.named_parameters() if any(n.endswith(h) for h in HIDDEN)]

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 SECTIONS = ("model", "training", "data", "logging")
-DTYPES = ("bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")  # resolved per device by model/precision.py
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear", "wsd")
 PARALLELISMS = ("auto", "ddp", "fsdp", "hsdp")
@@ -121,7 +121,13 @@ class TrainingConfig:
     )
     muon_momentum: float = _f(0.95, "Muon's Nesterov momentum (optimizer: muon), in [0, 1)")
     grad_clip: float = _f(1.0, "clip the global gradient L2 norm to this; 0 disables clipping")
-    dtype: str = _f("bf16", "compute dtype: bf16 (autocast, weights stay fp32) or fp32", choices=DTYPES)
+    dtype: str = _f(
+        "auto",
+        "compute dtype: bf16 (autocast, weights stay fp32), fp32, or auto: bf16 where the device computes it "
+        "natively (CUDA compute capability >= 8.0; a CPU with AVX-512 or Arm BF16), else fp32 (an AVX2 "
+        "CPU emulates bf16 ~10x slower). Muon's Newton-Schulz runs in the same dtype",
+        choices=DTYPES,
+    )
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     compile: bool = _f(False, "torch.compile the model (slow start; H200: ~1.55x eager speed, ~1.4x memory)")
     grad_checkpointing: bool = _f(False, "recompute block activations in backward to save memory")
@@ -238,7 +244,8 @@ class TrainingConfig:
         self._check_schedule()
         self._check_scale_out()
         if self.dtype not in DTYPES:
-            raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            hint = did_you_mean_hint(self.dtype, DTYPES)
+            raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}{hint}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"training.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 <= self.seed < 2**63:

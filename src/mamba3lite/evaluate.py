@@ -32,6 +32,7 @@ from mamba3lite.data.shards import dataset_dir
 from mamba3lite.data.splits import short_val_split, val_split_holds_window
 from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import ConfigError, DataError
+from mamba3lite.model.precision import resolve_precision
 
 __all__ = ["evaluate_model", "pick_split", "short_val_split", "spread_picks"]
 
@@ -137,7 +138,9 @@ def evaluate_model(
     """Mean loss of `model` over windows of `data_path` (see the module docstring).
 
     max_batches: at most this many batches of `batch_size` windows, spread evenly over the split
-    (None: every window). dtype "bf16" evaluates under bf16 autocast (as training with dtype bf16 does).
+    (None: every window). dtype: training.dtype (auto, bf16, fp32), resolved for the model's device as
+    the trainer resolves it (model/precision.py), so the numbers are the trainer's; an explicit bf16 on a
+    device without native bf16 is warned about.
     Raises DataError for a missing/incompatible dataset or one too short for a single window.
     """
     from mamba3lite.data import PretrainDataset
@@ -157,10 +160,13 @@ def evaluate_model(
     total = n if max_batches is None else min(n, max_batches * batch_size)
     picks = spread_picks(n, total)
     device = next(model.parameters()).device
+    precision = resolve_precision(dtype, device)
+    if precision.warning:
+        warnings.warn(precision.warning, stacklevel=2)
     was_training = model.training
     model.eval()
     try:
-        loss_sum = window_loss_sum(model, ds, picks, batch_size, device, dtype == "bf16")
+        loss_sum = window_loss_sum(model, ds, picks, batch_size, device, precision.dtype is not None)
     finally:
         model.train(was_training)
     loss = loss_sum / total

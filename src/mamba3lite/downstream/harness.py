@@ -34,6 +34,7 @@ import torch
 
 from mamba3lite.downstream.tasks import require_lm_eval, task_configs
 from mamba3lite.errors import ConfigError, DataError
+from mamba3lite.model.precision import resolve_precision
 
 require_lm_eval()
 
@@ -112,7 +113,9 @@ class Mamba3LiteLM(TemplateLM):
         **kw,
     ) -> Mamba3LiteLM:
         """The newest verified checkpoint of `run_dir` (or `step`) with the run's own tokenizer; scored in
-        the run's dtype on CUDA (bf16 autocast when it trained so), in fp32 on the CPU."""
+        the run's dtype where the device computes it natively (model/precision.py), else fp32: a bf16 run
+        scored on a CPU without native bf16 is scored in fp32 (an emulated bf16 is ~10x slower, and
+        benchmark accuracies do not need the training's rounding)."""
         from mamba3lite.pretrained import load_pretrained, resolve_device
 
         loaded = load_pretrained(run_dir, None if step is None else int(step), device=resolve_device(device))
@@ -123,7 +126,7 @@ class Mamba3LiteLM(TemplateLM):
             loaded.load_tokenizer(),
             batch_size=tc.micro_batch_size if batch_size is None else batch_size,
             max_length=tc.max_seq_len,
-            bf16=tc.dtype == "bf16" and dev.type == "cuda",
+            bf16=resolve_precision("auto" if tc.dtype == "bf16" else tc.dtype, dev).dtype is not None,
             **kw,
         )
         lm.loaded = loaded

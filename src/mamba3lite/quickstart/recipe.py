@@ -93,24 +93,26 @@ def non_embedding_parameters(model_cfg) -> int:
 
 def time_shape(cfg, steps: int = PROBE_STEPS) -> float:
     """Training tokens per second of `cfg`'s model and optimizer on this machine (random token ids;
-    forward, backward and optimizer step under the config's dtype): the median of `steps` timed steps
-    after one untimed one."""
+    forward, backward and optimizer step under the config's dtype resolved for the CPU, as training will
+    run it): the median of `steps` timed steps after one untimed one."""
     import statistics
 
     import torch
 
     from mamba3lite.model import Mamba3Transformer
+    from mamba3lite.model.precision import resolve_precision
     from mamba3lite.train.optim import build_optimizer
 
     tc, mc = cfg.training, cfg.model
     torch.manual_seed(0)
     model = Mamba3Transformer(mc)
     optimizer = build_optimizer(model, tc)
+    compute = resolve_precision(tc.dtype, "cpu").dtype
     ids = torch.randint(0, mc.vocab_size, (tc.micro_batch_size, tc.max_seq_len + 1))
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute is not None):
             loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()
         optimizer.step()

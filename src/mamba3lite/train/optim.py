@@ -18,7 +18,9 @@ modded-nanogpt speedrun. Under fsdp/hsdp each sharded matrix is gathered for its
 0.2·sqrt(max(rows, cols)), so its RMS is AdamW's typical 0.2·lr: Moonshot, "Muon is Scalable for LLM
 Training"), which lets one peak lr and one weight_decay serve both optimizers;
 `training.muon_lr` sets Muon's peak apart. Muon's decay is decoupled like AdamW's: p ← p·(1 − lr·wd)
-with the group's (unscaled) lr.
+with the group's (unscaled) lr. Its Newton-Schulz orthogonalisation (`newton_schulz`) runs in the
+run's compute dtype on its device (model/precision.py): bf16, torch's own computation, where the device
+has native bf16; fp32 elsewhere (torch hard-codes bf16, which an AVX2 CPU emulates ~100x slower).
 
 Schedule (`lr_at`, `training.lr_schedule`): linear warmup from 0 to `lr` over `warmup_steps`, then from
 `lr` to `min_lr` at `max_steps` by a cosine, a straight line, or (wsd: warmup-stable-decay) a hold at
@@ -34,10 +36,12 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim._muon import muon
+from torch.optim._muon import _adjust_lr
 
 from mamba3lite.errors import CheckpointError, ConfigError
+from mamba3lite.model.precision import resolve_precision
 
 if TYPE_CHECKING:
     from mamba3lite.config import TrainingConfig
@@ -98,41 +102,88 @@ def build_adamw(
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
+def newton_schulz(G: Tensor, dtype: torch.dtype, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> Tensor:  # fmt: skip
+    """An approximate orthogonalisation of the 2-D matrix `G` (≈ U·V^T of its SVD U·S·V^T), computed in
+    `dtype`: torch.optim.Muon's quintic Newton-Schulz iteration (torch 2.13 `_zeropower_via_newtonschulz`,
+    from Keller Jordan's Muon, kellerjordan.github.io/posts/muon), written once with its dtype as a
+    parameter. With (a, b, c) = `coefficients` and X₀ = G / max(‖G‖_F, eps) (spectral norm ≤ 1),
+
+        X_{k+1} = a·X_k + (b·A + c·A²)·X_k,   A = X_k·X_kᵀ,
+
+    on the wide orientation (a tall G is transposed, so A is the smaller Gram matrix). torch's
+    coefficients (3.4445, −4.7750, 2.0315) push every singular value towards ~[0.7, 1.2] in 5 steps
+    rather than exactly 1, which is what Muon wants. dtype bf16 is torch's computation, op for op
+    (bit-identical); fp32 is the same iteration without bf16's rounding, for devices that have no fast
+    bf16 (an AVX2 CPU takes ~100x longer for a bf16 matmul). Returns a new tensor in `dtype`."""
+    a, b, c = coefficients
+    X = G.to(dtype, copy=True)  # a copy: the caller's G (Muon's momentum buffer, without nesterov) stays
+    wide = G.size(0) <= G.size(1)
+    if not wide:
+        X = X.T
+    X.div_(X.norm().clamp(min=eps))
+    for _ in range(steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)  # b·A + c·A·A
+        X = torch.addmm(X, B, X, beta=a)  # a·X + B·X
+    return X if wide else X.T
+
+
+def muon_update_(
+    param: Tensor, grad: Tensor, momentum_buffer: Tensor, group: dict, ns_dtype: torch.dtype
+) -> None:
+    """One Muon step of one matrix, in place on `param` and `momentum_buffer`: torch.optim.Muon's
+    `_single_tensor_muon` (torch 2.13), with the Newton-Schulz in `ns_dtype`. `group`: a Muon param group
+    (lr a float; momentum, nesterov, weight_decay, ns_coefficients, ns_steps, eps, adjust_lr_fn)."""
+    momentum, lr = group["momentum"], group["lr"]
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    update = grad.lerp(momentum_buffer, momentum) if group["nesterov"] else momentum_buffer
+    update = newton_schulz(update, ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    param.mul_(1 - lr * group["weight_decay"])  # decoupled decay with the group's (unscaled) lr
+    param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+
+
 class FullMatrixMuon(torch.optim.Muon):
-    """`torch.optim.Muon` that orthogonalises each WHOLE matrix when the parameters are sharded DTensors
-    (fsdp/hsdp). Newton-Schulz on a shard would orthogonalise a block of rows, not the matrix; torch's
-    Muon (2.13) runs its plain tensor ops on whatever it is given. Per sharded matrix this gathers the
-    parameter, its gradient and its momentum (`full_tensor`, one matrix at a time), runs torch's own
-    single-tensor Muon step on them (the spec, unchanged), and keeps this rank's shard of the new
-    parameter and momentum: the result equals one process's Muon exactly. Plain tensors take torch's
-    path. The state keeps torch's keys ("momentum_buffer", sharded like the parameter)."""
+    """`torch.optim.Muon` with its Newton-Schulz in `ns_dtype`, orthogonalising each WHOLE matrix when the
+    parameters are sharded DTensors (fsdp/hsdp).
+
+    ns_dtype: torch.bfloat16 is torch's Muon exactly (parameters and momentum bit-identical); fp32 is for
+    devices without native bf16 (`Precision.matmul_dtype`), where torch's hard-coded bf16 Newton-Schulz
+    takes longer than the model's forward and backward. It is a property of the device, not of the run:
+    it is not in the param groups, so the state_dict is torch's and a checkpoint moves between devices.
+
+    Newton-Schulz on a shard would orthogonalise a block of rows, not the matrix; torch's Muon (2.13)
+    runs its plain tensor ops on whatever it is given. Per sharded matrix this gathers the parameter, its
+    gradient and its momentum (`full_tensor`, one matrix at a time), runs the same one-matrix step
+    (`muon_update_`) on them, and keeps this rank's shard of the new parameter and momentum: the result
+    equals one process's Muon exactly. The state keeps torch's keys ("momentum_buffer", sharded like the
+    parameter)."""
+
+    def __init__(self, params: Any, *, ns_dtype: torch.dtype = torch.bfloat16, **muon: Any) -> None:
+        super().__init__(params, **muon)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         assert closure is None, "the trainer computes the loss itself"
-        sharded = [[p for p in g["params"] if isinstance(p, DTensor)] for g in self.param_groups]
-        if not any(sharded):
-            super().step()
-            return
-        for group, group_sharded in zip(self.param_groups, sharded, strict=True):
-            plain = [p for p in group["params"] if not isinstance(p, DTensor)]
-            assert not plain, "a Muon group is either all sharded or all plain"
-            for p in group_sharded:
-                if p.grad is not None:
-                    self._full_matrix_step(p, group)
+        for group in self.param_groups:
+            sharded = [isinstance(p, DTensor) for p in group["params"]]
+            assert all(sharded) or not any(sharded), "a Muon group is either all sharded or all plain"
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                assert not p.grad.is_sparse and not torch.is_complex(p), "Muon takes real dense matrices"
+                state = self.state[p]
+                if "momentum_buffer" not in state:  # torch's key and initialisation
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                if isinstance(p, DTensor):
+                    self._full_matrix_step(p, state["momentum_buffer"], group)
+                else:
+                    muon_update_(p, p.grad, state["momentum_buffer"], group, self.ns_dtype)
 
-    def _full_matrix_step(self, p: DTensor, group: dict) -> None:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buf = state["momentum_buffer"]
+    def _full_matrix_step(self, p: DTensor, buf: DTensor, group: dict) -> None:
         full_p, full_g, full_buf = p.full_tensor(), p.grad.full_tensor(), buf.full_tensor()
-        muon(
-            [full_p], [full_g], [full_buf],
-            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-            nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], eps=group["eps"],
-            ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"], has_complex=False,
-        )  # fmt: skip
+        muon_update_(full_p, full_g, full_buf, group, self.ns_dtype)
         for sharded, full in ((p, full_p), (buf, full_buf)):
             mine = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
             sharded.to_local().copy_(mine.to_local())
@@ -211,8 +262,10 @@ def build_optimizer(
             "head, norms, biases); use --set training.optimizer=adamw"
         )
     muon_lr = training.lr if training.muon_lr is None else training.muon_lr
+    device = hidden[0][1].device  # the device the model trains on (a DTensor's too)
     muon = FullMatrixMuon(
         [p for _, p in hidden],
+        ns_dtype=resolve_precision(training.dtype, device).matmul_dtype,
         lr=muon_lr,
         weight_decay=training.weight_decay,
         momentum=training.muon_momentum,

@@ -55,6 +55,7 @@ from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 from mamba3lite.downstream.in_loop import in_loop_evaluator
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.malloc import keep_freed_memory
+from mamba3lite.model.precision import resolve_precision
 from mamba3lite.train.averaging import build_average
 from mamba3lite.train.data import (
     build_train_data,
@@ -111,6 +112,8 @@ class Pretrainer:
         self.dist = dist or D.DistInfo(device=D.pick_device(config.training.device))
         self.stop = stop or StopFlag(announce=self.dist.is_main)
         tc = self.tc
+        # training.dtype for this device (auto: bf16 only where it is native); the start says which and why
+        self.precision = resolve_precision(tc.dtype, self.device)
         # How the model is spread over the processes: one object, built once (a bad layout is a
         # ConfigError now, before anything is built).
         self.par = parallelism or Parallelism.from_config(config, self.dist)
@@ -193,7 +196,7 @@ class Pretrainer:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return torch.bfloat16 if self.tc.dtype == "bf16" else None
+        return self.precision.dtype
 
     # ---------------------------------------------------------------------------------- building
     def _build_data(self, train_data: Any, val_data: Any) -> TrainData:
@@ -314,18 +317,21 @@ class Pretrainer:
         self.logger = self._open_logger(plan.target)
         self._apply_resume(plan)
         if self.dist.is_main:  # after the resume's checks: a refused resume leaves the records as they were
-            start = {"world_size": self.dist.world_size, "resume": self.resume, "device": str(self.device)}
+            start = {"world_size": self.dist.world_size, "resume": self.resume, "device": str(self.device),
+                     "dtype": self.precision.name, "dtype_reason": self.precision.reason}  # fmt: skip
             self._code_version = write_run_records(self.cfg, self.run_dir, start, self._data_identity())
         # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
         scan = getattr(self.raw_model, "scan_impl", None)
         message = start_message(self.step, target, self.dist, self.tc, self.sampler, scan)
+        message += f"; compute {self.precision.reason}"
         if self.dist.distributed:  # which strategy `auto` chose, and the mesh
             message += f"; parallelism {self.par.name} ({self.par.describe()})"
         scan_field = {"scan_impl": scan} if scan else {}
         self.logger.event(self.step, "start", message, tokens_total=self.tokens_seen, **scan_field)
         no_val = None if self.val_data is not None else self.data.no_val_reason
         lr_at_step = functools.partial(lr_at, **self._sched_kw())
-        for warning in start_warnings(self.tc, self.step, target, until_step, no_val, lr_at_step):
+        slow_bf16 = [self.precision.warning] if self.precision.warning else []
+        for warning in slow_bf16 + start_warnings(self.tc, self.step, target, until_step, no_val, lr_at_step):
             self._event("warning", warning)
         self.logger.restart_window(self.step)
         self.progress.history = []

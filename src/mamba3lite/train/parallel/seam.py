@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from mamba3lite.model.context_parallel import cut_window
 from mamba3lite.model.memory import replicated_fits
+from mamba3lite.model.precision import resolve_precision
 from mamba3lite.train.parallel.layout import MESH_DIMS, Layout, plan_layout
 from mamba3lite.train.parallel.process_group import DistInfo
 from mamba3lite.train.parallel.strategies import Local, Replicated, Sharded
@@ -67,9 +68,10 @@ class Parallelism:
         if info.distributed and tc.parallelism == "auto" and tc.dp_replicate == 1:
             fits = replicated_fits(cfg.model, tc, info.device)
         layout = plan_layout(tc, info.world_size, fits)
-        # bf16 parameters for the sharded forward/backward on an accelerator; the CPU keeps fp32 ones
-        # (autocast still computes in bf16 where training.dtype asks for it)
-        param_dtype = torch.bfloat16 if tc.dtype == "bf16" and info.device.type == "cuda" else None
+        # bf16 parameters for the sharded forward/backward on an accelerator that computes in bf16; the
+        # CPU keeps fp32 ones (autocast still computes in bf16 where the resolved dtype is bf16)
+        compute = resolve_precision(tc.dtype, info.device).dtype
+        param_dtype = compute if info.device.type == "cuda" else None
         return cls(layout, info, reshard_after_forward=tc.reshard_after_forward, param_dtype=param_dtype,
                    compile=tc.compile)  # fmt: skip
 
