@@ -11,19 +11,18 @@ the medians and their ratio are printed (`--clock cpu --threads 1`: this process
 jobs on a shared machine do not inflate) (tokens/s of Mamba-3 over the Transformer's: issue 33's target is
 >= 0.9). The machine is shared: quote ratios, not seconds.
 
-On a CPU without native bf16 (no AVX-512 BF16 / AMX: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`
-False) torch.optim.Muon's Newton-Schulz iteration, which runs in bf16, is emulated and ~100x slower than
-fp32; `--ns-dtype fp32` (the default on such a CPU) runs it in fp32 for both models alike, so the step
-measured is the one the quickstart will run once its dtype follows the device.
+`--dtype` is training.dtype (default auto: bf16 only where this CPU computes it natively,
+model/precision.py); Muon's Newton-Schulz follows it, for both models alike, as in the trainer.
 
 `--profile` adds, for the Mamba-3 step: torch.profiler's top-op table (forward + backward + optimizer,
 self CPU time), the per-phase split (forward, backward, optimizer) and the mixer's parts (projections,
 angles, norms, rotation, scan, gate/out) in the forward, and its hand-written backward Functions.
 `--chunk-sizes 32,64,128` times the Mamba-3 step for each model.chunk_size, alternating.
-`--compile` times torch.compile of each block (inductor): compile seconds and the compiled step, beside
-the eager one (quickstart/compile_choice.py decides from these whether a run should compile).
+`--compile` times torch.compile as the trainer compiles on one process (inductor): compile seconds and
+the compiled step, beside the eager one (quickstart/compile_choice.py decides from these whether a run
+should compile).
 
-    python benchmarks/bench_cpu_step.py [--shape 192x3] [--dtype fp32|bf16] [--threads 1] [--steps 10]
+    python benchmarks/bench_cpu_step.py [--shape 192x3] [--dtype auto|fp32|bf16] [--threads 1] [--steps 10]
                                         [--profile] [--chunk-sizes 32,64,128] [--compile]
 """
 
@@ -35,16 +34,17 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.optim._muon as torch_muon
 from torch import Tensor, nn
 
-from bench_model import BaselineTransformer
+from baseline_transformer import BaselineTransformer
 from mamba3lite.config import load_config
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.model import mamba3 as mamba3_module
+from mamba3lite.model.precision import resolve_precision
 from mamba3lite.quickstart import recipe
-from mamba3lite.quickstart.compile_choice import choose_compile, compile_blocks
+from mamba3lite.quickstart.compile_choice import choose_compile
 from mamba3lite.train.optim import build_optimizer
+from mamba3lite.train.parallel.strategies import Local
 
 
 def quickstart_config(shape: recipe.Shape, dtype: str, extra: list[str] = ()):
@@ -55,35 +55,24 @@ def quickstart_config(shape: recipe.Shape, dtype: str, extra: list[str] = ()):
     )
 
 
-def _newton_schulz_fp32(grad: Tensor, ns_coefficients, ns_steps: int, eps: float) -> Tensor:
-    """torch.optim.Muon's Newton-Schulz iteration (torch/optim/_muon.py), in fp32 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
-
-
 class Trainee:
     """A model, its optimizer and one fixed batch; `step()` runs one training step."""
 
-    def __init__(self, name: str, model: nn.Module, cfg, seed: int = 0) -> None:
-        self.name, self.model, self.cfg = name, model, cfg
+    def __init__(self, name: str, model: nn.Module, cfg, seed: int = 0, wrap=None) -> None:
+        """`wrap`: what the step calls instead of `model` (e.g. the trainer's compiled form)."""
+        self.name, self.cfg = name, cfg
         self.optimizer = build_optimizer(model, cfg.training)
+        self.model = wrap(model) if wrap else model
         g = torch.Generator().manual_seed(seed)
         tc = cfg.training
         self.ids = torch.randint(
             0, cfg.model.vocab_size, (tc.micro_batch_size, tc.max_seq_len + 1), generator=g
         )
         self.tokens = tc.micro_batch_size * tc.max_seq_len
-        self.bf16 = tc.dtype == "bf16"
+        self.autocast = resolve_precision(tc.dtype, "cpu").dtype
 
     def forward(self) -> Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast is not None):
             return self.model(self.ids[:, :-1], self.ids[:, 1:])
 
     def step(self) -> None:
@@ -206,35 +195,30 @@ def profile(trainee: Trainee, steps: int, row_limit: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="192x3", help="d_model x n_layers of the recipe's family")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training.dtype")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="training.dtype")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="cpu: this process's CPU time (with --threads 1, what a shared machine's other "
                     "jobs do not inflate)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=10, help="timed steps per model (after 2 warm-up)")
-    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ap.add_argument("--ns-dtype", default="bf16" if native_bf16 else "fp32", choices=["fp32", "bf16"],
-                    help="Newton-Schulz dtype (default bf16 where the CPU has it natively)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="profile the Mamba-3 step (top ops, phases)")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=18, help="rows of the profiler's table")
     ap.add_argument("--chunk-sizes", default="", help="e.g. 32,64,128: time Mamba-3 per model.chunk_size")
-    ap.add_argument("--compile", action="store_true", help="time torch.compile of each block (inductor)")
+    ap.add_argument("--compile", action="store_true", help="time torch.compile (inductor)")
     ap.add_argument("--no-transformer", action="store_true", help="skip the Transformer baseline")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    if args.ns_dtype == "fp32":
-        torch_muon._zeropower_via_newtonschulz = _newton_schulz_fp32
     d, n = (int(v) for v in args.shape.lower().split("x"))
     shape = recipe.Shape(d, n)
     cfg = quickstart_config(shape, args.dtype)
     mc, tc = cfg.model, cfg.training
     print(f"shape {shape} (d_state {mc.d_state}, headdim {mc.headdim}, d_inner {mc.d_inner}, SwiGLU "
           f"{mc.d_mlp}), vocab {mc.vocab_size}, batch {tc.micro_batch_size}x{tc.max_seq_len}, "
-          f"chunk_size {mc.chunk_size}, dtype {args.dtype}, Newton-Schulz {args.ns_dtype}, "
+          f"chunk_size {mc.chunk_size}, dtype {resolve_precision(args.dtype, 'cpu').reason}, "
           f"threads {torch.get_num_threads()}, clock {args.clock}, torch {torch.__version__}")  # fmt: skip
 
     torch.manual_seed(0)
@@ -255,13 +239,14 @@ def main() -> None:
 
     if args.compile:
         torch.manual_seed(0)
-        compiled = Trainee("mamba3 compiled blocks", Mamba3Transformer(mc), cfg)
-        compile_blocks(compiled.model)
+        compiled = Trainee(
+            "mamba3 compiled", Mamba3Transformer(mc), cfg, wrap=lambda m: Local().wrap(m, compile=True)
+        )
         t0 = time.perf_counter()
         compiled.step()
         first_s = time.perf_counter() - t0
         times = alternate([mamba, compiled], args.steps, warmup=1)
-        print(f"\ntorch.compile per block (inductor): first step (compiling) {first_s:.1f} s")
+        print(f"\ntorch.compile as the trainer compiles (inductor): first step (compiling) {first_s:.1f} s")
         print_times(times, mamba.tokens, "mamba3")
         eager_s, compiled_s = (statistics.median(times[t.name]) for t in (mamba, compiled))
         for minutes in (1, 5, 30):

@@ -53,9 +53,10 @@ from mamba3lite.data import WindowSampler
 from mamba3lite.errors import ConfigError
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.model import ModelConfig
+from mamba3lite.model.precision import resolve_precision
 from mamba3lite.quickstart.budget import REPLAN_FRACTION, plan_steps, warmup_for
+from mamba3lite.quickstart.calibrate import CALIBRATION_STEPS
 from mamba3lite.quickstart.dataset import evaluator
-from mamba3lite.quickstart.run import CALIBRATION_STEPS
 from mamba3lite.rundir import CONFIG_NAME
 from mamba3lite.train.data import build_train_data
 from mamba3lite.train.metrics import read_metrics
@@ -91,7 +92,7 @@ class Loop:
         self.data = train_data
         self.sampler = WindowSampler(len(train_data), tc.global_windows, seed=tc.seed, shuffle=True)
         self.accum = tc.accumulation(1)
-        self.bf16 = tc.dtype == "bf16"  # the trainer's rule: bf16 autocast, else fp32
+        self.autocast = resolve_precision(tc.dtype, "cpu").dtype  # the trainer's rule (model/precision.py)
 
     def step(self, lr: float) -> float:
         """One optimizer step at `lr`; its mean micro-batch loss."""
@@ -99,7 +100,7 @@ class Loop:
         indices, mb, total = self.sampler.next_batch(), self.tc.micro_batch_size, 0.0
         for i in range(self.accum):
             x_BT, y_BT = self.data.get_batch(indices[i * mb : (i + 1) * mb])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast is not None):
                 loss = self.model(x_BT, y_BT)
             (loss / self.accum).backward()
             total += float(loss.detach()) / self.accum

@@ -1,14 +1,19 @@
 """The quickstart's compile decision: a pure function of the step times, the compile time and the time
-left; and compiling the blocks keeps the model what it was (parameters, state_dict keys)."""
+left; the plan measures only when compiling could pay, and compiles only when the measured gain does."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mamba3lite.config import load_config
-from mamba3lite.model import Mamba3Transformer
-from mamba3lite.quickstart.compile_choice import COMPILE_MARGIN, choose_compile, compile_blocks
+from mamba3lite.quickstart.compile_choice import (
+    COMPILE_MARGIN,
+    COMPILE_S_FLOOR,
+    EXPECTED_SPEEDUP,
+    CompileTiming,
+    choose_compile,
+    plan_compile,
+)
 
 
 def test_compile_is_chosen_only_when_the_time_saved_beats_the_compile_time():
@@ -39,13 +44,38 @@ def test_the_reason_is_one_line(train_s):
     assert "\n" not in choose_compile(0.5, 0.3, 30.0, train_s).reason
 
 
-def test_compile_blocks_keeps_the_parameters_and_state_dict():
+def _cfg(**training):
     cfg = load_config("tiny").with_overrides(["model.vocab_size=64", "model.eos_id=0"])
-    model = Mamba3Transformer(cfg.model)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    compile_blocks(model)
-    after = model.state_dict()
-    assert list(after) == list(before)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    # Each block is marked for compiling (the compile itself happens at its first call).
-    assert all(block._compiled_call_impl is not None for block in model.layers)
+    return cfg.replace("training", **training) if training else cfg
+
+
+def test_a_short_budget_is_eager_without_measuring():
+    least = COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP)
+
+    def measure(cfg):
+        raise AssertionError("a budget compiling cannot repay must not pay for a compile to find out")
+
+    choice = plan_compile(_cfg(), least, measure=measure)
+    assert not choice.compile and "cannot repay" in choice.reason
+
+
+def test_a_long_budget_measures_and_compiles_only_when_the_gain_repays_the_compile():
+    seen = []
+
+    def measure(gain: float, compile_s: float):
+        def m(cfg):
+            seen.append(cfg)
+            return CompileTiming(1.0, 1.0 / gain, compile_s)
+
+        return m
+
+    # 3600 s at 1.25x saves 720 s: repays a 300 s compile (x1.5 = 450 s), not a 600 s one (900 s)
+    assert plan_compile(_cfg(), 3600.0, measure=measure(1.25, 300.0)).compile
+    assert not plan_compile(_cfg(), 3600.0, measure=measure(1.25, 600.0)).compile
+    assert not plan_compile(_cfg(), 3600.0, measure=measure(0.9, 1.0)).compile  # slower compiled
+    assert len(seen) == 3
+
+
+def test_a_config_that_asks_for_compile_keeps_it():
+    choice = plan_compile(_cfg(compile=True), 1.0, measure=None)
+    assert choice.compile and "training.compile" in choice.reason

@@ -9,6 +9,12 @@ Steps saved: with e and c the eager and compiled seconds per step, compile time 
 left W, the eager run takes W / e steps and the compiled one (W − K) / c; compiling wins when
 (W − K) / c > W / e, i.e. when the gain W·(1 − c / e) exceeds K. A margin (COMPILE_MARGIN) keeps a
 measurement's noise from choosing compile for a gain inside it.
+
+Measuring costs a compile itself (minutes on a 2-core CPU), so `plan_compile` measures only when the
+training time left could repay the cheapest compile at the speed-up compiling gave here
+(EXPECTED_SPEEDUP, COMPILE_S_FLOOR); a five-minute quickstart never can, and says so without measuring.
+The compiled path is the trainer's own (`training.compile`: the strategy's `wrap`), so what is measured
+is what runs.
 """
 
 from __future__ import annotations
@@ -19,15 +25,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from mamba3lite.model import Mamba3Transformer
+from mamba3lite.model.precision import resolve_precision
 from mamba3lite.train.optim import build_optimizer
+from mamba3lite.train.parallel.strategies import Local
 
 # Compile only if the time saved exceeds the compile time by this factor: the step times are medians of
 # a few steps on a machine that may be shared, and a compiled run also recompiles for a new batch shape.
 COMPILE_MARGIN = 1.5
 PROBE_STEPS = 3  # timed steps of each form (after the compile, or one untimed eager step)
+# Measured on the 2-core development VM (benchmarks/bench_cpu_step.py --compile, the quickstart's 192x3
+# shape, fp32): compiling made a step 1.18x faster and its first step took minutes on the shared machine.
+# The floor is a compile time below any seen there; with these two, compiling cannot pay in less than
+# COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP) seconds of training, and a shorter run is
+# not measured.
+EXPECTED_SPEEDUP = 1.2
+COMPILE_S_FLOOR = 60.0
 
 
 @dataclass(frozen=True)
@@ -72,14 +86,6 @@ class CompileTiming:
     compile_s: float
 
 
-def compile_blocks(model: nn.Module) -> None:
-    """torch.compile each layer's block in place (`nn.Module.compile`: the module keeps its parameters
-    and state_dict keys; the first call compiles). Per block, not the whole model: the blocks are the
-    same graph, so one compile serves them all, and the loss stays the eager fused Function."""
-    for block in model.layers:
-        block.compile()
-
-
 def time_steps(step: Callable[[], None], steps: int) -> list[float]:
     """Seconds of each of `steps` calls of `step`."""
     out = []
@@ -90,36 +96,59 @@ def time_steps(step: Callable[[], None], steps: int) -> list[float]:
     return out
 
 
-def _trainer_step(cfg) -> tuple[nn.Module, Callable[[], None]]:
-    """A fresh model of `cfg` and one training step of it on fixed random ids (as recipe.time_shape)."""
+def _trainer_step(cfg, compile: bool = False) -> Callable[[], None]:
+    """One training step of a fresh model of `cfg` on fixed random ids (as recipe.time_shape), the model
+    wrapped as the trainer wraps it on one CPU process (`Local.wrap`: compiled when `compile`)."""
     tc, mc = cfg.training, cfg.model
     torch.manual_seed(0)
-    model = Mamba3Transformer(mc)
-    optimizer = build_optimizer(model, tc)
+    raw = Mamba3Transformer(mc)
+    model = Local().wrap(raw, compile)
+    optimizer = build_optimizer(raw, tc)
     ids = torch.randint(0, mc.vocab_size, (tc.micro_batch_size, tc.max_seq_len + 1))
 
+    dtype = resolve_precision(tc.dtype, "cpu").dtype
+
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return model, step
+    return step
 
 
 def measure_compile(cfg, steps: int = PROBE_STEPS) -> CompileTiming:
-    """Eager and compiled (per block) seconds per step of `cfg`'s model and optimizer on this machine,
-    the medians of `steps` steps each, and the compile time: the compiled model's first step less the
-    eager median. A compile that raises gives compile_s = inf (choose_compile then says eager)."""
-    _, eager = _trainer_step(cfg)
+    """Eager and compiled (the trainer's `training.compile` path) seconds per step of `cfg`'s model and
+    optimizer on this machine, the medians of `steps` steps each, and the compile time: the compiled
+    model's first step less the eager median. A compile that raises gives compile_s = inf
+    (choose_compile then says eager)."""
+    eager = _trainer_step(cfg)
     eager()  # untimed: first-call allocations
     eager_s = statistics.median(time_steps(eager, steps))
-    model, compiled = _trainer_step(cfg)
-    compile_blocks(model)
+    compiled = _trainer_step(cfg, compile=True)
     try:
         first_s = time_steps(compiled, 1)[0]
     except Exception:  # any compiler failure means: run eager
         return CompileTiming(eager_s, eager_s, float("inf"))
     compiled_s = statistics.median(time_steps(compiled, steps))
     return CompileTiming(eager_s, compiled_s, max(first_s - compiled_s, 0.0))
+
+
+def plan_compile(
+    cfg, train_s: float, measure: Callable[..., CompileTiming] = measure_compile
+) -> CompileChoice:
+    """The step path for `train_s` seconds of training of `cfg`: `choose_compile` on `measure(cfg)`
+    when compiling could pay at all (module docstring), else eager without measuring. `measure` is the
+    measurement (a parameter, so the rule is tested without compiling)."""
+    if cfg.training.compile:
+        return CompileChoice(True, "torch.compile (the config's training.compile)")
+    least_s = COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP)
+    if train_s <= least_s:
+        return CompileChoice(
+            False,
+            f"eager: torch.compile (~{EXPECTED_SPEEDUP:g}x a step here) cannot repay a compile of "
+            f"{COMPILE_S_FLOOR:.0f} s or more in {train_s:.0f} s of training (it needs > {least_s:.0f} s)",
+        )
+    t = measure(cfg)
+    return choose_compile(t.eager_step_s, t.compiled_step_s, t.compile_s, train_s)

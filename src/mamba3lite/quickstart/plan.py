@@ -25,6 +25,7 @@ from mamba3lite.data.shards import Manifest
 from mamba3lite.quickstart import recipe
 from mamba3lite.quickstart.budget import Budget, Calibration, Plan
 from mamba3lite.quickstart.calibrate import calibrate
+from mamba3lite.quickstart.compile_choice import plan_compile
 from mamba3lite.quickstart.dataset import Evaluator, evaluator
 from mamba3lite.quickstart.options import QuickstartOptions
 from mamba3lite.quickstart.summary import fmt_eval
@@ -46,8 +47,8 @@ class QuickstartPlan:
     run_dir: Path
     start_step: int  # the step the trainer resumes from (0: a fresh run)
     shape_why: str  # the model shape and why it was chosen, one line
-    # Which training step path runs (eager, or torch.compile) and why, printed in the plan line. The
-    # calibration is where such a choice is measured; until one is made, the config's training.compile.
+    # Which training step path runs (eager, or torch.compile) and why, printed in the plan line
+    # (compile_choice.plan_compile: compiled only when its measured gain repays its compile time).
     step_path: str
     evaluate: Evaluator  # the before/after evaluation (the whole val split)
     calibration: Calibration
@@ -138,8 +139,11 @@ def resolve_plan(
     ln_v = f"(ln {cfg.model.vocab_size:,} = {math.log(cfg.model.vocab_size):.2f})"
     log(f"before    step {start_step}: {fmt_eval(cal.start_eval)}  {ln_v}")
     budget = Budget.after(cal, deadline, opts.minutes)
-    steps = budget.steps_for(cal.step_s)
-    step_path = f"{'torch.compile' if cfg.training.compile else 'eager'} (the config's training.compile)"
+    path = plan_compile(cfg, budget.stop_in_s())
+    if path.compile and not cfg.training.compile:
+        prepared = prepared.with_training(compile=True)
+    step_path = path.reason
+    steps = budget.steps_for(cal.step_s)  # eager's speed; a compiled run's probe re-plans at its own
     tokens = steps.n_steps * cfg.training.tokens_per_step()
     log(
         f"plan      {cal.step_s:.2f} s/step measured -> {steps.n_steps} steps ({tokens:,} tokens); "

@@ -227,11 +227,13 @@ def out_of_memory_advice(exc: BaseException, cfg, building: bool = False, world_
     )
 
 
-# The training fields a caller may change on a prepared run: the length and cadence of its schedule and
-# its progress bar. No check of `prepare_run` reads them (the run directory, the data's tokenizer, the
-# sinks and --init-from do not depend on them), so changing them keeps the run checked.
+# The training fields a caller may change on a prepared run: the length and cadence of its schedule, its
+# progress bar and whether the model is compiled. No check of `prepare_run` reads them (the run
+# directory, the data's tokenizer, the sinks and --init-from do not depend on them), so changing them
+# keeps the run checked.
 ADJUSTABLE_TRAINING_FIELDS = (
     "max_steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "log_every", "progress",
+    "compile",
 )  # fmt: skip
 
 
