@@ -46,9 +46,10 @@ PROBE_TOKENS = 256
 # and the collectives' buffers take the rest (the presets keep 72 of 80 GB).
 USABLE_FRACTION = 0.9
 _PER_TOKEN_CACHE: dict[tuple[str, int], float] = {}
-# Layers above this many parameters are measured on fake tensors (`saved_bytes`): from the 440M presets
-# up, where a real bf16 forward of 256 tokens costs more than the fake one's fixed start-up.
-FAKE_ABOVE_PARAMETERS = 10_000_000
+# Layers above this many parameters are measured on fake tensors (`saved_bytes`): from the 880M presets
+# up (29M per layer), where one real bf16 measurement on a CPU without native bf16 costs as much as the
+# fake one's start-up in a fresh process, and about 8x a fake one after it.
+FAKE_ABOVE_PARAMETERS = 20_000_000
 
 
 def saved_bytes(layer: torch.nn.Module, d_model: int, seq_len: int, fake: bool = False) -> int:
