@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -71,6 +72,20 @@ def train(config: str, run_dir, nproc: int, *extra: str, check: bool = True) -> 
     return r
 
 
+_one_process_runs: dict[tuple[str, ...], Path] = {}
+
+
+def one_process_run(tmp_path_factory, *extra: str) -> Path:
+    """The run directory of one process training `write_config`'s recipe with `extra` arguments, trained
+    once per session and shared by every test that compares a multi-process run against it (a
+    reference is read, never written to). Call it before installing a hook or setting a fault."""
+    if extra not in _one_process_runs:
+        root = tmp_path_factory.mktemp("one_process")
+        train(write_config(root), root / "run", 1, *extra)
+        _one_process_runs[extra] = root / "run"
+    return _one_process_runs[extra]
+
+
 def losses(run_dir, kind: str = "train", key: str = "loss") -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r[key] for r in rows if r["kind"] == kind and not r.get("superseded")}
@@ -97,22 +112,24 @@ if os.environ.get("RANK") is not None:
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, monkeypatch, optimizer):
+def test_two_processes_equal_one_with_the_same_global_batch(
+    tmp_path, tmp_path_factory, monkeypatch, optimizer
+):
     # Muon included: DDP all-reduces the gradients before the step, so each rank's Muon orthogonalises the
     # same matrices and the replicas stay identical.
     import torch
 
+    opt = ("--set", f"training.optimizer={optimizer}")
+    ref = one_process_run(tmp_path_factory, *opt)  # micro 2 x accumulation 2 x 1 process
     install_hook(tmp_path, monkeypatch, SAVE_RANK_WEIGHTS)
     monkeypatch.setenv("RANK_WEIGHTS_DIR", str(tmp_path))
     config = write_config(tmp_path)
-    opt = ("--set", f"training.optimizer={optimizer}")
-    train(config, tmp_path / "one", 1, *opt)  # micro 2 x accumulation 2 x 1 process
     train(config, tmp_path / "two", 2, *opt)  # the same global batch: 2 x 1 x 2 processes
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    one, two = losses(ref), losses(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:
         assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
-    ev1, ev2 = losses(tmp_path / "one", "eval", "val_loss"), losses(tmp_path / "two", "eval", "val_loss")
+    ev1, ev2 = losses(ref, "eval", "val_loss"), losses(tmp_path / "two", "eval", "val_loss")
     assert sorted(ev1) == [2, 4] and all(abs(ev1[s] - ev2[s]) < 1e-5 for s in ev1)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
@@ -122,25 +139,37 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, monkeypatc
     )
 
 
-def test_resume_on_another_world_size_continues_the_same_data_order(tmp_path):
+def test_resume_on_another_world_size_continues_the_same_data_order(tmp_path, tmp_path_factory):
+    ref_run = one_process_run(tmp_path_factory, "--set", "training.optimizer=adamw")
     config = write_config(tmp_path)
-    train(config, tmp_path / "ref", 1)
     run = tmp_path / "run"
     train(config, run, 2, "--max-steps", "2")
     train(config, run, 1)  # resumes step 2 on one process, global batch still 4 windows
-    ref, got = losses(tmp_path / "ref"), losses(run)
+    ref, got = losses(ref_run), losses(run)
     assert sorted(got) == [1, 2, 3, 4]
     for step in ref:
         assert abs(ref[step] - got[step]) < 1e-5, (step, ref[step], got[step])
 
 
-def test_ranks_agree_on_a_nan_seen_by_one_rank(tmp_path, monkeypatch):
+PEAK = ("--set", "training.peak_tflops=0.001")
+
+
+@pytest.fixture(scope="module")
+def two_with_a_nan(tmp_path_factory):
+    """(config, run directory) of one 2-process run, shared by the NaN agreement and the MFU test: micro-step
+    1 non-finite on rank 1 only, MFU against a peak of 0.001 TFLOPS."""
+    root = tmp_path_factory.mktemp("two_with_a_nan")
+    config, run = write_config(root), root / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MAMBA3LITE_INJECT_NONFINITE", "r1@1")  # inherited by the torchrun workers
+        train(config, run, 2, *PEAK)
+    return config, run
+
+
+def test_ranks_agree_on_a_nan_seen_by_one_rank(two_with_a_nan):
     # micro-step 1 is non-finite on rank 1 only: both ranks must skip it (else DDP would deadlock or the
     # replicas would diverge); the run finishes, with one nan_skip event and skipped=1 in the metrics.
-    config = write_config(tmp_path)
-    run = tmp_path / "run"
-    monkeypatch.setenv("MAMBA3LITE_INJECT_NONFINITE", "r1@1")  # inherited by the torchrun workers
-    train(config, run, 2)
+    _, run = two_with_a_nan
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("event") == "nan_skip" for r in rows) == 1
     train_rows = [r for r in rows if r["kind"] == "train"]
@@ -223,23 +252,22 @@ def test_a_damaged_batch_on_one_rank_stops_every_rank_with_the_good_steps_saved(
     assert sorted(losses(run)) == [1, 2, 3, 4]
 
 
-def test_mfu_counts_every_device_and_a_refused_resume_exits_every_rank(tmp_path):
+def test_mfu_counts_every_device_and_a_refused_resume_exits_every_rank(two_with_a_nan):
     """tokens_per_s is the rate of both processes, so MFU divides by both devices' peak; and a refusal
     decided on rank 0 (`--resume none` on a directory with checkpoints) ends both ranks with its message
     instead of leaving rank 1 waiting in a collective."""
     from mamba3lite.config import load_config
     from mamba3lite.model import model_flops_per_token
 
-    config = write_config(tmp_path)
-    run = tmp_path / "run"
-    two = ("--set", "training.peak_tflops=0.001")
-    train(config, run, 2, *two)
+    config, run = two_with_a_nan
     cfg = load_config(config)
     per_token = model_flops_per_token(cfg.model, cfg.training.max_seq_len)["train"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    for r in [r for r in rows if r["kind"] == "train"]:
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert len(train_rows) == 4
+    for r in train_rows:
         assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / (2 * 0.001e12), rel=1e-6)
-    r = train(config, run, 2, *two, "--resume", "none", check=False)
+    r = train(config, run, 2, *PEAK, "--resume", "none", check=False)
     assert r.returncode != 0 and "already holds checkpoints" in r.stderr
 
 

@@ -18,6 +18,7 @@ from mamba3lite.model.memory import (
     hidden_matrix_parameters,
     per_rank_memory,
     replicated_fits,
+    saved_bytes,
     saved_bytes_per_token,
     shard_count,
     training_memory_bytes,
@@ -39,6 +40,18 @@ def test_bytes_per_token_do_not_depend_on_the_length():
     layer = Block(SMALL)
     per_token = {t: saved_bytes_per_token(layer, SMALL.d_model, t) for t in (16, 32, 128)}
     assert len(set(per_token.values())) == 1 and per_token[16] > 0, per_token
+
+
+@pytest.mark.parametrize("shape", [{}, {"is_mimo": True, "mimo_rank": 2, "d_model": 32, "headdim": 16}])
+def test_the_fake_forward_counts_what_a_real_forward_keeps(shape):
+    """The measurement runs on fake tensors (no arithmetic, so a 7B layer is cheap); a real forward under
+    the same autocast keeps exactly the bytes it counts, SISO and MIMO, at two lengths."""
+    cfg = dataclasses.replace(SMALL, **shape)
+    torch.manual_seed(0)
+    layer = Block(cfg)
+    for t in (16, 40):
+        real = saved_bytes(layer, cfg.d_model, t)
+        assert saved_bytes(layer, cfg.d_model, t, fake=True) == real > 0, (t, real)
 
 
 def test_model_state_divides_by_the_shards_and_activations_by_context_parallel():

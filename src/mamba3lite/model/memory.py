@@ -27,12 +27,14 @@ T; tests/test_memory.py checks it), and a 7B layer forward at 2,048 tokens takes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
@@ -44,43 +46,59 @@ PROBE_TOKENS = 256
 # and the collectives' buffers take the rest (the presets keep 72 of 80 GB).
 USABLE_FRACTION = 0.9
 _PER_TOKEN_CACHE: dict[tuple[str, int], float] = {}
+# Layers above this many parameters are measured on fake tensors (`saved_bytes`): from the 880M presets
+# up (29M per layer), where one real bf16 measurement on a CPU without native bf16 costs as much as the
+# fake one's start-up in a fresh process, and about 8x a fake one after it.
+FAKE_ABOVE_PARAMETERS = 20_000_000
 
 
-def saved_bytes(layer: torch.nn.Module, d_model: int, seq_len: int) -> int:
+def saved_bytes(layer: torch.nn.Module, d_model: int, seq_len: int, fake: bool = False) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one forward of `layer` on
-    (1, seq_len, d_model) under bf16 autocast on the CPU, weights and their bf16 copies included."""
-    x = torch.randn(1, seq_len, d_model, requires_grad=True)
+    (1, seq_len, d_model) under bf16 autocast on the CPU, weights and their bf16 copies included.
+
+    `fake`: run the forward on fake tensors (FakeTensorMode: the same ops, autocast's casts and every
+    storage's size, no arithmetic; tests/test_memory.py checks the count equals the real forward's).
+    What is kept depends on shapes and dtypes only, and a big preset's layer in bf16 takes minutes on
+    a CPU without native bf16; the fake forward costs a fixed few seconds instead (its first use in a
+    process) plus a per-op overhead, more than a small layer's real forward."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        storages[st.data_ptr()] = st.nbytes()
+        storages[st._cdata] = st.nbytes()  # the storage's identity (a fake one has no data pointer)
         return t
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
-        layer(x)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        x = torch.randn(1, seq_len, d_model, requires_grad=True)
+        with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x)
     return sum(storages.values())
 
 
-def saved_bytes_per_token(layer: torch.nn.Module, d_model: int, seq_len: int = 2048) -> float:
+def saved_bytes_per_token(
+    layer: torch.nn.Module, d_model: int, seq_len: int = 2048, fake: bool = False
+) -> float:
     """What `layer` keeps for its backward per token: the growth of `saved_bytes` from seq_len / 2 to
     seq_len tokens, so that the weights and their copies (the same at every length) drop out."""
     half = seq_len // 2
-    return (saved_bytes(layer, d_model, seq_len) - saved_bytes(layer, d_model, half)) / (seq_len - half)
+    grown = saved_bytes(layer, d_model, seq_len, fake) - saved_bytes(layer, d_model, half, fake)
+    return grown / (seq_len - half)
 
 
 def activation_bytes_per_token(cfg: ModelConfig, seq_len: int = 2048) -> float:
     """Bytes saved for backward per token by one layer (bf16 autocast, batch 1), in windows of
     `seq_len` tokens, measured at min(seq_len, PROBE_TOKENS) tokens (the same per token) once per
-    config and length in a process."""
+    config and length in a process; on fake tensors for a layer of more than FAKE_ABOVE_PARAMETERS."""
     from mamba3lite.model.transformer import Block
 
     probe = min(seq_len, PROBE_TOKENS)
     key = (repr(cfg), probe)
     if key not in _PER_TOKEN_CACHE:
         with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
-            _PER_TOKEN_CACHE[key] = saved_bytes_per_token(Block(cfg), cfg.d_model, probe)
+            layer = Block(cfg)
+            fake = sum(p.numel() for p in layer.parameters()) > FAKE_ABOVE_PARAMETERS
+            _PER_TOKEN_CACHE[key] = saved_bytes_per_token(layer, cfg.d_model, probe, fake)
     return _PER_TOKEN_CACHE[key]
 
 
