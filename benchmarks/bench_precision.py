@@ -27,32 +27,13 @@ from mamba3lite.config import Config, load_config
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.model.precision import resolve_precision
 from mamba3lite.quickstart import recipe
-from mamba3lite.train.optim import FullMatrixMuon, build_optimizer, is_hidden_matrix
+from mamba3lite.train.optim import FullMatrixMuon, is_hidden_matrix
 
 
 def quickstart_config(shape: recipe.Shape, dtype: str, vocab: int = recipe.VOCAB) -> Config:
     """The quickstart's config at `shape`, with training.dtype `dtype` (and `vocab` ids)."""
     overrides = [*recipe.recipe_overrides(), f"model.vocab_size={vocab}", "model.eos_id=0"]
     return load_config("tiny").with_overrides([*overrides, *shape.overrides(), f"training.dtype={dtype}"])
-
-
-def train_step(cfg: Config) -> Callable[[], None]:
-    """One quickstart training step of a fresh model of `cfg` (as recipe.time_shape times it)."""
-    tc, mc = cfg.training, cfg.model
-    torch.manual_seed(0)
-    model = Mamba3Transformer(mc)
-    optimizer = build_optimizer(model, tc)
-    compute = resolve_precision(tc.dtype, "cpu").dtype
-    ids = torch.randint(0, mc.vocab_size, (tc.micro_batch_size, tc.max_seq_len + 1))
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute is not None):
-            loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 def muon_step(cfg: Config, ns_dtype: torch.dtype) -> Callable[[], None]:
@@ -98,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| threads | case | ms/step | x fastest |\n|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        train = alternate({f"train step, dtype={d}": train_step(c) for d, c in configs.items()},
+        train = alternate({f"train step, dtype={d}": recipe.training_step(c) for d, c in configs.items()},
                           args.rounds, args.steps)  # fmt: skip
         ns = {"Muon step alone, bf16 Newton-Schulz": torch.bfloat16, "Muon step alone, fp32 Newton-Schulz":
               torch.float32}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Whether the quickstart compiles its model's blocks (torch.compile, inductor): only when it pays.
+"""Whether the quickstart compiles its model (torch.compile as `training.compile` does): only when it pays.
 
 Compiling costs its seconds before the first step, once; it pays only when the seconds it saves over the
 training time left exceed them. `choose_compile` is that rule, a pure function of four measurements;
@@ -24,12 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from mamba3lite.model import Mamba3Transformer
-from mamba3lite.model.precision import resolve_precision
-from mamba3lite.train.optim import build_optimizer
-from mamba3lite.train.parallel.strategies import Local
+from mamba3lite.quickstart.recipe import training_step
 
 # Compile only if the time saved exceeds the compile time by this factor: the step times are medians of
 # a few steps on a machine that may be shared, and a compiled run also recompiles for a new batch shape.
@@ -96,37 +91,15 @@ def time_steps(step: Callable[[], None], steps: int) -> list[float]:
     return out
 
 
-def _trainer_step(cfg, compile: bool = False) -> Callable[[], None]:
-    """One training step of a fresh model of `cfg` on fixed random ids (as recipe.time_shape), the model
-    wrapped as the trainer wraps it on one CPU process (`Local.wrap`: compiled when `compile`)."""
-    tc, mc = cfg.training, cfg.model
-    torch.manual_seed(0)
-    raw = Mamba3Transformer(mc)
-    model = Local().wrap(raw, compile)
-    optimizer = build_optimizer(raw, tc)
-    ids = torch.randint(0, mc.vocab_size, (tc.micro_batch_size, tc.max_seq_len + 1))
-
-    dtype = resolve_precision(tc.dtype, "cpu").dtype
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 def measure_compile(cfg, steps: int = PROBE_STEPS) -> CompileTiming:
     """Eager and compiled (the trainer's `training.compile` path) seconds per step of `cfg`'s model and
     optimizer on this machine, the medians of `steps` steps each, and the compile time: the compiled
     model's first step less the eager median. A compile that raises gives compile_s = inf
     (choose_compile then says eager)."""
-    eager = _trainer_step(cfg)
+    eager = training_step(cfg)
     eager()  # untimed: first-call allocations
     eager_s = statistics.median(time_steps(eager, steps))
-    compiled = _trainer_step(cfg, compile=True)
+    compiled = training_step(cfg, compile=True)
     try:
         first_s = time_steps(compiled, 1)[0]
     except Exception:  # any compiler failure means: run eager

@@ -91,33 +91,48 @@ def non_embedding_parameters(model_cfg) -> int:
     return count_parameters(model_cfg) - model_cfg.vocab_size * model_cfg.d_model
 
 
-def time_shape(cfg, steps: int = PROBE_STEPS) -> float:
-    """Training tokens per second of `cfg`'s model and optimizer on this machine (random token ids;
-    forward, backward and optimizer step under the config's dtype resolved for the CPU, as training will
-    run it): the median of `steps` timed steps after one untimed one."""
-    import statistics
-
+def training_step(cfg, compile: bool = False):
+    """One training step of a fresh model of `cfg` on fixed random token ids, as a call: forward,
+    backward and optimizer step under the config's dtype resolved for the CPU, the model wrapped as the
+    trainer wraps it in one process (`Local.wrap`: compiled when `compile`). What the quickstart times
+    (`time_shape`, compile_choice.measure_compile) and the CPU benchmarks run."""
     import torch
 
     from mamba3lite.model import Mamba3Transformer
     from mamba3lite.model.precision import resolve_precision
     from mamba3lite.train.optim import build_optimizer
+    from mamba3lite.train.parallel.strategies import Local
 
     tc, mc = cfg.training, cfg.model
     torch.manual_seed(0)
-    model = Mamba3Transformer(mc)
-    optimizer = build_optimizer(model, tc)
+    raw = Mamba3Transformer(mc)
+    model = Local().wrap(raw, compile)
+    optimizer = build_optimizer(raw, tc)
     compute = resolve_precision(tc.dtype, "cpu").dtype
     ids = torch.randint(0, mc.vocab_size, (tc.micro_batch_size, tc.max_seq_len + 1))
-    times = []
-    for _ in range(steps + 1):
-        t0 = time.perf_counter()
+
+    def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute is not None):
             loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_shape(cfg, steps: int = PROBE_STEPS) -> float:
+    """Training tokens per second of `cfg`'s model and optimizer on this machine (`training_step`):
+    the median of `steps` timed steps after one untimed one."""
+    import statistics
+
+    step = training_step(cfg)
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        step()
         times.append(time.perf_counter() - t0)
+    tc = cfg.training
     return tc.micro_batch_size * tc.max_seq_len / statistics.median(times[1:])
 
 
