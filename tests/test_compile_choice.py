@@ -50,13 +50,14 @@ def _cfg(**training):
 
 
 def test_a_short_budget_is_eager_without_measuring():
-    least = COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP)
+    least = COMPILE_S_FLOOR + COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP)
 
     def measure(cfg):
         raise AssertionError("a budget compiling cannot repay must not pay for a compile to find out")
 
     choice = plan_compile(_cfg(), least, measure=measure)
     assert not choice.compile and "cannot repay" in choice.reason
+    assert not plan_compile(_cfg(), 10 * 60.0, measure=measure).compile  # a 10-minute budget neither
 
 
 def test_a_long_budget_measures_and_compiles_only_when_the_gain_repays_the_compile():

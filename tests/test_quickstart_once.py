@@ -26,6 +26,7 @@ def test_quickstart_resolves_once_and_labels_every_validation_number(tmp_path, m
     import mamba3lite.train.entry as entry
     from mamba3lite.checkpoint.run_dir import RunDir
     from mamba3lite.quickstart.budget import PLAN_FRACTION, Budget, Plan
+    from mamba3lite.quickstart.compile_choice import CompileChoice
 
     calls: Counter = Counter()
     loaded: list = []
@@ -54,6 +55,8 @@ def test_quickstart_resolves_once_and_labels_every_validation_number(tmp_path, m
         lambda self, s, fraction=PLAN_FRACTION: Plan(16 if fraction == PLAN_FRACTION else 3, s),
     )
     monkeypatch.setattr(calibration, "time_steps", lambda trainer, cpu: (1e-3, ""))
+    # the step path without timing a compile (its rule is tests/test_compile_choice.py's)
+    monkeypatch.setattr(plan, "plan_compile", lambda cfg, train_s: CompileChoice(False, "eager (test)"))
     work = tmp_path / "qs"
     # micro batches of 8: the evaluations of the whole val split (~270 windows) in few forwards
     config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32, warmup_steps=4, micro_batch_size=8)
@@ -64,7 +67,7 @@ def test_quickstart_resolves_once_and_labels_every_validation_number(tmp_path, m
     assert [str(c) for c in loaded] == [config]  # the preset itself is loaded once
     assert calls["check_run_directory"] == 1 and calls["prepare_run"] == 1 and calls["resume_step"] == 1
     assert calls["training_session"] == 3  # the calibration, the probe and the main run
-    assert "re-plan" in out and "step path: eager (the config's training.compile)" in out
+    assert "re-plan" in out and "step path: eager (test)" in out
 
     # before and after: the whole val split, its windows counted; the periodic ones: a labelled subset
     (whole,) = set(re.findall(r"\(on the whole val split, (\d+) windows\)", out))

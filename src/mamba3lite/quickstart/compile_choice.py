@@ -12,7 +12,8 @@ measurement's noise from choosing compile for a gain inside it.
 
 Measuring costs a compile itself (minutes on a 2-core CPU), so `plan_compile` measures only when the
 training time left could repay the cheapest compile at the speed-up compiling gave here
-(EXPECTED_SPEEDUP, COMPILE_S_FLOOR); a five-minute quickstart never can, and says so without measuring.
+(EXPECTED_SPEEDUP, COMPILE_S_FLOOR) after paying for the measurement's own compile; a five- or
+ten-minute quickstart never can, and says so without measuring.
 The compiled path is the trainer's own (`training.compile`: the strategy's `wrap`), so what is measured
 is what runs.
 """
@@ -33,8 +34,8 @@ PROBE_STEPS = 3  # timed steps of each form (after the compile, or one untimed e
 # Measured on the 2-core development VM (benchmarks/bench_cpu_step.py --compile, the quickstart's 192x3
 # shape, fp32): compiling made a step 1.18x faster and its first step took minutes on the shared machine.
 # The floor is a compile time below any seen there; with these two, compiling cannot pay in less than
-# COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP) seconds of training, and a shorter run is
-# not measured.
+# COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP) seconds of training (plus the measuring
+# compile's own), and a shorter run is not measured.
 EXPECTED_SPEEDUP = 1.2
 COMPILE_S_FLOOR = 60.0
 
@@ -116,7 +117,9 @@ def plan_compile(
     measurement (a parameter, so the rule is tested without compiling)."""
     if cfg.training.compile:
         return CompileChoice(True, "torch.compile (the config's training.compile)")
-    least_s = COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP)
+    # the measurement costs a compile of its own before the run's: it is worth it only when what is left
+    # after it could still repay one
+    least_s = COMPILE_S_FLOOR + COMPILE_MARGIN * COMPILE_S_FLOOR / (1 - 1 / EXPECTED_SPEEDUP)
     if train_s <= least_s:
         return CompileChoice(
             False,
