@@ -48,6 +48,15 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _check_choices(section: str, obj: Any) -> None:
+    """Every field declared with `choices=` holds one of them: one ConfigError with a did-you-mean."""
+    for f in dataclasses.fields(obj):
+        choices, value = f.metadata.get("choices"), getattr(obj, f.name)
+        if choices is not None and value not in choices:
+            hint = did_you_mean_hint(value, choices)
+            raise ConfigError(f"{section}.{f.name} must be one of {', '.join(choices)}, got {value!r}{hint}")
+
+
 def _positive(section: str, obj: Any, names: tuple[str, ...], *, allow_zero: bool = False) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -198,6 +207,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         s = "training"
+        _check_choices(s, self)  # optimizer, lr_schedule, dtype, parallelism: their `choices=`
         _positive(
             s,
             self,
@@ -243,9 +253,6 @@ class TrainingConfig:
         self._check_optimizer()
         self._check_schedule()
         self._check_scale_out()
-        if self.dtype not in DTYPES:
-            hint = did_you_mean_hint(self.dtype, DTYPES)
-            raise ConfigError(f"training.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}{hint}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"training.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 <= self.seed < 2**63:
@@ -264,15 +271,8 @@ class TrainingConfig:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
 
     def _check_scale_out(self) -> None:
-        """training.parallelism names a strategy (did you mean ...), replicas go with hsdp, and the global
-        batch is made of whole micro batches. (What needs the world size is checked where the mesh is
-        planned: train/parallel/layout.py, and `accumulation`.)"""
-        if self.parallelism not in PARALLELISMS:
-            hint = did_you_mean_hint(self.parallelism, PARALLELISMS)
-            raise ConfigError(
-                f"training.parallelism must be one of {', '.join(PARALLELISMS)}, "
-                f"got {self.parallelism!r}{hint}"
-            )
+        """Replicas go with hsdp, and the global batch is made of whole micro batches. (What needs the
+        world size is checked where the mesh is planned: train/parallel/layout.py, and `accumulation`.)"""
         if self.dp_replicate > 1 and self.parallelism not in ("hsdp", "auto"):
             raise ConfigError(
                 f"training.dp_replicate is {self.dp_replicate} but training.parallelism is "
@@ -286,27 +286,15 @@ class TrainingConfig:
             )
 
     def _check_optimizer(self) -> None:
-        """training.optimizer names a known optimizer (did you mean ...), and Muon's settings are sane.
-        (Whether the model has a matrix for Muon is checked where the optimizer is built: train/optim.py.)"""
-        if self.optimizer not in OPTIMIZERS:
-            hint = did_you_mean_hint(self.optimizer, OPTIMIZERS)
-            raise ConfigError(
-                f"training.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}{hint}"
-            )
+        """Muon's settings are sane. (Whether the model has a matrix for Muon is checked where the
+        optimizer is built: train/optim.py.)"""
         if self.muon_lr is not None:
             _positive("training", self, ("muon_lr",))
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
 
     def _check_schedule(self) -> None:
-        """training.lr_schedule names a known schedule (did you mean ...); decay_fraction is a share;
-        ema_decay is a decay (and not beside sharding: train/averaging.py)."""
-        if self.lr_schedule not in LR_SCHEDULES:
-            hint = did_you_mean_hint(self.lr_schedule, LR_SCHEDULES)
-            raise ConfigError(
-                f"training.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
-                f"got {self.lr_schedule!r}{hint}"
-            )
+        """decay_fraction is a share; ema_decay is a decay (and not beside sharding: train/averaging.py)."""
         if not 0.0 < self.decay_fraction <= 1.0:  # NaN fails this too
             raise ConfigError(f"training.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0.0 <= self.ema_decay < 1.0:
