@@ -233,16 +233,25 @@ def test_summary_names_the_split_evaluated_and_a_stop():
     assert "steps         0 -> 10   tokens seen 100   (stopped by signal)" in train
 
 
+@pytest.mark.parametrize(("age_s", "charged_s"), [(4.0, 4.0), (60.0, 60.0), (61.0, 0.0), (1200.0, 0.0)])
+def test_the_budget_charges_the_start_up_only_of_a_process_started_for_it(monkeypatch, age_s, charged_s):
+    """`python -m mamba3lite quickstart` pays its Python and torch start-up out of its minutes; a
+    notebook or a test runner that calls it later does not pay its own age (a 20-minute-old pytest once
+    left a 10-minute quickstart no time after its probe)."""
+    import mamba3lite.quickstart.run as qs
+
+    monkeypatch.setattr(qs, "_process_age_s", lambda: age_s)
+    assert qs._startup_s() == charged_s
+
+
 def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
     """SIGINT in the first step of the probe (the trainer whose first `warmup_steps` steps re-plan the
     rest): the quickstart must not go on to train the planned steps, and ends as a stopped run does."""
     import mamba3lite.quickstart.calibrate as calibration
-    import mamba3lite.quickstart.run as qs
     from mamba3lite.train.trainer import Pretrainer
 
     # A measured 1 ms/step plans thousands of steps, so the first warmup_steps (4) are a probe.
     monkeypatch.setattr(calibration, "time_steps", lambda trainer, cpu: (1e-3, ""))
-    monkeypatch.setattr(qs, "_process_age_s", lambda: 0.0)  # the budget starts now, not at pytest's start
     real_train, calls = Pretrainer.train, []
 
     def train(self, until_step=None):

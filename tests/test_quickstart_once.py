@@ -23,6 +23,7 @@ def test_quickstart_resolves_once_and_labels_every_validation_number(tmp_path, m
     import mamba3lite.config as config_module
     import mamba3lite.quickstart.calibrate as calibration
     import mamba3lite.quickstart.plan as plan
+    import mamba3lite.quickstart.run as qs
     import mamba3lite.train.entry as entry
     from mamba3lite.checkpoint.run_dir import RunDir
     from mamba3lite.quickstart.budget import PLAN_FRACTION, Budget, Plan
@@ -47,6 +48,8 @@ def test_quickstart_resolves_once_and_labels_every_validation_number(tmp_path, m
         count(entry, name)
     count(plan, "prepare_run")  # the quickstart's own call (imported by name into plan.py)
     count(RunDir, "resume_step")
+    # a process 20 minutes old (a slow suite's pytest): its age is not the quickstart's budget to pay
+    monkeypatch.setattr(qs, "_process_age_s", lambda: 20 * 60.0)
     # 16 steps at the calibration's speed: a 3-step probe (a fifth of the plan warms up); its re-plan: 3
     # more steps, so the main run trains steps 4-6 and evaluates at 4 and 6 (every ceil(6 / 3) steps)
     monkeypatch.setattr(
