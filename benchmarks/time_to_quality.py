@@ -147,9 +147,63 @@ def table(results: list[dict]) -> str:
         if len(rs) > 1:
             m = statistics.mean(x["bpb"] for x in rs)
             sd = statistics.stdev(x["bpb"] for x in rs)
+            goal = next((x["xz_given_train"] for x in rs if x.get("xz_given_train")), float("nan"))
             lines.append(f"| {name} (mean of {len(rs)}) | | | | | | | {m:.3f} ± {sd:.3f} | "
-                         f"{m / rs[0]['xz_given_train']:.3f}x | | | |")  # fmt: skip
+                         f"{_cell(m / goal, '.3f', 'x')} | | | |")  # fmt: skip
     return "\n".join(lines)
+
+
+def levers(results: list[dict], base: str = "all") -> list[dict]:
+    """Each lever recipe against `base` run with the same seed: the mean over those seeds of the change
+    in bits/byte (negative: the lever is better), the seeds it won, and its tokens/s over the base's."""
+    rows = {(r["recipe"], r["seed"]): r for r in results if "error" not in r}
+    names = dict.fromkeys(r for r, _ in rows if r != base and "pairs_with" not in rows[(r, _)])
+    out = []
+    for name in names:
+        pairs = [(rows[(name, s)], rows[(base, s)]) for (n, s) in rows if n == name and (base, s) in rows]
+        if not pairs:
+            continue
+        diffs = [lever["bpb"] - b["bpb"] for lever, b in pairs]
+        speeds = [(lever["tokens_per_s"] or math.nan) / (b["tokens_per_s"] or math.nan) for lever, b in pairs]
+        out.append({
+            "recipe": name, "seeds": len(pairs), "won": sum(d < 0 for d in diffs),
+            "mean_change": statistics.mean(diffs), "relative": statistics.mean(
+                d / b["bpb"] for d, (_, b) in zip(diffs, pairs, strict=True)),
+            "sd_change": statistics.stdev(diffs) if len(diffs) > 1 else math.nan,
+            "tokens_per_s": statistics.mean(speeds),
+        })  # fmt: skip
+    return out
+
+
+def lever_table(results: list[dict], base: str = "all") -> str:
+    """`levers` as a table: a lever is kept only where it wins on every corpus (the caller compares)."""
+    head = f"| lever | seeds | bits/byte vs {base} (mean ± sd) | relative | seeds won | tokens/s vs {base} |"
+    lines = [head, "|" + "---|" * 6]
+    for x in levers(results, base):
+        cells = [x["recipe"], x["seeds"], f"{x['mean_change']:+.3f} ± {_cell(x['sd_change'], '.3f', '')}",
+                 f"{100 * x['relative']:+.1f}%", f"{x['won']} of {x['seeds']}",
+                 _cell(x["tokens_per_s"], ".2f", "x")]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def read_results(path: Path) -> list[dict]:
+    """The runs of an earlier invocation: its results.json, or its printed output (one JSON object a
+    line, as each run ends: what is there if it was stopped early)."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def report(results: list[dict], transformer: bool) -> None:
+    print(table(results))
+    if transformer:
+        print("\nMamba-3 against the Transformer trained after it (same data, recipe, time and evaluation)\n")
+        print(summary(results))
+    if len({r["recipe"] for r in results if "pairs_with" not in r and "error" not in r}) > 1:
+        print("\nEach lever against the recipe run with the same seed\n")
+        print(lever_table(results))
 
 
 def summary(results: list[dict]) -> str:
@@ -227,7 +281,15 @@ def main() -> None:
     p.add_argument("--transformer", action=argparse.BooleanOptionalAction, default=True,
                    help="a Transformer row after each run of a recipe in --transformer-after")  # fmt: skip
     p.add_argument("--transformer-after", default="all", help="comma-separated recipes it pairs with")
+    p.add_argument("--report", nargs="+", type=Path, default=None, metavar="PATH",
+                   help="print the tables of earlier runs instead (results.json, or the printed output "
+                   "of a run stopped early), one corpus per path")  # fmt: skip
     args = p.parse_args()
+    if args.report:
+        for path in args.report:
+            print(f"\n## {path}\n")
+            report(read_results(path), transformer=True)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -240,10 +302,7 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, {args.minutes:g} min each, source {args.source}\n")
-    print(table(results))
-    if args.transformer:
-        print("\nMamba-3 against the Transformer trained after it (same data, recipe, time and evaluation)\n")
-        print(summary(results))
+    report(results, args.transformer)
     if args.plot:
         plot(results, out / "time_to_quality.png")
         print(f"\nplot: {out / 'time_to_quality.png'}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -393,6 +394,28 @@ def test_time_to_quality_smallest_budget_prints_its_table(tmp_path):
             rows.setdefault(line.split(" | ")[0].strip("| "), line)
     assert "all" in rows and "tokenizer" in rows and "error" not in out
     assert "| 300 |" in rows["all"] and "| muon |" in rows["all"] and "| adamw |" in rows["tokenizer"]
+    assert re.search(r"^\| tokenizer \| 1 \| [+-][\d.]+ ± n/a \| [+-][\d.]+% \| [01] of 1 \|", out, re.M), out
+
+
+def test_time_to_quality_report_compares_each_lever_with_the_recipe_seed_by_seed(tmp_path):
+    """`--report` re-reads the JSON lines a run printed (here two seeds of the recipe, of a lever, and a
+    Transformer row that is no lever): each lever's change is against the recipe run with its seed."""
+
+    def row(recipe, seed, bpb, tok_s, **more):
+        return {"recipe": recipe, "seed": seed, "bpb": bpb, "tokens_per_s": tok_s, "xz_given_train": 1.5,
+                "xz": 2.0, "zlib": 2.2, "steps": 100, "vocab": "4,096", "shape": "128x2",
+                "optimizer": "muon", **more}  # fmt: skip
+
+    lines = [row("all", 0, 1.60, 1000), row("transformer", 0, 1.70, 1250, pairs_with="all"),
+             row("wsd", 0, 1.55, 1000), row("all", 1, 1.62, 1000),
+             row("transformer", 1, 1.66, 1250, pairs_with="all"), row("wsd", 1, 1.64, 900)]  # fmt: skip
+    log = tmp_path / "stdlib.out"
+    log.write_text("a line that is no run\n" + "\n".join(json.dumps(x) for x in lines) + "\n")
+    out = run_script("time_to_quality.py", "--report", str(log))
+    # wsd: -0.05 and +0.02 against the same seed's recipe; tokens/s 1.0x and 0.9x
+    assert re.search(r"^\| wsd \| 2 \| -0\.015 ± 0\.049 \| -0\.9% \| 1 of 2 \| 0\.95x \|$", out, re.M), out
+    assert not re.search(r"^\| transformer \| 2 \|", out, re.M), out  # the baseline is no lever
+    assert re.search(r"^\| all \| 0 \| 0\.80x \| 5\.9% \|", out, re.M), out  # the summary's pair, seed 0
 
 
 @pytest.mark.slow
