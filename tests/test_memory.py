@@ -14,6 +14,7 @@ from mamba3lite.errors import ConfigError
 from mamba3lite.model import Mamba3Transformer, ModelConfig, count_parameters, memory
 from mamba3lite.model.memory import (
     activation_bytes,
+    activation_bytes_per_token,
     check_model_fits,
     hidden_matrix_parameters,
     per_rank_memory,
@@ -42,16 +43,31 @@ def test_bytes_per_token_do_not_depend_on_the_length():
     assert len(set(per_token.values())) == 1 and per_token[16] > 0, per_token
 
 
+@pytest.mark.parametrize("compute", [torch.bfloat16, None], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [{}, {"is_mimo": True, "mimo_rank": 2, "d_model": 32, "headdim": 16}])
-def test_the_fake_forward_counts_what_a_real_forward_keeps(shape):
-    """The measurement runs on fake tensors (no arithmetic, so a 7B layer is cheap); a real forward under
-    the same autocast keeps exactly the bytes it counts, SISO and MIMO, at two lengths."""
+def test_the_fake_forward_counts_what_a_real_forward_keeps(shape, compute):
+    """The measurement runs on fake tensors (no arithmetic, so a 7B layer is cheap); a real forward at
+    the same compute dtype (bf16 autocast, or none: fp32) keeps exactly the bytes it counts, SISO and
+    MIMO, at two lengths."""
     cfg = dataclasses.replace(SMALL, **shape)
     torch.manual_seed(0)
     layer = Block(cfg)
     for t in (16, 40):
-        real = saved_bytes(layer, cfg.d_model, t)
-        assert saved_bytes(layer, cfg.d_model, t, fake=True) == real > 0, (t, real)
+        real = saved_bytes(layer, cfg.d_model, t, compute=compute)
+        assert saved_bytes(layer, cfg.d_model, t, fake=True, compute=compute) == real > 0, (t, real)
+
+
+@pytest.mark.parametrize("shape", [{}, {"is_mimo": True, "mimo_rank": 2, "d_model": 32, "headdim": 16}])
+def test_an_fp32_run_keeps_about_twice_the_activation_bytes_of_a_bf16_one(shape):
+    """Without autocast (an fp32 run) the activations stay fp32: 1.78x bf16's bytes per token for this
+    layer, 1.83x MIMO, 1.81-1.85x the tiny to 1.5B presets' (not 2x: some of what the layer keeps is
+    fp32 under bf16 autocast too). Measured once per dtype: the cache tells them apart."""
+    cfg = dataclasses.replace(SMALL, **shape)
+    bf16 = activation_bytes_per_token(cfg, 64, torch.bfloat16)
+    fp32 = activation_bytes_per_token(cfg, 64, None)
+    assert 1.7 * bf16 < fp32 < 1.9 * bf16, (bf16, fp32)
+    assert activation_bytes_per_token(cfg, 64) == bf16  # bf16 is the default, as before
+    assert activation_bytes(cfg, 2, 64, compute=None) == pytest.approx(cfg.n_layers * 2 * 64 * fp32)
 
 
 def test_model_state_divides_by_the_shards_and_activations_by_context_parallel():

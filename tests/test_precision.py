@@ -15,7 +15,13 @@ from mamba3lite.config import Config, TrainingConfig, load_config
 from mamba3lite.errors import ConfigError
 from mamba3lite.evaluate import evaluate_model
 from mamba3lite.model import Mamba3Transformer, precision
-from mamba3lite.model.precision import native_bf16, resolve_precision
+from mamba3lite.model.precision import (
+    CUDA_NATIVE_BF16,
+    native_bf16,
+    planned_cuda_precision,
+    planned_precision,
+    resolve_precision,
+)
 from mamba3lite.train.trainer import Pretrainer
 from test_trainer import make_dataset, metrics, tiny_config
 
@@ -61,6 +67,25 @@ def test_the_probe_answers_for_the_device_it_is_given():
     if not torch.cuda.is_available():
         assert native_bf16("cuda") is False
         assert resolve_precision("auto", "cuda").dtype is None
+
+
+def test_a_plan_resolves_like_the_run_but_plans_an_unaskable_cuda_device_as_a_bf16_one(native, monkeypatch):
+    """`planned_precision`: what `resolve_precision` gives wherever the device can be asked; a CUDA
+    device on a machine without one (a plan made on a login node) is planned as one with native bf16,
+    the reason naming the compute capability auto depends on rather than a wrong "auto -> fp32"."""
+    native(False)
+    for dtype in ("auto", "bf16", "fp32"):
+        assert planned_precision(dtype, "cpu") == resolve_precision(dtype, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    auto = planned_precision("auto", "cuda:0")
+    assert auto == planned_cuda_precision("auto") and auto.dtype == torch.bfloat16 and auto.warning is None
+    assert (
+        auto.reason.startswith(f"auto: bf16 on {CUDA_NATIVE_BF16}, else fp32")
+        and "-> fp32" not in auto.reason
+    )
+    bf16 = planned_precision("bf16", "cuda")
+    assert bf16.dtype == torch.bfloat16 and bf16.warning is None and CUDA_NATIVE_BF16 in bf16.reason
+    assert planned_precision("fp32", "cuda").dtype is None
 
 
 def test_auto_is_the_default_and_the_quickstarts_preset_says_auto():

@@ -421,20 +421,22 @@ def test_plan_prints_each_ranks_estimate_without_building_anything(tmp_path, mon
     fsdp = ["--set", "training.parallelism=fsdp", "--device-memory-gib", "80"]
     assert cli.main(["train", "--config", config, "--plan", "--nproc", "4", *fsdp]) == 0
     out = capsys.readouterr().out.splitlines()
-    est = per_rank_memory(load_config(config).model, load_config(config).training, shards=4)
+    # the config's training.dtype is fp32: activations estimated without autocast
+    est = per_rank_memory(load_config(config).model, load_config(config).training, shards=4, compute=None)
     assert out[0].endswith("fsdp: 4 data-parallel x 1 context-parallel; model state in 4 shard(s)")
     assert "micro batch 2, 2 accumulated per data-parallel process" in out[1]  # 16 / (2 x 4)
-    assert out[2] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
-    assert out[3] == "device planned for: 80.0 GiB (72.0 usable): fits"
+    assert out[2] == "compute: fp32 (training.dtype)"
+    assert out[3] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
+    assert out[4] == "device planned for: 80.0 GiB (72.0 usable): fits"
     assert not run.exists()
     # context parallel 2 on the same 4 processes: 2 data-parallel ranks, sharded over all 4, T / 2 each
     cp = ["--set", "training.context_parallel=2"]
     assert cli.main(["train", "--config", config, "--plan", "--nproc", "4", *fsdp, *cp]) == 0
     out = capsys.readouterr().out.splitlines()
     t = load_config(config).replace("training", context_parallel=2).training
-    est = per_rank_memory(load_config(config).model, t, shards=4)
+    est = per_rank_memory(load_config(config).model, t, shards=4, compute=None)
     assert out[0].endswith("fsdp: 2 data-parallel x 2 context-parallel; model state in 4 shard(s)")
-    assert out[2] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
+    assert out[3] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
     # torchrun's WORLD_SIZE when --nproc is not given; a device too small is said not to fit
     monkeypatch.setenv("WORLD_SIZE", "2")
     tight = ["--set", "training.parallelism=ddp", "--device-memory-gib", "0.0001"]

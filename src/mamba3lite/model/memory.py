@@ -1,9 +1,12 @@
 """Training memory of a config, by measurement: what autograd keeps per token and layer, times the batch.
 
-`activation_bytes_per_token` runs one `Block` forward on the CPU under bf16 autocast (as the trainer
-runs on accelerators) and adds up the distinct storages saved for the backward pass, at two lengths:
-the growth per token leaves out the weights and their bf16 copies. `training_memory_bytes` scales
-that by micro batch × window × layers (or, with gradient checkpointing, keeps one fp32 layer input
+`activation_bytes_per_token` runs one `Block` forward on the CPU at the run's compute dtype (`compute`:
+torch.bfloat16, under autocast as the trainer runs on accelerators, or None, no autocast: an fp32 run,
+e.g. `training.dtype: auto` on a CPU without native bf16, keeps fp32 activations, ~1.8x the bytes) and
+adds up the distinct storages saved for the backward pass, at two lengths: the growth per token leaves
+out the weights and their copies. The callers pass what `training.dtype` resolves to on the run's
+device (model/precision.py); bf16, the presets' accelerators', is the default. `training_memory_bytes`
+scales that by micro batch × window × layers (or, with gradient checkpointing, keeps one fp32 layer input
 per layer plus one layer's activations) and adds 16 bytes per parameter: fp32 weights, gradients and
 AdamW's two moments. On the H200 (benchmarks/RESULTS.md, GPU section) the measured eager peaks came
 out 4-7% below this estimate, for a layer that kept 12.75 KiB per token more than it does now (in_proj's
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
@@ -45,60 +48,84 @@ PROBE_TOKENS = 256
 # Of a device's memory, what training may plan to use: the CUDA context, the allocator's fragmentation
 # and the collectives' buffers take the rest (the presets keep 72 of 80 GB).
 USABLE_FRACTION = 0.9
-_PER_TOKEN_CACHE: dict[tuple[str, int], float] = {}
+_PER_TOKEN_CACHE: dict[tuple[str, int, torch.dtype | None], float] = {}
 # Layers above this many parameters are measured on fake tensors (`saved_bytes`): from the 880M presets
 # up (29M per layer), where one real bf16 measurement on a CPU without native bf16 costs as much as the
 # fake one's start-up in a fresh process, and about 8x a fake one after it.
 FAKE_ABOVE_PARAMETERS = 20_000_000
 
 
-def saved_bytes(layer: torch.nn.Module, d_model: int, seq_len: int, fake: bool = False) -> int:
+def saved_bytes(
+    layer: torch.nn.Module,
+    d_model: int,
+    seq_len: int,
+    fake: bool = False,
+    compute: torch.dtype | None = torch.bfloat16,
+) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one forward of `layer` on
-    (1, seq_len, d_model) under bf16 autocast on the CPU, weights and their bf16 copies included.
+    (1, seq_len, d_model) on the CPU under autocast to `compute` (None: no autocast, fp32), weights and
+    their autocast copies included.
 
     `fake`: run the forward on fake tensors (FakeTensorMode: the same ops, autocast's casts and every
     storage's size, no arithmetic; tests/test_memory.py checks the count equals the real forward's).
     What is kept depends on shapes and dtypes only, and a big preset's layer in bf16 takes minutes on
     a CPU without native bf16; the fake forward costs a fixed few seconds instead (its first use in a
-    process) plus a per-op overhead, more than a small layer's real forward."""
+    process) plus a per-op overhead, more than a small layer's real forward. Under fake tensors a
+    weight saved as itself (real) is counted as the fake copy the mode made of it, the storage its
+    views saved beside it share (in fp32 nothing casts a weight, so both are saved)."""
     storages: dict[int, int] = {}
+    kept: list[torch.Tensor] = []
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
+        seen = mode.from_tensor(t) if mode is not None and not isinstance(t, FakeTensor) else t
+        kept.append(seen)  # alive to the end: a freed storage's identity may be reused
+        st = seen.untyped_storage()
         storages[st._cdata] = st.nbytes()  # the storage's identity (a fake one has no data pointer)
         return t
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+    cast = contextlib.nullcontext() if compute is None else torch.autocast("cpu", dtype=compute)
+    with mode if mode is not None else contextlib.nullcontext():
         x = torch.randn(1, seq_len, d_model, requires_grad=True)
-        with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        with hooks, cast:
             layer(x)
     return sum(storages.values())
 
 
 def saved_bytes_per_token(
-    layer: torch.nn.Module, d_model: int, seq_len: int = 2048, fake: bool = False
+    layer: torch.nn.Module,
+    d_model: int,
+    seq_len: int = 2048,
+    fake: bool = False,
+    compute: torch.dtype | None = torch.bfloat16,
 ) -> float:
-    """What `layer` keeps for its backward per token: the growth of `saved_bytes` from seq_len / 2 to
-    seq_len tokens, so that the weights and their copies (the same at every length) drop out."""
+    """What `layer` keeps for its backward per token at compute dtype `compute`: the growth of
+    `saved_bytes` from seq_len / 2 to seq_len tokens, so that the weights and their copies (the same at
+    every length) drop out."""
     half = seq_len // 2
-    grown = saved_bytes(layer, d_model, seq_len, fake) - saved_bytes(layer, d_model, half, fake)
+    grown = saved_bytes(layer, d_model, seq_len, fake, compute) - saved_bytes(
+        layer, d_model, half, fake, compute
+    )
     return grown / (seq_len - half)
 
 
-def activation_bytes_per_token(cfg: ModelConfig, seq_len: int = 2048) -> float:
-    """Bytes saved for backward per token by one layer (bf16 autocast, batch 1), in windows of
-    `seq_len` tokens, measured at min(seq_len, PROBE_TOKENS) tokens (the same per token) once per
-    config and length in a process; on fake tensors for a layer of more than FAKE_ABOVE_PARAMETERS."""
+def activation_bytes_per_token(
+    cfg: ModelConfig, seq_len: int = 2048, compute: torch.dtype | None = torch.bfloat16
+) -> float:
+    """Bytes saved for backward per token by one layer (batch 1) at compute dtype `compute` (bf16
+    autocast, or None: fp32), in windows of `seq_len` tokens, measured at min(seq_len, PROBE_TOKENS)
+    tokens (the same per token) once per config, length and dtype in a process; on fake tensors for a
+    layer of more than FAKE_ABOVE_PARAMETERS."""
     from mamba3lite.model.transformer import Block
 
     probe = min(seq_len, PROBE_TOKENS)
-    key = (repr(cfg), probe)
+    key = (repr(cfg), probe, compute)
     if key not in _PER_TOKEN_CACHE:
         with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
             layer = Block(cfg)
             fake = sum(p.numel() for p in layer.parameters()) > FAKE_ABOVE_PARAMETERS
-            _PER_TOKEN_CACHE[key] = saved_bytes_per_token(layer, cfg.d_model, probe, fake)
+            _PER_TOKEN_CACHE[key] = saved_bytes_per_token(layer, cfg.d_model, probe, fake, compute)
     return _PER_TOKEN_CACHE[key]
 
 
@@ -108,23 +135,29 @@ def activation_bytes(
     seq_len: int,
     grad_checkpointing: bool = False,
     context_parallel: int = 1,
+    compute: torch.dtype | None = torch.bfloat16,
 ) -> float:
-    """Activations of one micro step on one rank: micro_batch windows of seq_len / context_parallel
-    tokens each. With gradient checkpointing each layer keeps its fp32 input and one layer's
-    activations are live at a time."""
+    """Activations of one micro step on one rank at compute dtype `compute` (bf16 autocast, or None:
+    fp32): micro_batch windows of seq_len / context_parallel tokens each. With gradient checkpointing
+    each layer keeps its fp32 input and one layer's activations are live at a time."""
     tokens = micro_batch * seq_len / context_parallel
-    per_layer = activation_bytes_per_token(cfg, seq_len) * tokens
+    per_layer = activation_bytes_per_token(cfg, seq_len, compute) * tokens
     if grad_checkpointing:
         return cfg.n_layers * 4 * cfg.d_model * tokens + per_layer
     return cfg.n_layers * per_layer
 
 
 def training_memory_bytes(
-    cfg: ModelConfig, micro_batch: int, seq_len: int, grad_checkpointing: bool = False
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    grad_checkpointing: bool = False,
+    compute: torch.dtype | None = torch.bfloat16,
 ) -> float:
     """Estimated peak bytes of one training process holding the whole model (AdamW): activations of a
-    micro step + 16 bytes per parameter."""
-    return activation_bytes(cfg, micro_batch, seq_len, grad_checkpointing) + 16 * count_parameters(cfg)
+    micro step at compute dtype `compute` + 16 bytes per parameter."""
+    activations = activation_bytes(cfg, micro_batch, seq_len, grad_checkpointing, compute=compute)
+    return activations + 16 * count_parameters(cfg)
 
 
 def hidden_matrix_parameters(cfg: ModelConfig) -> int:
@@ -178,11 +211,18 @@ class RankMemory:
 
 
 def per_rank_memory(
-    model_cfg: ModelConfig, training_cfg: Any, *, shards: int = 1, context_parallel: int | None = None
+    model_cfg: ModelConfig,
+    training_cfg: Any,
+    *,
+    shards: int = 1,
+    context_parallel: int | None = None,
+    compute: torch.dtype | None = torch.bfloat16,
 ) -> RankMemory:
     """The estimate for one rank of a run of `model_cfg` with `training_cfg` (micro_batch_size,
     max_seq_len, grad_checkpointing, optimizer, reshard_after_forward) when the model state is sharded
-    over `shards` processes and each window over `context_parallel` (default: the config's)."""
+    over `shards` processes and each window over `context_parallel` (default: the config's), its
+    activations at compute dtype `compute` (what `training_cfg.dtype` resolves to on the run's device:
+    model/precision.py; bf16 autocast, or None for fp32)."""
     t = training_cfg
     cp = t.context_parallel if context_parallel is None else context_parallel
     if shards < 1 or cp < 1:
@@ -200,7 +240,9 @@ def per_rank_memory(
         grads=4 * n / shards,
         optimizer=optimizer_state_bytes(model_cfg, getattr(t, "optimizer", "adamw")) / shards,
         gathered=gathered,
-        activations=activation_bytes(model_cfg, t.micro_batch_size, t.max_seq_len, t.grad_checkpointing, cp),
+        activations=activation_bytes(
+            model_cfg, t.micro_batch_size, t.max_seq_len, t.grad_checkpointing, cp, compute
+        ),
         shards=shards,
         context_parallel=cp,
     )
@@ -226,12 +268,17 @@ def usable_memory_bytes(device: torch.device) -> float | None:
     return None if have is None else USABLE_FRACTION * have
 
 
-def replicated_fits(model_cfg: ModelConfig, training_cfg: Any, device: torch.device) -> bool:
-    """Whether one whole copy of the model trains on `device` (ddp, or one process), by
-    `per_rank_memory` against the usable part of its memory; True where the memory is unknown (nothing
-    to decide from)."""
+def replicated_fits(
+    model_cfg: ModelConfig,
+    training_cfg: Any,
+    device: torch.device,
+    compute: torch.dtype | None = torch.bfloat16,
+) -> bool:
+    """Whether one whole copy of the model trains on `device` (ddp, or one process) at compute dtype
+    `compute`, by `per_rank_memory` against the usable part of its memory; True where the memory is
+    unknown (nothing to decide from)."""
     have = usable_memory_bytes(device)
-    return have is None or per_rank_memory(model_cfg, training_cfg, shards=1).total <= have
+    return have is None or per_rank_memory(model_cfg, training_cfg, compute=compute).total <= have
 
 
 def physical_memory_bytes(device: torch.device) -> int | None:

@@ -4,6 +4,9 @@
     resolve_precision(dtype, device)  -> Precision: the autocast dtype (torch.bfloat16, or None for
                                       fp32), the matmul dtype of Muon's Newton-Schulz, a one-line reason,
                                       and a warning when an explicit bf16 will be slow here
+    planned_precision(dtype, device)  the same for a run planned, not run: a CUDA device this machine
+                                      cannot ask (`train --plan` on a login node) is planned as one with
+                                      native bf16 (planned_cuda_precision), the reason saying so
 
 `auto` is bf16 where the device computes it natively and fp32 elsewhere. A CPU without a bf16 path (AVX2
 only: most AMD Zen 2/3, Intel before Skylake-SP) runs bf16 through slow fallback kernels: a 1024^3
@@ -22,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# The CUDA devices that compute bf16 natively (Ampere, Hopper, ...), in the words a reason uses.
+CUDA_NATIVE_BF16 = "a CUDA device of compute capability 8.0 or newer"
 
 
 def native_bf16(device: torch.device | str) -> bool:
@@ -96,3 +102,27 @@ def resolve_precision(dtype: str, device: torch.device | str) -> Precision:
         f"training.dtype is bf16, but {where} has no native bf16: every bf16 matmul is emulated, a "
         "training step takes ~10x as long as in fp32; use --set training.dtype=auto (or fp32)",
     )
+
+
+def planned_cuda_precision(dtype: str) -> Precision:
+    """`dtype` (training.dtype) for a CUDA device that is planned for but cannot be asked (no CUDA on
+    this machine, or a table for an accelerator of some size): planned as one with native bf16, the
+    accelerators the presets are sized for, so auto and bf16 -> bf16, fp32 -> fp32. The reason says what
+    auto and bf16 do on an older device rather than a guess at it."""
+    if dtype == "fp32":
+        return resolve_precision(dtype, "cuda")  # asks nothing
+    if dtype == "auto":
+        reason = f"auto: bf16 on {CUDA_NATIVE_BF16}, else fp32; planned as bf16 (no CUDA device here to ask)"
+    else:
+        reason = f"bf16 (training.dtype): native on {CUDA_NATIVE_BF16}, emulated (slow) on older ones"
+    return Precision(dtype, torch.bfloat16, reason)
+
+
+def planned_precision(dtype: str, device: torch.device | str) -> Precision:
+    """`dtype` as a run on `device` will resolve it (`resolve_precision`), for a plan made before the run:
+    a CUDA device where this machine has none (a plan made on a login node) is `planned_cuda_precision`,
+    not the fp32 that a device nobody can ask would resolve to."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return planned_cuda_precision(dtype)
+    return resolve_precision(dtype, dev)

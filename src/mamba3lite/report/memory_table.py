@@ -11,7 +11,10 @@ of two) that trains by the estimate at micro batch 1 on N processes of G GiB wit
 over all N ranks, the data-parallel x context-parallel mesh flattened, as training shards it) and each
 window split over C = 1, 2, 4, 8 of them (activations per rank: T / C tokens of one window).
 
-The estimate measures each preset's layer on the CPU once (a few seconds; a minute for 7B).
+The estimate measures each preset's layer on the CPU once (a few seconds; a minute for 7B), at the
+compute dtype its `training.dtype` gives on such an accelerator, one with native bf16
+(model/precision.py `planned_cuda_precision`): bf16 for auto and bf16, fp32 for fp32, whatever device
+this machine has.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, replace
 from mamba3lite.config import available_presets, load_config
 from mamba3lite.model.flops import count_parameters
 from mamba3lite.model.memory import USABLE_FRACTION, per_rank_memory, shard_count
+from mamba3lite.model.precision import planned_cuda_precision
 
 
 @dataclass(frozen=True)
@@ -42,13 +46,14 @@ def preset_memory(name: str, world_size: int = 8) -> PresetMemory:
     batch, gradient checkpointing, optimizer and context parallelism."""
     cfg = load_config(name)
     t, dp = cfg.training, world_size // cfg.training.context_parallel
+    compute = planned_cuda_precision(t.dtype).dtype
     return PresetMemory(
         preset=name,
         parameters=count_parameters(cfg.model),
         micro_batch_size=t.micro_batch_size,
         grad_checkpointing=t.grad_checkpointing,
-        ddp_bytes=per_rank_memory(cfg.model, t, shards=shard_count("ddp", dp)).total,
-        fsdp_bytes=per_rank_memory(cfg.model, t, shards=shard_count("fsdp", dp)).total,
+        ddp_bytes=per_rank_memory(cfg.model, t, shards=shard_count("ddp", dp), compute=compute).total,
+        fsdp_bytes=per_rank_memory(cfg.model, t, shards=shard_count("fsdp", dp), compute=compute).total,
     )
 
 
@@ -90,10 +95,11 @@ def longest_seq_len(name: str, world_size: int, context_parallel: int, device_gi
     None when not even the shortest (C tokens, one per rank) fits."""
     cfg = load_config(name)
     usable = USABLE_FRACTION * device_gib * 2**30
+    compute = planned_cuda_precision(cfg.training.dtype).dtype
     best = None
     for k in range(max(context_parallel.bit_length() - 1, 0), LONGEST_LOG2 + 1):
         t = replace(cfg.training, micro_batch_size=1, max_seq_len=2**k, context_parallel=context_parallel)
-        if per_rank_memory(cfg.model, t, shards=world_size).total > usable:
+        if per_rank_memory(cfg.model, t, shards=world_size, compute=compute).total > usable:
             break  # the estimate grows with T: no longer window fits either
         best = 2**k
     return best

@@ -1,6 +1,8 @@
 """`train --plan`: what each rank of a run would hold, by model/memory.py's estimate, before anything is
-built: the strategy and the mesh for a world size, the global batch's split, and per rank the weights,
-gradients, optimizer state, gathered blocks and activations against the device's memory.
+built: the strategy and the mesh for a world size, the global batch's split, the compute dtype the run
+will use there (`training.dtype` resolved for the device: model/precision.py `planned_precision`), and
+per rank the weights, gradients, optimizer state, gathered blocks and activations (at that dtype: fp32
+ones take about twice the bytes of bf16 ones) against the device's memory.
 
     print(memory_plan(cfg, world_size=8))    # `mamba3lite train --config mamba3_7b --plan --nproc 8`
 
@@ -21,6 +23,7 @@ from mamba3lite.model.memory import (
     replicated_fits,
     shard_count,
 )
+from mamba3lite.model.precision import planned_precision
 
 
 def plan_device(preference: str) -> torch.device:
@@ -31,18 +34,25 @@ def plan_device(preference: str) -> torch.device:
     return torch.device("cuda:0" if preference == "cuda" else preference)
 
 
-def planned_strategy(cfg, world_size: int, device: torch.device, device_bytes: float | None = None) -> str:
+def planned_strategy(
+    cfg,
+    world_size: int,
+    device: torch.device,
+    device_bytes: float | None = None,
+    *,
+    compute: torch.dtype | None,
+) -> str:
     """The parallelism the run uses on `world_size` processes ("one process" for a single
     data-parallel one); auto resolved as the module docstring says, for `device` or, given, a device of
-    `device_bytes`."""
+    `device_bytes`, with activations at the run's compute dtype `compute` (bf16, or None: fp32)."""
     if world_size <= 1:
         return "one process"
     if cfg.training.parallelism != "auto":
         return cfg.training.parallelism
     if device_bytes is not None:
-        need = per_rank_memory(cfg.model, cfg.training).total
+        need = per_rank_memory(cfg.model, cfg.training, compute=compute).total
         return "ddp" if need <= USABLE_FRACTION * device_bytes else "fsdp"
-    return "ddp" if replicated_fits(cfg.model, cfg.training, device) else "fsdp"
+    return "ddp" if replicated_fits(cfg.model, cfg.training, device, compute) else "fsdp"
 
 
 def memory_plan(
@@ -58,8 +68,9 @@ def memory_plan(
             f"{t.context_parallel}; use a multiple of it"
         )
     device = plan_device(t.device) if device is None else device
+    precision = planned_precision(t.dtype, device)
     dp = world_size // t.context_parallel
-    strategy = planned_strategy(cfg, world_size, device, device_bytes)
+    strategy = planned_strategy(cfg, world_size, device, device_bytes, compute=precision.dtype)
     if strategy == "hsdp" and dp % t.dp_replicate:
         raise ConfigError(
             f"hsdp: the data-parallel size {dp} does not split into training.dp_replicate {t.dp_replicate} "
@@ -69,7 +80,9 @@ def memory_plan(
     if strategy in ("fsdp", "hsdp"):
         shards = shard_count(strategy, dp, t.dp_replicate) * t.context_parallel
     accumulation = t.accumulation(dp)  # ConfigError when the global batch does not split
-    est = per_rank_memory(cfg.model, t, shards=shards, context_parallel=t.context_parallel)
+    est = per_rank_memory(
+        cfg.model, t, shards=shards, context_parallel=t.context_parallel, compute=precision.dtype
+    )
     parts = " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
     have = physical_memory_bytes(device) if device_bytes is None else device_bytes
     if have is None:
@@ -90,6 +103,7 @@ def memory_plan(
             f"{t.global_windows * t.max_seq_len:,} tokens per step; micro batch {t.micro_batch_size}, "
             f"{accumulation} accumulated per data-parallel process"
             + (", gradient checkpointing" if t.grad_checkpointing else ""),
+            f"compute: {precision.reason}",
             f"per rank (GiB): {parts}",
             f"device {verdict}",
         ]

@@ -64,13 +64,13 @@ class Parallelism:
     def from_config(cls, cfg, info: DistInfo) -> Parallelism:
         """The seam for `cfg.training` on this job (ConfigError for settings that make no mesh)."""
         tc = cfg.training
+        compute = resolve_precision(tc.dtype, info.device).dtype
         fits = True
         if info.distributed and tc.parallelism == "auto" and tc.dp_replicate == 1:
-            fits = replicated_fits(cfg.model, tc, info.device)
+            fits = replicated_fits(cfg.model, tc, info.device, compute)  # activations at the run's dtype
         layout = plan_layout(tc, info.world_size, fits)
         # bf16 parameters for the sharded forward/backward on an accelerator that computes in bf16; the
         # CPU keeps fp32 ones (autocast still computes in bf16 where the resolved dtype is bf16)
-        compute = resolve_precision(tc.dtype, info.device).dtype
         param_dtype = compute if info.device.type == "cuda" else None
         return cls(layout, info, reshard_after_forward=tc.reshard_after_forward, param_dtype=param_dtype,
                    compile=tc.compile)  # fmt: skip
