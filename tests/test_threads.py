@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from mamba3lite.config import TrainingConfig, load_config
 from mamba3lite.train import threads as th
 from mamba3lite.train.metrics import TrainingLogger
 from mamba3lite.train.threads import (
@@ -183,3 +184,10 @@ def test_a_training_run_switches_threads_and_logs_it(tmp_path, monkeypatch, two_
     assert (events[0]["threads_before"], events[0]["threads"]) == (2, 1)
     assert events[0]["message"].startswith("threads 2 -> 1: 0.80 s/step against 0.24 before")
     assert torch.get_num_threads() == 2  # train() put the run's own count back
+
+
+def test_the_watch_is_on_in_the_quickstarts_preset_and_off_by_default():
+    """A plain `train` keeps one thread count (CPU results bit-exact across a resume); the `tiny` preset,
+    the quickstart's timed CPU demo, follows the load."""
+    assert TrainingConfig().cpu_threads_watch is False
+    assert load_config("tiny").training.cpu_threads_watch is True

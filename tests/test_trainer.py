@@ -48,7 +48,6 @@ def tiny_config(run_dir, **training) -> Config:
         checkpoint_dir=str(run_dir),
         keep_last_n=0,
         progress=False,
-        cpu_threads_watch=False,  # a fixed thread count: the bit-exact comparisons depend on it
     )
     base.update(training)
     return cfg.replace("training", **base).replace("data", dummy=True)

@@ -139,8 +139,10 @@ class TrainingConfig:
     )
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     cpu_threads_watch: bool = _f(
-        True,
-        "CPU runs of one process with more than one torch thread: when a logged window's steps take over "
+        False,
+        "CPU runs of one process with more than one torch thread (on in the tiny preset, the quickstart's; "
+        "off by default, where a fixed thread count keeps CPU results bit-exact across a resume): when a "
+        "logged window's steps take over "
         "twice the best seen (another job got the CPUs), try 1 thread for a window and keep it if faster, "
         "and the run's own count again once the load average leaves room (an event each time; a switch "
         "changes the low bits of the results). Off when OMP_NUM_THREADS or MKL_NUM_THREADS is set",
