@@ -138,6 +138,15 @@ class TrainingConfig:
         choices=DTYPES,
     )
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    cpu_threads_watch: bool = _f(
+        False,
+        "CPU runs of one process with more than one torch thread (on in the tiny preset, the quickstart's; "
+        "off by default, where a fixed thread count keeps CPU results bit-exact across a resume): when a "
+        "logged window's steps take over "
+        "twice the best seen (another job got the CPUs), try 1 thread for a window and keep it if faster, "
+        "and the run's own count again once the load average leaves room (an event each time; a switch "
+        "changes the low bits of the results). Off when OMP_NUM_THREADS or MKL_NUM_THREADS is set",
+    )
     compile: bool = _f(False, "torch.compile the model (slow start; H200: ~1.55x eager speed, ~1.4x memory)")
     grad_checkpointing: bool = _f(False, "recompute block activations in backward to save memory")
     seed: int = _f(1337, "seed of the model init, the data order and every RNG")

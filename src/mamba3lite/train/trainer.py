@@ -19,7 +19,8 @@ of (seed, epoch, consumed), so a run continues the same batches at any world siz
                    (the pre-clip norm is logged), ONE agreement and host read of the step's numbers
                    (parallel/tally.py), the non-finite guard's verdicts (nonfinite.py: skip or roll
                    back), lr = `lr_at(step)` (a pure function: the "scheduler state" is the step), the
-                   optimizer step, and one `logger.log_step`
+                   optimizer step, and one `logger.log_step`; when that closes a window, the thread
+                   watch (threads.py: a CPU run's thread count follows the machine's load) sees its row
 
 A rollback goes back to the newest verified checkpoint (model, optimizer, RNG, counters) and on with
 the data AFTER the failure: the batches drawn since the checkpoint are skipped (the event says which).
@@ -75,6 +76,7 @@ from mamba3lite.train.prefetch import Batches, Prefetcher
 from mamba3lite.train.progress import Progress, TrainData, TrainResult
 from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
 from mamba3lite.train.stop import StopFlag
+from mamba3lite.train.threads import NoThreadWatch, thread_watch
 from mamba3lite.train.validation import nonfinite_note, validate
 
 __all__ = ["INJECT_ENV", "Pretrainer", "TrainResult", "code_version", "parse_injection"]
@@ -169,6 +171,7 @@ class Pretrainer:
         self.rng = RngState()
         self.progress = Progress()
         self.logger = TrainingLogger.disabled()  # the real one is opened by train(), on rank 0
+        self.threads = NoThreadWatch()  # the real one is built by train() (steps outside it: none)
         self.wandb_run_id: str | None = None
         self._code_version: dict | None = None
         self._settled_stop: bool | None = None  # the stop flags as the last step's agreement read them
@@ -248,6 +251,7 @@ class Pretrainer:
                 raise
             finally:
                 self.prefetcher.close()
+                self.threads.restore()  # the caller's thread count again (a resume measures anew)
                 self.logger.close()
         return TrainResult(
             step=self.step,
@@ -335,6 +339,9 @@ class Pretrainer:
             self._event("warning", warning)
         self.logger.restart_window(self.step)
         self.progress.history = []
+        # A CPU run's thread count follows the machine's load (threads.py; elsewhere a watch that does
+        # nothing), from the count the caller chose (the quickstart's calibration: the faster one).
+        self.threads = thread_watch(self.device, self.dist.world_size, self.tc.cpu_threads_watch)
 
     def _finish(self, stopped: bool) -> None:
         self._save_unsaved()
@@ -575,7 +582,7 @@ class Pretrainer:
         self.progress.step += 1
         self.progress.history.append((self.step, outcome.loss_mean))
         pending_skipped, pending_tokens = self.guard.take_pending()
-        self.logger.log_step(
+        row = self.logger.log_step(
             self.step,
             loss=outcome.loss_mean,
             lr=lr,
@@ -585,6 +592,7 @@ class Pretrainer:
             skipped=skipped + pending_skipped,
             data_wait_s=self._take_data_wait(),
         )
+        self.threads.after_window(row, self.logger)  # the next window's thread count (None: no window closed)
         return True
 
     def _draw_batches(self) -> Batches:
