@@ -3,9 +3,11 @@
     python benchmarks/time_to_quality.py [--minutes 5] [--source stdlib] [--seeds 0]
                                          [--recipes today,tokenizer,muon,shape,all] [--out DIR] [--plot]
                                          [--no-transformer] [--transformer-after all]
+    python benchmarks/time_to_quality.py --report OUT/results.json [printed-output.txt ...]
 
 Each recipe is a fresh `mamba3lite quickstart` in its own work directory (so each pays for its data
-preparation, as a new user does), one after the other, never two at once (they would share the cores):
+preparation, as a new user does), one after the other, never two at once (they would share the cores),
+in an order that turns by one recipe from seed to seed (a shared machine's speed drifts over an hour):
 
     today      --config tiny --tokenizer gpt2, AdamW: the quickstart before issue 25
     tokenizer  the tiny shape and AdamW, with a 4,096-id BPE fit to the train split
@@ -34,7 +36,11 @@ The table: the final bits per byte on the whole val split, its ratio to xz given
 number to beat, report/baselines.py, on the same val text), zlib's and xz's, training tokens/s, the
 steps and the shape, per recipe and seed (mean over seeds in the last rows). `--plot` draws bits per
 byte against wall time (the periodic evaluations of each run, from its metrics.jsonl, and the final one)
-into OUT/time_to_quality.png. The machine is shared: quote ratios, and say what else ran.
+into OUT/time_to_quality.png. Then each lever against the `all` run of the same seed: the mean change in
+bits/byte, the seeds it won and its tokens/s over the recipe's (a lever is kept only where it wins on
+both corpora). `--report` prints the tables again from a results.json, or from the JSON lines a run
+printed as each quickstart ended (all there is of a run stopped early; one path per corpus). The machine
+is shared: quote ratios, and say what else ran.
 """
 
 from __future__ import annotations
@@ -293,8 +299,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for name in args.recipes.split(","):
+    names = args.recipes.split(",")
+    for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
+        # The order turns by one recipe per seed: a machine that slows (or speeds up) over a block of runs
+        # then shifts no recipe's mean more than another's.
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             results.append(run_one(name, RECIPES[name] + args.extra, args.minutes, args.source, seed, out))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
             if args.transformer and name in args.transformer_after.split(",") and "error" not in results[-1]:
