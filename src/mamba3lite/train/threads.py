@@ -185,7 +185,9 @@ class ThreadWatch:
         for the next window when `decide` says so, with a "threads" event through `logger`."""
         if row is None:
             return
-        self.state, switch = decide(self.state, seconds_per_step(row), self._spare())
+        # the load average matters only at a count below the run's own: read it only then
+        spare = self._spare() if self.state.current != self.state.own else None
+        self.state, switch = decide(self.state, seconds_per_step(row), spare)
         if switch is None:
             return
         self._set_threads(switch.after)
