@@ -23,6 +23,11 @@ and the levers, each the `all` recipe plus --set items (or a quickstart option):
     average    the final evaluation on an exponential moving average of the weights (decay 0.99)
     vocab8k    a BPE of 8,192 ids instead of the recipe's 4,096
 
+and the shape rule's sweep: `pin128x2`, `pin192x3`, ... the `all` recipe with its shape pinned to one of
+the quickstart's shapes (recipe.SHAPES) instead of the rule's choice. Compare them with `--base`, one of
+them as the base (the shape rule's constant, tokens per parameter, is fit from which shape wins at what
+tokens per parameter on this machine).
+
 After each run of a recipe in --transformer-after (`all` by default), a `transformer` row: the baseline
 Transformer (baseline_transformer.py: a pre-norm GPT of the run's width, depth and SwiGLU width, heads of
 64) trained by ttq_transformer.py with that run's recipe (its data, windows, batch, optimizer split,
@@ -57,6 +62,8 @@ import sys
 import time
 from pathlib import Path
 
+from mamba3lite.quickstart.recipe import SHAPES
+
 RECIPES = {
     "today": ["--config", "tiny", "--tokenizer", "gpt2"],
     "tokenizer": ["--config", "tiny"],
@@ -77,6 +84,7 @@ RECIPES = {
     "wsd": ["--set", "training.lr_schedule=wsd", "--set", "training.min_lr=4e-5"],
     "average": ["--set", "training.ema_decay=0.99"],
     "vocab8k": ["--vocab", "8192"],
+    **{f"pin{s}": [a for item in s.overrides() for a in ("--set", item)] for s in SHAPES},
 }
 
 
@@ -202,14 +210,14 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def report(results: list[dict], transformer: bool) -> None:
+def report(results: list[dict], transformer: bool, base: str = "all") -> None:
     print(table(results))
     if transformer:
         print("\nMamba-3 against the Transformer trained after it (same data, recipe, time and evaluation)\n")
         print(summary(results))
     if len({r["recipe"] for r in results if "pairs_with" not in r and "error" not in r}) > 1:
-        print("\nEach lever against the recipe run with the same seed\n")
-        print(lever_table(results))
+        print(f"\nEach lever against {base} run with the same seed\n")
+        print(lever_table(results, base))
 
 
 def summary(results: list[dict]) -> str:
@@ -287,6 +295,7 @@ def main() -> None:
     p.add_argument("--transformer", action=argparse.BooleanOptionalAction, default=True,
                    help="a Transformer row after each run of a recipe in --transformer-after")  # fmt: skip
     p.add_argument("--transformer-after", default="all", help="comma-separated recipes it pairs with")
+    p.add_argument("--base", default="all", help="the recipe each lever is compared with")
     p.add_argument("--report", nargs="+", type=Path, default=None, metavar="PATH",
                    help="print the tables of earlier runs instead (results.json, or the printed output "
                    "of a run stopped early), one corpus per path")  # fmt: skip
@@ -294,7 +303,7 @@ def main() -> None:
     if args.report:
         for path in args.report:
             print(f"\n## {path}\n")
-            report(read_results(path), transformer=True)
+            report(read_results(path), transformer=True, base=args.base)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -311,7 +320,7 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, {args.minutes:g} min each, source {args.source}\n")
-    report(results, args.transformer)
+    report(results, args.transformer, args.base)
     if args.plot:
         plot(results, out / "time_to_quality.png")
         print(f"\nplot: {out / 'time_to_quality.png'}")
