@@ -77,10 +77,10 @@ def choose_shape(measured: list[Measured], train_s: float) -> tuple[Shape, str]:
         for m in measured
     )
     why = (
-        f"{rows}: {pick.shape} is the largest that reads >= {TOKENS_PER_PARAM:g} tokens per parameter in "
+        f"{rows}: {pick.shape} is the largest that reads >= {TOKENS_PER_PARAM:.1f} tokens per parameter in "
         f"{train_s / 60:.1f} min"
         if fits
-        else f"{rows}: none reads {TOKENS_PER_PARAM:g} tokens per parameter in {train_s / 60:.1f} min; the "
+        else f"{rows}: none reads {TOKENS_PER_PARAM:.1f} tokens per parameter in {train_s / 60:.1f} min; the "
         "smallest"
     )
     return pick.shape, why
