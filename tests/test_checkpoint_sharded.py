@@ -127,15 +127,18 @@ def test_retention_move_aside_and_a_resave_cover_shard_directories(tmp_path):
     assert not (sharded_dir(tmp_path, 4) / "stray").exists() and ckpt.status(4).verified
 
 
+# Step 2 saved whole, then step 4 asynchronously with the test-only pause (set only now: the save of step 2
+# would pause too) holding its background writer inside the save while the test kills the process.
 _KILLED_SAVER = """
-import sys, time
+import os, sys, time
 sys.path.insert(0, sys.argv[2])
 import sharded_helpers as H
-from mamba3lite.checkpoint import CheckpointManager, RunState
+from mamba3lite.checkpoint import SLOW_SAVE_ENV, CheckpointManager, RunState
 model, opt = H.build("plain")
 ckpt = CheckpointManager(sys.argv[1])
 ckpt.save(2, model, opt, RunState(step=2), sharded=True)
 H.train_steps(model, opt, 2)
+os.environ[SLOW_SAVE_ENV] = "60"
 ckpt.save(4, model, opt, RunState(step=4), sharded=True, async_save=True)
 print("returned", flush=True)
 time.sleep(600)
@@ -144,7 +147,7 @@ time.sleep(600)
 
 @pytest.mark.slow
 def test_kill_during_an_async_save_leaves_the_previous_step_and_the_next_start_cleans_up(tmp_path):
-    env = {**os.environ, SLOW_SAVE_ENV: "60", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != SLOW_SAVE_ENV} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_SAVER, str(tmp_path), str(REPO / "tests")],
         stdout=subprocess.PIPE,
