@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import sharded_helpers as H
+from gloo_processes import spawn
 from mamba3lite.checkpoint import SLOW_SAVE_ENV, CheckpointManager, RunState
 from mamba3lite.checkpoint.resume import plan_resume
 from mamba3lite.checkpoint.state import full_model_state, full_optimizer_state
@@ -194,7 +195,7 @@ def saved_by_four(tmp_path_factory):
             "data": {"dummy": True},
         }
     )
-    H.spawn(4, H.save_worker, str(run), 2, "fsdp", "adamw", cfg.to_dict())
+    spawn(4, H.save_worker, str(run), 2, "fsdp", "adamw", cfg.to_dict())
     (run / CONFIG_NAME).write_text(cfg.to_yaml())
     return run, torch.load(root / "saved.pt", weights_only=False)
 
@@ -218,7 +219,7 @@ def test_four_processes_save_and_two_one_and_ddp_load_and_fsdp_writes_three_file
         (str(run), 2, "ddp", str(tmp_path / "ddp2.pt")),
         (str(three), 2, "fsdp", str(tmp_path / "three_fsdp2.pt")),
     ]
-    H.spawn(2, H.load_worker, jobs, 50257)
+    spawn(2, H.load_worker, jobs, 50257)
     for *_, out in jobs:
         H.assert_same(ref, torch.load(out, weights_only=False), out)
     for _, _, kind, out in jobs:  # what the FSDP models saved as three files, in one process
@@ -271,7 +272,7 @@ def test_the_commands_read_a_sharded_run_in_one_process(saved_by_four, tmp_path,
 
 @pytest.mark.slow
 def test_the_trainer_saves_an_fsdp_model_sharded_and_resumes_it_exactly(tmp_path):
-    H.spawn(1, H.trainer_worker, str(tmp_path))
+    spawn(1, H.trainer_worker, str(tmp_path))
     for run in ("straight", "resumed"):
         ckpt = CheckpointManager(tmp_path / run)
         assert ckpt.verified_steps() == [2, 4] and ckpt.status(4).sharded, run

@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_processes import spawn
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.context_parallel import (
@@ -178,10 +178,8 @@ def loss_and_grads(model, x, y) -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, C: int, init_file: str, out_file: str) -> None:
+def _worker(rank: int, C: int, out_file: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first built
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=C)
     results = {}
     x, y = window()
     for name, kw in CASES.items():
@@ -204,14 +202,13 @@ def _worker(rank: int, C: int, init_file: str, out_file: str) -> None:
         results[name] = (ref, (loss, grads))
     if rank == 0:
         torch.save(results, out_file)
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_context_parallel_loss_and_every_gradient_equal_one_process(tmp_path):
     C = 4
     out = tmp_path / "results.pt"
-    mp.spawn(_worker, args=(C, str(tmp_path / "init"), str(out)), nprocs=C, join=True)
+    spawn(C, _worker, str(out))
     results = torch.load(out)
     assert set(results) == set(CASES)
     for name, ((ref_loss, ref_grads), (loss, grads)) in results.items():
