@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,10 +47,10 @@ def skipped_micro_steps(nproc: int) -> tuple[str, list[int]]:
     return ",".join(f"r{nproc - 1}@{accum + i}" for i in micro), micro
 
 
-_references: dict[str, object] = {}
+_references: dict[str, Path] = {}
 
 
-def reference(tmp_path_factory, optimizer: str, monkeypatch):
+def reference(tmp_path_factory, optimizer: str, monkeypatch) -> Path:
     """The run directory of one process training the recipe with `optimizer`, SKIPPED_WINDOWS skipped at
     step 2, a checkpoint every 2 steps; trained once per session (a reference is read, never written)."""
     if optimizer not in _references:
