@@ -1,19 +1,16 @@
 """Processes for the sharded-checkpoint tests: a tiny Mamba3Transformer wrapped with FSDP2 (fully_shard
 on each block, then the root) over gloo on the CPU, trained two steps, saved or loaded through the
-CheckpointManager. `spawn(world, fn, *args)` runs `fn(rank, world, *args)` in `world` processes (a free
-port each time); every worker writes what the test compares into files under the run's tmp directory.
+CheckpointManager. The tests run these workers with gloo_processes.spawn; every worker writes what the
+test compares into files under the run's tmp directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -83,28 +80,6 @@ def assert_same(a, b, where: str = "") -> None:
         assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
     else:
         assert a == b, (where, a, b)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(world: int, fn, *args) -> None:
-    """Run `fn(rank, world, *args)` in `world` fresh processes over gloo; raises if any fails."""
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args), nprocs=world, start_method="spawn")
 
 
 # ------------------------------------------------------------------------------------------ workers

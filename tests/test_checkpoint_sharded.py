@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import sharded_helpers as H
+from gloo_processes import spawn
 from mamba3lite.checkpoint import SLOW_SAVE_ENV, CheckpointManager, RunState
 from mamba3lite.checkpoint.resume import plan_resume
 from mamba3lite.checkpoint.state import full_model_state, full_optimizer_state
@@ -127,15 +128,18 @@ def test_retention_move_aside_and_a_resave_cover_shard_directories(tmp_path):
     assert not (sharded_dir(tmp_path, 4) / "stray").exists() and ckpt.status(4).verified
 
 
+# Step 2 saved whole, then step 4 asynchronously with the test-only pause (set only now: the save of step 2
+# would pause too) holding its background writer inside the save while the test kills the process.
 _KILLED_SAVER = """
-import sys, time
+import os, sys, time
 sys.path.insert(0, sys.argv[2])
 import sharded_helpers as H
-from mamba3lite.checkpoint import CheckpointManager, RunState
+from mamba3lite.checkpoint import SLOW_SAVE_ENV, CheckpointManager, RunState
 model, opt = H.build("plain")
 ckpt = CheckpointManager(sys.argv[1])
 ckpt.save(2, model, opt, RunState(step=2), sharded=True)
 H.train_steps(model, opt, 2)
+os.environ[SLOW_SAVE_ENV] = "60"
 ckpt.save(4, model, opt, RunState(step=4), sharded=True, async_save=True)
 print("returned", flush=True)
 time.sleep(600)
@@ -144,7 +148,7 @@ time.sleep(600)
 
 @pytest.mark.slow
 def test_kill_during_an_async_save_leaves_the_previous_step_and_the_next_start_cleans_up(tmp_path):
-    env = {**os.environ, SLOW_SAVE_ENV: "60", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != SLOW_SAVE_ENV} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_SAVER, str(tmp_path), str(REPO / "tests")],
         stdout=subprocess.PIPE,
@@ -191,7 +195,7 @@ def saved_by_four(tmp_path_factory):
             "data": {"dummy": True},
         }
     )
-    H.spawn(4, H.save_worker, str(run), 2, "fsdp", "adamw", cfg.to_dict())
+    spawn(4, H.save_worker, str(run), 2, "fsdp", "adamw", cfg.to_dict())
     (run / CONFIG_NAME).write_text(cfg.to_yaml())
     return run, torch.load(root / "saved.pt", weights_only=False)
 
@@ -215,7 +219,7 @@ def test_four_processes_save_and_two_one_and_ddp_load_and_fsdp_writes_three_file
         (str(run), 2, "ddp", str(tmp_path / "ddp2.pt")),
         (str(three), 2, "fsdp", str(tmp_path / "three_fsdp2.pt")),
     ]
-    H.spawn(2, H.load_worker, jobs, 50257)
+    spawn(2, H.load_worker, jobs, 50257)
     for *_, out in jobs:
         H.assert_same(ref, torch.load(out, weights_only=False), out)
     for _, _, kind, out in jobs:  # what the FSDP models saved as three files, in one process
@@ -268,7 +272,7 @@ def test_the_commands_read_a_sharded_run_in_one_process(saved_by_four, tmp_path,
 
 @pytest.mark.slow
 def test_the_trainer_saves_an_fsdp_model_sharded_and_resumes_it_exactly(tmp_path):
-    H.spawn(1, H.trainer_worker, str(tmp_path))
+    spawn(1, H.trainer_worker, str(tmp_path))
     for run in ("straight", "resumed"):
         ckpt = CheckpointManager(tmp_path / run)
         assert ckpt.verified_steps() == [2, 4] and ckpt.status(4).sharded, run

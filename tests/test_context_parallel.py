@@ -3,8 +3,9 @@
 Fast: the combine math, C pieces simulated in one process against the sequential scan in float64.
 Slow: 4 gloo processes training a tiny LM on the pieces of a window, whose loss and every parameter
 gradient equal one process's on the whole window (fp32), for SISO/MIMO, the chunked, the sequential and
-the Triton (interpreter) scans, resets at EOS inside a piece and at a piece boundary, activation
-checkpointing, a piece that is not a multiple of the chunk size. Four pieces, because only C > 2 has a
+the Triton (interpreter) scans (the Triton cases against the chunked scan on the same weights), resets
+at EOS inside a piece and at a piece boundary, activation checkpointing, a piece that is not a multiple
+of the chunk size. Four pieces, because only C > 2 has a
 piece that both receives a state and passes one on; C = 2 is the fast tests' one-process exchange and
 test_context_parallel_training.py's 2-process training.
 """
@@ -17,8 +18,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_processes import spawn
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.context_parallel import (
@@ -146,9 +147,17 @@ CASES = {
 }
 
 
+# The one-process reference of a Triton case runs the chunked scan on the same weights (the scan is an
+# execution setting): the interpreter's whole-window fp32 run was half this test's time, and
+# test_scan_triton.py holds the Triton scan's LM loss and gradients (resets included) equal to the
+# chunked path's. The pieces still run the Triton kernels, from and to the states they pass.
+REFERENCE_SCAN = {"triton": "chunked"}
+
+
 def tiny_config(**kw) -> ModelConfig:
+    # 2 heads of 16: the Triton kernels run one program per batch row x head (x chunk)
     shape = dict(
-        vocab_size=32, d_model=16, n_layers=2, d_intermediate=32, d_state=8, headdim=8, chunk_size=8,
+        vocab_size=32, d_model=16, n_layers=2, d_intermediate=32, d_state=8, headdim=16, chunk_size=8,
         eos_id=EOS, reset_at_eos=False,
     )  # fmt: skip
     return ModelConfig(**{**shape, **kw})
@@ -169,34 +178,37 @@ def loss_and_grads(model, x, y) -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, C: int, init_file: str, out_file: str) -> None:
+def _worker(rank: int, C: int, out_file: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first built
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=C)
     results = {}
     x, y = window()
     for name, kw in CASES.items():
         torch.manual_seed(0)
         model = Mamba3Transformer(tiny_config(**kw)).train()
         model.grad_checkpointing = "ckpt" in name
-        ref = loss_and_grads(model, x, y) if rank == 0 else None
+        if rank == 0:  # the reference: the whole window in one process
+            model.set_scan_impl(REFERENCE_SCAN.get(kw["scan_impl"], kw["scan_impl"]))
+            ref = loss_and_grads(model, x, y)
+            model.set_scan_impl(kw["scan_impl"])
+        else:
+            ref = None
         model.set_context_parallel(dist.group.WORLD)
         loss, grads = loss_and_grads(model, *cut_window(x, y, rank, C))
         for g in grads.values():
             dist.all_reduce(g)
             g /= C  # the mean over the pieces, as data-parallel averaging does
         loss = float(model.context_parallel.reduce_loss(torch.tensor(loss)))
+        assert model.scan_impl == kw["scan_impl"]  # the pieces ran the case's scan
         results[name] = (ref, (loss, grads))
     if rank == 0:
         torch.save(results, out_file)
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_context_parallel_loss_and_every_gradient_equal_one_process(tmp_path):
     C = 4
     out = tmp_path / "results.pt"
-    mp.spawn(_worker, args=(C, str(tmp_path / "init"), str(out)), nprocs=C, join=True)
+    spawn(C, _worker, str(out))
     results = torch.load(out)
     assert set(results) == set(CASES)
     for name, ((ref_loss, ref_grads), (loss, grads)) in results.items():

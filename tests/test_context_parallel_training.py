@@ -4,8 +4,12 @@ across C in both directions, and every setting that cannot run is one clear erro
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
+from mamba3lite.checkpoint import CheckpointManager
 from test_distributed import losses, one_process_run, train, write_config
 
 pytestmark = pytest.mark.slow
@@ -17,6 +21,12 @@ def assert_equal_losses(ref: dict[int, float], got: dict[int, float], steps: lis
     assert sorted(ref) == sorted(got) == steps, (ref, got)
     for step in steps:
         assert abs(ref[step] - got[step]) <= 1e-5 * abs(ref[step]), (step, ref[step], got[step])
+
+
+def resumed_from(run) -> list[int]:
+    """The steps the run's resumes started from, in order (their events in metrics.jsonl)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r.get("event") == "resume"]
 
 
 # The one-process reference: the recipe's default optimizer, named as test_distributed.py names it, so
@@ -32,14 +42,15 @@ def test_two_processes_sharing_each_window_equal_one_and_resume_across_cp(tmp_pa
     assert_equal_losses(one, losses(tmp_path / "cp"), [1, 2, 3, 4])
     ev1, ev2 = losses(ref, "eval", "val_loss"), losses(tmp_path / "cp", "eval", "val_loss")
     assert sorted(ev1) == [2, 4] and all(abs(ev1[s] - ev2[s]) <= 1e-5 * ev1[s] for s in ev1)
-    # a cp=2 checkpoint resumes on one process, and a one-process checkpoint at cp=2
-    down, up = tmp_path / "down", tmp_path / "up"
-    train(config, down, 2, *CP2, "--max-steps", "2")
-    train(config, down, 1)
-    assert_equal_losses(one, losses(down), [1, 2, 3, 4])
-    train(config, up, 1, "--max-steps", "2")
-    train(config, up, 2, *CP2)
-    assert_equal_losses(one, losses(up), [1, 2, 3, 4])
+    # a cp=2 checkpoint resumes on one process, and a one-process checkpoint at cp=2: step 2 of the cp=2
+    # run and of (a copy of) the reference, their step 4 deleted
+    down, up = tmp_path / "cp", tmp_path / "up"
+    shutil.copytree(ref, up)  # the shared reference is read, never written
+    for run, nproc, settings in ((down, 1, ()), (up, 2, CP2)):
+        CheckpointManager(run).delete(4)
+        train(config, run, nproc, *settings)
+        assert_equal_losses(one, losses(run), [1, 2, 3, 4])
+        assert resumed_from(run) == [2], run
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])

@@ -3,15 +3,18 @@ reduces during the backward, a steady step reads the device once, and bad layout
 
 The equality runs share one recipe: a global batch of 8 windows of micro-batch 1 (8 micro-steps on one
 process, 4 on each of 2, 2 on each of 4), clipping active (grad_clip 0.05 is far below the tiny
-model's gradient norm), and one non-finite micro-step injected on ONE rank at step 2. The sampler gives
-rank r of n the windows [r·8/n, (r+1)·8/n) of each global batch, so the micro-step every rank then
-skips together is the same set of windows that the one-process reference skips by injection.
+model's gradient norm), and non-finite micro-steps injected on ONE rank at step 2. The sampler gives
+rank r of n the windows [r·8/n, (r+1)·8/n) of each global batch, so the micro-steps every rank then
+skips together are a set of windows that the one-process reference skips by injection: windows 1, 3,
+5 and 7 at every process count (micro-step 1 of each rank at 4 processes, 1 and 3 at 2), so one
+reference per optimizer serves every run.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ import torch
 from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.config import Config, TrainingConfig
 from mamba3lite.errors import ConfigError
+from mamba3lite.train.faults import INJECT_ENV
 from mamba3lite.train.parallel import Parallelism, StepTally, plan_layout
 from mamba3lite.train.parallel.process_group import DistInfo
 from test_distributed import install_hook, losses, train, write_config
@@ -28,41 +32,65 @@ EQUAL_RECIPE = (
     "--set", "training.max_steps=6", "--set", "training.grad_clip=0.05", "--set", "training.eval_every=0",
     "--set", "training.save_every=100", "--set", "training.warmup_steps=2",
 )  # fmt: skip
+SAVE_EVERY_2 = ("--set", "training.save_every=2")
+
+SKIPPED_WINDOWS = (1, 3, 5, 7)  # of step 2's global batch, at every process count
 
 
-def skipped_windows_spec(nproc: int) -> tuple[str, str]:
-    """(the injection for a run of `nproc` processes, the one-process injection that skips the same
-    windows): micro-step 1 of step 2 on the last rank; every rank skips its micro-step 1 of step 2,
-    i.e. window 1 of each rank's block of that global batch."""
+def skipped_micro_steps(nproc: int) -> tuple[str, list[int]]:
+    """(the injection for a run of `nproc` processes, the micro-steps of step 2 every rank then skips):
+    on the last rank only, its micro-steps of step 2 whose windows are SKIPPED_WINDOWS in its block
+    (rank r's micro-step i reads window r·accum + i; the agreement skips micro-step i on every rank)."""
     accum = 8 // nproc
-    multi = f"r{nproc - 1}@{accum + 1}"
-    one = ",".join(str(8 + r * accum + 1) for r in range(nproc))
-    return multi, one
+    micro = sorted({w % accum for w in SKIPPED_WINDOWS})
+    assert sorted(r * accum + i for r in range(nproc) for i in micro) == list(SKIPPED_WINDOWS)
+    return ",".join(f"r{nproc - 1}@{accum + i}" for i in micro), micro
 
 
-_references: dict[tuple[str, str], dict[int, float]] = {}
+_references: dict[str, Path] = {}
 
 
-def reference(tmp_path_factory, optimizer: str, inject: str, monkeypatch) -> dict[int, float]:
-    """One process's losses for the recipe (cached per optimizer and injection)."""
-    key = (optimizer, inject)
-    if key not in _references:
-        run = tmp_path_factory.mktemp("ref")
-        monkeypatch.setenv("MAMBA3LITE_INJECT_NONFINITE", inject)
-        train(write_config(run), run / "run", 1, *EQUAL_RECIPE, "--set", f"training.optimizer={optimizer}")
-        _references[key] = losses(run / "run")
-    return _references[key]
+def reference(tmp_path_factory, optimizer: str, monkeypatch) -> Path:
+    """The run directory of one process training the recipe with `optimizer`, SKIPPED_WINDOWS skipped at
+    step 2, a checkpoint every 2 steps; trained once per session (a reference is read, never written)."""
+    if optimizer not in _references:
+        root = tmp_path_factory.mktemp("ref")
+        with monkeypatch.context() as m:
+            m.setenv(INJECT_ENV, skipped_micro_steps(1)[0])
+            opts = (*EQUAL_RECIPE, *SAVE_EVERY_2, "--set", f"training.optimizer={optimizer}")
+            train(write_config(root), root / "run", 1, *opts)
+        _references[optimizer] = root / "run"
+    return _references[optimizer]
+
+
+def assert_the_losses_of_one_process(run, ref, nproc: int) -> None:
+    """`run` (of `nproc` processes, injected by skipped_micro_steps) logged the reference's losses, skipped
+    the injected micro-steps of step 2 on every rank, and clipped."""
+    got, want = losses(run), losses(ref)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    skips = [r["message"] for r in rows if r.get("event") == "nan_skip"]
+    micro = skipped_micro_steps(nproc)[1]
+    assert len(skips) == len(micro), skips
+    assert all(f"micro-step {i} of step 2" in m for i, m in zip(micro, skips)), skips
+    (step2,) = [r for r in rows if r["kind"] == "train" and r["step"] == 2]
+    assert step2["skipped"] == len(micro)
+    # clipping was active: the logged (pre-clip) norms are far above grad_clip
+    assert min(r["grad_norm"] for r in rows if r["kind"] == "train") > 0.05
+    start = next(r for r in rows if r.get("event") == "start")
+    assert f"{nproc} x cpu" in start["message"]
 
 
 # Each strategy once with each optimizer it treats differently, one 4-process case (hsdp needs 2 x 2).
 # DDP with Muon equals one process in test_distributed.py (each rank's Muon steps on the same all-reduced
-# gradients); fsdp at 4 processes equals one process, weights and optimizer state, in
-# test_a_sharded_checkpoint_resumes_at_any_world_size_and_strategy below.
+# gradients); fsdp with AdamW equals one process at 4 processes, losses, weights and optimizer state, in
+# test_a_sharded_checkpoint_resumes_at_any_world_size_and_strategy below (its run does these checks too).
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,nproc,optimizer,extra",
     [
-        ("fsdp", 2, "adamw", ()),
         ("fsdp", 2, "muon", ("--set", "training.reshard_after_forward=false")),
         ("ddp", 2, "adamw", ()),
         (
@@ -76,25 +104,12 @@ def reference(tmp_path_factory, optimizer: str, inject: str, monkeypatch) -> dic
 def test_a_strategy_trains_the_losses_of_one_process(
     tmp_path, tmp_path_factory, monkeypatch, strategy, nproc, optimizer, extra
 ):
-    multi, one = skipped_windows_spec(nproc)
-    ref = reference(tmp_path_factory, optimizer, one, monkeypatch)
-    monkeypatch.setenv("MAMBA3LITE_INJECT_NONFINITE", multi)
+    ref = reference(tmp_path_factory, optimizer, monkeypatch)
+    monkeypatch.setenv(INJECT_ENV, skipped_micro_steps(nproc)[0])
     run = tmp_path / "run"
     opts = ("--set", f"training.optimizer={optimizer}", "--set", f"training.parallelism={strategy}", *extra)
     train(write_config(tmp_path), run, nproc, *EQUAL_RECIPE, *opts)
-    got = losses(run)
-    assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5, 6]
-    for step in ref:
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got, ref)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    skips = [r for r in rows if r.get("event") == "nan_skip"]
-    assert len(skips) == 1 and "micro-step 1 of step 2" in skips[0]["message"], skips
-    (step2,) = [r for r in rows if r["kind"] == "train" and r["step"] == 2]
-    assert step2["skipped"] == 1
-    # clipping was active: the logged (pre-clip) norms are far above grad_clip
-    assert min(r["grad_norm"] for r in rows if r["kind"] == "train") > 0.05
-    start = next(r for r in rows if r.get("event") == "start")
-    assert f"{nproc} x cpu" in start["message"]
+    assert_the_losses_of_one_process(run, ref, nproc)
 
 
 def _loaded(run, step: int, config):
@@ -113,19 +128,23 @@ def _loaded(run, step: int, config):
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_at_any_world_size_and_strategy(tmp_path):
-    """fsdp at 4 processes writes sharded (DCP) steps holding the one-process run's weights and optimizer
-    state; its step 2 resumes at fsdp 2, then at one process (each time from step 2, the later steps
-    deleted), and every continuation has the uninterrupted run's losses. (A DDP model loads 4 processes'
+def test_a_sharded_checkpoint_resumes_at_any_world_size_and_strategy(tmp_path, tmp_path_factory, monkeypatch):
+    """fsdp at 4 processes (AdamW, the recipe's skips injected) trains the one-process run's losses and
+    writes sharded (DCP) steps holding its weights and optimizer state; its step 2 resumes at fsdp 2,
+    then at one process (each time from step 2, the later steps deleted, nothing injected), and every
+    continuation has the uninterrupted run's losses. (A DDP model loads 4 processes'
     shards exactly in test_checkpoint_sharded.py, and the trainer resumes DDP across world sizes in
     test_distributed.py.) (AdamW: Muon's
     bf16 Newton-Schulz turns last-bit differences of the reduction order into ~1e-4 weight differences,
     which a few more steps make visible in the loss.)"""
+    ref_dir = reference(tmp_path_factory, "adamw", monkeypatch)
     config = write_config(tmp_path)
-    opts = (*EQUAL_RECIPE, "--set", "training.save_every=2")
-    ref_dir, run = tmp_path / "ref", tmp_path / "run"
-    train(config, ref_dir, 1, *opts)
-    train(config, run, 4, *opts, "--set", "training.parallelism=fsdp")
+    opts = (*EQUAL_RECIPE, *SAVE_EVERY_2, "--set", "training.optimizer=adamw")
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setenv(INJECT_ENV, skipped_micro_steps(4)[0])
+        train(config, run, 4, *opts, "--set", "training.parallelism=fsdp")
+    assert_the_losses_of_one_process(run, ref_dir, 4)
     for step in (2, 4, 6):
         assert (run / f"dcp_step_{step}").is_dir() and not (run / f"model_step_{step}.safetensors").exists()
         (ref_w, ref_o), (got_w, got_o) = (_loaded(d, step, config) for d in (ref_dir, run))
