@@ -3,7 +3,8 @@ Mamba-3 kernels, forward + backward of the LM loss.
 
 One prepared run on one accelerator, everything in one process:
 
-1. The device's bf16 matmul rate (mean of timed 8192³ products after warm-ups): the MFU denominator.
+1. The device's bf16 matmul rate (mean of timed 8192³ products after warm-ups, 1024³ on the CPU;
+   --matmul-n): the MFU denominator.
 2. For each run shape (--runs PRESET:BxT; default mamba3_440m at 16 x 2048 and 4 x 8192, and
    mamba3_180m at 16 x 2048), bf16 autocast over fp32 weights, as the trainer:
    - mamba3 with each scan backend of --scan-impls (`triton`: the fused kernels; `chunked`: the pure
@@ -33,9 +34,9 @@ run; a compile failure) is recorded in its row and the run goes on; cases that w
                                    [--modes eager compiled] [--baseline] [--official] [--steps 10]
                                    [--budget-s 420] [--json out.json]
 
-On a machine without CUDA it runs on the CPU (for a smoke test use --runs tiny:2x32 --steps 1
---warmup 0); the numbers then say nothing about a GPU, and `triton` rows say why they cannot run there
-unless TRITON_INTERPRET=1.
+On a machine without CUDA it runs on the CPU (for a smoke test use --runs tiny:1x16 --steps 1
+--warmup 0 --matmul-n 64); the numbers then say nothing about a GPU, and `triton` rows say why they
+cannot run there unless TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -133,8 +134,10 @@ def timed(fn: Callable[[], object], dev: torch.device, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def matmul_rate(dev: torch.device) -> float:
-    n = 8192 if dev.type == "cuda" else 1024
+def matmul_rate(dev: torch.device, n: int | None = None) -> float:
+    """FLOP/s of n x n bf16 products (n: 8192 on CUDA, 1024 on the CPU, where bf16 can take seconds a
+    product without native support)."""
+    n = n or (8192 if dev.type == "cuda" else 1024)
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     for _ in range(3):
@@ -296,8 +299,9 @@ def guarded_case(case: Case, args: argparse.Namespace, dev: torch.device, peak: 
             return {**case.base_row(), "error": one_line(e)}
         finally:
             gc.collect()
-            with contextlib.suppress(Exception):
-                torch.compiler.reset()
+            if case.mode == "compiled":  # an eager case has no graphs to drop (and need not import dynamo)
+                with contextlib.suppress(Exception):
+                    torch.compiler.reset()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -417,10 +421,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per case")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compiling) one")
     ap.add_argument("--budget-s", type=float, default=420, help="start no case after this many seconds")
+    ap.add_argument("--matmul-n", type=int, default=None,
+                    help="side of the timed square bf16 products, the MFU denominator (default 8192 on "
+                    "CUDA, 1024 on the CPU)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here as JSON")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.matmul_n is not None and args.matmul_n < 1:
+        ap.error("--matmul-n must be >= 1")
     return args
 
 
@@ -431,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_rate(dev)
+    peak = matmul_rate(dev, args.matmul_n)
     head = [
         f"device: {name}; torch {torch.__version__}; python {sys.version.split()[0]}",
         f"bf16 matmul rate (mean of 10 square products after 3 warm-ups): {peak / 1e12:.1f} TFLOP/s",

@@ -143,23 +143,23 @@ def test_gpu_model_runs_on_the_cpu_and_prints_its_table(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out_json = tmp_path / "rows.json"
     out = run_script(
-        "gpu_model.py", "--runs", "tiny:2x32", "--steps", "1", "--warmup", "0", "--modes", "eager",
-        "--scan-impls", "triton", "chunked", "--baseline", "--baseline-modes", "eager", "--official",
-        "--json", str(out_json),
+        "gpu_model.py", "--runs", "tiny:1x16", "--steps", "1", "--warmup", "0", "--matmul-n", "64",
+        "--modes", "eager", "--scan-impls", "triton", "chunked", "--baseline", "--baseline-modes", "eager",
+        "--official", "--json", str(out_json),
     )  # fmt: skip
     assert "CPU (no CUDA" in out
     for kind, scan in (("mamba3", "chunked"), ("transformer", "sdpa")):
         assert re.search(
-            rf"^\| {kind} \| {scan} \| tiny \| eager \| 2 x 32 \| [\d.]+ M \| [\d,]+ \|", out, re.M
+            rf"^\| {kind} \| {scan} \| tiny \| eager \| 1 x 16 \| [\d.]+ M \| [\d,]+ \|", out, re.M
         ), out
     assert re.search(r"^\| mamba3 \| chunked \| tiny \| eager \|( [^|]+ \|){5} [\d.]+ \|", out, re.M), (
         out
     )  # est GiB
     assert re.search(
-        r"^\| mamba3 \| triton \| tiny \| eager \| 2 x 32 \| ConfigError: model.scan_impl=triton", out, re.M
+        r"^\| mamba3 \| triton \| tiny \| eager \| 1 x 16 \| ConfigError: model.scan_impl=triton", out, re.M
     )
     assert re.search(
-        r"^\| official \| mamba_ssm \| tiny \| eager \| 2 x 32 \| (ImportError|RuntimeError): ", out, re.M
+        r"^\| official \| mamba_ssm \| tiny \| eager \| 1 x 16 \| (ImportError|RuntimeError): ", out, re.M
     )
     import json
 
