@@ -256,15 +256,17 @@ def mixer_id(kw: dict) -> str:
 
 @pytest.mark.parametrize("kw", MIXERS, ids=mixer_id)
 def test_mixer_output_and_every_parameter_gradient_equal_sequential(kw):
+    """The layer (4 heads of 8: 2 per group with ngroups 2), output and every parameter's gradient, and
+    from a cache (prefill, then the rest with a reset), triton == sequential."""
     torch.manual_seed(0)
-    layer = Mamba3(32, **{"d_state": 16, "headdim": 8, "chunk_size": 8, **kw}).to(F64)
+    layer = Mamba3(16, **{"d_state": 16, "headdim": 8, "chunk_size": 8, **kw}).to(F64)
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.2 * torch.randn_like(p))
-    u = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
+    u = torch.randn(2, 21, 16, generator=torch.Generator().manual_seed(1), dtype=F64)
     reset = torch.zeros(2, 21, dtype=torch.bool)
     reset[0, 6] = reset[1, 15] = True
-    w = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(2), dtype=F64)
+    w = torch.randn(2, 21, 16, generator=torch.Generator().manual_seed(2), dtype=F64)
     results = []
     for impl in ("triton", "sequential"):
         if impl == "triton":
@@ -289,7 +291,7 @@ def test_mixer_output_and_every_parameter_gradient_equal_sequential(kw):
 
 def tiny_lm(**kw) -> Mamba3Transformer:
     cfg = {
-        "vocab_size": 61, "d_model": 32, "n_layers": 2, "d_intermediate": 40, "mlp_multiple_of": 8,
+        "vocab_size": 61, "d_model": 16, "n_layers": 2, "d_intermediate": 40, "mlp_multiple_of": 8,
         "d_state": 16, "headdim": 8, "chunk_size": 8, "eos_id": 3, **kw,
     }  # fmt: skip
     torch.manual_seed(0)
@@ -310,8 +312,8 @@ def lm_loss_and_grads(model, ids_BT):
 def test_lm_loss_and_gradients_equal_the_chunked_path(checkpointing, monkeypatch):
     """The whole LM with packed documents (EOS resets): loss and every gradient, triton == chunked;
     also with non-reentrant gradient checkpointing (each layer's scan runs again in the backward)."""
-    ids_BT = torch.randint(4, 61, (2, 31), generator=torch.Generator().manual_seed(1))
-    ids_BT[0, 9] = ids_BT[1, 20] = 3  # EOS: the next token starts a fresh state
+    ids_BT = torch.randint(4, 61, (2, 22), generator=torch.Generator().manual_seed(1))
+    ids_BT[0, 9] = ids_BT[1, 17] = 3  # EOS: the next token starts a fresh state (chunks 1 and 2 of 3)
     model = tiny_lm(reset_at_eos=True)
     loss_ref, grads_ref = lm_loss_and_grads(model, ids_BT)
     use_triton(model)
@@ -421,14 +423,15 @@ def rotated_scan_inputs(T=21, R=2, H=4, G=2, N=8, P=4, S=3):
 def test_op_under_torch_compile(fused):
     """torch.compile traces through the wrapper; the kernels are one opaque custom op (its fake
     implementation gives the shapes), forward and backward; with the fused bias + rotation too.
-    aot_eager: no C++ compiler needed."""
+    aot_eager: no C++ compiler needed. Two chunks, the second ragged, and 2 heads on 1 group: the
+    smallest shapes where the fake implementation's shapes (per head, not per group) can be wrong."""
     if fused:
-        args, reset = rotated_scan_inputs()
+        args, reset = rotated_scan_inputs(T=9, H=2, G=1)
         halves = True
         fn = functools.partial(scan_triton.triton_rotated_scan, chunk_size=8, reset_BT=reset)
         fn_args = lambda a: (*a[:5], halves, *a[5:])  # noqa: E731
     else:
-        (q, k, v, adt, dt, lam), reset = make_inputs(T=21, R=2, resets=True, requires_grad=True)
+        (q, k, v, adt, dt, lam), reset = make_inputs(T=9, R=2, H=2, resets=True, requires_grad=True)
         args = [x.detach().float().requires_grad_() for x in (q, k, v, adt, dt, lam)]
         fn = functools.partial(triton_chunked_scan, chunk_size=8, reset_BT=reset)
         fn_args = lambda a: a  # noqa: E731
@@ -450,11 +453,11 @@ def test_a_block_with_the_triton_scan_compiles_as_one_graph(kw):
     block, and under bf16 autocast as the trainer runs it. A break per layer (once: an import on every
     call) splits the compiled layer and stops the fusion of the ops around the op. aot_eager: no C++
     compiler needed."""
-    model = tiny_lm(n_layers=1, reset_at_eos=True, **kw).float()
+    model = tiny_lm(n_layers=1, headdim=16, reset_at_eos=True, **kw).float()  # 2 heads
     use_triton(model)
     block = model.layers[0]
-    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    reset = torch.zeros(2, 21, dtype=torch.bool)
+    x = torch.randn(2, 13, 16, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    reset = torch.zeros(2, 13, dtype=torch.bool)  # two chunks, the second ragged
     reset[0, 5] = True
     torch._dynamo.reset()
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
@@ -535,8 +538,8 @@ def test_custom_ops_pass_opcheck(prologue):
     torch.compile plans with) and autograd registration agree with the real kernels; with per-head
     q, k and v (triton_chunked_scan) and with per-group q̂, k̂, biases, angles and MIMO's raw x with its
     per-rank scale (triton_rotated_scan)."""
-    B, H, T, R, N, P, L = 1, 2, 21, 2, 16, 16, 8
-    nc = 3
+    B, H, T, R, N, P, L = 1, 2, 11, 2, 16, 16, 8
+    nc = 2  # the second chunk ragged (T < nc·L)
     g = torch.Generator().manual_seed(0)
     G = 1 if prologue else H
     q, k = (torch.randn(B, G, T, R, N, generator=g).requires_grad_() for _ in range(2))

@@ -6,16 +6,24 @@ the real thing — Triton IR, PTX, and a cubin by the ptxas that ships with trit
 registers, spill stack and shared memory (from cuobjdump, also bundled). Exit status 1 if any failed.
 Run by tests/test_scan_triton.py in a subprocess, since a process that has built the kernels for the
 interpreter cannot build them for a GPU.
+
+The compiles are independent and CPU-bound (LLVM and ptxas), so they run in worker processes, one per
+CPU (--jobs), the longest first: the fp32 backward chunk kernel alone takes most of the time (its fp32
+matmuls are unrolled FMA loops, with spills), and the others compile beside it. The lines come out in
+the cases' order all the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -100,6 +108,21 @@ def compile_one(
     return f"{usage}, shared {compiled.metadata.shared} B"
 
 
+def _compile_or_error(*args) -> tuple[bool, str]:
+    """compile_one's line in a worker: (True, usage) or (False, the error), never an exception that
+    would have to cross the process boundary."""
+    try:
+        return True, compile_one(*args)
+    except Exception as e:  # a compile error: reported, the rest go on
+        return False, f"{type(e).__name__}: {str(e)[:2000]}"
+
+
+def _longest_first(job: tuple) -> tuple[bool, bool]:
+    """Sort key: the backward chunk kernels first, fp32 before bf16 (the fp32 one is by far the longest)."""
+    dtype, which = job[0], job[5]
+    return which != "chunk_bwd", dtype != "fp32"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90: H100/H200)")
@@ -107,25 +130,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stages", type=int, default=1, help="software-pipeline stages (the autotune list has 1, 2)"
     )
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ap.add_argument("--jobs", type=int, default=cpus, help="compiles at once (default: one per usable CPU)")
     args = ap.parse_args(argv)
     cases = [  # (dtype, R, L, N, P): the 440M presets' layer shapes, SISO and MIMO, and fp32 SISO
         ("bf16", 1, 64, 128, 64),
         ("bf16", 4, 16, 128, 64),
         ("fp32", 1, 64, 128, 64),
     ]
+    jobs = [(dtype, R, L, N, P, which) for dtype, R, L, N, P in cases for which in KERNELS]
+    # fork where there is one: the workers start with this process's imports (it touches no GPU)
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else None)
     failed = False
-    for dtype, R, L, N, P in cases:
-        for which in KERNELS:
+    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs))), mp_context=context) as pool:
+        futures = {
+            job: pool.submit(_compile_or_error, job[5], *job[:5], args.warps, args.stages, args.arch)
+            for job in sorted(jobs, key=_longest_first)
+        }
+        for job in jobs:
+            dtype, R, L, N, P, which = job
             kind = KERNELS[which][1]
             warps = FIXED_WARPS.get(kind, args.warps)
             stages = 1 if kind in FIXED_WARPS else args.stages
             name = f"{which} {dtype} R={R} L={L} N={N} P={P} sm_{args.arch} warps={warps} stages={stages}"
             try:
-                usage = compile_one(which, dtype, R, L, N, P, args.warps, args.stages, args.arch)
-                print(f"{name}: ok, {usage}", flush=True)
-            except Exception as e:  # a compile error: report it, go on with the rest
-                failed = True
-                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                ok, text = futures[job].result()
+            except BrokenProcessPool:  # the compiler aborted a worker (as triton 3.2's does on one kernel)
+                ok, text = False, "the compiler process died"
+            failed |= not ok
+            print(f"{name}: {'ok, ' if ok else 'FAILED '}{text}", flush=True)
     return 1 if failed else 0
 
 
