@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from mamba3lite.model import _scan_triton_kernels as kernels
 from mamba3lite.model import scan_triton
+from mamba3lite.train.threads import usable_cpus
 
 MM_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "y_ptr", "starts_ptr", "dy_ptr", "dq_ptr", "dk_ptr", "dv_ptr"}
 KERNELS = {  # name: (kernel, kind: a state kernel's P block is scan_triton.STATE_BLOCK_P)
@@ -130,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stages", type=int, default=1, help="software-pipeline stages (the autotune list has 1, 2)"
     )
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ap.add_argument("--jobs", type=int, default=cpus, help="compiles at once (default: one per usable CPU)")
+    ap.add_argument(
+        "--jobs", type=int, default=usable_cpus(), help="compiles at once (default: one per usable CPU)"
+    )
     args = ap.parse_args(argv)
     cases = [  # (dtype, R, L, N, P): the 440M presets' layer shapes, SISO and MIMO, and fp32 SISO
         ("bf16", 1, 64, 128, 64),

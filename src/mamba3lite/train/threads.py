@@ -155,14 +155,18 @@ def seconds_per_step(row: Mapping[str, Any]) -> float | None:
     return seconds / row["window_steps"] if seconds and seconds >= MIN_WINDOW_SECONDS else None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one, else all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def spare_cpus() -> float | None:
     """The CPUs this process may use minus the 1-minute load average (None without a load average)."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cpus - load
+    return usable_cpus() - load
 
 
 class ThreadWatch:
