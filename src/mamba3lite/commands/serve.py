@@ -136,6 +136,7 @@ def build_app(args: argparse.Namespace, loaded, api_key: str | None):
     engine = Engine(
         loaded.model, tok, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         prefix_cache=PrefixCache(int(args.prefix_cache_mb * (1 << 20))), boundary=args.prefix_boundary,
+        max_len=args.max_prompt_tokens + 1 + args.max_tokens_limit,  # + a text prompt's leading EOS
     )  # fmt: skip
     template = find_chat_template(loaded.run_dir, loaded.tokenizer_name)
     app = create_app(
