@@ -482,7 +482,8 @@ class Config:
         """A copy with `section.key=value` overrides applied (values typed by the field). All the overrides
         of a section are applied together and validated once, so `model.vocab_size=296 model.eos_id=0`
         works in either order (one at a time, the first would be checked against the other's old value);
-        a key given twice: the last wins."""
+        a key given twice: the last wins. A mapping field takes a whole mapping (`model.attn_cfg={num_heads:
+        8}`) or one of its keys (`model.attn_cfg.num_heads=8`, merged into the current mapping)."""
         per_section: dict[str, dict[str, Any]] = {}
         for item in overrides:
             key, sep, text = item.partition("=")
@@ -492,7 +493,22 @@ class Config:
             if not dot:
                 raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. training.lr=3e-4")
             _reject_unknown([section], SECTIONS, where="--set: unknown section")
-            per_section.setdefault(section, {})[name] = _parse_text(text.strip())
+            values = per_section.setdefault(section, {})
+            name, dot, sub = name.partition(".")
+            if not dot:
+                values[name] = _parse_text(text.strip())
+                continue
+            current = values.get(name, getattr(getattr(self, section), name, None))
+            if not isinstance(current, dict):
+                _reject_unknown(
+                    [name],
+                    dataclasses.asdict(getattr(self, section)),
+                    where=f"--set: unknown key in section `{section}:`",
+                )
+                raise ConfigError(
+                    f"--set {item!r}: {section}.{name} is not a mapping; set it whole: {section}.{name}=value"
+                )
+            values[name] = {**current, sub: _parse_text(text.strip())}
         cfg = self
         for section, values in per_section.items():
             cfg = cfg.replace(section, **values)

@@ -25,7 +25,7 @@ from mamba3lite.model.context_parallel import ContextParallel
 ATTENTION_CLASS = "mamba3lite.model.attention:MHA"
 
 
-def attention_class(spec: str = ATTENTION_CLASS) -> type:
+def attention_class(spec: str) -> type:
     """The class `spec` ("module:Class") names; a ConfigError when this installation lacks it."""
     module_name, _, class_name = spec.partition(":")
     try:
@@ -46,7 +46,7 @@ def attention_class(spec: str = ATTENTION_CLASS) -> type:
 
 def build_attention(cfg: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
     """The attention mixer of layer `layer_idx`, as mamba_ssm's create_block builds it."""
-    mha = attention_class()
+    mha = attention_class(ATTENTION_CLASS)
     return mha(cfg.d_model, layer_idx=layer_idx, causal=True, **cfg.attn_cfg, device=device, dtype=dtype)
 
 
