@@ -326,3 +326,16 @@ def test_the_toy_is_the_official_layout():
     names = {n for n, _ in ToyMHA(32, 4, d_conv=4, mlp_dim=40, causal=True).named_parameters()}
     assert names == {"in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "out_proj.weight",
                      "out_proj.bias"}  # fmt: skip
+
+
+# ---- what is not built for hybrids yet says so ----
+def test_exports_of_a_hybrid_are_refused_with_one_clear_error():
+    from mamba3lite.interop.hf_export import check_hf_exportable
+    from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
+
+    vocab = OfficialVocab(vocab_size=61, pad_multiple=8)
+    with pytest.raises(ConfigError, match=r"model\.attn_layer_idx=\[1, 3\] \(attention layers"):
+        official_config_from_model(hybrid(), vocab)
+    with pytest.raises(ConfigError, match=r"export --format hf` of a hybrid is not built yet"):
+        check_hf_exportable(hybrid())
+    check_hf_exportable(cfg_of())  # a pure model exports as before
