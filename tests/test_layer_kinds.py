@@ -9,12 +9,15 @@ attention), plugged in where model/attention.py's MHA goes."""
 from __future__ import annotations
 
 import dataclasses
+import queue
 
 import pytest
 import torch
 
 from mamba3lite.config import Config
 from mamba3lite.errors import ConfigError
+from mamba3lite.interop.hf_export import check_hf_exportable
+from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
 from mamba3lite.model import (
     Mamba3Transformer,
     ModelConfig,
@@ -35,6 +38,10 @@ from mamba3lite.model.memory import (
     saved_bytes_per_token_growing,
 )
 from mamba3lite.serve.batch_state import BatchState
+from mamba3lite.serve.engine import Delta, Engine, Finished, Job
+from mamba3lite.serve.prefix_cache import PrefixCache
+from mamba3lite.serve.sampling import Sampling
+from mamba3lite.tokenizer import load_tokenizer
 from mamba3lite.train.optim import is_hidden_matrix
 from toy_attention import SPEC, ToyMHA
 
@@ -330,12 +337,53 @@ def test_the_toy_is_the_official_layout():
 
 # ---- what is not built for hybrids yet says so ----
 def test_exports_of_a_hybrid_are_refused_with_one_clear_error():
-    from mamba3lite.interop.hf_export import check_hf_exportable
-    from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
-
     vocab = OfficialVocab(vocab_size=61, pad_multiple=8)
     with pytest.raises(ConfigError, match=r"model\.attn_layer_idx=\[1, 3\] \(attention layers"):
         official_config_from_model(hybrid(), vocab)
     with pytest.raises(ConfigError, match=r"export --format hf` of a hybrid is not built yet"):
         check_hf_exportable(hybrid())
     check_hf_exportable(cfg_of())  # a pure model exports as before
+
+
+def test_greedy_serving_of_a_hybrid_equals_generate_alone_batched_and_from_the_prefix_cache(toy):
+    """Serve's engine on a hybrid (a state that grows with the length): each request's greedy tokens,
+    alone, in a batch with others, and again from cached prefix states, equal the model's generate."""
+    tok = load_tokenizer("gpt2")
+    torch.manual_seed(0)
+    cfg = cfg_of(vocab_size=tok.vocab_size, eos_id=tok.eos_id, attn_layer_idx=(1, 3), attn_cfg=HEADS)
+    model = Mamba3Transformer(cfg)
+    model.eval()
+    prompts = [[tok.eos_id, *tok.encode(p)] for p in ("def add(a, b):", "import os\n", "class Point:")]
+    n_new = 6
+    want = []
+    for ids in prompts:
+        steps = model.generate(torch.tensor([ids]), n_new, temperature=0.0)
+        want.append([int(t[0]) for t in steps])
+
+    engine = Engine(model, tok, max_batch_size=4, prefix_cache=PrefixCache(1 << 20), boundary=2, max_len=64)
+    engine.start()
+    try:
+
+        def run(batch):
+            sinks = [queue.Queue() for _ in batch]
+            engine.submit([Job(prompts[i], 1, Sampling(max_tokens=n_new, temperature=0.0), q.put)
+                           for i, q in zip(batch, sinks)])  # fmt: skip
+            out = []
+            for q in sinks:
+                ids = []
+                while not isinstance(ev := q.get(timeout=60), Finished):
+                    if isinstance(ev, Delta) and ev.token_id is not None:
+                        ids.append(ev.token_id)
+                out.append(ids)
+            return out
+
+        def expected(i):  # the engine stops at EOS, generate keeps yielding
+            ids = want[i]
+            return ids[: ids.index(tok.eos_id)] if tok.eos_id in ids else ids
+
+        assert run([0]) == [expected(0)]
+        assert run([0, 1, 2]) == [expected(i) for i in range(3)]  # batched, and prompt 0 from the cache
+        assert engine.prefix_cache.hits >= 1
+        assert engine.state_bytes == model.allocate_cache(4, 64).nbytes()
+    finally:
+        engine.stop()
