@@ -11,6 +11,7 @@ vocabulary of this project (50,257 tokens, eos 50,256): 126,946,368 parameters w
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -252,6 +253,7 @@ class ModelConfig:
                     raise ConfigError(f"{where} must be an integer (got {value!r})")
                 out[key] = value
             else:
+                assert key in _ATTN_FLOATS, key
                 try:
                     number = float(value) if not isinstance(value, bool) else math.nan
                 except (TypeError, ValueError):
@@ -270,7 +272,7 @@ class ModelConfig:
                     f"model.attn_layer_idx: layer {i} is out of range for n_layers = {n} "
                     f"(indices are 0 to {n - 1}) (got {list(idx)!r})"
                 )
-        repeated = sorted({i for i in idx if idx.count(i) > 1})
+        repeated = sorted(i for i, count in Counter(idx).items() if count > 1)
         if repeated:
             raise ConfigError(
                 f"model.attn_layer_idx names layer {repeated[0]} more than once; list each attention "
