@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mamba3lite.errors import ConfigError
-from mamba3lite.model.attention import MHA, AttentionState
+from mamba3lite.model.attention import MHA, AttentionState, rotary
 
 F64 = torch.float64
 D_MODEL = 16
@@ -132,6 +132,16 @@ def rotate_as_complex(x_BTHP, r, base, interleaved):
         w = z * turn_TJ[:, None]
         turned = torch.cat((w.real, w.imag), -1)
     return torch.cat((turned, x_BTHP[..., r:]), -1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("r", [2, 4, 8])
+def test_rotary_turns_the_channels_flash_attn_pairs(r, interleaved):
+    """Channel by channel (the layer's output alone cannot tell: permuting q's and k's channels alike
+    leaves every score unchanged, but the cached keys and an official cache would differ)."""
+    x = torch.randn(2, 7, 3, 8, dtype=F64)
+    pos_BT = torch.arange(7).expand(2, 7)
+    assert_close(rotary(x, pos_BT, r, 500.0, interleaved), rotate_as_complex(x, r, 500.0, interleaved))
 
 
 def official_forward(layer: MHA, u_BTD):
