@@ -6,48 +6,24 @@
     conv1d:   depthwise causal over qkv, d_conv taps, with bias (only when d_conv > 0)
     out_proj: head_dim · num_heads + mlp / 2 -> D (bias: out_proj_bias)
 
-The layer itself is `mamba3lite.model.attention.MHA`, found by name when a model with attention layers is
-built (`ATTENTION_CLASS`); its decode state is a key/value cache sized by the state's maximum length.
+The layer itself is `mamba3lite.model.attention.MHA`; its decode state is a key/value cache that holds
+the state's maximum length, or grows by doubling when none is given.
 Unlike Mamba-3's, its FLOPs and the activations it keeps per token grow with the sequence length T.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from torch import nn
 
 from mamba3lite.errors import ConfigError
+from mamba3lite.model.attention import MHA
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.context_parallel import ContextParallel
-
-# module:class of the attention mixer, resolved when a model with attention layers is built.
-ATTENTION_CLASS = "mamba3lite.model.attention:MHA"
-
-
-def attention_class(spec: str) -> type:
-    """The class `spec` ("module:Class") names; a ConfigError when this installation lacks it."""
-    module_name, _, class_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not module_name.startswith(e.name):
-            raise  # the layer's own module failed to import something: not "missing", a real error
-        module = None
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ConfigError(
-            f"model.attn_layer_idx: attention layers are not available in this installation of "
-            f"mamba3lite ({spec} is missing); remove model.attn_layer_idx and model.attn_cfg to train a "
-            "pure Mamba-3 model"
-        )
-    return cls
 
 
 def build_attention(cfg: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
     """The attention mixer of layer `layer_idx`, as mamba_ssm's create_block builds it."""
-    mha = attention_class(ATTENTION_CLASS)
-    return mha(cfg.d_model, layer_idx=layer_idx, causal=True, **cfg.attn_cfg, device=device, dtype=dtype)
+    return MHA(cfg.d_model, layer_idx=layer_idx, causal=True, **cfg.attn_cfg, device=device, dtype=dtype)
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int, int]:

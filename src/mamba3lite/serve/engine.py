@@ -116,8 +116,8 @@ class Engine:
     ) -> None:
         assert max_batch_size >= 1 and max_queue >= 1 and boundary >= 1
         self.model, self.tokenizer = model, tokenizer
-        # The most tokens a request's state holds (prompt + completion): what a layer whose state grows
-        # with the length (a key/value cache) is sized by; None where no layer's does.
+        # The most tokens a request's state holds (prompt + completion), preallocated by a layer whose state
+        # grows with the length (a key/value cache); None: such a state grows by doubling as rows need.
         self.max_len = max_len
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
