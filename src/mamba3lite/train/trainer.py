@@ -10,17 +10,19 @@ of (seed, epoch, consumed), so a run continues the same batches at any world siz
     build          data (data.py), model (model_setup.py), optimizer, sampler, checkpoint manager
     train()        lock the run directory, plan and apply the resume (checkpoint/resume.py), write
                    the run record (run_record.py), then loop: train_step, every `eval_every` steps
-                   evaluate, every `save_every` steps save_checkpoint; stop at max_steps or when the
-                   stop flag (stop.py) is set, with a checkpoint
+                   evaluate, every `save_every` steps save_checkpoint; stop at the schedule's end
+                   (schedule.py: max_steps, or the time budget spent) or when the stop flag (stop.py)
+                   is set, with a checkpoint
     train_step()   per micro-step: forward under autocast (bf16 when configured), the loss admitted
                    by the step's tally (zero where any rank's is non-finite), backward, during which
                    the strategy reduces the gradients (parallel/: DDP's reducer on the last micro-step,
                    FSDP's reduce-scatter); then rescale for skipped micro-steps, global-norm clipping
                    (the pre-clip norm is logged), ONE agreement and host read of the step's numbers
                    (parallel/tally.py), the non-finite guard's verdicts (nonfinite.py: skip or roll
-                   back), lr = `lr_at(step)` (a pure function: the "scheduler state" is the step), the
-                   optimizer step, and one `logger.log_step`; when that closes a window, the thread
-                   watch (threads.py: a CPU run's thread count follows the machine's load) sees its row
+                   back), lr = `schedule.lr(step)` (a pure function of the step, or of the share of the
+                   time budget spent), the optimizer step, and one `logger.log_step`; when that closes
+                   a window, the thread watch (threads.py: a CPU run's thread count follows the
+                   machine's load) sees its row
 
 A rollback goes back to the newest verified checkpoint (model, optimizer, RNG, counters) and on with
 the data AFTER the failure: the batches drawn since the checkpoint are skipped (the event says which).
@@ -43,6 +45,7 @@ import functools
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +72,13 @@ from mamba3lite.train.metrics import TrainingLogger, run_logger
 from mamba3lite.train.model_setup import build_model
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
 from mamba3lite.train.notes import epoch_summary, start_message, start_warnings
-from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
+from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, set_lr
 from mamba3lite.train.parallel import Parallelism, StepOutcome
 from mamba3lite.train.parallel import process_group as D
 from mamba3lite.train.prefetch import Batches, Prefetcher
 from mamba3lite.train.progress import Progress, TrainData, TrainResult
 from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
+from mamba3lite.train.schedule import build_schedule
 from mamba3lite.train.stop import StopFlag
 from mamba3lite.train.threads import NoThreadWatch, thread_watch
 from mamba3lite.train.validation import nonfinite_note, validate
@@ -94,6 +98,7 @@ class Pretrainer:
         model, train_data, val_data: injected instead of built from the config (tests).
         stop: the run's stop flag (`mamba3lite train` installs it before building); default: a new
             one, whose signal handlers `train()` installs for its duration.
+        now: the clock of a run with `training.time_budget_minutes` (schedule.py; tests inject one).
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class Pretrainer:
         val_data: Any = None,
         stop: StopFlag | None = None,
         parallelism: Parallelism | None = None,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
             raise ConfigError(f"resume must be 'latest', 'none' or a step number >= 0, got {resume!r}")
@@ -168,6 +174,8 @@ class Pretrainer:
         self._data_wait_s = 0.0  # the training thread's wait for input since the last logged step
         self.ckpt = CheckpointManager(tc.checkpoint_dir, keep_last_n=tc.keep_last_n)
         self.guard = NonFiniteGuard(tc.nan_guard_max_consecutive, tc.max_rollbacks)
+        # lr and end by steps, or by the clock (training.time_budget_minutes); train() sets its target
+        self.schedule = build_schedule(tc, tc.max_steps, now)
         self.rng = RngState()
         self.progress = Progress()
         self.logger = TrainingLogger.disabled()  # the real one is opened by train(), on rank 0
@@ -215,11 +223,6 @@ class Pretrainer:
         path = None if self.cfg.data.dummy else self.cfg.data.train_data_path
         return data_identity(getattr(self.data.train, "manifest", None), path)
 
-    def _sched_kw(self) -> dict:
-        tc = self.tc
-        return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps,
-                "schedule": tc.lr_schedule, "decay_fraction": tc.decay_fraction}  # fmt: skip
-
     # -------------------------------------------------------------------------------------- run
     def request_stop(self, reason: str = "signal") -> None:
         """Ask `train()` to stop after the current step, as SIGTERM does (checkpoint, "stop" event that
@@ -228,9 +231,10 @@ class Pretrainer:
         self.stop.request(reason)
 
     def train(self, until_step: int | None = None) -> TrainResult:
-        """Train to `training.max_steps` (or to `until_step`, then save: a resumable pause). Holds the
-        run-directory lock for the whole call. Returns a `TrainResult`."""
+        """Train to `training.max_steps`, or for `training.time_budget_minutes` (or to `until_step`, then
+        save: a resumable pause). Holds the run-directory lock for the whole call. Returns a `TrainResult`."""
         target = self.tc.max_steps if until_step is None else min(until_step, self.tc.max_steps)
+        self.schedule.target = target
         # Handlers from the start: a SIGTERM while a big checkpoint is verified and restored must stop
         # cleanly.
         busy = f"{self.run_dir} is in use by another trainer"
@@ -261,13 +265,16 @@ class Pretrainer:
             last_eval=self.last_eval,
             steady_tokens_per_s=self.logger.steady_tokens_per_s(),
             rollbacks=self.guard.state_dict()["rollbacks"],
+            clock=None if (c := self.schedule.clock) is None else {**c.state_dict(), "run_s": c.run_s},
         )
 
     def _loop(self, target: int) -> bool:
-        """Train until `target` or the stop flag (then True); evaluate at the end."""
+        """Train until the schedule's end (`target`, or the time budget spent) or the stop flag (then
+        True); evaluate at the end."""
         stopped = False
+        self.schedule.start()
         try:
-            while self.step < target and not stopped:
+            while not self.schedule.done(self.step) and not stopped:
                 if self.train_step():
                     self._periodic()
                 stopped = self._agreed_stop()
@@ -326,16 +333,16 @@ class Pretrainer:
             self._code_version = write_run_records(self.cfg, self.run_dir, start, self._data_identity())
         # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
         scan = getattr(self.raw_model, "scan_impl", None)
-        message = start_message(self.step, target, self.dist, self.tc, self.sampler, scan)
+        goal = self.schedule.goal(self.step)
+        message = start_message(self.step, goal, self.dist, self.tc, self.sampler, scan)
         message += f"; compute {self.precision.reason}"
         if self.dist.distributed:  # which strategy `auto` chose, and the mesh
             message += f"; parallelism {self.par.name} ({self.par.describe()})"
         scan_field = {"scan_impl": scan} if scan else {}
         self.logger.event(self.step, "start", message, tokens_total=self.tokens_seen, **scan_field)
         no_val = None if self.val_data is not None else self.data.no_val_reason
-        lr_at_step = functools.partial(lr_at, **self._sched_kw())
         slow_bf16 = [self.precision.warning] if self.precision.warning else []
-        for warning in slow_bf16 + start_warnings(self.tc, self.step, target, until_step, no_val, lr_at_step):
+        for warning in slow_bf16 + start_warnings(self.tc, self.step, until_step, no_val, self.schedule):
             self._event("warning", warning)
         self.logger.restart_window(self.step)
         self.progress.history = []
@@ -351,6 +358,9 @@ class Pretrainer:
                 f"stopped by {self.stop.reason} at step {self.step}; checkpoint saved, `mamba3lite train` "
                 "resumes from it",
             )
+        elif (clock := self.schedule.clock) is not None and clock.progress() >= 1.0:
+            self._event("end", f"the time budget is spent at step {self.step} ({clock.run_s / 60:.2f} min "
+                        "trained in this run)")  # fmt: skip
         else:
             self._event("end", f"reached step {self.step}")
 
@@ -386,23 +396,14 @@ class Pretrainer:
         self.progress.last_saved = self.step
         self.guard.on_saved(self.step)
 
-    def _scheduler_state(self) -> dict:
-        """The meta's record of the schedule: its kind ("warmup_" + training.lr_schedule), the step and
-        the lr of the last step taken (wsd: also its decay_fraction). Informational: the lr is a pure
-        function of the step and the config, so a resume follows its own config's schedule."""
-        state = {"kind": f"warmup_{self.tc.lr_schedule}", "step": self.step,
-                 "lr": lr_at(max(self.step - 1, 0), **self._sched_kw())}  # fmt: skip
-        if self.tc.lr_schedule == "wsd":
-            state["decay_fraction"] = self.tc.decay_fraction
-        return state
-
     def _run_state(self) -> RunState:
         """What the checkpoint of the current step records of the run (its meta: run_state.py)."""
         return RunState(
             step=self.step,
             config=self.cfg.to_dict(),
             tokens_seen=self.tokens_seen,
-            scheduler=self._scheduler_state(),
+            scheduler=self.schedule.record(self.step),
+            clock=None if self.schedule.clock is None else self.schedule.clock.state_dict(),
             average=None if not self.average.updates else {"decay": self.average.decay,
                                                            "updates": self.average.updates},
             sampler=self.sampler.state_dict(),
@@ -458,6 +459,8 @@ class Pretrainer:
                 )
             return
         state = self._restore(plan.target)
+        if self.schedule.clock is not None:  # the share of the time budget spent goes on (not on rollback)
+            self.schedule.clock.load_state_dict(state.clock)
         self.guard.load_state_dict({"rollbacks": state.rollbacks})
         note = plan.tidy(self.ckpt) if self.dist.is_main else ""
         marked = self.logger.supersede_after(plan.target)
@@ -542,7 +545,7 @@ class Pretrainer:
         """One optimizer step (accumulation, reduction, clip, one agreement, the non-finite guard,
         the optimizer). Returns False when the step was abandoned (every micro-step skipped, a
         non-finite gradient norm, or a rollback)."""
-        lr = lr_at(self.step, **self._sched_kw())
+        lr = self.schedule.lr(self.step)
         set_lr(self.optimizer, lr)
         batches = self._draw_batches()
         tally = self._accumulate(batches)
