@@ -39,6 +39,7 @@ DTYPES = ("auto", "bf16", "fp32")  # resolved per device by model/precision.py
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear", "wsd")
 PARALLELISMS = ("auto", "ddp", "fsdp", "hsdp")
+MAX_BUDGET_MINUTES = 1e6  # ~2 years: any real budget, and far from float overflow
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -98,6 +99,19 @@ class TrainingConfig:
     )
     decay_fraction: float = _f(
         0.2, "lr_schedule wsd: the share of max_steps, at the end, over which lr decays to min_lr; in (0, 1]"
+    )
+    time_budget_minutes: float = _f(
+        0.0,
+        "train for this many minutes by the clock; 0 = off (the run is max_steps steps). Warmup and decay "
+        "then follow the share of this time spent (warmup_fraction, then lr_schedule over the rest, min_lr "
+        "when it is spent), training ends when it is spent, and max_steps only caps the steps. Training "
+        "time includes the periodic evaluations and checkpoints, not start-up or loading; a resumed run "
+        "continues from the share its checkpoint recorded",
+    )
+    warmup_fraction: float = _f(
+        0.02,
+        "with time_budget_minutes: the share of the time budget over which lr warms up linearly, in [0, 1) "
+        "(warmup_steps is for runs of steps)",
     )
     weight_decay: float = _f(
         0.1,
@@ -303,9 +317,17 @@ class TrainingConfig:
             raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
 
     def _check_schedule(self) -> None:
-        """decay_fraction is a share; ema_decay is a decay (and not beside sharding: train/averaging.py)."""
+        """decay_fraction and warmup_fraction are shares, time_budget_minutes a time; ema_decay is a decay
+        (and not beside sharding: train/averaging.py)."""
         if not 0.0 < self.decay_fraction <= 1.0:  # NaN fails this too
             raise ConfigError(f"training.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if not 0.0 <= self.warmup_fraction < 1.0:  # NaN fails this too
+            raise ConfigError(f"training.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if not 0.0 <= self.time_budget_minutes <= MAX_BUDGET_MINUTES:  # NaN fails this too
+            raise ConfigError(
+                f"training.time_budget_minutes must be in [0, {MAX_BUDGET_MINUTES:,.0f}] (0 = off: train "
+                f"max_steps steps), got {self.time_budget_minutes}"
+            )
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"training.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
         if self.ema_decay and self.parallelism in ("fsdp", "hsdp"):
