@@ -6,7 +6,7 @@ C = 4 (one group) and C = 2 (two groups of two, each holding the whole window); 
 parameter gradient equal one process's within 1e-5 relative (fp32). The cases cover each attention
 option that reaches across pieces: resets at EOS inside a piece and at a piece boundary (rotary
 positions restart there), no resets (positions run on across the window), GQA, both rotary styles, the
-conv over qkv (d_conv 4; and 10, whose reach at C = 4 spans two earlier pieces of 8 tokens), the gated
+conv over qkv (d_conv 4; 10, whose reach at C = 4 spans two earlier pieces of 8 tokens; 1, none), the gated
 MLP, and activation checkpointing (the recomputed forward repeats the exchange).
 """
 
@@ -28,8 +28,9 @@ CASES = {
     "resets-gqa-rope-conv-mlp": dict(
         reset_at_eos=True, attn_cfg={**GQA, "rotary_emb_dim": 4, "d_conv": 4, "mlp_dim": 8}
     ),
-    "resets-interleaved-rope": dict(
-        reset_at_eos=True, attn_cfg={"num_heads": 2, "rotary_emb_dim": 8, "rotary_emb_interleaved": True}
+    "resets-interleaved-rope-conv1": dict(
+        reset_at_eos=True,
+        attn_cfg={"num_heads": 2, "rotary_emb_dim": 8, "rotary_emb_interleaved": True, "d_conv": 1},
     ),
     # Without resets the conv's taps reach back 9 tokens across pieces of 8, and positions run on.
     "no-resets-gqa-rope-long-conv-ckpt": dict(attn_cfg={**GQA, "rotary_emb_dim": 8, "d_conv": 10}),

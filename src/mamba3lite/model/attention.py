@@ -257,6 +257,8 @@ class MHA(nn.Module):
     (prefill or extend): their keys and values are written into it and the queries see its cached keys;
     the state path serves inference (no gradient reaches what is written into the state).
     step(u_BD, state, reset_B=None) -> out_BD: one token, attending over the cached keys in O(T).
+    With a context-parallel group set (`set_context_parallel`), forward runs this rank's piece of each
+    training window (module docstring).
     `reset_BT[b, t]` true: token t starts a new document (packed documents; the LM computes it).
     `layer_idx` is kept for the official signature; the decode state is the caller's, not a dict's.
     """

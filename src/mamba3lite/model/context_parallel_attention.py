@@ -58,6 +58,8 @@ def conv_halo(cp: ContextParallel, x_BTQ: Tensor, width: int) -> Tensor:
     """The `width` conv inputs before this rank's piece (B, width, Q), zeros before the window (module
     docstring, step 2); differentiable."""
     Bsz, T, Q = x_BTQ.shape
+    if width == 0:  # d_conv 1: no tap before the token (every rank skips the exchange alike)
+        return x_BTQ.new_zeros(Bsz, 0, Q)
     m = min(width, T)
     tails_CBMQ = cp.gather(x_BTQ[:, T - m :])
     before_BXQ = tails_CBMQ[: cp.rank].permute(1, 0, 2, 3).reshape(Bsz, cp.rank * m, Q)
