@@ -2,17 +2,23 @@
 step takes, and what the ranks exchange, for C = 1, 2, 4 gloo processes on the CPU.
 
     PYTHONPATH=src python benchmarks/bench_context_parallel.py [--seq-len 8192] [--cp 1 2 4]
+        [--models mamba3 hybrid]
 
-Per C, measured on every rank (the table shows the largest):
+Models (`--models`): mamba3, the small pure shape below; hybrid, the same width with four layers, the last
+one attention (one in four; 4 heads of 32, rotary on half of each head), whose attention layer
+all-gathers keys and values over the group (model/context_parallel_attention.py) while its Mamba-3
+layers pass the state. Each model's ratios are to its own C = 1.
+
+Per model and C, measured on every rank (the table shows the largest):
   activation MiB    the distinct storages autograd saves for the backward of one training forward (the
                     loss included), counted with saved_tensors_hooks as model/memory.py does, less the
                     parameters' own storages; the ratio to C = 1 is the saving (targets: ≤ 0.6 at C = 2,
                     ≤ 0.35 at C = 4)
   step s            forward + backward of one piece (median of --steps); on a shared CPU the C processes
                     compete for cores, so this is an upper bound on what separate devices would take
-  exch KiB/layer    bytes one rank moves per Mamba-3 layer per step, counted from the collectives it
-                    calls with the ring algorithms' volumes (all-gather (C − 1)·in, all-reduce
-                    2(C − 1)/C·in), forward and backward
+  exch KiB/layer    bytes one rank moves per layer per step (averaged over a hybrid's kinds), counted
+                    from the collectives it calls with the ring algorithms' volumes (all-gather
+                    (C − 1)·in, all-reduce 2(C − 1)/C·in), forward and backward
   ring-attn KiB     what ring attention in a Transformer of the same width would move per layer per step
                     at the same length and dtype: each rank passes its K and V blocks (2·T/C·D values) to
                     the C − 1 others in the forward, and again with their gradients in the backward
@@ -47,6 +53,15 @@ SHAPE = dict(
     chunk_size=64,
     eos_id=0,
 )
+MODELS = {
+    "mamba3": SHAPE,
+    "hybrid": {
+        **SHAPE,
+        "n_layers": 4,
+        "attn_layer_idx": (3,),
+        "attn_cfg": {"num_heads": 4, "rotary_emb_dim": 16},
+    },
+}
 
 
 def activation_bytes(model: Mamba3Transformer, x_BT: torch.Tensor, y_BT: torch.Tensor) -> int:
@@ -90,12 +105,12 @@ class CollectiveBytes:
         dist.all_gather, dist.all_reduce = self._gather, self._reduce
 
 
-def run(rank: int, C: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
+def run(rank: int, C: int, args: argparse.Namespace, init_file: str, out_file: str, shape: dict) -> None:
     torch.set_num_threads(max(1, args.threads // C))
     if C > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=C)
     torch.manual_seed(0)
-    cfg = ModelConfig(**SHAPE, scan_impl="chunked", reset_at_eos=False)
+    cfg = ModelConfig(**shape, scan_impl="chunked", reset_at_eos=False)
     model = Mamba3Transformer(cfg).train()
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g)
@@ -135,33 +150,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads shared by the ranks"
     )
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS), help="models")
     args = ap.parse_args(argv)
-    cfg = ModelConfig(**SHAPE)
-    print(
-        f"T = {args.seq_len}, batch {args.batch}, shape {SHAPE}, fp32, chunked scan, {args.threads} threads"
-    )
+    print(f"T = {args.seq_len}, batch {args.batch}, fp32, chunked scan, {args.threads} threads")
+    for name in args.models:
+        print(f"{name}: {MODELS[name]}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for C in args.cp:
-            out = os.path.join(tmp, f"cp{C}.json")
-            init = os.path.join(tmp, f"init{C}")
-            if C == 1:
-                run(0, 1, args, init, out)
-            else:
-                mp.spawn(run, args=(C, args, init, out), nprocs=C, join=True)
-            with open(out) as f:
-                rows = json.load(f)
-            results[C] = {k: max(r[k] for r in rows) for k in rows[0]}
-    base = results.get(1, next(iter(results.values())))
-    print("| C | activation MiB | x C=1 | step s | exchanged KiB/layer | ring attention KiB/layer |")
-    print("|---|---|---|---|---|---|")
-    for C, r in results.items():
-        ring = 3 * (C - 1) * 2 * (args.batch * args.seq_len // C) * cfg.d_model * 4
+        for name in args.models:
+            for C in args.cp:
+                out = os.path.join(tmp, f"{name}-cp{C}.json")
+                init = os.path.join(tmp, f"init-{name}-{C}")
+                if C == 1:
+                    run(0, 1, args, init, out, MODELS[name])
+                else:
+                    mp.spawn(run, args=(C, args, init, out, MODELS[name]), nprocs=C, join=True)
+                with open(out) as f:
+                    rows = json.load(f)
+                results[name, C] = {k: max(r[k] for r in rows) for k in rows[0]}
+    print("| model | C | activation MiB | x C=1 | step s | exchanged KiB/layer | ring attention KiB/layer |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, C), r in results.items():
+        base = results.get((name, 1), r)
+        ring = 3 * (C - 1) * 2 * (args.batch * args.seq_len // C) * MODELS[name]["d_model"] * 4
         print(
-            f"| {C} | {r['act'] / 2**20:.1f} | {r['act'] / base['act']:.2f} | {r['step']:.2f} "
+            f"| {name} | {C} | {r['act'] / 2**20:.1f} | {r['act'] / base['act']:.2f} | {r['step']:.2f} "
             f"| {r['exch'] / 1024:.1f} | {ring / 1024:.1f} |"
         )
-    print("targets: activations <= 0.6x of C=1 at C=2, <= 0.35x at C=4")
+    print("targets: activations <= 0.6x of C=1 at C=2, <= 0.35x at C=4 (each model)")
 
 
 if __name__ == "__main__":

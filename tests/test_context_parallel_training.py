@@ -11,6 +11,7 @@ import pytest
 
 from mamba3lite.checkpoint import CheckpointManager
 from test_distributed import losses, one_process_run, train, write_config
+from test_parallel import HYBRID
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +52,16 @@ def test_two_processes_sharing_each_window_equal_one_and_resume_across_cp(tmp_pa
         train(config, run, nproc, *settings)
         assert_equal_losses(one, losses(run), [1, 2, 3, 4])
         assert resumed_from(run) == [2], run
+
+
+def test_a_hybrid_sharing_each_window_over_two_processes_equals_one(tmp_path, tmp_path_factory):
+    """A hybrid's attention layer (rotary, the conv over qkv, packed documents) exchanges its keys and
+    values between the two pieces of each window: the losses and validation losses of one process."""
+    ref = one_process_run(tmp_path_factory, *ONE, *HYBRID)
+    train(write_config(tmp_path), tmp_path / "cp", 2, *ONE, *HYBRID, *CP2)
+    assert_equal_losses(losses(ref), losses(tmp_path / "cp"), [1, 2, 3, 4])
+    ev1, ev2 = losses(ref, "eval", "val_loss"), losses(tmp_path / "cp", "eval", "val_loss")
+    assert sorted(ev1) == [2, 4] and all(abs(ev1[s] - ev2[s]) <= 1e-5 * ev1[s] for s in ev1)
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])

@@ -52,6 +52,22 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.1]
 
 
+def test_muon_takes_a_hybrids_attention_projections_as_hidden_matrices():
+    """A hybrid's attention layer (model/attention.py: in_proj, out_proj, a depthwise conv1d, biases)
+    gives Muon its two projections, like a Mamba-3 layer's; its conv kernel (3-D) is AdamW's, decayed,
+    and its biases AdamW's, undecayed."""
+    attn = {"num_heads": 2, "d_conv": 4, "mlp_dim": 16, "rotary_emb_dim": 4}
+    model = tiny_model(attn_layer_idx=[1], attn_cfg=attn)
+    assert type(model.layers[1].mixer).__name__ == "MHA"
+    opt = build_optimizer(model, muon_training(weight_decay=0.1))
+    decayed, not_decayed, muon = names_of(model, opt.param_groups)
+    assert muon == {f"layers.{i}.{n}" for i in range(2) for n in HIDDEN}
+    assert decayed == {"layers.1.mixer.conv1d.weight"}
+    biases = {f"layers.1.mixer.{n}.bias" for n in ("in_proj", "out_proj", "conv1d")}
+    assert biases <= not_decayed
+    assert sum(map(len, (decayed, not_decayed, muon))) == len(list(model.parameters()))
+
+
 def test_the_split_is_by_role_so_an_attention_lm_gets_the_same_one():
     """The name rule is general: a pre-norm attention LM named as the Mamba-3 LM is (embed, norm, norm_f)
     with attention matrices `attn.qkv`/`attn.out` (the benchmarks' Transformer baseline) has its

@@ -47,20 +47,22 @@ def skipped_micro_steps(nproc: int) -> tuple[str, list[int]]:
     return ",".join(f"r{nproc - 1}@{accum + i}" for i in micro), micro
 
 
-_references: dict[str, Path] = {}
+_references: dict[tuple[str, ...], Path] = {}
 
 
-def reference(tmp_path_factory, optimizer: str, monkeypatch) -> Path:
-    """The run directory of one process training the recipe with `optimizer`, SKIPPED_WINDOWS skipped at
-    step 2, a checkpoint every 2 steps; trained once per session (a reference is read, never written)."""
-    if optimizer not in _references:
+def reference(tmp_path_factory, optimizer: str, monkeypatch, *model: str) -> Path:
+    """The run directory of one process training the recipe with `optimizer` (and `model` settings),
+    SKIPPED_WINDOWS skipped at step 2, a checkpoint every 2 steps; trained once per session (a reference
+    is read, never written)."""
+    key = (optimizer, *model)
+    if key not in _references:
         root = tmp_path_factory.mktemp("ref")
         with monkeypatch.context() as m:
             m.setenv(INJECT_ENV, skipped_micro_steps(1)[0])
-            opts = (*EQUAL_RECIPE, *SAVE_EVERY_2, "--set", f"training.optimizer={optimizer}")
+            opts = (*EQUAL_RECIPE, *SAVE_EVERY_2, "--set", f"training.optimizer={optimizer}", *model)
             train(write_config(root), root / "run", 1, *opts)
-        _references[optimizer] = root / "run"
-    return _references[optimizer]
+        _references[key] = root / "run"
+    return _references[key]
 
 
 def assert_the_losses_of_one_process(run, ref, nproc: int) -> None:
@@ -164,6 +166,43 @@ def test_a_sharded_checkpoint_resumes_at_any_world_size_and_strategy(tmp_path, t
         assert sorted(got) == [1, 2, 3, 4, 5, 6]
         for step in ref:
             assert got[step] == pytest.approx(ref[step], rel=1e-5), (nproc, strategy, step, got, ref)
+
+
+# A hybrid: Mamba-3 then attention (GQA-free, rotary, the conv over qkv), packed documents.
+HYBRID = (
+    "--set", "model.n_layers=2", "--set", "model.attn_layer_idx=[1]", "--set", "model.reset_at_eos=true",
+    "--set", "model.attn_cfg={num_heads: 2, rotary_emb_dim: 4, d_conv: 4}",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_hybrid_trains_the_losses_of_one_process_and_its_sharded_checkpoint_reshards(
+    tmp_path, tmp_path_factory, monkeypatch
+):
+    """ddp x2 and fsdp x2 (activation checkpointing on) train a hybrid's one-process losses, the recipe's
+    skips injected; the fsdp run's sharded step 2 resumes on one process with the uninterrupted losses.
+    The wrapping is per block, whatever its mixer (AdamW: see the test above for why)."""
+    ref = reference(tmp_path_factory, "adamw", monkeypatch, *HYBRID)
+    config = write_config(tmp_path)
+    opts = (*EQUAL_RECIPE, "--set", "training.optimizer=adamw", *HYBRID)
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    with monkeypatch.context() as m:
+        m.setenv(INJECT_ENV, skipped_micro_steps(2)[0])
+        train(config, ddp, 2, *opts, "--set", "training.parallelism=ddp")
+        sharded = ("--set", "training.parallelism=fsdp", "--set", "training.grad_checkpointing=true")
+        train(config, fsdp, 2, *opts, *SAVE_EVERY_2, *sharded)
+    assert_the_losses_of_one_process(ddp, ref, 2)
+    assert_the_losses_of_one_process(fsdp, ref, 2)
+    assert (fsdp / "dcp_step_2").is_dir()
+    for step in (4, 6):
+        CheckpointManager(fsdp).delete(step)
+    train(config, fsdp, 1, *opts, *SAVE_EVERY_2, "--set", "training.parallelism=auto")
+    rows = [json.loads(line) for line in (fsdp / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("event") == "resume"] == [2]
+    got, want = losses(fsdp), losses(ref)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
 
 
 # Loaded by every torchrun worker: records, per rank, when DDP's reducer hook runs relative to each

@@ -211,8 +211,8 @@ class TrainingConfig:
     context_parallel: int = _f(
         1,
         "processes that share each training window, each scanning T / this contiguous tokens and passing "
-        "the recurrent state along (a dimension of the device mesh: world size = data-parallel size x "
-        "this); 1 = off",
+        "the recurrent state along (a hybrid's attention layers all-gather keys and values; a dimension of "
+        "the device mesh: world size = data-parallel size x this); 1 = off",
     )
     dist_timeout_s: float = _f(
         1800.0, "seconds a collective may wait for the other processes before the job fails (torchrun jobs)"

@@ -6,7 +6,7 @@
 transformers loads a model it does not know through `trust_remote_code=True`: the model directory
 carries its own modeling file. That file is not a second, hand-written copy of the model: it is the
 source of the modules in MODEL_MODULES (errors, config, decode state, rotation, scan, scan backend,
-context parallelism (unused there: no process group is set), mixers, layer kinds, sampling,
+context parallelism of both kinds (unused there: no process group is set), mixers, layer kinds, sampling,
 language model), read with `inspect.getsource` and concatenated in import order with their
 `mamba3lite` imports removed (every name they imported is defined earlier in the same file), followed
 by the glue to transformers (`hf_remote/modeling_glue.py`: config -> `Mamba3Transformer`, the cache
@@ -34,6 +34,7 @@ MODEL_MODULES = (
     "mamba3lite.model.scan",
     "mamba3lite.model.scan_backend",
     "mamba3lite.model.context_parallel",
+    "mamba3lite.model.context_parallel_attention",
     "mamba3lite.model.mamba3",
     "mamba3lite.model.attention",
     "mamba3lite.model.kind_mamba3",

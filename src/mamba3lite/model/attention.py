@@ -16,6 +16,10 @@ Packed documents: `reset_BT[b, t]` true means token t starts a new document. A t
 keys of its own document (and, when causal, not to later ones); its rotary position and the conv's window
 count from its document's start. A window's outputs therefore equal its documents run one by one.
 
+Context parallelism (`set_context_parallel`): each rank runs its piece of the window's queries over the
+keys and values of its own and the earlier pieces, all-gathered, with documents, rotary positions and
+the conv's reach counted over the whole window (model/context_parallel_attention.py).
+
 Shapes (letters as docs/architecture.md §6 rule 3, plus): G key/value heads; C key positions (a decode
 state's capacity, or the keys the queries see); Q the qkv width P·(H + 2G), which the conv runs over;
 W the conv kernel (d_conv); J the rotary frequencies (r/2); M the gated MLP's width (mlp_dim/2).
@@ -41,6 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mamba3lite.errors import ConfigError, did_you_mean_hint
+from mamba3lite.model.context_parallel import ContextParallel
+from mamba3lite.model.context_parallel_attention import conv_halo, gather_keys_values, window_documents
 from mamba3lite.model.mamba3 import linear_in_own_dtype
 from mamba3lite.model.rotation import pair_views
 
@@ -251,6 +257,8 @@ class MHA(nn.Module):
     (prefill or extend): their keys and values are written into it and the queries see its cached keys;
     the state path serves inference (no gradient reaches what is written into the state).
     step(u_BD, state, reset_B=None) -> out_BD: one token, attending over the cached keys in O(T).
+    With a context-parallel group set (`set_context_parallel`), forward runs this rank's piece of each
+    training window (module docstring).
     `reset_BT[b, t]` true: token t starts a new document (packed documents; the LM computes it).
     `layer_idx` is kept for the official signature; the decode state is the caller's, not a dict's.
     """
@@ -297,6 +305,7 @@ class MHA(nn.Module):
             )
         self.out_proj = nn.Linear(P * H + self.mlp_dim // 2, embed_dim, bias=out_proj_bias, **fk)
         self.set_attention_impl("sdpa")
+        self.context_parallel: ContextParallel | None = None
 
     def set_attention_impl(self, name: str) -> None:
         """Run attention with "sdpa" (the fast path, the default) or "reference" (the written-out softmax)."""
@@ -305,14 +314,20 @@ class MHA(nn.Module):
             raise ConfigError(f"unknown attention implementation {name!r}{hint}")
         self.attn_impl, self._attend = name, ATTENTION_IMPLS[name]
 
+    def set_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Attend from this rank's piece of each window over the keys and values of the pieces before it,
+        exchanged over the group (model/context_parallel_attention.py); None: the whole window is here."""
+        self.context_parallel = cp
+
     # ---- public ----
     def forward(
         self, u_BTD: Tensor, state: AttentionState | None = None, reset_BT: Tensor | None = None
     ) -> Tensor:
+        if self.context_parallel is not None:
+            assert state is None, "decode runs on one process: clear the context-parallel group first"
+            return self._forward_piece(u_BTD, reset_BT, self.context_parallel)
         Bsz, T, _ = u_BTD.shape
-        H, G, P = self.num_heads, self.num_heads_kv, self.head_dim
-        qkv_BTQ, m_BT2M = linear_in_own_dtype(self.in_proj, u_BTD).split([self.qkv_dim, self.mlp_dim], -1)
-        up_BTM, gate_BTM = m_BT2M.unflatten(-1, (2, self.mlp_dim // 2)).unbind(-2)
+        qkv_BTQ, up_BTM, gate_BTM = self._project(u_BTD)
 
         # Buffer positions of the tokens, where their documents start, and their positions in them.
         t_T = torch.arange(T, device=u_BTD.device)
@@ -330,14 +345,12 @@ class MHA(nn.Module):
         in_doc_BT = pos_BT - doc_start_BT
 
         if self.d_conv > 0:
-            qkv_BTQ = self._conv(qkv_BTQ, in_doc_BT, state)
-        q_BTHP, k_BTGP, v_BTGP = qkv_BTQ.split([H * P, G * P, G * P], -1)
-        q_BTHP, k_BTGP = q_BTHP.unflatten(-1, (H, P)), k_BTGP.unflatten(-1, (G, P))
-        v_BTGP = v_BTGP.unflatten(-1, (G, P))
-        if self.rotary_emb_dim > 0:
-            r, base, inter = self.rotary_emb_dim, self.rotary_emb_base, self.rotary_emb_interleaved
-            q_BTHP, k_BTGP = (rotary(x, in_doc_BT, r, base, inter) for x in (q_BTHP, k_BTGP))
-        q_BHTP, k_BGTP, v_BGTP = (x.transpose(1, 2) for x in (q_BTHP, k_BTGP, v_BTGP))
+            if state is None:
+                window_BWQ = qkv_BTQ.new_zeros(Bsz, self.d_conv - 1, qkv_BTQ.shape[-1])
+            else:
+                window_BWQ = state.conv_BWQ.to(qkv_BTQ.dtype)
+            qkv_BTQ = self._conv(qkv_BTQ, in_doc_BT, window_BWQ, state)
+        q_BHTP, k_BGTP, v_BGTP = self._heads(qkv_BTQ, in_doc_BT)
 
         if state is None:
             mask_BTC = None
@@ -348,8 +361,7 @@ class MHA(nn.Module):
             k_BGCP, v_BGCP, mask_BTC = self._extend(state, k_BGTP, v_BGTP, pos_BT, doc_start_BT)
             k_BGCP, v_BGCP = k_BGCP.to(q_BHTP.dtype), v_BGCP.to(q_BHTP.dtype)
         ctx_BHTP = self._attend(q_BHTP, k_BGCP, v_BGCP, mask_BTC, self.scale, self.causal)
-        ctx_BTX = torch.cat((ctx_BHTP.transpose(1, 2).flatten(2), up_BTM * F.silu(gate_BTM)), dim=-1)
-        return self.out_proj(ctx_BTX)
+        return self._output(ctx_BHTP, up_BTM, gate_BTM)
 
     def step(self, u_BD: Tensor, state: AttentionState, reset_B: Tensor | None = None) -> Tensor:
         """One token per row: forward of a length-1 sequence continuing the state."""
@@ -382,17 +394,54 @@ class MHA(nn.Module):
         )  # fmt: skip
 
     # ---- pieces ----
-    def _conv(self, x_BTQ: Tensor, in_doc_BT: Tensor, state: AttentionState | None) -> Tensor:
+    def _project(self, u_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """in_proj: (qkv_BTQ, up_BTM, gate_BTM)."""
+        qkv_BTQ, m_BT2M = linear_in_own_dtype(self.in_proj, u_BTD).split([self.qkv_dim, self.mlp_dim], -1)
+        up_BTM, gate_BTM = m_BT2M.unflatten(-1, (2, self.mlp_dim // 2)).unbind(-2)
+        return qkv_BTQ, up_BTM, gate_BTM
+
+    def _heads(self, qkv_BTQ: Tensor, in_doc_BT: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv -> (q_BHTP, k_BGTP, v_BGTP), q and k rotated by their positions in their documents."""
+        H, G, P = self.num_heads, self.num_heads_kv, self.head_dim
+        q_BTHP, k_BTGP, v_BTGP = qkv_BTQ.split([H * P, G * P, G * P], -1)
+        q_BTHP, k_BTGP = q_BTHP.unflatten(-1, (H, P)), k_BTGP.unflatten(-1, (G, P))
+        v_BTGP = v_BTGP.unflatten(-1, (G, P))
+        if self.rotary_emb_dim > 0:
+            r, base, inter = self.rotary_emb_dim, self.rotary_emb_base, self.rotary_emb_interleaved
+            q_BTHP, k_BTGP = (rotary(x, in_doc_BT, r, base, inter) for x in (q_BTHP, k_BTGP))
+        return tuple(x.transpose(1, 2) for x in (q_BTHP, k_BTGP, v_BTGP))
+
+    def _output(self, ctx_BHTP: Tensor, up_BTM: Tensor, gate_BTM: Tensor) -> Tensor:
+        """out_proj over [context | up ⊙ SiLU(gate)]."""
+        ctx_BTX = torch.cat((ctx_BHTP.transpose(1, 2).flatten(2), up_BTM * F.silu(gate_BTM)), dim=-1)
+        return self.out_proj(ctx_BTX)
+
+    def _forward_piece(self, u_BTD: Tensor, reset_BT: Tensor | None, cp: ContextParallel) -> Tensor:
+        """forward of this rank's piece of a window: documents, the conv's halo, keys and values
+        exchanged over the group (model/context_parallel_attention.py); queries stay here."""
+        Bsz, T, _ = u_BTD.shape
+        qkv_BTQ, up_BTM, gate_BTM = self._project(u_BTD)
+        pos_BT, doc_start_BT, key_doc_BC = window_documents(cp, reset_BT, Bsz, T, u_BTD.device)
+        in_doc_BT = pos_BT - doc_start_BT
+        if self.d_conv > 0:
+            window_BWQ = conv_halo(cp, qkv_BTQ, self.d_conv - 1)
+            qkv_BTQ = self._conv(qkv_BTQ, in_doc_BT, window_BWQ, None)
+        q_BHTP, k_BGTP, v_BGTP = self._heads(qkv_BTQ, in_doc_BT)
+        # A causal query sees no later piece.
+        pieces = cp.rank + 1 if self.causal else cp.size
+        k_BGCP, v_BGCP = gather_keys_values(cp, k_BGTP, v_BGTP, pieces)
+        mask_BTC = document_mask(key_doc_BC[:, : pieces * T], doc_start_BT, pos_BT, self.causal)
+        ctx_BHTP = self._attend(q_BHTP, k_BGCP, v_BGCP, mask_BTC, self.scale, self.causal)
+        return self._output(ctx_BHTP, up_BTM, gate_BTM)
+
+    def _conv(
+        self, x_BTQ: Tensor, in_doc_BT: Tensor, window_BWQ: Tensor, state: AttentionState | None
+    ) -> Tensor:
         """The causal depthwise conv over qkv, not reaching before a token's document: out_t = bias +
         Σ_w weight_w · x_{t−(W−1)+w} over the taps whose input lies in t's document (lag W−1−w ≤ the
-        token's position in it). The W − 1 inputs before the first token come from the state (zeros
-        without one); the state keeps the last W − 1."""
-        Bsz, T, Q = x_BTQ.shape
-        W = self.d_conv
-        if state is None:
-            window_BWQ = x_BTQ.new_zeros(Bsz, W - 1, Q)
-        else:
-            window_BWQ = state.conv_BWQ.to(x_BTQ.dtype)
+        token's position in it). `window_BWQ`: the W − 1 inputs before the first token (a decode
+        state's, the previous piece's, or zeros); a state, when given, keeps the last W − 1."""
+        T, W = x_BTQ.shape[1], self.d_conv
         padded = torch.cat((window_BWQ, x_BTQ), dim=1)
         taps_BTQW = torch.stack([padded[:, w : w + T] for w in range(W)], dim=-1)
         lag_W = torch.arange(W - 1, -1, -1, device=x_BTQ.device)

@@ -1,5 +1,6 @@
 """Context parallelism for Mamba-3: the C ranks of a group share each training window, rank c holding
 the contiguous piece c of T/C tokens, and pass the recurrent state along instead of attention's keys.
+(A hybrid's attention layers all-gather their keys and values instead: context_parallel_attention.py.)
 
 The exchange, per Mamba-3 layer (h_t ∈ R^{P×N}, the recurrence of model/scan.py):
 

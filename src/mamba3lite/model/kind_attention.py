@@ -9,13 +9,14 @@
 The layer itself is `mamba3lite.model.attention.MHA`; its decode state is a key/value cache that holds
 the state's maximum length, or grows by doubling when none is given.
 Unlike Mamba-3's, its FLOPs and the activations it keeps per token grow with the sequence length T.
+Under context parallelism the ranks all-gather its keys and values
+(model/context_parallel_attention.py).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from mamba3lite.errors import ConfigError
 from mamba3lite.model.attention import MHA
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.context_parallel import ContextParallel
@@ -62,13 +63,6 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float
 
 
 def attention_set_context_parallel(mixer: nn.Module, cp: ContextParallel | None) -> None:
-    """The layer's key/value exchange over the context-parallel group, where the layer has one; a
-    ConfigError where it has none and a group is set."""
-    hook = getattr(mixer, "set_context_parallel", None)
-    if hook is not None:
-        hook(cp)
-    elif cp is not None:
-        raise ConfigError(
-            "training.context_parallel > 1 does not cover attention layers in this installation; "
-            "train this hybrid with training.context_parallel=1"
-        )
+    """Exchange keys and values between the ranks' pieces (model/context_parallel_attention.py); None: no
+    exchange."""
+    mixer.set_context_parallel(cp)

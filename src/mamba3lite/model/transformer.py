@@ -215,8 +215,8 @@ class Mamba3Transformer(nn.Module):
     def set_context_parallel(self, group) -> None:
         """Train on pieces of each window: this process holds piece `rank` of the `size` contiguous
         pieces of every window (`context_parallel.cut_window`), and every mixer exchanges what its kind
-        needs over `group` (a torch.distributed ProcessGroup; Mamba-3: the recurrent state). None: the
-        whole window is here."""
+        needs over `group` (a torch.distributed ProcessGroup; Mamba-3: the recurrent state, attention:
+        the keys and values). None: the whole window is here."""
         cp = None if group is None else ContextParallel(group)
         for i, block in enumerate(self.layers):
             kind_of_layer(self.cfg, i).set_context_parallel(block.mixer, cp)
