@@ -179,7 +179,7 @@ def test_our_hybrid_run_exports_for_the_official_lm_and_imports_back_bit_identic
     data = {"tokenizer": "gpt2", "vocab_size": 50257, "eos_id": 50256}
     state = RunState(step=1, config=Config(model=cfg).to_dict(), data=data)
     CheckpointManager(tmp_path / "run").save(1, model, None, state)
-    export_run(tmp_path / "run", tmp_path / "out")
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0  # the CLI, both ways
     out = tmp_path / "out"
     official_cfg = json.loads((out / "config.json").read_text())
     assert official_cfg["attn_layer_idx"] == [1]
@@ -199,7 +199,7 @@ def test_our_hybrid_run_exports_for_the_official_lm_and_imports_back_bit_identic
         "attention (mamba_ssm MHA, 4 heads, 2 key/value heads) at layers 1" in (out / "README.md").read_text()
     )
 
-    import_official(str(out), tmp_path / "back")
+    assert main(["import", str(out), "--out", str(tmp_path / "back")]) == 0
     back = load_f64(tmp_path / "back")
     assert back.cfg.attn_layer_idx == (1,) and back.cfg.attn_cfg == cfg.attn_cfg
     for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
@@ -419,6 +419,10 @@ BAD = {
     "attention-layer-out-of-range": (
         "bin", _edit_config(attn_layer_idx=[2], attn_cfg={"num_heads": 4, "causal": True}),
         "model.attn_layer_idx: layer 2 is out of range",
+    ),
+    "hybrid-of-mamba2-layers": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 4, "causal": True},
+                            **{"ssm.layer": "Mamba2"}), "'Mamba2'",
     ),
     "attention-cfg-a-list": ("bin", _edit_config(attn_layer_idx=[1], attn_cfg=[4]), "attn_cfg must be"),
     # the weights of a pure model under a hybrid's config: layer 1 holds a Mamba-3 mixer, not attention
