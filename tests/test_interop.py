@@ -4,7 +4,8 @@
 mamba3lite code): the stand-in for mamba_ssm's `MambaLMHeadModel`, which cannot run here. Round trips
 are in float64: official dir -> import -> our logits equal the independent LM's on every real token
 id; import -> export gives back the official tensors bit for bit; our run -> export -> import gives
-back our weights bit for bit, and the exported files run in the independent LM with our logits.
+back our weights bit for bit, and the exported files run in the independent LM with our logits. Hybrids
+(attention layers at `attn_layer_idx`, mamba_ssm's MHA built from `attn_cfg`) go both ways alike.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ CASES = {
     ),
     "mimo-ngroups-outnorm-sharded": (
         {**BASE, "ssm_cfg": {**SISO, "is_mimo": True, "mimo_rank": 2, "ngroups": 2, "is_outproj_norm": True}},
+        "heavy_tail", "sharded",
+    ),
+    # Hybrids: mamba_ssm's MHA at attn_layer_idx, its options set to values that change the math.
+    "hybrid-gqa-rotary-conv-mlp": (
+        {**BASE, "n_layer": 3, "attn_layer_idx": [1],
+         "attn_cfg": {"causal": True, "num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 2, "d_conv": 3,
+                      "mlp_dim": 20}},
+        "heavy_tail", "bin",
+    ),
+    "hybrid-interleaved-headdim-nobias-scale-untied": (
+        {**BASE, "n_layer": 3, "attn_layer_idx": [0, 2], "tie_embeddings": False,
+         "attn_cfg": {"causal": True, "num_heads": 2, "num_heads_kv": 1, "head_dim": 8, "rotary_emb_dim": 8,
+                      "rotary_emb_interleaved": True, "rotary_emb_base": 500, "qkv_proj_bias": False,
+                      "out_proj_bias": False, "softmax_scale": 0.3}},
         "heavy_tail", "sharded",
     ),
 }  # fmt: skip
@@ -149,6 +164,48 @@ def test_official_dir_imports_to_the_independent_lm_and_exports_back_unchanged(t
     kernel_only = ("fuse_pregate_headwise_norm", "dropout")  # accepted on import, not written back
     assert all(s_got[k] == v for k, v in s_want.items() if k not in kernel_only), (s_got, s_want)
     assert got_cfg["ssm_cfg"]["layer"] == "Mamba3"
+
+
+def test_our_hybrid_run_exports_for_the_official_lm_and_imports_back_bit_identical(tmp_path):
+    cfg = tiny_config("x").model.__class__(**{
+        **tiny_config("x").model.__dict__, "n_layers": 3, "attn_layer_idx": (1,),
+        "attn_cfg": {"num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 4, "d_conv": 2, "mlp_dim": 8},
+    })  # fmt: skip
+    torch.manual_seed(0)
+    model = Mamba3Transformer(cfg).to(F64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    data = {"tokenizer": "gpt2", "vocab_size": 50257, "eos_id": 50256}
+    state = RunState(step=1, config=Config(model=cfg).to_dict(), data=data)
+    CheckpointManager(tmp_path / "run").save(1, model, None, state)
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0  # the CLI, both ways
+    out = tmp_path / "out"
+    official_cfg = json.loads((out / "config.json").read_text())
+    assert official_cfg["attn_layer_idx"] == [1]
+    # exactly the MHA keywords mamba_ssm's create_block passes on, causal said (MHA's default is False)
+    assert official_cfg["attn_cfg"] == {**cfg.attn_cfg, "causal": True}
+    sd = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert set(sd) == set(official_shapes(official_cfg))
+    assert {k for k in sd if k.startswith("backbone.layers.1.mixer.")} == {
+        f"backbone.layers.1.mixer.{n}" for n in ("in_proj.weight", "in_proj.bias", "conv1d.weight",
+                                                 "conv1d.bias", "out_proj.weight", "out_proj.bias")
+    }  # fmt: skip
+    ids = torch.tensor([[464, 3290, 318, 257, 50256, 11, 995, 0, 50000, 7, 7, 7]])
+    with torch.no_grad():
+        ours = model.eval()(ids)
+    torch.testing.assert_close(official_logits(sd, official_cfg, ids), ours, rtol=1e-10, atol=1e-10)
+    assert (
+        "attention (mamba_ssm MHA, 4 heads, 2 key/value heads) at layers 1" in (out / "README.md").read_text()
+    )
+
+    assert main(["import", str(out), "--out", str(tmp_path / "back")]) == 0
+    back = load_f64(tmp_path / "back")
+    assert back.cfg.attn_layer_idx == (1,) and back.cfg.attn_cfg == cfg.attn_cfg
+    for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and a.dtype == b.dtype and torch.equal(a, b), k
+    with torch.no_grad():
+        assert torch.equal(back(ids), ours)
 
 
 def test_our_run_exports_for_the_official_lm_and_imports_back_bit_identical(tmp_path):
@@ -339,7 +396,40 @@ BAD = {
     "tokenizer-too-large": (
         "bin", lambda r: word_tokenizer(r / "tokenizer.json", [*WORDS, *"abcdefgh"]), "29 token ids"
     ),
-    "attention-layers": ("bin", _edit_config(attn_layer_idx=[1]), "attn_layer_idx"),
+    # attention layers: mamba_ssm builds MHA(d_model, layer_idx=i, **attn_cfg), causal=False by default
+    "attention-causal-absent": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 4}), "attn_cfg.causal is absent"
+    ),
+    "attention-not-causal": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 4, "causal": False}),
+        "attn_cfg.causal is False",
+    ),
+    "attention-unknown-key": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 4, "causal": True, "window_size": 8}),
+        "attn_cfg has key 'window_size'",
+    ),
+    "attention-key-typo": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_head": 4, "causal": True}),
+        "did you mean `num_heads`?",
+    ),
+    "attention-width-does-not-add-up": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 3, "causal": True}),
+        "model.attn_cfg: the width does not add up",
+    ),
+    "attention-layer-out-of-range": (
+        "bin", _edit_config(attn_layer_idx=[2], attn_cfg={"num_heads": 4, "causal": True}),
+        "model.attn_layer_idx: layer 2 is out of range",
+    ),
+    "hybrid-of-mamba2-layers": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 4, "causal": True},
+                            **{"ssm.layer": "Mamba2"}), "'Mamba2'",
+    ),
+    "attention-cfg-a-list": ("bin", _edit_config(attn_layer_idx=[1], attn_cfg=[4]), "attn_cfg must be"),
+    # the weights of a pure model under a hybrid's config: layer 1 holds a Mamba-3 mixer, not attention
+    "attention-weights-of-a-mamba-layer": (
+        "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 4, "causal": True}),
+        "'backbone.layers.1.mixer.in_proj.weight' has shape (94, 16)",
+    ),
     "mamba2": ("bin", _edit_config(**{"ssm.layer": "Mamba2"}), "'Mamba2'"),
     "mamba1-by-default": ("bin", _drop_layer_key, "'Mamba1' (the default when absent)"),
     "unknown-key": ("bin", _edit_config(new_thing=1), "unknown key 'new_thing'"),

@@ -15,7 +15,7 @@ import torch
 
 from mamba3lite.config import Config
 from mamba3lite.errors import ConfigError
-from mamba3lite.interop.hf_export import check_hf_exportable
+from mamba3lite.interop.hf_export import hf_config
 from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
 from mamba3lite.model import (
     Mamba3Transformer,
@@ -310,14 +310,23 @@ def test_hybrid_state_snapshot_resumes_like_the_prefix():
     torch.testing.assert_close(model.extend(x[:, 6:], fresh), want, rtol=0, atol=0)
 
 
-# ---- what is not built for hybrids yet says so ----
-def test_exports_of_a_hybrid_are_refused_with_one_clear_error():
+# ---- exports name the layer kinds ----
+def test_exports_of_a_hybrid_write_its_attention_layers():
+    """The official config.json says which layers are attention and with which MHA keywords (causal
+    stated: mamba_ssm's MHA defaults to false); the HF config lists each layer's kind in transformers'
+    words. The round trips through both formats are in tests/test_interop.py and tests/test_export_hf.py."""
     vocab = OfficialVocab(vocab_size=61, pad_multiple=8)
-    with pytest.raises(ConfigError, match=r"model\.attn_layer_idx=\[1, 3\] \(attention layers"):
-        official_config_from_model(hybrid(), vocab)
-    with pytest.raises(ConfigError, match=r"export --format hf` of a hybrid is not built yet"):
-        check_hf_exportable(hybrid())
-    check_hf_exportable(cfg_of())  # a pure model exports as before
+    exportable = {"mlp_multiple_of": 128}  # the official GatedMLP's rounding
+    official = official_config_from_model(
+        cfg_of(attn_layer_idx=(1, 3), attn_cfg={**HEADS, "rotary_emb_dim": 2}, **exportable), vocab
+    )
+    assert official["attn_layer_idx"] == [1, 3]
+    assert official["attn_cfg"] == {**HEADS, "rotary_emb_dim": 2, "causal": True}
+    pure = official_config_from_model(cfg_of(**exportable), vocab)
+    assert pure["attn_layer_idx"] == [] and pure["attn_cfg"] == {}
+    assert hf_config(hybrid(), torch.float32)["layer_types"] == [
+        "linear_attention", "full_attention", "linear_attention", "full_attention"
+    ]  # fmt: skip
 
 
 def test_greedy_serving_of_a_hybrid_equals_generate_alone_batched_and_from_the_prefix_cache():

@@ -83,9 +83,22 @@ def test_yaml_style_numbers_are_accepted():
 def test_presets_exist():
     names = {p.stem for p in PRESETS}
     sizes = ["180m", "440m", "880m", "1_5b"]
-    assert {"tiny", "pretrain_a100_400m", "mamba3_3b", "mamba3_7b"} | {f"mamba3_{s}" for s in sizes} | {
-        f"mamba3_{s}_mimo" for s in sizes
-    } <= names
+    assert {"tiny", "pretrain_a100_400m", "mamba3_3b", "mamba3_7b", "mamba3_180m_hybrid"} | {
+        f"mamba3_{s}" for s in sizes
+    } | {f"mamba3_{s}_mimo" for s in sizes} <= names
+
+
+def test_the_hybrid_preset_is_the_180m_with_one_attention_layer_in_four_at_its_parameter_count():
+    """The count its YAML states, within 0.5% of the pure 180M's; attention at 2, 6, 10 (never first)
+    as its comment explains, the Mamba-3 layers as the 180M's."""
+    pure, hybrid = preset(CONFIGS / "mamba3_180m.yaml"), preset(CONFIGS / "mamba3_180m_hybrid.yaml")
+    n = count_parameters(hybrid)
+    assert f"{n:,}" in (CONFIGS / "mamba3_180m_hybrid.yaml").read_text()
+    assert abs(n / count_parameters(pure) - 1) < 0.005
+    kinds = [hybrid.layer_kind(i) for i in range(hybrid.n_layers)]
+    assert kinds == ["mamba3", "mamba3", "attention", "mamba3"] * 3
+    same = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "vocab_size")
+    assert all(getattr(hybrid, f) == getattr(pure, f) for f in same)
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)

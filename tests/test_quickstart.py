@@ -29,6 +29,36 @@ def quickstart_args(tmp_path, workdir) -> list[str]:
 
 
 @pytest.mark.slow
+def test_quickstart_takes_the_config_of_a_hybrid(tmp_path, capsys):
+    """`quickstart --config` of a hybrid (a tiny one: 2 layers, the second attention) prepares, trains,
+    evaluates and samples it as it does a pure model; the run records the attention layers."""
+    import yaml
+
+    from mamba3lite.config import load_config
+
+    path = Path(tiny_config_yaml(tmp_path / "hybrid.yaml", max_seq_len=32, micro_batch_size=8))
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] |= {"n_layers": 2, "attn_layer_idx": [1], "attn_cfg": {"num_heads": 2, "rotary_emb_dim": 4}}
+    path.write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "qs"
+    rc = main(["quickstart", "--minutes", "0.01", "--workdir", str(work), "--config", str(path),
+               "--max-docs", "12", "--sample-tokens", "5", "--vocab", "300"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for text in (
+        "before    step 0: val loss",
+        "after     step",
+        "sample    (prompt 'def'",
+        "quickstart summary",
+    ):
+        assert text in out, text
+    run = work / "run-stdlib-bpe300"
+    assert CheckpointManager(run).verified_steps()[-1] >= 1
+    model = load_config(str(run / "config.yaml")).model
+    assert model.attn_layer_idx == (1,) and model.attn_cfg == {"num_heads": 2, "rotary_emb_dim": 4}
+
+
+@pytest.mark.slow
 def test_end_to_end_then_rerun_continues(cli, tmp_path):
     work = tmp_path / "qs"
     r = cli(*quickstart_args(tmp_path, work), timeout=900)

@@ -446,3 +446,25 @@ def test_plan_prints_each_ranks_estimate_without_building_anything(tmp_path, mon
     # a global batch that does not split over the processes: the run's own error, one line
     assert cli.main(["train", "--config", config, "--plan", "--nproc", "3"]) == 2
     assert "does not split into micro batches" in capsys.readouterr().err
+
+
+def test_plan_of_the_hybrid_preset_counts_its_attention_layers(monkeypatch, capsys):
+    """`train --config mamba3_180m_hybrid --plan`: the packaged hybrid resolves and plans without building
+    anything; its activations are the hybrid's estimate (attention's grow with the window), not the pure
+    180M's."""
+    from mamba3lite import cli
+    from mamba3lite.model.memory import per_rank_memory
+
+    monkeypatch.setattr(Pretrainer, "__init__", lambda *a, **k: pytest.fail("--plan built a trainer"))
+    args = ["train", "--config", "mamba3_180m_hybrid", "--plan", "--nproc", "1", "--device-memory-gib", "80",
+            "--set", "training.device=cuda"]  # fmt: skip
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    cfg = load_config("mamba3_180m_hybrid").replace("training", device="cuda")
+    assert cfg.model.attn_layer_idx == (2, 6, 10)
+    est = per_rank_memory(cfg.model, cfg.training, compute=torch.bfloat16)
+    pure = load_config("mamba3_180m").replace("training", device="cuda")
+    pure_est = per_rank_memory(pure.model, pure.training, compute=torch.bfloat16)
+    assert out[3] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
+    assert est.parts_gib() != pure_est.parts_gib()
+    assert out[4] == "device planned for: 80.0 GiB (72.0 usable): fits"

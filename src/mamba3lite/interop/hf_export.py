@@ -7,7 +7,10 @@
 
 The directory holds:
     config.json                    model_type "mamba3lite", auto_map to the two files below, the model's
-                                   own config under "mamba3lite", and the names HF tools read
+                                   own config under "mamba3lite", and the names HF tools read; each
+                                   layer's mixer kind as `layer_types`, in transformers' words for
+                                   hybrids: "linear_attention" (a recurrent layer: Mamba-3), or
+                                   "full_attention" at attn_layer_idx
     configuration_mamba3lite.py    Mamba3LiteConfig
     modeling_mamba3lite.py         generated from this package's model source (`hf_modeling`)
     model.safetensors              names "model." + ours, the checkpoint's dtypes; larger than
@@ -46,11 +49,15 @@ from mamba3lite.interop.hf_modeling import (
 from mamba3lite.interop.names import HEAD
 from mamba3lite.interop.source import CONFIG_NAME
 from mamba3lite.interop.weights import INDEX_NAME, SAFETENSORS_NAME
+from mamba3lite.model.config import ATTENTION_KIND, MAMBA3_KIND
 from mamba3lite.rundir import TOKENIZER_NAME
 
 MODEL_TYPE = "mamba3lite"
 ARCHITECTURE = "Mamba3LiteForCausalLM"
 HF_PREFIX = "model."  # Mamba3LiteForCausalLM.model is the Mamba3Transformer
+# Our layer kinds in transformers' `layer_types` words (its PreTrainedConfig checks them against its list,
+# and reads the older "mamba" / "attention" as these two).
+HF_LAYER_TYPES = {MAMBA3_KIND: "linear_attention", ATTENTION_KIND: "full_attention"}
 GENERATION_CONFIG_NAME = "generation_config.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size (5 GB)
@@ -67,16 +74,6 @@ class HFExportResult:
     n_params: int
     files: list[str]
     notes: list[str]
-
-
-def check_hf_exportable(cfg) -> None:
-    """ConfigError for a model the exported modeling file cannot hold: one with attention layers (its
-    remote code carries the Mamba-3 layer only, for now)."""
-    if cfg.attn_layer_idx:
-        raise ConfigError(
-            f"this run has attention layers (model.attn_layer_idx={list(cfg.attn_layer_idx)}); "
-            "`export --format hf` of a hybrid is not built yet: export a pure Mamba-3 run"
-        )
 
 
 def hf_state(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
@@ -134,6 +131,7 @@ def hf_config(cfg, dtype: torch.dtype) -> dict:
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
+        "layer_types": [HF_LAYER_TYPES[cfg.layer_kind(i)] for i in range(cfg.n_layers)],
         "bos_token_id": cfg.eos_id,
         "eos_token_id": cfg.eos_id,
         "pad_token_id": cfg.eos_id,
@@ -188,7 +186,6 @@ def export_hf(
     run, step, notes, meta, config = exported_step(run_dir, step)
     p = run.path
     cfg = config.model
-    check_hf_exportable(cfg)
     tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
     tok_name = recorded_tokenizer((meta.get("data") or {}).get("tokenizer"), p)
     tok_config = tokenizer_files(tok_bytes, cfg.eos_id, tok_name == "gpt2", find_chat_template(p, tok_name))
@@ -224,6 +221,8 @@ def _card(p: Path, step: int, meta: dict, cfg, n_params: int, tok_desc: str, not
     finite = isinstance(val_loss, (int, float)) and math.isfinite(val_loss)
     loss = f"{val_loss:.4f}" if finite else "not recorded"
     kind = f"MIMO rank {cfg.mimo_rank}" if cfg.is_mimo else "SISO"
+    if cfg.attn_layer_idx:
+        kind += f", hybrid with attention at layers {', '.join(map(str, cfg.attn_layer_idx))}"
     lines = [
         "---",
         "library_name: transformers",
@@ -248,7 +247,8 @@ def _card(p: Path, step: int, meta: dict, cfg, n_params: int, tok_desc: str, not
         "",
         "The modeling file is generated from mamba3lite's model source: pure PyTorch (the chunked scan and "
         "the O(1) recurrent decode step), no CUDA kernels needed; generate() keeps the recurrent state as "
-        "its cache.",
+        "its cache"
+        + (", and the attention layers' keys and values beside it." if cfg.attn_layer_idx else "."),
     ]
     if notes:
         lines += ["", "Notes:", *[f"- {n}" for n in notes]]

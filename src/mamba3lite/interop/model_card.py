@@ -69,8 +69,17 @@ def _architecture(official_config: dict[str, Any]) -> str:
     width = official_config["d_intermediate"]
     mlp = f"GatedMLP width {width}" if width else "no MLP"
     head = "tied to the embedding" if official_config["tie_embeddings"] else "untied"
+    attn = official_config["attn_layer_idx"]
+    layers = f"{official_config['n_layer']} layers of Mamba-3 ({kind})"
+    if attn:
+        a = official_config["attn_cfg"]
+        kv = a.get("num_heads_kv") or a["num_heads"]
+        layers += (
+            f", attention (mamba_ssm MHA, {a['num_heads']} heads, {kv} key/value heads) at layers "
+            f"{', '.join(map(str, attn))},"
+        )
     return (
-        f"{official_config['n_layer']} layers of Mamba-3 ({kind}) + {mlp}, d_model "
+        f"{layers} + {mlp}, d_model "
         f"{official_config['d_model']}, d_state {ssm['d_state']}, headdim {ssm['headdim']}, "
         f"expand {ssm['expand']}, ngroups {ssm['ngroups']}, rope_fraction {ssm['rope_fraction']}, "
         f"LM head {head}"

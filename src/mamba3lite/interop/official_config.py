@@ -6,6 +6,11 @@ n_layer, vocab_size, ssm_cfg, attn_layer_idx, attn_cfg, rms_norm, residual_in_fp
 pad_vocab_size_multiple, tie_embeddings. `ssm_cfg` names the mixer (`"layer": "Mamba3"`) and holds its
 constructor arguments, whose names are ours (docs/model.md §1.1). A missing key means the official default.
 
+Hybrids: the layers in `attn_layer_idx` are mamba_ssm's `MHA`, built as `MHA(d_model, layer_idx=i,
+**attn_cfg)` (mamba_ssm/models/mixer_seq_simple.py `create_block`). Our `ModelConfig.attn_cfg` holds the
+same keywords, less `causal`: the official MHA defaults to `causal=False` (bidirectional), so an official
+language model's attn_cfg says `"causal": true`, which export writes and import requires.
+
 What the format does not record, the caller chooses: the A activation (heavy-tail since mid-2026,
 softplus before), and the vocabulary the model is used with (the tokenizer's, which may be smaller than
 the padded embedding: `OfficialVocab`).
@@ -16,8 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mamba3lite.errors import CheckpointError, ConfigError
-from mamba3lite.model.config import ModelConfig
+from mamba3lite.errors import CheckpointError, ConfigError, did_you_mean_hint
+from mamba3lite.model.config import ATTN_CFG_DEFAULTS, ModelConfig
 
 # `MambaConfig`'s fields and defaults (mamba_ssm/models/config_mamba.py).
 MAMBA_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -53,6 +58,9 @@ MAMBA3_DEFAULTS: dict[str, Any] = {
 }
 # ssm_cfg keys that choose kernels or are absorbed by the constructor: no effect on the function.
 KERNEL_ONLY_SSM_KEYS = ("fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer")
+# The official MHA's keywords an attn_cfg may hold: ours, and `causal` (which must be true: module docstring).
+CAUSAL_KEY = "causal"
+OFFICIAL_ATTN_KEYS = (*ATTN_CFG_DEFAULTS, CAUSAL_KEY)
 # The official GatedMLP rounds its hidden width up to this; so do we (`mlp_multiple_of`).
 OFFICIAL_MLP_MULTIPLE = 128
 # The official mixer's and LM's RMSNorm epsilon (not in config.json: fixed in the code).
@@ -90,16 +98,13 @@ def model_config_from_official(
 ) -> tuple[ModelConfig, OfficialVocab]:
     """Our ModelConfig for an official config.json (`raw`, parsed), used with a tokenizer of
     `vocab_size` ids and EOS `eos_id`. CheckpointError naming the key for what we cannot represent:
-    attention layers, Mamba-1/2 mixers, LayerNorm, unknown keys, bad values."""
+    Mamba-1/2 mixers, non-causal attention or attn_cfg keys of no MHA we build, LayerNorm, unknown keys,
+    bad values."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where}: not a JSON object (an official config.json is one)")
     _unknown(raw, MAMBA_CONFIG_DEFAULTS, where)
     c = {**MAMBA_CONFIG_DEFAULTS, **raw}
-    if c["attn_layer_idx"]:
-        raise CheckpointError(
-            f"{where}: attn_layer_idx {c['attn_layer_idx']} puts attention layers in the model; mamba3lite "
-            "models are pure Mamba-3 and cannot hold them"
-        )
+    attn_layer_idx, attn_cfg = _attention_from_official(c, where)
     if not isinstance(c["ssm_cfg"], dict):
         raise CheckpointError(f"{where}: ssm_cfg must be a JSON object, got {c['ssm_cfg']!r}")
     ssm = dict(c["ssm_cfg"])
@@ -140,21 +145,46 @@ def model_config_from_official(
             tie_embeddings=c["tie_embeddings"],
             norm_eps=OFFICIAL_NORM_EPS,
             eos_id=eos_id,
+            attn_layer_idx=attn_layer_idx,
+            attn_cfg=attn_cfg,
         )
     except ConfigError as e:
         raise CheckpointError(f"{where}: {e} (the value comes from config.json)") from None
     return cfg, vocab
 
 
+def _attention_from_official(c: dict[str, Any], where: str) -> tuple[list, dict[str, Any]]:
+    """(attn_layer_idx, our attn_cfg) of the resolved official config `c`: the MHA keywords we build, with
+    `causal` checked and dropped. CheckpointError naming the key for what we cannot represent; the values
+    themselves are checked by ModelConfig."""
+    idx, cfg = c["attn_layer_idx"], c["attn_cfg"]
+    if not isinstance(idx, list):
+        raise CheckpointError(f"{where}: attn_layer_idx must be a list of layer indices, got {idx!r}")
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: attn_cfg must be a JSON object of MHA keywords, got {cfg!r}")
+    if not idx:
+        return [], dict(cfg)  # ModelConfig refuses an attn_cfg that no layer uses
+    for key in cfg:
+        if key not in OFFICIAL_ATTN_KEYS:
+            hint = did_you_mean_hint(str(key), OFFICIAL_ATTN_KEYS)
+            raise CheckpointError(
+                f"{where}: attn_cfg has key {key!r}{hint}, which mamba3lite's attention layer (the official "
+                f"MHA's keywords: {', '.join(OFFICIAL_ATTN_KEYS)}) cannot represent"
+            )
+    causal = cfg.get(CAUSAL_KEY, False)  # the official MHA's default
+    if causal is not True:
+        said = f"is {causal!r}" if CAUSAL_KEY in cfg else "is absent (the official MHA's default is false)"
+        raise CheckpointError(
+            f"{where}: attn_cfg.causal {said}: the attention layers see later tokens (bidirectional), which "
+            'a mamba3lite language model does not build; only causal attention ("causal": true) imports'
+        )
+    return idx, {k: v for k, v in cfg.items() if k != CAUSAL_KEY}
+
+
 def official_config_from_model(cfg: ModelConfig, vocab: OfficialVocab) -> dict[str, Any]:
     """config.json for our model `cfg` whose embedding, padded, has `vocab.padded` rows. ConfigError
     naming the field for what the official model cannot reproduce."""
     why = []
-    if cfg.attn_layer_idx:
-        why.append(
-            f"model.attn_layer_idx={list(cfg.attn_layer_idx)} (attention layers: exporting a hybrid to the "
-            "official format is not built yet)"
-        )
     if not cfg.trapezoid:
         why.append("model.trapezoid=false (the official layer always learns λ)")
     if not cfg.rope:
@@ -179,8 +209,9 @@ def official_config_from_model(cfg: ModelConfig, vocab: OfficialVocab) -> dict[s
         "n_layer": cfg.n_layers,
         "vocab_size": vocab.vocab_size,
         "ssm_cfg": ssm,
-        "attn_layer_idx": [],
-        "attn_cfg": {},
+        "attn_layer_idx": list(cfg.attn_layer_idx),
+        # mamba_ssm builds MHA(d_model, layer_idx=i, **attn_cfg), causal=False by default: say it.
+        "attn_cfg": {**cfg.attn_cfg, CAUSAL_KEY: True} if cfg.attn_layer_idx else {},
         "rms_norm": True,
         "residual_in_fp32": True,
         "fused_add_norm": True,

@@ -23,7 +23,9 @@ from mamba3lite.model.context_parallel import ContextParallel
 
 
 def build_attention(cfg: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
-    """The attention mixer of layer `layer_idx`, as mamba_ssm's create_block builds it."""
+    """The attention mixer of layer `layer_idx`, as mamba_ssm's create_block builds it (`MHA(d_model,
+    layer_idx=i, **attn_cfg)`) from an official attn_cfg that says `causal: true`
+    (interop/official_config.py)."""
     return MHA(cfg.d_model, layer_idx=layer_idx, causal=True, **cfg.attn_cfg, device=device, dtype=dtype)
 
 

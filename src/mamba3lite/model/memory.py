@@ -61,6 +61,10 @@ _PER_TOKEN_CACHE: dict[tuple[str, str, int, torch.dtype | None], float] = {}
 # up (29M per layer), where one real bf16 measurement on a CPU without native bf16 costs as much as the
 # fake one's start-up in a fresh process, and about 8x a fake one after it.
 FAKE_ABOVE_PARAMETERS = 20_000_000
+# A kind whose activations grow with the length is measured at the run's window, on fake tensors above this
+# many tokens: real ones at the long-context table's 512K-token windows take tens of GB of the planning
+# machine's memory (the 180M hybrid's attention block: ~37 KB a token, the same fake or real at 1-2K).
+FAKE_ABOVE_TOKENS = 4096
 
 
 def saved_bytes(
@@ -153,7 +157,10 @@ def layer_activation_bytes_per_token(
     if key not in _PER_TOKEN_CACHE:
         with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
             layer = Block(cfg, layers_by_kind(cfg)[kind][1])
-            fake = sum(p.numel() for p in layer.parameters()) > FAKE_ABOVE_PARAMETERS
+            fake = (
+                sum(p.numel() for p in layer.parameters()) > FAKE_ABOVE_PARAMETERS
+                or probe > FAKE_ABOVE_TOKENS
+            )
             measure = saved_bytes_per_token_growing if grows else saved_bytes_per_token
             _PER_TOKEN_CACHE[key] = measure(layer, cfg.d_model, probe, fake, compute)
     return _PER_TOKEN_CACHE[key]

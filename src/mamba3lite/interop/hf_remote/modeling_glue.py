@@ -1,5 +1,7 @@
 """The transformers side of an exported model: `Mamba3LiteForCausalLM` around mamba3lite's
-`Mamba3Transformer`, and `Mamba3LiteCache`, the recurrent state as generate()'s cache.
+`Mamba3Transformer`, and `Mamba3LiteCache`, the model's decode state as generate()'s cache: the recurrent
+state of each Mamba-3 layer and, in a hybrid, the keys and values of each attention layer (which grow
+with the context), used through the decode-state protocol only.
 
 The exporter appends this file to the model's own source (its imports of mamba3lite are removed there:
 the names are defined above it in the generated file).
@@ -7,8 +9,9 @@ the names are defined above it in the generated file).
     forward(input_ids, attention_mask=None, cache=None, labels=None, use_cache=None)
         no cache in:   the whole sequence through the chunked scan (with autograd: training, PEFT);
                        use_cache: the final state comes back as `cache`
-        a cache in:    the new tokens continue from it (one token: the O(1) recurrent step, as
-                       mamba3lite's own generate), the cache updated in place
+        a cache in:    the new tokens continue from it (one token: the recurrent step, O(1) per Mamba-3
+                       layer and O(context) per attention layer, as mamba3lite's own generate), the
+                       cache updated in place
     prepare_inputs_for_generation feeds generate() only the tokens the cache has not seen (one per step):
     O(1) work per new token, the prefix never runs again.
 
