@@ -52,7 +52,7 @@ def tiny_yaml(tmp_path, **training) -> str:
         "training": {
             "max_seq_len": 16,
             "micro_batch_size": 2,
-            "gradient_accumulation_steps": 1,
+            **({} if "global_batch_size" in training else {"gradient_accumulation_steps": 1}),  # one batch
             "dtype": "fp32",
             "device": "cpu",
             "log_every": 1,
