@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mamba3lite.errors import ConfigError, did_you_mean_hint
+from mamba3lite.optimizers import KINDS
 
 if TYPE_CHECKING:
     from mamba3lite.model import ModelConfig
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 SECTIONS = ("model", "training", "data", "logging")
 DTYPES = ("auto", "bf16", "fp32")  # resolved per device by model/precision.py
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = KINDS  # the registry itself (optimizers.py): an optimizer registered there is a choice here
 # Micro batches per optimizer step of a run that states neither its global batch nor its accumulation
 # (the seed's default).
 DEFAULT_ACCUMULATION = 2
@@ -132,12 +133,7 @@ class TrainingConfig:
     betas: tuple[float, float] = _f((0.9, 0.95), "AdamW (beta1, beta2)")
     eps: float = _f(1e-8, "AdamW epsilon")
     optimizer: str = _f(
-        "adamw",
-        "adamw: AdamW for every parameter. muon: torch.optim.Muon for the 2-D hidden matrices (the mixers' "
-        "in_proj/out_proj, the MLP's fc1/fc2) and AdamW for the embedding, the LM head, norms, biases and "
-        "the 1-D Mamba parameters, as the modded-nanogpt speedrun; Muon's decay is weight_decay, decoupled "
-        "like AdamW's (p -= lr x weight_decay x p)",
-        choices=OPTIMIZERS,
+        "adamw", ". ".join(f"{k.name}: {k.help}" for k in OPTIMIZERS.values()), choices=OPTIMIZERS
     )
     muon_lr: float | None = _f(
         None,
