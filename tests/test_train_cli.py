@@ -90,7 +90,7 @@ def test_dry_run_on_the_tiny_preset(cli, tmp_path):
         "--set",
         "training.micro_batch_size=2",
         "--set",
-        "training.gradient_accumulation_steps=1",
+        "training.global_batch_size=2",  # one micro batch per step (the preset states its global batch)
         timeout=600,
     )
     assert r.returncode == 0, r.stderr
