@@ -26,8 +26,9 @@ import torch
 from mamba3lite.config import Config, load_config
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.model.precision import resolve_precision
+from mamba3lite.optimizers import is_hidden_matrix
 from mamba3lite.quickstart import recipe
-from mamba3lite.train.optim import FullMatrixMuon, is_hidden_matrix
+from mamba3lite.train.optim import FullMatrixMuon
 
 
 def quickstart_config(shape: recipe.Shape, dtype: str, vocab: int = recipe.VOCAB) -> Config:

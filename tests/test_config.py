@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from mamba3lite.checkpoint import CheckpointManager
+from mamba3lite.checkpoint.meta import meta_digest
 from mamba3lite.config import (
     PRESET_DIR,
+    RESOLVED_HEADER,
     Config,
     DataConfig,
     TrainingConfig,
@@ -21,7 +27,11 @@ from mamba3lite.config import (
 )
 from mamba3lite.errors import ConfigError
 from mamba3lite.model import ModelConfig
+from mamba3lite.quickstart.recipe import MICRO_BATCH, recipe_overrides
 from mamba3lite.train.distributed import pick_device
+from mamba3lite.train.trainer import Pretrainer
+
+OLD_RUN = Path(__file__).parent / "data" / "run_v1_step2"  # a 2-step run of global batch 2 (micro 2 x 1)
 
 
 def test_seed_defaults():
@@ -45,6 +55,82 @@ def test_global_batch_is_the_contract_and_accumulation_is_derived():
         TrainingConfig(parallelism="fdsp")
     with pytest.raises(ConfigError, match=r"set training\.parallelism=hsdp"):
         TrainingConfig(parallelism="ddp", dp_replicate=2)
+
+
+def test_the_resolved_config_states_the_batch_the_run_trains_with(tmp_path):
+    """The quickstart's recipe states the global batch over the tiny preset: its config.yaml says that
+    batch and no accumulation beside it (the run derives it: 1 micro batch per step), and reads back as it."""
+    cfg = load_config("tiny").with_overrides(recipe_overrides())
+    t = cfg.training
+    assert (t.global_batch_size, t.micro_batch_size, t.accumulation(1)) == (MICRO_BATCH, MICRO_BATCH, 1)
+    path = tmp_path / "config.yaml"
+    write_resolved_config(cfg, path)
+    written = yaml.safe_load(path.read_text())["training"]
+    assert written["global_batch_size"] == t.global_windows == MICRO_BATCH
+    assert written["gradient_accumulation_steps"] is None  # not a second, ignored statement of the batch
+    again = load_config(str(path)).training
+    assert (again.global_windows, again.gradient_accumulation_steps, again.accumulation(1)) == (
+        MICRO_BATCH,
+        None,
+        1,
+    )
+    # a batch derived from the accumulation is stated by it alone, and a global batch set over it replaces it
+    derived = load_config("tiny", ["training.global_batch_size=0", "training.gradient_accumulation_steps=3"])
+    assert (derived.training.global_windows, derived.training.gradient_accumulation_steps) == (12, 3)
+    restated = derived.with_overrides(["training.global_batch_size=8"]).training
+    assert (restated.global_windows, restated.gradient_accumulation_steps, restated.accumulation(1)) == (
+        8,
+        None,
+        2,
+    )
+    assert TrainingConfig(global_batch_size=0).gradient_accumulation_steps == 2  # neither stated: the default
+
+
+@pytest.mark.parametrize(
+    "how", ["--set", "yaml", "python"], ids=["set-over-a-preset", "a-written-file", "constructed"]
+)
+def test_stating_both_the_global_batch_and_the_accumulation_is_refused(tmp_path, how):
+    says = (
+        r"training\.gradient_accumulation_steps is 2 but training\.global_batch_size is 4, which decides the "
+        r"accumulation .*--set training\.global_batch_size=8 for 2 micro batches per step"
+    )
+    with pytest.raises(ConfigError, match=says):
+        if how == "--set":  # the tiny preset states global_batch_size 4 (micro batch 4)
+            load_config("tiny", ["training.gradient_accumulation_steps=2"])
+        elif how == "yaml":
+            path = tmp_path / "mine.yaml"
+            train = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "global_batch_size": 4}
+            path.write_text(yaml.safe_dump({"training": train}))
+            load_config(str(path))
+        else:
+            TrainingConfig(micro_batch_size=4, gradient_accumulation_steps=2, global_batch_size=4)
+
+
+def test_a_run_recorded_with_an_ignored_accumulation_reads_and_resumes_with_the_batch_it_trained(tmp_path):
+    """Runs before this rule recorded every field: the quickstart's config.yaml and metas said accumulation
+    2 beside global batch 8, and the run accumulated 1. Such a record loads (config.yaml passed back as
+    --config, a meta's config) with the global batch it trained with, and the run resumes with it."""
+    run = tmp_path / "run"
+    shutil.copytree(OLD_RUN, run)
+    config = run / "config.yaml"
+    text = config.read_text()
+    assert text.startswith(RESOLVED_HEADER) and "  gradient_accumulation_steps: 1\n" in text
+    config.write_text(text.replace("  gradient_accumulation_steps: 1\n", "  gradient_accumulation_steps: 2\n"
+                                   "  global_batch_size: 2\n"))  # fmt: skip
+    meta_path = run / "meta_step_2.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["training"].update(gradient_accumulation_steps=2, global_batch_size=2)
+    meta["meta_sha256"] = meta_digest(meta)  # as that version wrote it
+    meta_path.write_text(json.dumps(meta))
+    recorded = Config.from_dict(CheckpointManager(run).read_meta(2)["config"], source="meta").training
+    assert (recorded.global_windows, recorded.gradient_accumulation_steps) == (2, None)
+    cfg = load_config(str(config))
+    assert (cfg.training.global_windows, cfg.training.accumulation(1)) == (2, 1)
+    cfg = cfg.replace("training", checkpoint_dir=str(run), max_steps=3, progress=False)
+    result = Pretrainer(cfg, resume="latest").train()
+    assert result.step == 3 and result.tokens_seen == 96  # 2 windows of 16 tokens more: the recorded batch
+    rewritten = yaml.safe_load(config.read_text())["training"]
+    assert (rewritten["global_batch_size"], rewritten["gradient_accumulation_steps"]) == (2, None)
 
 
 def test_every_field_is_documented():

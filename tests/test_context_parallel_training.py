@@ -72,7 +72,9 @@ def test_data_parallel_2_x_context_parallel_2_equals_one_process(tmp_path, tmp_p
 
 
 # One refusal per process count: every refusal is plan_layout's ConfigError, raised on every rank at start
-# (each message is checked in one process in test_parallel.py's layout tests).
+# (each message is checked in one process in test_parallel.py's layout tests). What the user is promised
+# is a clear `error:` line, a non-zero exit and no worker traceback; how many ranks print theirs is a race,
+# since torchrun ends the others when the first one exits (a rank's line may never be written).
 @pytest.mark.parametrize(
     ("nproc", "settings", "says"),
     [
@@ -85,6 +87,6 @@ def test_a_context_parallel_setting_that_cannot_run_is_one_error(tmp_path, nproc
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and all(says in line for line in errors), proc.stderr[-2000:]
-    assert len(errors) == nproc, proc.stderr[-2000:]  # one line per process
+    assert 1 <= len(errors) <= nproc, proc.stderr[-2000:]  # at most one line per process, at least one
     assert "src/mamba3lite/" not in proc.stderr  # no worker traceback (torchrun prints its own)
     assert nproc > 1 or "Traceback" not in proc.stderr

@@ -29,18 +29,18 @@ from mamba3lite.model.layer_kinds import LAYER_KINDS, kind_of_layer, layers_by_k
 from mamba3lite.model.memory import (
     activation_bytes,
     activation_bytes_per_token,
-    hidden_matrix_parameters,
     largest_unit_parameters,
     layer_activation_bytes_per_token,
+    optimizer_state_bytes,
     saved_bytes,
     saved_bytes_per_token_growing,
 )
+from mamba3lite.optimizers import is_hidden_matrix
 from mamba3lite.serve.batch_state import BatchState
 from mamba3lite.serve.engine import Delta, Engine, Finished, Job
 from mamba3lite.serve.prefix_cache import PrefixCache
 from mamba3lite.serve.sampling import Sampling
 from mamba3lite.tokenizer import load_tokenizer
-from mamba3lite.train.optim import is_hidden_matrix
 
 F64 = torch.float64
 BASE = dict(vocab_size=61, d_model=32, n_layers=4, d_intermediate=40, mlp_multiple_of=8, d_state=16,
@@ -184,7 +184,8 @@ def test_parameter_count_of_a_hybrid_is_the_real_count(attn):
         model = Mamba3Transformer(cfg)
     assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
     real = sum(p.numel() for name, p in model.named_parameters() if is_hidden_matrix(name, p))
-    assert hidden_matrix_parameters(cfg) == real > 0
+    n = count_parameters(cfg)
+    assert 0 < real < n and optimizer_state_bytes(cfg, "muon") == 4 * real + 8 * (n - real)  # by kind
     block = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
     assert largest_unit_parameters(dataclasses.replace(cfg, vocab_size=8)) == block
 

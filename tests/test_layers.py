@@ -208,7 +208,7 @@ def test_no_module_imports_itself_through_others():
     )
 
 
-@pytest.mark.parametrize("part", ["errors", "atomicfile", "intake", "rundir"])
+@pytest.mark.parametrize("part", ["errors", "atomicfile", "intake", "rundir", "optimizers"])
 def test_the_bottom_layer_imports_only_errors(part):
     graph = import_graph()
     above = sorted(

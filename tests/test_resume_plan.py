@@ -101,6 +101,16 @@ def test_another_model_or_tokenizer_is_refused():
         resume_warnings(_meta(data=other), RUN)
 
 
+def test_a_model_config_recorded_before_a_field_existed_compares_at_its_default():
+    """A meta written before hybrids has no attn_layer_idx / attn_cfg: its run trained a pure model, the
+    fields' defaults. A pure model resumes it; a hybrid is refused, naming the field."""
+    now = {**RUN, "model": {**RUN["model"], "attn_layer_idx": [], "attn_cfg": {}}}
+    assert resume_warnings(_meta(), now) == []
+    hybrid = {**RUN, "model": {**RUN["model"], "attn_layer_idx": [1], "attn_cfg": {"num_heads": 2}}}
+    with pytest.raises(CheckpointError, match=r"differs in model\.attn_cfg, model\.attn_layer_idx\)"):
+        resume_warnings(_meta(), hybrid)
+
+
 def test_changed_data_and_window_length_are_warnings():
     grown = {**RUN["data"], "manifest_sha256": "22" * 32}
     (changed,) = resume_warnings(_meta(data=grown), RUN)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from mamba3lite.pretrained import load_pretrained
-from mamba3lite.serve.protocol import Limits
+from mamba3lite.serve.protocol import MAX_STOP_CHARS, MAX_STOPS, ROLES, Limits
 from serve_helpers import MODEL, generate_reference, live_server, metric_values
 from userside_helpers import save_tiny_checkpoint
 
@@ -199,9 +199,40 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(srv, body, status
     assert ok.status_code == 200
 
 
+def test_stop_sequences_are_bounded_as_openais_are(srv):
+    """At most MAX_STOPS (4, OpenAI's limit) stop sequences of at most MAX_STOP_CHARS characters each: more
+    is a 400 naming the limit, on both endpoints; the limit itself is served, and so is the next request."""
+    long = "y" * (MAX_STOP_CHARS + 1)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for route, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat)):
+        for stop, says in (
+            (["a", "b", "c", "d", "e"], f"at most {MAX_STOPS} stop sequences, got 5"),
+            (["a", long], f"at most {MAX_STOP_CHARS} characters; stop[1] has {MAX_STOP_CHARS + 1}"),
+            (long, f"at most {MAX_STOP_CHARS} characters; stop[0] has"),
+        ):
+            r = httpx.post(srv.url + route, json={**body, "stop": stop, "max_tokens": 2}, timeout=10)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "stop" and says in err["message"], r.text
+        at_limit = ["y" * MAX_STOP_CHARS, "a", "b", "c"]
+        r = httpx.post(srv.url + route, json={**body, "stop": at_limit, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200, r.text
+
+
 def test_bad_chat_and_unknown_route(srv):
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for role in ("tool", "User", "robot"):
+        messages = [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages}, timeout=10)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages[1].role", r.text
+        assert f'"{role}"' in err["message"] and "system, developer, user, assistant" in err["message"]
+    for role in ROLES:  # each allowed role is served, and the server goes on after the refusals
+        messages = [{"role": role, "content": "hi"}, {"role": "user", "content": "x"}]
+        r = httpx.post(
+            srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=10
+        )
+        assert r.status_code == 200, r.text
     r = httpx.get(srv.url + "/v1/nothing", timeout=10)
     assert r.status_code == 404 and "error" in r.json()
 

@@ -52,7 +52,7 @@ def tiny_yaml(tmp_path, **training) -> str:
         "training": {
             "max_seq_len": 16,
             "micro_batch_size": 2,
-            "gradient_accumulation_steps": 1,
+            **({} if "global_batch_size" in training else {"gradient_accumulation_steps": 1}),  # one batch
             "dtype": "fp32",
             "device": "cpu",
             "log_every": 1,
@@ -90,7 +90,7 @@ def test_dry_run_on_the_tiny_preset(cli, tmp_path):
         "--set",
         "training.micro_batch_size=2",
         "--set",
-        "training.gradient_accumulation_steps=1",
+        "training.global_batch_size=2",  # one micro batch per step (the preset states its global batch)
         timeout=600,
     )
     assert r.returncode == 0, r.stderr

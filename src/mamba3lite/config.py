@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mamba3lite.errors import ConfigError, did_you_mean_hint
+from mamba3lite.optimizers import KINDS
 
 if TYPE_CHECKING:
     from mamba3lite.model import ModelConfig
@@ -36,7 +37,10 @@ if TYPE_CHECKING:
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 SECTIONS = ("model", "training", "data", "logging")
 DTYPES = ("auto", "bf16", "fp32")  # resolved per device by model/precision.py
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = KINDS  # the registry itself (optimizers.py): an optimizer registered there is a choice here
+# Micro batches per optimizer step of a run that states neither its global batch nor its accumulation
+# (the seed's default).
+DEFAULT_ACCUMULATION = 2
 LR_SCHEDULES = ("cosine", "linear", "wsd")
 PARALLELISMS = ("auto", "ddp", "fsdp", "hsdp")
 MAX_BUDGET_MINUTES = 1e6  # ~2 years: any real budget, and far from float overflow
@@ -74,11 +78,12 @@ class TrainingConfig:
 
     max_seq_len: int = _f(2048, "window length L in tokens: each sample is L inputs + L shifted targets")
     micro_batch_size: int = _f(16, "windows per forward/backward pass on each process")
-    gradient_accumulation_steps: int = _f(
-        2,
-        "micro-batches accumulated per optimizer step by ONE process when global_batch_size is 0 (the "
-        "global batch is then micro_batch_size x this); with more data-parallel processes the accumulation "
-        "is derived from the global batch, which stays the same",
+    gradient_accumulation_steps: int | None = _f(
+        None,
+        "for a run that does not state global_batch_size (0): micro-batches per optimizer step of ONE "
+        "process, so that the global batch is micro_batch_size x this (default 2); with more data-parallel "
+        "processes the accumulation is derived from that global batch, which stays the same. null where "
+        "global_batch_size is set: the global batch decides the accumulation, and stating both is an error",
     )
     global_batch_size: int = _f(
         0,
@@ -128,12 +133,7 @@ class TrainingConfig:
     betas: tuple[float, float] = _f((0.9, 0.95), "AdamW (beta1, beta2)")
     eps: float = _f(1e-8, "AdamW epsilon")
     optimizer: str = _f(
-        "adamw",
-        "adamw: AdamW for every parameter. muon: torch.optim.Muon for the 2-D hidden matrices (the mixers' "
-        "in_proj/out_proj, the MLP's fc1/fc2) and AdamW for the embedding, the LM head, norms, biases and "
-        "the 1-D Mamba parameters, as the modded-nanogpt speedrun; Muon's decay is weight_decay, decoupled "
-        "like AdamW's (p -= lr x weight_decay x p)",
-        choices=OPTIMIZERS,
+        "adamw", ". ".join(f"{k.name}: {k.help}" for k in OPTIMIZERS.values()), choices=OPTIMIZERS
     )
     muon_lr: float | None = _f(
         None,
@@ -237,7 +237,6 @@ class TrainingConfig:
             (
                 "max_seq_len",
                 "micro_batch_size",
-                "gradient_accumulation_steps",
                 "max_steps",
                 "lr",
                 "log_every",
@@ -275,6 +274,7 @@ class TrainingConfig:
             raise ConfigError(f"training.betas must be two numbers in [0, 1), got {list(self.betas)}")
         self._check_optimizer()
         self._check_schedule()
+        self._resolve_batch()
         self._check_scale_out()
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"training.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
@@ -292,6 +292,24 @@ class TrainingConfig:
                 "name the tasks, e.g. --set 'training.eval_tasks=[piqa,arc_easy]'"
             )
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+    def _resolve_batch(self) -> None:
+        """One source of truth for the batch: global_batch_size when it is set (gradient_accumulation_steps
+        then null: the run derives it, so a value there would be ignored: refused), else
+        micro_batch_size x gradient_accumulation_steps (default DEFAULT_ACCUMULATION)."""
+        if self.global_batch_size and self.gradient_accumulation_steps is not None:
+            per_step = self.micro_batch_size * self.gradient_accumulation_steps
+            raise ConfigError(
+                f"training.gradient_accumulation_steps is {self.gradient_accumulation_steps} but "
+                f"training.global_batch_size is {self.global_batch_size}, which decides the accumulation "
+                "(global batch / (micro batch x data-parallel processes)); state one: "
+                f"--set training.global_batch_size={per_step} for {self.gradient_accumulation_steps} micro "
+                "batches per step on one process, or remove gradient_accumulation_steps"
+            )
+        if not self.global_batch_size and self.gradient_accumulation_steps is None:
+            self.gradient_accumulation_steps = DEFAULT_ACCUMULATION
+        if self.gradient_accumulation_steps is not None:
+            _positive("training", self, ("gradient_accumulation_steps",))
 
     def _check_scale_out(self) -> None:
         """Replicas go with hsdp, and the global batch is made of whole micro batches. (What needs the
@@ -340,7 +358,10 @@ class TrainingConfig:
     @property
     def global_windows(self) -> int:
         """The global batch in windows per optimizer step (all data-parallel processes together)."""
-        return self.global_batch_size or self.micro_batch_size * self.gradient_accumulation_steps
+        if self.global_batch_size:
+            return self.global_batch_size
+        assert self.gradient_accumulation_steps is not None, "resolved in __post_init__"
+        return self.micro_batch_size * self.gradient_accumulation_steps
 
     def accumulation(self, dp_size: int = 1) -> int:
         """Micro-batches per optimizer step on each of `dp_size` data-parallel processes, so that they
@@ -475,8 +496,14 @@ class Config:
         }
 
     @classmethod
-    def from_dict(cls, raw: dict | None, *, source: str = "config") -> Config:
-        """Build from a nested mapping (YAML, a checkpoint's meta). Missing keys take defaults."""
+    def from_dict(cls, raw: dict | None, *, source: str = "config", record: bool = True) -> Config:
+        """Build from a nested mapping (YAML, a checkpoint's meta). Missing keys take defaults.
+
+        record: `raw` is what a run recorded (a checkpoint's meta, a run's config.yaml). Runs recorded
+        every field, so records made before the batch had one source of truth state
+        gradient_accumulation_steps beside a set global_batch_size, which those runs ignored: it is
+        dropped, and the record reads as the run trained. False (a file someone wrote): stating both is
+        the ConfigError of `TrainingConfig._resolve_batch`."""
         raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             raise ConfigError(
@@ -488,6 +515,8 @@ class Config:
             values = raw.get(name) or {}
             if not isinstance(values, dict):
                 raise ConfigError(f"{source}: section `{name}:` must be a mapping of key: value")
+            if record and name == "training" and values.get("global_batch_size"):
+                values = {k: v for k, v in values.items() if k != "gradient_accumulation_steps"}
             sections[name] = build_section(section_cls, values, name)
         return cls(**sections)
 
@@ -541,6 +570,13 @@ class Config:
         section_cls = self.section_classes()[section]
         current = dataclasses.asdict(getattr(self, section))
         _reject_unknown(values.keys(), current.keys(), where=f"unknown key in section `{section}:`")
+        if (
+            section == "training"
+            and "global_batch_size" in values
+            and "gradient_accumulation_steps" not in values
+        ):
+            # A global batch set over one derived from the accumulation replaces it: one source of truth.
+            current["gradient_accumulation_steps"] = None
         merged = {**current, **values}
         return dataclasses.replace(self, **{section: build_section(section_cls, merged, section)})
 
@@ -729,7 +765,9 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
             f"{path} is empty; a config holds model:, training: and/or data: sections (or use a preset "
             f"name: {', '.join(available_presets())})"
         )
-    return Config.from_dict(raw, source=str(path)).with_overrides(list(overrides))
+    header = RESOLVED_HEADER.encode("utf-8")
+    record = intake.read_prefix(path, intake.CONFIG, len(header)) == header  # a run's config.yaml
+    return Config.from_dict(raw, source=str(path), record=record).with_overrides(list(overrides))
 
 
 # The first line of a run directory's record of its resolved config (rundir.CONFIG_NAME: written at every

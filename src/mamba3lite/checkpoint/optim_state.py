@@ -1,9 +1,10 @@
 """Optimizer state keyed by PARAMETER NAME, so that a changed parameter order cannot silently put
 AdamW moments on the wrong tensors (torch's own state_dict keys them by position).
 
-The file also names the optimizer (`"optimizer"`: "adamw", or "muon" for train/optim.py's
-MuonWithAdamW, whose groups are AdamW's then Muon's and whose state holds both): a resume that switches
-optimizer is one ConfigError naming both. A file without the key predates Muon and is AdamW's.
+The file also names the optimizer (`"optimizer"`: its name in the registry, mamba3lite/optimizers.py:
+"adamw", or "muon" for train/optim.py's MuonWithAdamW, whose groups are AdamW's then Muon's and whose
+state holds both): a resume that switches optimizer is one ConfigError naming both, a name the registry
+does not know one CheckpointError. A file without the key predates Muon and is AdamW's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from mamba3lite.errors import CheckpointError, ConfigError
+from mamba3lite.optimizers import lookup
 
 OPTIM_FORMAT = "mamba3lite-optim-v1"
 
@@ -52,7 +54,9 @@ def optimizer_state_by_name(optimizer: Any, model: torch.nn.Module) -> dict:
 
 
 def check_optimizer_kind(saved_kind: str, optimizer: Any, where: str) -> None:
-    """ConfigError naming both when state saved by optimizer `saved_kind` is loaded into another one."""
+    """ConfigError naming both when state saved by optimizer `saved_kind` is loaded into another one;
+    CheckpointError when `saved_kind` is no optimizer of the registry (optimizers.py)."""
+    lookup(saved_kind, where=f"{where} (the optimizer state's record)", error=CheckpointError)
     kind = optimizer_kind(optimizer)
     if saved_kind != kind:
         raise ConfigError(

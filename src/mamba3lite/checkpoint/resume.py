@@ -16,6 +16,8 @@ keeps it at any world size, and a checkpoint recorded with another one is refuse
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from mamba3lite.checkpoint.manager import CheckpointManager
@@ -112,11 +114,9 @@ def resume_warnings(meta: dict, run: dict) -> list[str]:
     if "model" in saved_cfg:
         from mamba3lite.model.config import EXECUTION_FIELDS
 
-        mine = run["model"]
+        mine, saved_model = _with_later_fields(run["model"]), _with_later_fields(saved_cfg["model"])
         diff = sorted(
-            k
-            for k in (set(mine) | set(saved_cfg["model"])) - EXECUTION_FIELDS
-            if mine.get(k) != saved_cfg["model"].get(k)
+            k for k in (set(mine) | set(saved_model)) - EXECUTION_FIELDS if mine.get(k) != saved_model.get(k)
         )
         if diff:
             raise CheckpointError(
@@ -152,6 +152,19 @@ def resume_warnings(meta: dict, run: dict) -> list[str]:
             "continuation of the run's (some text comes again, some is skipped this epoch)"
         )
     return out
+
+
+def _with_later_fields(saved_model: dict) -> dict:
+    """A model config as recorded, with the fields added since it was written (a hybrid's attn_layer_idx
+    and attn_cfg) at their defaults, which is what that run trained with; tuples as the record's lists."""
+    from mamba3lite.model.config import ModelConfig
+
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(ModelConfig)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
+    return json.loads(json.dumps({**defaults, **saved_model}))
 
 
 def _global_batch_change(meta: dict, run: dict) -> list[str]:

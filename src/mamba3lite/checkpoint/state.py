@@ -11,11 +11,12 @@ Two forms, both keyed by parameter name (fully qualified name, FQN):
 The full optimizer form is optim_state.py's by-name dict ({"format", "optimizer", "state": {name: ...},
 "param_groups": [{..., "params": [names]}]}), which is torch's FQN-keyed optimizer state_dict plus the
 format and the optimizer's kind; so a three-file checkpoint loads into a sharded model and a sharded
-model can write one. train/optim.py's `MuonWithAdamW` is two torch optimizers (AdamW's groups, then
-Muon's). torch's state_dict API refuses several optimizers at once when a group is empty (AdamW's
-decayed group is, beside Muon, for a model with a tied head), so each part goes through it alone: the
-local form nests them ({"adamw": ..., "muon": ...}), the full form concatenates their groups in that
-order and merges their states (names are unique: a parameter is in one part only).
+model can write one. An optimizer is the torch optimizers its registry entry names (`parts`,
+mamba3lite/optimizers.py): train/optim.py's `MuonWithAdamW` is two (AdamW's groups, then Muon's).
+torch's state_dict API refuses several optimizers at once when a group is empty (AdamW's decayed group is,
+beside Muon, for a model with a tied head), so each part goes through it alone: the local form nests them
+({"adamw": ..., "muon": ...}), the full form concatenates their groups in that order and merges their states
+(names are unique: a parameter is in one part only).
 
 A tied parameter (the LM head that is the embedding) is named by its first name in `named_parameters()`
 (here `embed.weight`, also the smallest, as optim_state.param_names chooses).
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from mamba3lite.checkpoint.optim_state import OPTIM_FORMAT, optimizer_kind
+from mamba3lite.optimizers import lookup
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -46,11 +48,13 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def torch_optimizers(optimizer: Any) -> dict[str, torch.optim.Optimizer]:
-    """The torch optimizers behind the trainer's optimizer, by name: {"": itself}, or MuonWithAdamW's
-    {"adamw": ..., "muon": ...} (in the order of its param_groups)."""
-    if isinstance(optimizer, torch.optim.Optimizer):
+    """The torch optimizers behind the trainer's optimizer, by name: its registered `parts` (optimizers.py;
+    MuonWithAdamW's {"adamw": ..., "muon": ...}, in the order of its param_groups), or {"": itself} for
+    an optimizer registered without parts."""
+    parts = lookup(optimizer_kind(optimizer), where="the optimizer to checkpoint").parts
+    if not parts:
         return {"": optimizer}
-    return {"adamw": optimizer.adamw, "muon": optimizer.muon}
+    return {name: getattr(optimizer, name) for name in parts}
 
 
 def local_model_state(model: torch.nn.Module) -> dict[str, Any]:

@@ -46,12 +46,6 @@ def attention_parameters(cfg: ModelConfig) -> int:
     return n
 
 
-def attention_hidden_matrix_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the mixer's 2-D hidden matrices (Muon's): in_proj and out_proj."""
-    qkv, out, mlp = _widths(cfg)
-    return cfg.d_model * (qkv + mlp) + (out + mlp // 2) * cfg.d_model
-
-
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Forward FLOPs per token of one attention mixer in sequences of `seq_len` tokens, by part:
     projections (in_proj, the depthwise conv, out_proj) and attention (q·kᵀ and the weights' product

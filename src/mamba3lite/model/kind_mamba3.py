@@ -39,11 +39,6 @@ def mamba3_parameters(cfg: ModelConfig) -> int:
     return n
 
 
-def mamba3_hidden_matrix_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the mixer's 2-D hidden matrices (Muon's): in_proj and out_proj."""
-    return cfg.d_model * cfg.d_in_proj + cfg.d_inner * cfg.d_model
-
-
 def mamba3_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Forward FLOPs per token of one Mamba-3 mixer in sequences of `seq_len` tokens, by part:
     projections (in_proj + out_proj), scan_intra (the chunk's masked quadratic form: scores and their

@@ -9,7 +9,7 @@ kind_attention.py) and supplies, through its `LayerKind`:
                                            step(u_BD, state, reset_B=None) and allocate_state(batch_size,
                                            max_len=None, device=None, dtype=None), whose state follows
                                            the protocol of model/decode_state.py
-    parameters(cfg), hidden_matrix_parameters(cfg)   for model/flops.py and model/memory.py
+    parameters(cfg)                        its parameter count, for model/flops.py and model/memory.py
     flops_per_token(cfg, seq_len)          forward FLOPs per token by part, a function of the length
     activations_grow_with_length           whether the bytes it keeps for backward per token grow with
                                            the length (model/memory.py then measures at the run's length)
@@ -30,7 +30,6 @@ from torch import nn
 from mamba3lite.model.config import ATTENTION_KIND, MAMBA3_KIND, ModelConfig
 from mamba3lite.model.kind_attention import (
     attention_flops_per_token,
-    attention_hidden_matrix_parameters,
     attention_parameters,
     attention_set_context_parallel,
     build_attention,
@@ -38,7 +37,6 @@ from mamba3lite.model.kind_attention import (
 from mamba3lite.model.kind_mamba3 import (
     build_mamba3,
     mamba3_flops_per_token,
-    mamba3_hidden_matrix_parameters,
     mamba3_parameters,
     mamba3_set_context_parallel,
 )
@@ -51,7 +49,6 @@ class LayerKind:
     name: str
     build: Callable[..., nn.Module]
     parameters: Callable[[ModelConfig], int]
-    hidden_matrix_parameters: Callable[[ModelConfig], int]
     flops_per_token: Callable[[ModelConfig, int], dict[str, float]]
     activations_grow_with_length: bool
     scans: bool
@@ -60,13 +57,13 @@ class LayerKind:
 
 LAYER_KINDS: dict[str, LayerKind] = {
     MAMBA3_KIND: LayerKind(
-        MAMBA3_KIND, build_mamba3, mamba3_parameters, mamba3_hidden_matrix_parameters,
-        mamba3_flops_per_token, activations_grow_with_length=False, scans=True,
+        MAMBA3_KIND, build_mamba3, mamba3_parameters, mamba3_flops_per_token,
+        activations_grow_with_length=False, scans=True,
         set_context_parallel=mamba3_set_context_parallel,
     ),
     ATTENTION_KIND: LayerKind(
-        ATTENTION_KIND, build_attention, attention_parameters, attention_hidden_matrix_parameters,
-        attention_flops_per_token, activations_grow_with_length=True, scans=False,
+        ATTENTION_KIND, build_attention, attention_parameters, attention_flops_per_token,
+        activations_grow_with_length=True, scans=False,
         set_context_parallel=attention_set_context_parallel,
     ),
 }  # fmt: skip

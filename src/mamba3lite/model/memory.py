@@ -14,18 +14,19 @@ out the weights and their copies. The callers pass what `training.dtype` resolve
 device (model/precision.py); bf16, the presets' accelerators', is the default. `training_memory_bytes`
 scales that by micro batch × window × layers (or, with gradient checkpointing, keeps one fp32 layer input
 per layer plus one layer's activations) and adds 16 bytes per parameter: fp32 weights, gradients and
-AdamW's two moments. On the H200 (benchmarks/RESULTS.md, GPU section) the measured eager peaks came
-out 4-7% below this estimate, for a layer that kept 12.75 KiB per token more than it does now (in_proj's
-whole output, SiLU(z), out_proj's input); the presets' micro batches are sized with it to fit an 80 GB
-accelerator. The estimate measures the layer with the config's scan (`chunked` on the CPU);
+AdamW's two moments (another optimizer's state: `optimizer_state_bytes`). On the H200
+(benchmarks/RESULTS.md, GPU section) the measured eager peaks came out 4-7% below this estimate, for a layer
+that kept 12.75 KiB per token more than it does now (in_proj's whole output, SiLU(z), out_proj's input); the
+presets' micro batches are sized with it to fit an 80 GB accelerator.
+The estimate measures the layer with the config's scan (`chunked` on the CPU);
 benchmarks/activation_memory.py compares it with the Triton scan's and the Transformer's. Under
 torch.compile (`training.compile`) the compiler picks what to save and the peaks were ~1.4x this
 estimate.
 
-Per rank (`per_rank_memory`): the fp32 weights, gradients and optimizer state (AdamW 8 bytes per
-parameter; Muon 4 for the hidden matrices it owns, momentum only) are divided by the processes that
-shard them (fsdp: the data-parallel size; hsdp: its shard groups; ddp and one process: 1), plus what a
-sharded model gathers while a block computes (two blocks' weights, the one running and the one
+Per rank (`per_rank_memory`): the fp32 weights, gradients and optimizer state (the registry's bytes per
+parameter, mamba3lite/optimizers.py: AdamW 8; Muon 4 for its hidden matrices) are divided by the
+processes that shard them (fsdp: the data-parallel size; hsdp: its shard groups; ddp and one process: 1),
+plus what a sharded model gathers while a block computes (two blocks' weights, the one running and the one
 prefetched, and one block's unsharded gradients; every block's weights from forward to backward when
 `reshard_after_forward` is off); activations are divided by the context-parallel size C, each rank
 holding T / C tokens of each window. `check_model_fits` refuses what cannot fit even sharded, and
@@ -37,6 +38,7 @@ T; tests/test_memory.py checks it), and a 7B layer forward at 2,048 tokens takes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -49,7 +51,8 @@ from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.flops import block_parameters, count_parameters
 from mamba3lite.model.layer_kinds import LAYER_KINDS, layers_by_kind
-from mamba3lite.model.transformer import Block
+from mamba3lite.model.transformer import Block, Mamba3Transformer
+from mamba3lite.optimizers import lookup
 
 # Tokens of the autograd measurement: bytes per token do not depend on the length (module docstring).
 PROBE_TOKENS = 256
@@ -204,31 +207,33 @@ def training_memory_bytes(
     seq_len: int,
     grad_checkpointing: bool = False,
     compute: torch.dtype | None = torch.bfloat16,
+    optimizer: str = "adamw",
 ) -> float:
-    """Estimated peak bytes of one training process holding the whole model (AdamW): activations of a
-    micro step at compute dtype `compute` + 16 bytes per parameter."""
+    """Estimated peak bytes of one training process holding the whole model: activations of a micro step
+    at compute dtype `compute` + fp32 weights and gradients (8 bytes per parameter) + the optimizer's
+    state (AdamW's: 8 more)."""
     activations = activation_bytes(cfg, micro_batch, seq_len, grad_checkpointing, compute=compute)
-    return activations + 16 * count_parameters(cfg)
-
-
-def hidden_matrix_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the 2-D hidden matrices Muon optimizes (train/optim.py `is_hidden_matrix`): each
-    layer's mixer's (its kind's: in_proj and out_proj), and its MLP's fc1 and fc2."""
-    D, F = cfg.d_model, cfg.d_mlp
-    mlp = 3 * D * F if F > 0 else 0
-    kinds = layers_by_kind(cfg).items()
-    return sum(n * (LAYER_KINDS[k].hidden_matrix_parameters(cfg) + mlp) for k, (n, _) in kinds)
+    return activations + 8 * count_parameters(cfg) + optimizer_state_bytes(cfg, optimizer)
 
 
 def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
-    """Bytes of optimizer state for the whole model: AdamW's two fp32 moments per parameter; with
-    Muon, its one fp32 momentum for the hidden matrices and AdamW's moments for the rest."""
-    n = count_parameters(cfg)
-    if optimizer == "muon":
-        m = hidden_matrix_parameters(cfg)
-        return 4 * m + 8 * (n - m)
-    assert optimizer == "adamw", optimizer
-    return 8 * n
+    """Bytes of optimizer state for the whole model: the registered optimizer's `state_bytes` per element
+    of each parameter (optimizers.py: AdamW's two fp32 moments; Muon's one momentum for the hidden matrices
+    and AdamW's moments for the rest), counted over the model's own parameter names and shapes, so the
+    rule of which parameter gets what is the optimizer's alone. Built on the meta device (shapes, no
+    memory, no arithmetic): one block of each layer kind (its bytes times the layers of that kind:
+    `layers_by_kind`, no loop over n_layers) and the rest of the model (embedding, final norm, an untied
+    head). An unknown optimizer: ConfigError."""
+    kind = lookup(optimizer)
+
+    def state(module: torch.nn.Module, prefix: str = "") -> int:
+        return sum(kind.state_bytes(prefix + name, p) * p.numel() for name, p in module.named_parameters())
+
+    with torch.device("meta"):
+        total = sum(n * state(Block(cfg, i), f"layers.{i}.") for n, i in layers_by_kind(cfg).values())
+        root = Mamba3Transformer(dataclasses.replace(cfg, n_layers=1, attn_layer_idx=(), attn_cfg={}))
+        root.layers = torch.nn.ModuleList()  # the parameters outside the layers: counted by their names
+        return total + state(root)  # (a tied head is the embedding: counted once, as trained)
 
 
 def largest_unit_parameters(cfg: ModelConfig) -> int:
@@ -359,7 +364,6 @@ def check_model_fits(
     built first. (Building 10^8 layers one small allocation at a time would not fail: it would take
     hours.) When sharding over more processes would fit, the message says so."""
     n = count_parameters(cfg)
-    state = 8 * n + optimizer_state_bytes(cfg, optimizer)
     shape = f"d_model {cfg.d_model}, n_layers {cfg.n_layers}, vocab_size {cfg.vocab_size}"
     size = f"{n / 1e6:,.1f}M parameters ({shape})"
     have = physical_memory_bytes(torch.device("cpu"))
@@ -368,6 +372,7 @@ def check_model_fits(
             f"the model has {size}: ~{4 * n / 2**30:,.1f} GiB, more than this machine's RAM (the model is "
             f"built on the host), {have / 2**30:,.1f} GiB; use a smaller model (e.g. --config tiny)"
         )
+    state = 8 * n + optimizer_state_bytes(cfg, optimizer)  # after the RAM check: it builds one layer
     have = physical_memory_bytes(device)
     if have is None or state / shards <= have:
         return

@@ -23,7 +23,12 @@ from mamba3lite.serve.sampling import Sampling
 
 MAX_N = 16
 MAX_LOGPROBS = 5
-MAX_STOPS = 16
+MAX_STOPS = 4  # OpenAI's API takes at most 4 stop sequences
+# A stop sequence's length in characters. The decoder holds back up to this many characters of a stream
+# while it may be the start of a stop (serve/textout.py), so the bound is also that of the hold-back.
+MAX_STOP_CHARS = 256
+# The chat roles a message may take: OpenAI's, less those of tool and function calls (refused, UNSUPPORTED).
+ROLES = ("system", "developer", "user", "assistant")
 MAX_SEED = 2**63
 MIN_SAMPLING_VALUE = 1e-30
 # Fields that change what a request means and that this server does not implement.
@@ -156,7 +161,12 @@ def _stops(body: dict) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad("stop", "stop must be a string or a list of strings", "invalid_type")
     if len(stops) > MAX_STOPS:
-        raise bad("stop", f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        raise bad("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    for i, stop in enumerate(stops):
+        if len(stop) > MAX_STOP_CHARS:
+            raise bad(
+                "stop", f"a stop sequence has at most {MAX_STOP_CHARS} characters; stop[{i}] has {len(stop)}"
+            )
     return tuple(s for s in stops if s)
 
 
@@ -297,6 +307,11 @@ def _messages(v: Any) -> list[dict]:
     for i, m in enumerate(v):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string role", "invalid_type")
+        if m["role"] not in ROLES:
+            raise bad(
+                f"messages[{i}].role",
+                f"messages[{i}].role is {json.dumps(m['role'])[:40]}; allowed: {', '.join(ROLES)}",
+            )
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(

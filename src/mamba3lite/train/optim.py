@@ -1,12 +1,11 @@
 """The optimizer (AdamW, or Muon for the hidden matrices + AdamW for the rest) and the learning-rate
 schedule as a pure function.
 
-Weight decay (decoupled, AdamW) applies to the weight matrices of linear layers only. No decay for
-(docs/model.md §1.2, §5, and common practice for LMs):
-- parameters flagged `p._no_weight_decay = True` (the mixer's dt_bias and D),
-- every parameter with fewer than 2 dimensions (norm weights, biases, B_bias/C_bias rows are 3-D but
-  are biases: matched by name),
-- norms, biases and embeddings by name (the tied LM head is the embedding, so it is not decayed either).
+`training.optimizer` names one of the registry's optimizers (mamba3lite/optimizers.py: the names, their
+state's bytes per parameter, their checkpointed parts); `BUILDERS` here builds each. Weight decay
+(decoupled, AdamW) applies to the weight matrices of linear layers only, by the registry's rule
+(`wants_decay`: docs/model.md §1.2, §5, and common practice for LMs): not to parameters flagged
+`p._no_weight_decay`, to anything of fewer than 2 dimensions, nor to norms, biases and embeddings by name.
 A tied parameter appears once (`named_parameters()` de-duplicates), so its moments are not doubled.
 
 `training.optimizer: muon` (`MuonWithAdamW`): `torch.optim.Muon` for the 2-D hidden matrices (the
@@ -33,6 +32,7 @@ config names another schedule follows the new one from the saved step, as with a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,25 +42,10 @@ from torch.optim._muon import _adjust_lr
 
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.model.precision import resolve_precision
+from mamba3lite.optimizers import is_hidden_matrix, lookup, wants_decay
 
 if TYPE_CHECKING:
     from mamba3lite.config import TrainingConfig
-
-_NO_DECAY_NAME_PARTS = ("norm", "bias", "embed", "wte")
-_HEAD_NAME_PARTS = ("lm_head",)  # an untied head is a decayed matrix, but the output layer: AdamW's
-
-
-def wants_decay(name: str, p: torch.nn.Parameter) -> bool:
-    """True for parameters that get weight decay (see the module docstring for the rule)."""
-    if getattr(p, "_no_weight_decay", False) or p.ndim < 2:
-        return False
-    lname = name.lower()
-    return not any(part in lname for part in _NO_DECAY_NAME_PARTS)
-
-
-def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
-    """True for the parameters Muon optimizes: 2-D, decayed, and not the LM head."""
-    return p.ndim == 2 and wants_decay(name, p) and not any(part in name.lower() for part in _HEAD_NAME_PARTS)
 
 
 def param_groups(
@@ -242,19 +227,30 @@ class MuonWithAdamW:
             part.load_state_dict({"state": state, "param_groups": part_groups})
 
 
-def build_optimizer(
-    model: torch.nn.Module, training: TrainingConfig | None = None, **adamw: Any
-) -> torch.optim.AdamW | MuonWithAdamW:
-    """The optimizer `training.optimizer` names, over the model's trainable parameters: AdamW over
-    `param_groups(model)`, or `MuonWithAdamW`. Without a config, `build_optimizer(model, lr=...,
-    weight_decay=..., betas=..., eps=...)` is that AdamW (the form checkpoint tests and benchmarks use).
-    ConfigError when muon is asked for and the model has no hidden matrix for it."""
+def build_optimizer(model: torch.nn.Module, training: TrainingConfig | None = None, **adamw: Any) -> Any:
+    """The optimizer `training.optimizer` names (the registry, optimizers.py; its builder in `BUILDERS`),
+    over the model's trainable parameters, with its name as `kind` (what a checkpoint records). Without
+    a config, `build_optimizer(model, lr=..., weight_decay=..., betas=..., eps=...)` is AdamW over
+    `param_groups(model)` (the form checkpoint tests and benchmarks use). An unknown name: ConfigError."""
     if training is None:
         wd = adamw.pop("weight_decay")
         return build_adamw(param_groups(model, wd), **adamw)
+    kind = lookup(training.optimizer)
+    assert kind.name in BUILDERS, f"optimizer {kind.name} is registered without a builder in BUILDERS"
+    optimizer = BUILDERS[kind.name](model, training)
+    optimizer.kind = kind.name
+    return optimizer
+
+
+def _adamw(model: torch.nn.Module, training: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW over `param_groups(model)`."""
     kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
-    if training.optimizer == "adamw":
-        return build_adamw(param_groups(model, training.weight_decay), **kw)
+    return build_adamw(param_groups(model, training.weight_decay), **kw)
+
+
+def _muon(model: torch.nn.Module, training: TrainingConfig) -> MuonWithAdamW:
+    """`MuonWithAdamW`: Muon over the hidden matrices, AdamW over the rest. ConfigError when the model
+    has no hidden matrix for Muon."""
     hidden = [(n, p) for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
     if not hidden:
         raise ConfigError(
@@ -273,7 +269,14 @@ def build_optimizer(
         adjust_lr_fn="match_rms_adamw",
     )
     groups = param_groups(model, training.weight_decay, exclude=frozenset(n for n, _ in hidden))
+    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
     return MuonWithAdamW(build_adamw(groups, **kw), muon, muon_lr / training.lr)
+
+
+# How each optimizer of the registry (optimizers.KINDS, the same names) is built: (model, training) -> an
+# optimizer with torch's interface (step, zero_grad, param_groups, state_dict, load_state_dict) whose
+# registered `parts` are its torch optimizers. An optimizer with its own lr per group sets `lr_scales`.
+BUILDERS: dict[str, Callable[[torch.nn.Module, TrainingConfig], Any]] = {"adamw": _adamw, "muon": _muon}
 
 
 def lr_at(
@@ -327,7 +330,8 @@ def apply_optimizer_settings(optimizer: Any, training: TrainingConfig) -> list[s
     Optimizers keep weight_decay, betas, eps (AdamW) and momentum (Muon) in their param groups, so loading
     a checkpoint's optimizer state brings back the settings it was saved with; the run's config (what
     config.yaml records) wins. AdamW's groups as `param_groups`: [decayed, not decayed]; Muon's one group
-    is decayed. (lr is set every step from the schedule.)
+    is decayed. Another registered optimizer's groups get the settings they have, AdamW's way. (lr is set
+    every step from the schedule.)
     """
     adamw = getattr(optimizer, "adamw", optimizer)
     changed = []
@@ -335,6 +339,8 @@ def apply_optimizer_settings(optimizer: Any, training: TrainingConfig) -> list[s
         want = {"weight_decay": training.weight_decay if i == 0 else 0.0, "betas": tuple(training.betas)}
         want["eps"] = training.eps
         for key, value in want.items():
+            if key not in g:  # a registered optimizer without this setting (SGD has no betas)
+                continue
             have = tuple(g[key]) if key == "betas" else g[key]
             if have != value:
                 g[key] = value
