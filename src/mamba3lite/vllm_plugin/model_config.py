@@ -1,0 +1,29 @@
+"""The config hook vLLM runs for our architecture (MODELS_CONFIG_MAP): attention-free, prefix caching off.
+
+Prefix caching of a recurrent model needs the state at block boundaries copied between cache slots
+(vLLM's "align" mode and a model's `get_mamba_state_copy_func`); the plugin does not do that yet, so
+`--enable-prefix-caching` is turned off here with a warning instead of serving wrong states.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+from vllm.model_executor.models.config import MambaModelConfig
+
+from mamba3lite.interop.hf_export import ARCHITECTURE
+
+logger = init_logger(__name__)
+
+
+class Mamba3LiteModelConfig(MambaModelConfig):
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        cache_config = vllm_config.cache_config
+        if cache_config.enable_prefix_caching:
+            logger.warning(
+                "prefix caching is turned off for %s: the mamba3lite plugin does not copy Mamba-3 "
+                "states between cache blocks yet (every prompt is prefilled in full)",
+                ARCHITECTURE,
+            )
+            cache_config.enable_prefix_caching = False
+        super().verify_and_update_config(vllm_config)

@@ -1,0 +1,89 @@
+"""Shared by the vLLM tests: tiny Mamba-3 runs exported with `mamba3lite export --format hf`, the model's
+own greedy decode as the reference, and vLLM's engine arguments for a 2-core CPU.
+
+The models are tiny (head size 32, two or three layers) with random weights perturbed so that every
+part (the gates, the biases, MIMO's rank) matters, in fp32, GPT-2's vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mamba3lite.checkpoint import CheckpointManager, RunState
+from mamba3lite.cli import main
+from mamba3lite.config import Config
+from mamba3lite.model import Mamba3Transformer
+from mamba3lite.tokenizer import load_tokenizer
+
+EOS = 50256
+SHAPE = dict(d_model=64, n_layers=2, d_intermediate=64, d_state=16, headdim=32, chunk_size=8)
+# Small enough that the long prompts are prefilled in several chunks, and that steps mix one request's
+# prefill chunk with other requests' decode tokens.
+MAX_BATCHED_TOKENS = 32
+NEW_TOKENS = 12
+# vLLM's CPU backend: a small KV-cache reservation (GiB) and no thread pinning on a shared machine.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+
+
+def cpu_env() -> None:
+    """Set CPU_ENV in this process (the engine's processes inherit it)."""
+    os.environ.update(CPU_ENV)
+
+
+def tiny_model(**model) -> Mamba3Transformer:
+    """A random tiny model (seed fixed), its parameters perturbed so that every one matters."""
+    cfg = Config().replace("model", vocab_size=50257, eos_id=EOS, **{**SHAPE, **model}).model
+    torch.manual_seed(0)
+    m = Mamba3Transformer(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m.eval()
+
+
+def export(model: Mamba3Transformer, root: Path) -> Path:
+    """Save `model` as a run's checkpoint and export it with `mamba3lite export --format hf`."""
+    cfg = Config().replace("model", **model.cfg.__dict__)
+    cfg = cfg.replace("training", checkpoint_dir=str(root / "run"), device="cpu", dtype="fp32")
+    tok = load_tokenizer("gpt2")
+    data = {"tokenizer": "gpt2", "vocab_hash": tok.vocab_hash, "vocab_size": 50257, "eos_id": EOS}
+    state = RunState(step=1, config=cfg.to_dict(), data=data)
+    CheckpointManager(root / "run").save(1, model, None, state)
+    out = root / "export"
+    assert main(["export", str(root / "run"), "--format", "hf", "--out", str(out)]) == 0
+    return out
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token prompts of the given lengths, each starting with the EOS (as `mamba3lite generate` feeds)."""
+    g = torch.Generator().manual_seed(seed)
+    return [[EOS, *torch.randint(0, EOS, (n - 1,), generator=g).tolist()] for n in lengths]
+
+
+def reference_greedy(model: Mamba3Transformer, prompt: list[int], new_tokens: int) -> list[int]:
+    """The model's own greedy continuation (prefill, then the O(1) step), no stop at EOS."""
+    ids = torch.tensor([prompt])
+    return [int(t) for t in model.generate(ids, new_tokens, temperature=0.0)]
+
+
+def engine(export_dir: Path, **kwargs):
+    """A vLLM engine on the export: fp32 (as the reference), chunked prefill in small batches."""
+    from vllm import LLM
+
+    args = dict(
+        model=str(export_dir), dtype="float32", max_model_len=512, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        max_num_seqs=8, enable_chunked_prefill=True, enforce_eager=True, seed=0,
+    )  # fmt: skip
+    return LLM(**{**args, **kwargs})
+
+
+def vllm_greedy(llm, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """vLLM's greedy continuations of token prompts `rows`, all submitted at once (one batch)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
