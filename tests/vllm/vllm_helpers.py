@@ -7,9 +7,9 @@ part (the gates, the biases, MIMO's rank) matters, in fp32, GPT-2's vocabulary.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from mamba3lite.checkpoint import CheckpointManager, RunState
@@ -24,13 +24,11 @@ SHAPE = dict(d_model=64, n_layers=2, d_intermediate=64, d_state=16, headdim=32, 
 # prefill chunk with other requests' decode tokens.
 MAX_BATCHED_TOKENS = 32
 NEW_TOKENS = 12
-# vLLM's CPU backend: a small KV-cache reservation (GiB) and no thread pinning on a shared machine.
+# vLLM's CPU backend: a small KV-cache reservation (GiB), no thread pinning on a shared machine, nothing
+# from the network.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
-
-
-def cpu_env() -> None:
-    """Set CPU_ENV in this process (the engine's processes inherit it)."""
-    os.environ.update(CPU_ENV)
+# The engine in the test's own process (no engine or worker processes): the tests watch its layers.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def tiny_model(**model) -> Mamba3Transformer:
@@ -69,15 +67,52 @@ def reference_greedy(model: Mamba3Transformer, prompt: list[int], new_tokens: in
     return [int(t) for t in model.generate(ids, new_tokens, temperature=0.0)]
 
 
-def engine(export_dir: Path, **kwargs):
-    """A vLLM engine on the export: fp32 (as the reference), chunked prefill in small batches."""
+def engine(export_dir: Path, monkeypatch: pytest.MonkeyPatch, **kwargs):
+    """A vLLM engine on the export, in this process: fp32 (as the reference), chunked prefill in small
+    batches. `monkeypatch` sets the environment (CPU_ENV, IN_PROCESS_ENV) for as long as it lives."""
     from vllm import LLM
 
+    for k, v in {**CPU_ENV, **IN_PROCESS_ENV}.items():
+        monkeypatch.setenv(k, v)
     args = dict(
         model=str(export_dir), dtype="float32", max_model_len=512, max_num_batched_tokens=MAX_BATCHED_TOKENS,
         max_num_seqs=8, enable_chunked_prefill=True, enforce_eager=True, seed=0,
+        distributed_executor_backend="uni",
     )  # fmt: skip
     return LLM(**{**args, **kwargs})
+
+
+class StepLog:
+    """What the first Mamba-3 layer was given at each engine step: (decode rows, prefill pieces, which of
+    the pieces continue a state), recorded by wrapping VllmMamba3.forward while the context is open."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, list[bool]]] = []
+
+    def watch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from vllm.forward_context import get_forward_context
+
+        from mamba3lite.vllm_plugin.layer import VllmMamba3
+
+        forward = VllmMamba3.forward
+
+        def recorded(layer, u_1TD, eos_T=None):
+            metadata = get_forward_context().attn_metadata
+            md = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
+            if md is not None and layer.prefix.endswith("layers.0.mixer"):
+                cont = md.has_initial_states_p.tolist() if md.num_prefills else []
+                self.steps.append((md.num_decodes, md.num_prefills, cont))
+            return forward(layer, u_1TD, eos_T)
+
+        monkeypatch.setattr(VllmMamba3, "forward", recorded)
+
+    def mixed(self) -> bool:
+        """Some step held decode tokens and a prefill piece together."""
+        return any(d > 0 and p > 0 for d, p, _ in self.steps)
+
+    def continued(self) -> bool:
+        """Some prefill piece continued a state left by an earlier piece of its prompt (chunked)."""
+        return any(any(c) for _, _, c in self.steps)
 
 
 def vllm_greedy(llm, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
