@@ -24,9 +24,14 @@ SHAPE = dict(d_model=64, n_layers=2, d_intermediate=64, d_state=16, headdim=32, 
 # prefill chunk with other requests' decode tokens.
 MAX_BATCHED_TOKENS = 32
 NEW_TOKENS = 12
-# vLLM's CPU backend: a small KV-cache reservation (GiB), no thread pinning on a shared machine, nothing
-# from the network.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+# vLLM's CPU backend (named: the CLI cannot tell it from vllm-cpu's version), a small KV-cache reservation
+# (GiB), no thread pinning on a shared machine, nothing from the network.
+CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+}
 # The engine in the test's own process (no engine or worker processes): the tests watch its layers.
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
