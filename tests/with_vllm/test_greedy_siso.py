@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from vllm_helpers import (
     NEW_TOKENS,
+    NO_VLLM,
     StepLog,
     engine,
     export,
@@ -14,6 +15,8 @@ from vllm_helpers import (
     tiny_model,
     vllm_greedy,
 )
+
+pytest.importorskip("vllm", reason=NO_VLLM)
 
 LENGTHS = [1, 5, 23, 70, 150]
 
