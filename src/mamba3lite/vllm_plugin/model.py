@@ -31,7 +31,13 @@ def model_config_of(hf_config) -> ModelConfig:
             "config.json has no 'mamba3lite' section: serve a directory written by "
             "`mamba3lite export --format hf`"
         )
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**fields)
+    except TypeError as e:  # a field this mamba3lite does not know (an export from a newer version)
+        raise ConfigError(
+            f"config.json's 'mamba3lite' section does not fit this mamba3lite ({e}): upgrade mamba3lite, or "
+            "export the run again with this one"
+        ) from None
 
 
 class Mamba3LiteForCausalLM(nn.Module, HasInnerState, IsAttentionFree):

@@ -1,4 +1,6 @@
-"""The config hook vLLM runs for our architecture (MODELS_CONFIG_MAP): attention-free, prefix caching off.
+"""The config hook vLLM runs for our architecture (MODELS_CONFIG_MAP), in the process that starts vLLM,
+before any engine: the export's model config is checked here (one error, not an engine that fails to
+start), the model is attention-free, and prefix caching is off.
 
 Prefix caching of a recurrent model needs the state at block boundaries copied between cache slots
 (vLLM's "align" mode and a model's `get_mamba_state_copy_func`); the plugin does not do that yet, so
@@ -11,6 +13,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import MambaModelConfig
 
 from mamba3lite.interop.hf_export import ARCHITECTURE
+from mamba3lite.vllm_plugin.layer import state_spec
+from mamba3lite.vllm_plugin.model import model_config_of
 
 logger = init_logger(__name__)
 
@@ -18,6 +22,8 @@ logger = init_logger(__name__)
 class Mamba3LiteModelConfig(MambaModelConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
+        model_config = vllm_config.model_config
+        state_spec(model_config_of(model_config.hf_config), model_config.dtype)  # ConfigError if unservable
         cache_config = vllm_config.cache_config
         if cache_config.enable_prefix_caching:
             logger.warning(
