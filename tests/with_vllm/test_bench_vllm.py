@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_vllm_prints_its_table(tmp_path):
-    args = ["--tokens", "4", "--prompt-tokens", "64", "--streams", "1,2", "--threads", "1",
+    args = ["--tokens", "4", "--prompt-tokens", "64", "--streams", "1,2", "--threads", "1", "--repeat", "1",
             "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), *args],

@@ -12,6 +12,7 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import MambaModelConfig
 
+from mamba3lite.errors import ConfigError
 from mamba3lite.interop.hf_export import ARCHITECTURE
 from mamba3lite.vllm_plugin.layer import state_spec
 from mamba3lite.vllm_plugin.model import model_config_of
@@ -24,6 +25,12 @@ class Mamba3LiteModelConfig(MambaModelConfig):
     def verify_and_update_config(cls, vllm_config) -> None:
         model_config = vllm_config.model_config
         state_spec(model_config_of(model_config.hf_config), model_config.dtype)  # ConfigError if unservable
+        if vllm_config.speculative_config is not None:
+            # Draft tokens need a state per draft position and a rollback, which the layer does not keep.
+            raise ConfigError(
+                f"speculative decoding is not supported for {ARCHITECTURE} by the mamba3lite plugin: "
+                "leave out --speculative-config"
+            )
         cache_config = vllm_config.cache_config
         if cache_config.enable_prefix_caching:
             logger.warning(
