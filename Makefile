@@ -65,7 +65,7 @@ test: venv
 	@$(PY) -m pytest -q --durations=25 -m "slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no slow tests ran"; [ $$rc -eq 0 ] || exit 1
 	@$(MAKE) --no-print-directory test-vllm
 
-# The vLLM plugin's tests, in their own environment (one engine per module: about 2 minutes on 2 cores).
+# The vLLM plugin's tests, in their own environment (one engine per module: about 3 minutes on 2 cores).
 test-vllm: $(VLLM_VENV)/.ready
 	@if [ -f $(VLLM_VENV)/.unavailable ]; then echo "SKIPPED tests/with_vllm: $$(cat $(VLLM_VENV)/.unavailable)"; \
 	else $(VLLM_PY) -m pytest -q --durations=10 tests/with_vllm; rc=$$?; \

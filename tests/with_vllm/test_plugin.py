@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 from vllm_helpers import ENGINE_ENV, NO_VLLM, export, tiny_model
 
 pytest.importorskip("vllm", reason=NO_VLLM)
@@ -77,3 +79,46 @@ def test_an_untested_vllm_stops_vllm_cli_with_one_error(exported):
     assert proc.returncode != 0
     assert "error: the mamba3lite vLLM plugin was tested with vLLM 0.32.x, not 0.99.0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_state_shapes_from_the_config_are_the_layers(exported):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin.model import Mamba3LiteForCausalLM, model_config_of
+
+    register()
+    hf = AutoConfig.from_pretrained(exported)
+    cfg = model_config_of(hf)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
+    shapes = Mamba3LiteForCausalLM.get_mamba_state_shape_from_config(vllm_config)
+    dtypes = Mamba3LiteForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
+    H, P, N, S = cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles
+    assert shapes == ((H, S), (H, P, N), (1, H, N), (H, P))  # Mamba3Cache's fields, batch axis dropped
+    assert dtypes == (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16)
+
+
+def test_load_weights_takes_an_export_and_names_each_bad_tensor(exported):
+    from safetensors.torch import load_file
+    from torch import nn
+
+    from mamba3lite.errors import CheckpointError
+    from mamba3lite.vllm_plugin.model import Mamba3LiteForCausalLM
+
+    tensors = load_file(exported / "model.safetensors")
+    holder = nn.Module()  # the vLLM model's parameters without an engine: ours under `model.`
+    holder.model = tiny_model()
+    with torch.no_grad():
+        for p in holder.parameters():
+            p.zero_()
+    load = Mamba3LiteForCausalLM.load_weights
+    assert load(holder, tensors.items()) == set(tensors)
+    assert all(torch.equal(holder.get_parameter(k), v) for k, v in tensors.items())
+    name = "model.layers.0.mixer.in_proj.weight"
+    with pytest.raises(CheckpointError, match=re.escape("holds 'model.extra'")):
+        load(holder, [*tensors.items(), ("model.extra", torch.zeros(1))])
+    with pytest.raises(CheckpointError, match=re.escape(f"'{name}' has shape")):
+        load(holder, [(k, v[:1] if k == name else v) for k, v in tensors.items()])
+    with pytest.raises(CheckpointError, match=re.escape(f"lacks 1 tensor(s) the model needs, e.g. '{name}'")):
+        load(holder, [(k, v) for k, v in tensors.items() if k != name])
