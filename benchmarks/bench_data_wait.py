@@ -48,9 +48,9 @@ def data_wait(data: Path, run_dir: Path, *, prefetch: int, steps: int, read_dela
         checkpoint_dir=str(run_dir), keep_last_n=0, progress=False, prefetch_batches=prefetch,
     ).replace("data", dummy=False, train_data_path=str(data), val_data_path=None)  # fmt: skip
     trainer = Pretrainer(cfg, resume="none")
-    gather = trainer._batch
+    gather = trainer.input.batch
     if read_delay_s:
-        trainer._batch = lambda indices: (time.sleep(read_delay_s), gather(indices))[1]
+        trainer.input.batch = lambda indices: (time.sleep(read_delay_s), gather(indices))[1]
     trainer.train()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]

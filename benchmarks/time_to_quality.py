@@ -31,8 +31,8 @@ tokens per parameter on this machine).
 After each run of a recipe in --transformer-after (`all` by default), a `transformer` row: the baseline
 Transformer (baseline_transformer.py: a pre-norm GPT of the run's width, depth and SwiGLU width, heads of
 64) trained by ttq_transformer.py with that run's recipe (its data, windows, batch, optimizer split,
-schedule, dtype and thread count) for that run's training time, its steps planned from its own measured
-s/step, and evaluated by the same evaluation on the whole val split. The summary then prints, per seed
+schedule, dtype and thread count) for that run's training time, by the clock as the quickstart trains,
+and evaluated by the same evaluation on the whole val split. The summary then prints, per seed
 and as the mean over seeds, Mamba-3's tokens/s over the Transformer's (the CPU step target: >= 0.9x),
 how much lower Mamba-3's bits/byte is than the Transformer's (target: >= 3%) and Mamba-3 / xz given the
 train text.
@@ -132,7 +132,7 @@ def run_transformer(pair: dict, out: Path) -> dict:
         why = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return {"recipe": name, "seed": pair["seed"], "error": why}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    keep = ("bpb", "tokens_per_s", "steps", "steps_planned", "vocab", "shape", "optimizer", "train_s",
+    keep = ("bpb", "tokens_per_s", "steps", "vocab", "shape", "optimizer", "train_s",
             "budget_s", "threads")  # fmt: skip
     return {
         "recipe": name, "seed": pair["seed"], "pairs_with": pair["recipe"], "wall_s": time.time() - t0,

@@ -15,23 +15,19 @@ is a small loop, made of the library's pieces so that it is the same recipe:
                `WindowSampler` with the trainer's arguments: the same windows in the same order
     optimizer  `build_optimizer(model, cfg.training)`: under `optimizer: muon` the attention's and the
                MLP's matrices are Muon's, the embedding (= tied head) and the norms AdamW's
-    schedule   `lr_at` with the run's lr and min_lr; warmup by the quickstart's `warmup_for` from the
-               run's warmup_steps (which the quickstart already capped at a fifth of its own plan)
+    schedule   by the clock, as the quickstart's trainer: `lr_at_progress` (train/schedule.py) of the
+               share of the budget spent, with the run's lr, min_lr, lr_schedule and warmup_fraction
     step       forward under bf16 autocast when training.dtype is bf16, backward, the trainer's clip
                (training.grad_clip), the optimizer; glibc keeps freed memory, as the trainer sets on CPU
     budget     the run's training time: the sum of its train rows' window_seconds (RUN/metrics.jsonl:
                step time only; the trainer leaves evaluations and checkpoint writes out of its windows);
                --budget-s S trains S seconds instead (a check of the loop on a short run)
-    plan       as the quickstart plans: 1 untimed + 3 timed steps of a throw-away copy give the s/step
-               for `plan_steps(s/step, budget)` (for 1.25x the budget); after the warmup steps, when
-               the plan holds 4 warmups, the steps are planned again from their own measured s/step for
-               the time left (the quickstart's probe and re-plan, at 1.0x), so the cosine ends where the
-               time does; training stops when the budget is spent (as the quickstart's timer stops it)
+    end        when the budget is spent (the seconds of the steps): the steps are an outcome
     threads    --threads (the quickstart's choice, from its log), else torch's default
     evaluation the quickstart's `Evaluator` (quickstart/dataset.py): every window of the val split, the
                run's window length, batch and dtype, so bits/byte means the same as in the Mamba-3 row
 
-Prints one JSON line: steps, steps_planned, budget_s, train_s, tokens_per_s (the median of windows of
+Prints one JSON line: steps, budget_s, train_s, tokens_per_s (the median of windows of
 the run's log_every steps, the first left out, as the Mamba-3 row's), bpb, loss, shape, params.
 """
 
@@ -54,13 +50,12 @@ from mamba3lite.errors import ConfigError
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.model import ModelConfig
 from mamba3lite.model.precision import resolve_precision
-from mamba3lite.quickstart.budget import REPLAN_FRACTION, plan_steps, warmup_for
-from mamba3lite.quickstart.calibrate import CALIBRATION_STEPS
 from mamba3lite.quickstart.dataset import evaluator
 from mamba3lite.rundir import CONFIG_NAME
 from mamba3lite.train.data import build_train_data
 from mamba3lite.train.metrics import read_metrics
-from mamba3lite.train.optim import build_optimizer, lr_at, set_lr
+from mamba3lite.train.optim import build_optimizer, set_lr
+from mamba3lite.train.schedule import lr_at_progress
 
 HEAD_DIM = 64
 
@@ -111,31 +106,16 @@ class Loop:
         return total
 
 
-def calibrate(cfg, model_cfg: ModelConfig, train_data) -> float:
-    """Seconds per step of a throw-away copy: the median of CALIBRATION_STEPS after one untimed step."""
-    loop, times = Loop(cfg, model_cfg, train_data), []
-    for _ in range(CALIBRATION_STEPS + 1):
-        t0 = time.perf_counter()
-        loop.step(cfg.training.lr)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
 def train(cfg, model_cfg: ModelConfig, train_data, budget_s: float) -> dict:
-    """Train for `budget_s` seconds of steps, planned as the module docstring says."""
+    """Train for `budget_s` seconds of steps by the clock, as the module docstring says."""
     tc = cfg.training
-    n_steps = plan_steps(calibrate(cfg, model_cfg, train_data), budget_s).n_steps
-    warmup = warmup_for(n_steps, tc.warmup_steps, 0)
     loop, step_s, losses = Loop(cfg, model_cfg, train_data), [], []
-    while len(step_s) < n_steps and sum(step_s) < budget_s:
-        step = len(step_s)
-        lr = lr_at(step, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=warmup, max_steps=n_steps)
+    while (spent := sum(step_s)) < budget_s:
+        lr = lr_at_progress(spent / budget_s, lr=tc.lr, min_lr=tc.min_lr, warmup_fraction=tc.warmup_fraction,
+                            schedule=tc.lr_schedule, decay_fraction=tc.decay_fraction)  # fmt: skip
         t0 = time.perf_counter()
         losses.append(loop.step(lr))
         step_s.append(time.perf_counter() - t0)
-        if step + 1 == warmup and n_steps >= 4 * warmup:  # the quickstart's probe: re-plan the rest
-            measured = statistics.mean(step_s[1:] or step_s)  # its first step's window left out, as there
-            n_steps = warmup + plan_steps(measured, budget_s - sum(step_s), REPLAN_FRACTION).n_steps
     # The Mamba-3 row's tokens/s: the median of its logged windows, the start-up window left out.
     window, tokens = max(1, tc.log_every), tc.tokens_per_step()
     starts = range(window, len(step_s) - window + 1, window)
@@ -143,7 +123,7 @@ def train(cfg, model_cfg: ModelConfig, train_data, budget_s: float) -> dict:
         len(step_s) * tokens / sum(step_s)  # a run shorter than two windows: its mean
     ]
     return {
-        "model": loop.model, "steps": len(step_s), "steps_planned": n_steps, "warmup": warmup,
+        "model": loop.model, "steps": len(step_s), "warmup_fraction": tc.warmup_fraction,
         "train_s": sum(step_s), "last_loss": losses[-1], "tokens_per_s": statistics.median(rates),
     }  # fmt: skip
 

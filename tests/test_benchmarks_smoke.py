@@ -397,6 +397,23 @@ def test_time_to_quality_smallest_budget_prints_its_table(tmp_path):
     assert re.search(r"^\| tokenizer \| 1 \| [+-][\d.]+ ± n/a \| [+-][\d.]+% \| [01] of 1 \|", out, re.M), out
 
 
+@pytest.mark.slow
+def test_quickstart_load_smallest_budget_prints_quiet_and_loaded_side_by_side(tmp_path):
+    out = run_script(
+        "quickstart_load.py", "--minutes", "0.05", "--load-seconds", "2", "--out", str(tmp_path / "out"),
+        "--", "--max-docs", "12", "--vocab", "300", "--sample-tokens", "3", timeout=600,
+    )  # fmt: skip
+    assert "| run | load | steps | trained | budget share | schedule | bits/byte |" in out
+    for name, load in (("quiet", "none"), ("loaded", "2 procs x 2 s")):
+        assert re.search(
+            rf"^\| {name} \| {load} \| [\d,]+ \| [\d.]+ min \| \d+% \| .+ \| [\d.]+ \|$", out, re.M
+        ), out
+    assert re.search(r"^loaded / quiet bits/byte: [\d.]+x", out, re.M), out
+    # both runs reused the dataset prepared once, so neither paid for preparing it
+    for name in ("quiet", "loaded"):
+        assert "data      reusing" in (tmp_path / "out" / f"{name}.log").read_text()
+
+
 def test_time_to_quality_report_compares_each_lever_with_the_recipe_seed_by_seed(tmp_path):
     """`--report` re-reads the JSON lines a run printed (here two seeds of the recipe, of a lever, and a
     Transformer row that is no lever): each lever's change is against the recipe run with its seed."""

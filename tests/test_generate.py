@@ -65,7 +65,7 @@ class _Scripted(torch.nn.Module):
         cache[0] += 1
         return logits
 
-    def allocate_cache(self, batch_size, device=None):
+    def allocate_cache(self, batch_size, max_len=None, device=None):
         return [0]
 
     def prefill(self, input_ids, cache):

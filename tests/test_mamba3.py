@@ -112,7 +112,7 @@ def test_prefill_then_steps_equals_forward(kw, k):
     reset = torch.zeros(2, 20, dtype=torch.bool)
     reset[0, 4] = reset[1, 12] = reset[1, 13] = True
     y = layer(u, reset_BT=reset)
-    cache = layer.allocate_cache(2, dtype=F64)
+    cache = layer.allocate_state(2, dtype=F64)
     outs = [layer(u[:, :k], cache, reset[:, :k])]
     outs += [layer.step(u[:, t], cache, reset[:, t])[:, None] for t in range(k, 20)]
     torch.testing.assert_close(torch.cat(outs, dim=1), y, rtol=1e-10, atol=1e-10)
@@ -122,7 +122,7 @@ def test_cache_contents_after_prefill():
     """The four cache tensors hold θ_T, h_T, the biased+rotated k̄_T (B, R, H, N) and the raw x_T."""
     layer = make_layer(is_mimo=True, mimo_rank=2)
     u = inputs(T=7)
-    cache = layer.allocate_cache(2, dtype=F64)
+    cache = layer.allocate_state(2, dtype=F64)
     layer(u, cache)
     _, x, Bp, Cp, _, _, _, dtheta = layer._project(u)
     theta = cumulative_angles(dtheta, None, None)

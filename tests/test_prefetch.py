@@ -222,8 +222,8 @@ def test_the_data_wait_reaches_metrics_jsonl(tmp_path):
     # A reader slower than nothing: every micro-batch sleeps 0.1 s on the training thread (prefetch off),
     # so each row's waited seconds (data_wait x window_seconds) are at least the sleeps of its steps.
     t = Pretrainer(tiny_config(tmp_path, max_steps=4, prefetch_batches=0))
-    batch = t._batch
-    t._batch = lambda indices: (time.sleep(0.1), batch(indices))[1]
+    batch = t.input.batch
+    t.input.batch = lambda indices: (time.sleep(0.1), batch(indices))[1]
     t.train()
     rows = [r for r in metrics(tmp_path) if r["kind"] == "train"]
     assert len(rows) == 4

@@ -7,6 +7,7 @@ asserted depends on how fast the machine is."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import signal
 from pathlib import Path
@@ -173,9 +174,12 @@ def test_set_help_names_the_refused_fields_and_the_rest_pass(capsys):
     check_overrides(allowed)  # upper limits of the plan (warmup_steps, log_every), or not the plan's
 
 
-def summary_of(split: str = "val", stopped_by: str | None = None, **options) -> str:
+def summary_of(split: str = "val", training=None, **options) -> str:
+    """A summary of a made-up run: 4 of its 5 minutes trained (`training`: a TrainingShare)."""
     from mamba3lite.quickstart import QuickstartOptions, QuickstartResult, summary_text
+    from mamba3lite.quickstart.options import TrainingShare
 
+    share = TrainingShare(trained_s=240.0, given_s=240.0, minutes_s=300.0, progress=1.0, before_s=30.0)
     whole = split == "val"  # the whole val split, or a few train windows when val is too small
     windows = {"windows": 50 if whole else 32, "whole_split": whole}
     ev = {"loss": 5.0, "bits_per_byte": 2.0, "tokens": 1000, "split": split, **windows}
@@ -191,9 +195,8 @@ def summary_of(split: str = "val", stopped_by: str | None = None, **options) -> 
         end_eval={**ev, "loss": 4.0},
         sample="",
         plot=None,
-        seconds=1.0,
-        steps_planned=10,
-        stopped_by=stopped_by,
+        seconds=300.0,
+        training=training or share,
         options=QuickstartOptions(**options),
     )
     return summary_text(result)
@@ -224,11 +227,19 @@ def test_summary_next_commands_name_this_runs_options():
 
 
 def test_summary_names_the_split_evaluated_and_a_stop():
+    from mamba3lite.quickstart.options import TrainingShare
+
     val = summary_of("val")
     assert "val loss      5.000 -> 4.000 nats/token" in val
     assert "on the whole val split, 50 windows, 1,000 tokens)" in val
     assert "stopped" not in val
-    train = summary_of("train", stopped_by="signal")
+    assert "training      4.00 min, 80% of the 5-minute budget (before it 0.50 min of data, recipe" in val
+    assert "schedule      done at the deadline" in val
+    stopped = TrainingShare(trained_s=60.0, given_s=240.0, minutes_s=300.0, progress=0.25,
+                            short_why="stopped by signal")  # fmt: skip
+    train = summary_of("train", training=stopped)
+    assert "training      1.00 min, 20% of the 5-minute budget" in train
+    assert "schedule      25% done, ended early: stopped by signal" in train
     assert "val loss" not in train and "whole val split" not in train
     assert "train loss    5.000 -> 4.000" in train
     assert "on 32 train windows, 1,000 tokens: no usable val split" in train
@@ -246,45 +257,48 @@ def test_the_budget_charges_the_start_up_only_of_a_process_started_for_it(monkey
     assert qs._startup_s() == charged_s
 
 
-def test_ctrl_c_during_the_probe_stops_the_run(tmp_path, monkeypatch, capsys):
-    """SIGINT in the first step of the probe (the trainer whose first `warmup_steps` steps re-plan the
-    rest): the quickstart must not go on to train the planned steps, and ends as a stopped run does."""
+def test_ctrl_c_during_training_stops_the_run_and_the_summary_says_why_it_is_short(
+    tmp_path, monkeypatch, capsys
+):
+    """SIGINT in the first step of a 5-minute quickstart's training: the run stops cleanly, is
+    evaluated, sampled and plotted, and the summary says how much of the budget trained and why so
+    little."""
     import mamba3lite.quickstart.calibrate as calibration
     from mamba3lite.train.trainer import Pretrainer
 
-    # A measured 1 ms/step plans thousands of steps, so the first warmup_steps (4) are a probe.
     monkeypatch.setattr(calibration, "time_steps", lambda trainer, cpu: (1e-3, ""))
     real_train, calls = Pretrainer.train, []
 
     def train(self, until_step=None):
-        calls.append(until_step)
-        if until_step is not None:  # the probe: Ctrl-C arrives during its first step
-            real_step = self.train_step
+        calls.append(self.tc.time_budget_minutes)
+        real_step = self.train_step
 
-            def step():
-                signal.raise_signal(signal.SIGINT)
-                return real_step()
+        def step():
+            signal.raise_signal(signal.SIGINT)
+            return real_step()
 
-            self.train_step = step
+        self.train_step = step
         return real_train(self, until_step)
 
     monkeypatch.setattr(Pretrainer, "train", train)
     work = tmp_path / "qs"
     config = tiny_config_yaml(tmp_path / "tiny_test.yaml", max_seq_len=32, warmup_steps=4)
-    # 5 minutes: a calibration slowed by a busy machine still leaves a plan long enough for a probe (at
-    # 1 minute, a machine running ten processes on two cores planned one step); the SIGINT ends the run
-    # after one step whatever the budget.
     rc = main(["quickstart", "--minutes", "5", "--workdir", str(work), "--config", config,
                "--max-docs", "12", "--sample-tokens", "5", "--vocab", "300",
                "--set", "training.lr=2e-3"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert calls == [4]  # the probe only: no training of the planned steps after the stop
-    assert "received SIGINT" in out and "re-plan" not in out
-    assert "note      stopped by signal at step 1 of" in out
+    # one training, by the clock: the minutes left after the data and the calibration (not a plan of steps)
+    (minutes,) = calls
+    assert 3.0 < minutes < 5.0
+    assert "received SIGINT" in out and "note      stopped by signal at step 1:" in out
     assert "after     step 1:" in out and "(stopped by signal)" in out and "quickstart summary" in out
+    assert re.search(r"schedule      \d+% done, ended early: stopped by signal", out)
+    assert re.search(r"training      \d\.\d\d min, \d+% of the 5-minute budget", out)
     run = work / "run-stdlib-bpe300"
     assert CheckpointManager(run).verified_steps() == [1]
+    meta = CheckpointManager(run).read_meta(1)
+    assert 0.0 < meta["clock"]["progress"] < 0.5 and meta["clock"]["budget_s"] == pytest.approx(60 * minutes)
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e.get("kind") == "event" and e.get("event") in ("stop", "end")] == [
         "stop"

@@ -1,32 +1,29 @@
-"""The quickstart's planning, as pure functions and one small timer object: steps for a budget, the
-budget left after calibration, warmup and probe, the run's cadence, the split evaluated."""
+"""The quickstart's planning, as pure functions: the training time left after calibration, the steps
+expected in it (the cadence), the run's settings, the budget of a continued run, the split evaluated."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
 from mamba3lite.quickstart.budget import (
+    MIN_TRAIN_S,
     PERIODIC_EVALS,
-    PLAN_FRACTION,
+    STEP_CAP,
     Budget,
-    BudgetTimer,
     Calibration,
     Plan,
     checkpoint_s,
-    plan_steps,
-    probe_steps,
+    expected_steps,
     run_settings,
-    warmup_for,
+    training_minutes,
 )
 from mamba3lite.quickstart.dataset import eval_split
+from mamba3lite.train.clock import progress_at, resume_start
 
 
-def test_plan_steps_plans_for_plan_fraction_of_the_budget_and_at_least_one_step():
-    assert plan_steps(0.5, 100.0) == Plan(int(PLAN_FRACTION * 200), 0.5)
-    assert plan_steps(2.0, 10.0).n_steps == int(PLAN_FRACTION * 5)
-    assert plan_steps(1.0, 0.0).n_steps == 1 and plan_steps(1.0, -50.0).n_steps == 1  # no time: one step
+def test_expected_steps_fill_the_time_and_are_at_least_one():
+    assert expected_steps(0.5, 100.0) == Plan(200, 0.5)
+    assert expected_steps(1.0, 0.0).n_steps == 1 and expected_steps(1.0, -50.0).n_steps == 1
 
 
 def _cal(**kw) -> Calibration:
@@ -34,64 +31,50 @@ def _cal(**kw) -> Calibration:
                           "start_eval": {}, **kw})  # fmt: skip
 
 
-def test_budget_reserves_the_end_and_pays_for_evaluations_and_checkpoints():
+def test_budget_trains_until_the_deadline_less_what_comes_after_training():
     cal = _cal(n_params=150_000_000)
     assert checkpoint_s(150_000_000) == pytest.approx(13.0)
     b = Budget.after(cal, deadline=1000.0, minutes=10)
-    assert b.reserve_s == pytest.approx(2.0 + 3.0 + 5.0 + 0.03 * 600)
-    assert b.overhead_s == pytest.approx(PERIODIC_EVALS * 1.0 + 3 * 13.0)
-    now = time.monotonic()
-    b = Budget(deadline=now + 100.0, reserve_s=10.0, overhead_s=20.0)
-    assert 89.0 < b.stop_in_s() <= 90.0
-    # 70 s left for steps at 1 s/step, planned for PLAN_FRACTION of it (minus the time this line takes).
-    assert int(PLAN_FRACTION * 69) <= b.steps_for(1.0).n_steps <= int(PLAN_FRACTION * 70)
-    assert Budget(deadline=now - 5.0, reserve_s=1.0, overhead_s=0.0).stop_in_s() == 0.0
+    assert b.reserve_s == pytest.approx(2.0 + 3.0 + 5.0 + 0.03 * 600)  # the "after" evaluation, sample
+    assert b.after_s == pytest.approx(1.0 + 13.0)  # the trainer's final (half) evaluation and checkpoint
+    assert b.periodic_s == pytest.approx(PERIODIC_EVALS * 1.0 + 2 * 13.0)  # inside the training time
+    b = Budget(deadline=200.0, reserve_s=10.0, after_s=20.0, periodic_s=30.0)
+    assert b.train_s(now=100.0) == 70.0
+    assert b.expected(1.0, now=100.0) == Plan(40, 1.0)  # the periodic work takes its share
+    assert b.train_s(now=500.0) == MIN_TRAIN_S  # no time left: still one step's worth
 
 
-def test_warmup_and_probe():
-    assert warmup_for(100, warmup_steps=50, start_step=0) == 20  # a fifth of a fresh run's plan
-    assert warmup_for(3, warmup_steps=50, start_step=0) == 1
-    assert warmup_for(100, warmup_steps=50, start_step=7) == 50  # a resumed run keeps the config's
-    assert probe_steps(warmup=4, start_step=0, n_steps=16) == 4
-    assert probe_steps(warmup=4, start_step=0, n_steps=15) == 0  # too short to be worth a probe
-    assert probe_steps(warmup=4, start_step=3, n_steps=1000) == 0  # no probe when resuming
-
-
-def test_run_settings_cadence():
-    main = run_settings(100, probe=False, start_step=10, warmup=5, log_every=50, eval_batches=8)
-    assert main == {"max_steps": 110, "warmup_steps": 5, "eval_every": 34, "eval_batches": 4,
-                    "save_every": 50, "log_every": 5}  # fmt: skip
-    probe = run_settings(100, probe=True, start_step=0, warmup=5, log_every=50, eval_batches=1)
-    assert probe["eval_every"] == 0 and probe["log_every"] == 1 and probe["eval_batches"] == 1
+def test_run_settings_train_by_the_clock_with_a_cadence_for_the_expected_steps():
+    main = run_settings(100, start_step=10, log_every=50, eval_batches=8, minutes=4.5)
+    assert main == {"time_budget_minutes": 4.5, "max_steps": 10 + STEP_CAP, "eval_every": 34,
+                    "eval_batches": 4, "save_every": 50, "log_every": 5}  # fmt: skip
     # periodic evaluations score at least half the before/after one's batches (21 of 168 windows by 8: 11)
-    assert (
-        run_settings(9, probe=False, start_step=0, warmup=1, log_every=1, eval_batches=21)["eval_batches"]
-        == 11
-    )
-    one = run_settings(1, probe=False, start_step=0, warmup=1, log_every=50, eval_batches=8)
+    assert run_settings(9, start_step=0, log_every=1, eval_batches=21, minutes=1.0)["eval_batches"] == 11
+    one = run_settings(1, start_step=0, log_every=50, eval_batches=8, minutes=1.0)
     assert one["eval_every"] == 1 and one["save_every"] == 1 and one["log_every"] == 1
 
 
-def test_budget_timer_sets_the_shared_stop_flag_once_the_budget_is_spent():
-    from mamba3lite.train.stop import StopFlag
+@pytest.mark.parametrize(
+    ("record", "start", "end"),
+    [
+        (None, 0.0, 1.0),  # a fresh run (or one trained by steps): the whole schedule in this run's time
+        ({"budget_s": 300.0, "spent_s": 120.0, "progress": 0.4}, 0.4, 1.0),  # stopped early: goes on
+        ({"budget_s": 300.0, "spent_s": 300.0, "progress": 1.0}, 300 / 540, 1.0),  # done: warm restart
+    ],
+)
+def test_a_continued_quickstart_picks_its_schedule_up_and_ends_it_at_its_own_deadline(record, start, end):
+    """The minutes the quickstart gives the trainer make the recorded schedule go on from where it
+    stopped and end after this run's training time (train/clock.py's rule)."""
+    train_s = 240.0
+    budget_s = 60.0 * training_minutes(train_s, record)
+    begin, spent = resume_start(record, budget_s)
+    assert progress_at(0.0, start=begin, spent_s=spent, budget_s=budget_s) == pytest.approx(start)
+    assert progress_at(0.99 * train_s, start=begin, spent_s=spent, budget_s=budget_s) < end
+    assert progress_at(train_s, start=begin, spent_s=spent, budget_s=budget_s) == pytest.approx(end)
 
-    stop = StopFlag(announce=False)
-    with BudgetTimer(0.0, stop) as timer:
-        deadline = time.monotonic() + 10
-        while not timer.fired and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # every trainer of the quickstart shares the flag: one started now stops after its first step
-        assert timer.fired and stop.is_set() and stop.reason == "the time budget"
 
-
-def test_budget_timer_cancelled_never_fires():
-    from mamba3lite.train.stop import StopFlag
-
-    stop = StopFlag(announce=False)
-    with BudgetTimer(0.2, stop) as timer:
-        pass
-    time.sleep(0.4)
-    assert not timer.fired and not stop.is_set()
+def test_a_damaged_clock_record_leaves_the_refusal_to_the_trainer():
+    assert training_minutes(60.0, {"spent_s": "x", "progress": 0.5}) == 1.0
 
 
 class _Manifest:

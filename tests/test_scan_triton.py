@@ -277,9 +277,9 @@ def test_mixer_output_and_every_parameter_gradient_equal_sequential(kw):
         params = dict(layer.named_parameters())
         grads = torch.autograd.grad((out * w).sum(), list(params.values()))
         with torch.no_grad():  # from a state, as after a prefill (the cache is updated in place)
-            cache = layer.allocate_cache(2, dtype=F64)
-            layer(u[:, :5], cache=cache)
-            resumed = layer(u[:, 5:], cache=cache, reset_BT=reset[:, 5:])
+            cache = layer.allocate_state(2, dtype=F64)
+            layer(u[:, :5], state=cache)
+            resumed = layer(u[:, 5:], state=cache, reset_BT=reset[:, 5:])
         results.append((out, resumed, cache.ssm_BHPN, dict(zip(params, grads))))
     (out, resumed, h, grads), (out_ref, resumed_ref, h_ref, grads_ref) = results
     close(out, out_ref, "out")
@@ -396,8 +396,8 @@ def test_mixer_decode_steps_run_the_step_kernel_and_equal_sequential(kw, monkeyp
     for impl in ("triton", "sequential"):
         layer.set_scan_impl(impl, CPU)
         with torch.no_grad():
-            cache = layer.allocate_cache(2, dtype=F64)
-            outs = [layer(u[:, :4], cache=cache)]
+            cache = layer.allocate_state(2, dtype=F64)
+            outs = [layer(u[:, :4], state=cache)]
             for t in range(4, 9):
                 reset = torch.tensor([t == 6, False])
                 outs.append(layer.step(u[:, t], cache, reset)[:, None])

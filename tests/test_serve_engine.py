@@ -4,6 +4,7 @@ work done, stop strings split over tokens are found, and prompt scoring equals a
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 
@@ -182,8 +183,14 @@ def test_stop_and_cancel_free_their_rows(loaded, tok):
         engine.stop()
 
 
+def state_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor of a model state (the test's view inside it; serve itself uses the protocol only)."""
+    layers = [getattr(s, f.name) for s in cache.layers for f in dataclasses.fields(s)]
+    return [*layers, cache.last_token_B]
+
+
 def test_batch_state_keeps_each_rows_state_through_joins_swap_removes_and_growth(loaded):
-    from mamba3lite.serve.batch_state import BatchState, state_tensors
+    from mamba3lite.serve.batch_state import BatchState
 
     model = loaded.model
     state = BatchState(model, max_rows=8, initial_rows=2)
@@ -201,6 +208,7 @@ def test_batch_state_keeps_each_rows_state_through_joins_swap_removes_and_growth
     assert state.n == 4 and state.capacity == 8
     for t in state_tensors(state.view()):
         assert [int(t[r].flatten()[0]) for r in range(state.n)] == rows
+    assert state.nbytes() == model.allocate_cache(8).nbytes() > 0
 
 
 def test_a_failing_step_fails_the_running_requests_and_the_engine_goes_on(loaded, tok, monkeypatch):

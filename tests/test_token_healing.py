@@ -135,7 +135,7 @@ class _Bigram(torch.nn.Module):
             (j,) = tok.encode(last)
             self.next[j] = logits
 
-    def allocate_cache(self, batch_size, device=None):
+    def allocate_cache(self, batch_size, max_len=None, device=None):
         return {}
 
     def prefill(self, input_ids_BT, cache):

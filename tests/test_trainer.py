@@ -122,13 +122,13 @@ def test_partial_skip_equals_training_on_the_good_micro_batch(tmp_path, monkeypa
     a.train()
     monkeypatch.delenv(INJECT_ENV)
     b = Pretrainer(tiny_config(tmp_path / "b", max_steps=1))
-    indices = b._next_indices()
-    x, y = b._batch(indices[:2])
+    indices = b.input.next_indices()
+    x, y = b.input.batch(indices[:2])
     b.raw_model(x, y).backward()
     torch.nn.utils.clip_grad_norm_(b.params, b.tc.grad_clip)
-    from mamba3lite.train.optim import lr_at, set_lr
+    from mamba3lite.train.optim import set_lr
 
-    set_lr(b.optimizer, lr_at(0, **b._sched_kw()))
+    set_lr(b.optimizer, b.schedule.lr(0))
     b.optimizer.step()
     wa, wb = weights(a), weights(b)
     assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-7) for k in wa)
@@ -435,8 +435,8 @@ def test_damaged_batch_mid_run_saves_the_good_steps_and_resumes_exactly_after_re
 
     clean = Pretrainer(cfg("clean"))
     drawn = []
-    next_indices = clean._next_indices
-    clean._next_indices = lambda: drawn.append(next_indices()) or drawn[-1]
+    next_indices = clean.input.next_indices
+    clean.input.next_indices = lambda: drawn.append(next_indices()) or drawn[-1]
     clean.train()
     shard = next((tmp_path / "data" / "train").glob("*.bin"))
     tokens = np.fromfile(shard, dtype="<u2")  # dtype_for_vocab(64)
@@ -568,7 +568,7 @@ def test_a_rollback_skips_the_data_that_led_to_the_divergence(tmp_path, prefetch
     poison = set(order[5])
     poison_rows = t.train_data.get_batch(sorted(poison))[0]
     forward, drawn = t.raw_model.forward, []
-    batch = t._batch
+    batch = t.input.batch
 
     def tracked_batch(indices):
         drawn.append(list(indices))
@@ -577,7 +577,7 @@ def test_a_rollback_skips_the_data_that_led_to_the_divergence(tmp_path, prefetch
     def poisoned(x):  # the batch holds a window of step 6 (by content: the batch is produced ahead)
         return bool((x[:, None, :] == poison_rows[None]).all(-1).any())
 
-    t._batch = tracked_batch
+    t.input.batch = tracked_batch
     t.raw_model.forward = lambda x, y=None: (
         forward(x, y) * (float("nan") if t.raw_model.training and poisoned(x) else 1.0)
     )
@@ -649,7 +649,7 @@ def test_the_steps_saved_before_a_damaged_batch_keep_their_rows(tmp_path):
         "data", dummy=False, train_data_path=data
     )
     t = Pretrainer(cfg)
-    next_indices, drawn = t._next_indices, []
+    next_indices, drawn = t.input.next_indices, []
 
     def damaged_at_step_4():  # counts draws, not t.step: the prefetcher draws steps ahead of training
         drawn.append(None)
@@ -657,7 +657,7 @@ def test_the_steps_saved_before_a_damaged_batch_keep_their_rows(tmp_path):
             raise DataError("shard_00000.bin: token id 67 at position 5 is outside the vocabulary")
         return next_indices()
 
-    t._next_indices = damaged_at_step_4
+    t.input.next_indices = damaged_at_step_4
     with pytest.raises(DataError):
         t.train()
     assert CheckpointManager(tmp_path / "run").latest_step() == 3

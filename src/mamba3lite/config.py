@@ -39,6 +39,7 @@ DTYPES = ("auto", "bf16", "fp32")  # resolved per device by model/precision.py
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear", "wsd")
 PARALLELISMS = ("auto", "ddp", "fsdp", "hsdp")
+MAX_BUDGET_MINUTES = 1e6  # ~2 years: any real budget, and far from float overflow
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -98,6 +99,19 @@ class TrainingConfig:
     )
     decay_fraction: float = _f(
         0.2, "lr_schedule wsd: the share of max_steps, at the end, over which lr decays to min_lr; in (0, 1]"
+    )
+    time_budget_minutes: float = _f(
+        0.0,
+        "train for this many minutes by the clock; 0 = off (the run is max_steps steps). Warmup and decay "
+        "then follow the share of this time spent (warmup_fraction, then lr_schedule over the rest, min_lr "
+        "when it is spent), training ends when it is spent, and max_steps only caps the steps. Training "
+        "time includes the periodic evaluations and checkpoints, not start-up or loading; a resumed run "
+        "continues from the share its checkpoint recorded",
+    )
+    warmup_fraction: float = _f(
+        0.02,
+        "with time_budget_minutes: the share of the time budget over which lr warms up linearly, in [0, 1) "
+        "(warmup_steps is for runs of steps)",
     )
     weight_decay: float = _f(
         0.1,
@@ -303,9 +317,17 @@ class TrainingConfig:
             raise ConfigError(f"training.muon_momentum must be in [0, 1), got {self.muon_momentum}")
 
     def _check_schedule(self) -> None:
-        """decay_fraction is a share; ema_decay is a decay (and not beside sharding: train/averaging.py)."""
+        """decay_fraction and warmup_fraction are shares, time_budget_minutes a time; ema_decay is a decay
+        (and not beside sharding: train/averaging.py)."""
         if not 0.0 < self.decay_fraction <= 1.0:  # NaN fails this too
             raise ConfigError(f"training.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if not 0.0 <= self.warmup_fraction < 1.0:  # NaN fails this too
+            raise ConfigError(f"training.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if not 0.0 <= self.time_budget_minutes <= MAX_BUDGET_MINUTES:  # NaN fails this too
+            raise ConfigError(
+                f"training.time_budget_minutes must be in [0, {MAX_BUDGET_MINUTES:,.0f}] (0 = off: train "
+                f"max_steps steps), got {self.time_budget_minutes}"
+            )
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"training.ema_decay must be in [0, 1) (0 = off), got {self.ema_decay}")
         if self.ema_decay and self.parallelism in ("fsdp", "hsdp"):
@@ -482,7 +504,8 @@ class Config:
         """A copy with `section.key=value` overrides applied (values typed by the field). All the overrides
         of a section are applied together and validated once, so `model.vocab_size=296 model.eos_id=0`
         works in either order (one at a time, the first would be checked against the other's old value);
-        a key given twice: the last wins."""
+        a key given twice: the last wins. A mapping field takes a whole mapping (`model.attn_cfg={num_heads:
+        8}`) or one of its keys (`model.attn_cfg.num_heads=8`, merged into the current mapping)."""
         per_section: dict[str, dict[str, Any]] = {}
         for item in overrides:
             key, sep, text = item.partition("=")
@@ -492,7 +515,22 @@ class Config:
             if not dot:
                 raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. training.lr=3e-4")
             _reject_unknown([section], SECTIONS, where="--set: unknown section")
-            per_section.setdefault(section, {})[name] = _parse_text(text.strip())
+            values = per_section.setdefault(section, {})
+            name, dot, sub = name.partition(".")
+            if not dot:
+                values[name] = _parse_text(text.strip())
+                continue
+            current = values.get(name, getattr(getattr(self, section), name, None))
+            if not isinstance(current, dict):
+                _reject_unknown(
+                    [name],
+                    dataclasses.asdict(getattr(self, section)),
+                    where=f"--set: unknown key in section `{section}:`",
+                )
+                raise ConfigError(
+                    f"--set {item!r}: {section}.{name} is not a mapping; set it whole: {section}.{name}=value"
+                )
+            values[name] = {**current, sub: _parse_text(text.strip())}
         cfg = self
         for section, values in per_section.items():
             cfg = cfg.replace(section, **values)

@@ -142,7 +142,7 @@ def _sampled_tokens(
     The caller stops at EOS. While `constraint` is active its mask restricts the draw."""
     model.eval()
     device = next(model.parameters()).device
-    cache = model.allocate_cache(1, device=device)
+    cache = model.allocate_cache(1, len(ids) + max_new_tokens, device=device)
     logits_BV, _ = model.prefill(torch.tensor([ids], dtype=torch.long, device=device), cache)
     for i in range(max_new_tokens):
         token = int(sample_next(constraint.mask(logits_BV), **sampling)[0])

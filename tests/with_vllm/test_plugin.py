@@ -122,3 +122,15 @@ def test_load_weights_takes_an_export_and_names_each_bad_tensor(exported):
         load(holder, [(k, v[:1] if k == name else v) for k, v in tensors.items()])
     with pytest.raises(CheckpointError, match=re.escape(f"lacks 1 tensor(s) the model needs, e.g. '{name}'")):
         load(holder, [(k, v) for k, v in tensors.items() if k != name])
+
+
+def test_a_hybrid_config_is_refused(exported):
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin.model import model_config_of
+
+    register()
+    hf = AutoConfig.from_pretrained(exported)
+    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [1], "attn_cfg": {"num_heads": 2}}
+    with pytest.raises(ConfigError, match="pure Mamba-3 models only"):
+        model_config_of(hf)

@@ -47,8 +47,12 @@ class RunState:
     # training tokens consumed (all ranks), skipped steps included
     tokens_seen: int = 0
     # {"kind": "warmup_cosine" | "warmup_linear" | "warmup_wsd", "step", "lr"} (wsd: "decay_fraction"):
-    # the lr is a pure function of the step and the config
+    # the lr is a pure function of the step and the config (a run by the clock: kind "..._by_time",
+    # "progress": of `clock`)
     scheduler: dict | None = field(default=None, metadata=ABSENT)
+    # a run with training.time_budget_minutes: train/clock.py's TrainClock.state_dict(), {"budget_s",
+    # "spent_s", "progress"}: the share of the budget spent, which a resume continues
+    clock: dict | None = field(default=None, metadata=ABSENT)
     # train/averaging.py's WeightAverage (training.ema_decay > 0): {"decay", "updates"}; its weights are
     # the step's average_step_N.safetensors
     average: dict | None = field(default=None, metadata=ABSENT)

@@ -134,9 +134,13 @@ def build_app(args: argparse.Namespace, loaded, api_key: str | None):
     tok = loaded.load_tokenizer()
     loaded.model.to(getattr(torch, DTYPES[args.dtype]))
     engine = Engine(
-        loaded.model, tok, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-        prefix_cache=PrefixCache(int(args.prefix_cache_mb * (1 << 20))), boundary=args.prefix_boundary,
-    )  # fmt: skip
+        loaded.model,
+        tok,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        prefix_cache=PrefixCache(int(args.prefix_cache_mb * (1 << 20))),
+        boundary=args.prefix_boundary,
+    )  # fmt: skip  (no max_len: a key/value cache grows with its longest row instead of holding the limit)
     template = find_chat_template(loaded.run_dir, loaded.tokenizer_name)
     app = create_app(
         engine, tok, model_name=args.model_name or Path(loaded.run_dir).name,

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from mamba3lite.model.decode_state import DecodeState
 from mamba3lite.model.mamba3 import linear_in_own_dtype
-from mamba3lite.model.transformer import ModelCache
 
 Pair = tuple[Sequence[int], Sequence[int]]
 # Positions whose logits are computed and scored at once by the state-reuse path: 128 x 50,257 fp32
@@ -102,29 +102,20 @@ def score_plain(
     return out  # type: ignore[return-value]
 
 
-def _select_rows(cache: ModelCache, rows_R: Tensor) -> ModelCache:
-    """A new cache whose row r is a copy of `cache`'s row rows_R[r] (each choice its own state)."""
-    return ModelCache(
-        layers=[
-            type(lc)(**{k: v.index_select(0, rows_R) for k, v in vars(lc).items()}) for lc in cache.layers
-        ],
-        last_token_B=cache.last_token_B.index_select(0, rows_R),
-    )
-
-
 def _prefill_left_padded(
-    model, contexts: list[tuple[int, ...]], device: torch.device
-) -> tuple[Tensor, ModelCache]:
-    """(last-position logits (G, V), the state after each context (G rows)) of `contexts`, in one batch:
-    left-padded so that all end at the last column, each row's first real token starting from a fresh
-    state (the pads before it are forgotten, exactly: the reset of packed documents)."""
+    model, contexts: list[tuple[int, ...]], device: torch.device, max_len: int
+) -> tuple[Tensor, DecodeState]:
+    """(last-position logits (G, V), the state after each context (G rows), each able to hold `max_len`
+    tokens) of `contexts`, in one batch: left-padded so that all end at the last column, each row's first
+    real token starting from a fresh state (the pads before it are forgotten, exactly: the reset of
+    packed documents)."""
     width = max(len(c) for c in contexts)
     ids_GT = torch.zeros(len(contexts), width, dtype=torch.long)
     fresh_GT = torch.zeros(len(contexts), width, dtype=torch.bool)
     for g, c in enumerate(contexts):
         ids_GT[g, width - len(c) :] = torch.tensor(c, dtype=torch.long)
         fresh_GT[g, width - len(c)] = True
-    cache = model.allocate_cache(len(contexts), device=device)
+    cache = model.allocate_cache(len(contexts), max_len, device=device)
     last_GV, cache = model.prefill(ids_GT.to(device), cache, fresh_BT=fresh_GT.to(device))
     return last_GV, cache
 
@@ -163,8 +154,10 @@ def score_with_state_reuse(
     greedy_P = torch.ones(len(pairs), dtype=torch.bool)
     for c0 in range(0, len(contexts), batch_size):
         block = contexts[c0 : c0 + batch_size]
+        # The most tokens a row will hold: the padded contexts, then its longest continuation.
+        longest = max(len(pairs[i][1]) for ctx in block for i in groups[ctx])
         with _autocast(device, bf16):
-            last_GV, cache = _prefill_left_padded(model, block, device)
+            last_GV, cache = _prefill_left_padded(model, block, device, len(block[0]) + longest)
         members = [(i, g) for g, ctx in enumerate(block) for i in groups[ctx]]  # (pair, its context's row)
         g_M = torch.tensor([g for _, g in members], dtype=torch.long, device=device)
         first_M = torch.tensor([pairs[i][1][0] for i, _ in members], dtype=torch.long, device=device)
@@ -181,7 +174,7 @@ def score_with_state_reuse(
             targets_N = torch.tensor([t for i, _ in rows for t in pairs[i][1][1:]], device=device)
             with _autocast(device, bf16):
                 h_RTD = model.extend_hidden(
-                    _pad([pairs[i][1][:-1] for i, _ in rows], device), _select_rows(cache, rows_R)
+                    _pad([pairs[i][1][:-1] for i, _ in rows], device), cache.select(rows_R)
                 )
                 lp_N, greedy_N = _score_positions(model, h_RTD[mask_RT], targets_N)
             row_N = torch.arange(len(rows), device=device)[:, None].expand_as(mask_RT)[mask_RT]

@@ -69,6 +69,16 @@ class HFExportResult:
     notes: list[str]
 
 
+def check_hf_exportable(cfg) -> None:
+    """ConfigError for a model the exported modeling file cannot hold: one with attention layers (its
+    remote code carries the Mamba-3 layer only, for now)."""
+    if cfg.attn_layer_idx:
+        raise ConfigError(
+            f"this run has attention layers (model.attn_layer_idx={list(cfg.attn_layer_idx)}); "
+            "`export --format hf` of a hybrid is not built yet: export a pure Mamba-3 run"
+        )
+
+
 def hf_state(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
     """Our state_dict under the HF model's names; a tied head left out (transformers re-ties it)."""
     return {HF_PREFIX + k: v for k, v in state.items() if not (tied and k == HEAD)}
@@ -178,6 +188,7 @@ def export_hf(
     run, step, notes, meta, config = exported_step(run_dir, step)
     p = run.path
     cfg = config.model
+    check_hf_exportable(cfg)
     tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
     tok_name = recorded_tokenizer((meta.get("data") or {}).get("tokenizer"), p)
     tok_config = tokenizer_files(tok_bytes, cfg.eos_id, tok_name == "gpt2", find_chat_template(p, tok_name))

@@ -5,8 +5,8 @@
 
 transformers loads a model it does not know through `trust_remote_code=True`: the model directory
 carries its own modeling file. That file is not a second, hand-written copy of the model: it is the
-source of the modules in MODEL_MODULES (errors, config, rotation, scan, scan backend, context
-parallelism (unused there: no process group is set), mixer, sampling,
+source of the modules in MODEL_MODULES (errors, config, decode state, rotation, scan, scan backend,
+context parallelism (unused there: no process group is set), mixers, layer kinds, sampling,
 language model), read with `inspect.getsource` and concatenated in import order with their
 `mamba3lite` imports removed (every name they imported is defined earlier in the same file), followed
 by the glue to transformers (`hf_remote/modeling_glue.py`: config -> `Mamba3Transformer`, the cache
@@ -31,11 +31,16 @@ PACKAGE = "mamba3lite"
 MODEL_MODULES = (
     "mamba3lite.errors",
     "mamba3lite.model.config",
+    "mamba3lite.model.decode_state",
     "mamba3lite.model.rotation",
     "mamba3lite.model.scan",
     "mamba3lite.model.scan_backend",
     "mamba3lite.model.context_parallel",
     "mamba3lite.model.mamba3",
+    "mamba3lite.model.attention",
+    "mamba3lite.model.kind_mamba3",
+    "mamba3lite.model.kind_attention",
+    "mamba3lite.model.layer_kinds",
     "mamba3lite.model.sampling",
     "mamba3lite.model.transformer",
 )

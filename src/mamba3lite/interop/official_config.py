@@ -150,6 +150,11 @@ def official_config_from_model(cfg: ModelConfig, vocab: OfficialVocab) -> dict[s
     """config.json for our model `cfg` whose embedding, padded, has `vocab.padded` rows. ConfigError
     naming the field for what the official model cannot reproduce."""
     why = []
+    if cfg.attn_layer_idx:
+        why.append(
+            f"model.attn_layer_idx={list(cfg.attn_layer_idx)} (attention layers: exporting a hybrid to the "
+            "official format is not built yet)"
+        )
     if not cfg.trapezoid:
         why.append("model.trapezoid=false (the official layer always learns λ)")
     if not cfg.rope:

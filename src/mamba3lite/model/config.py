@@ -11,11 +11,36 @@ vocabulary of this project (50,257 tokens, eos 50,256): 126,946,368 parameters w
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from mamba3lite.errors import ConfigError, did_you_mean_hint
 
 A_ACTIVATIONS = ("heavy_tail", "softplus")
+# Layer kinds (model/layer_kinds.py): Mamba-3 everywhere except the indices in attn_layer_idx.
+MAMBA3_KIND = "mamba3"
+ATTENTION_KIND = "attention"
+# The keywords of the official attention layer (mamba_ssm's MHA) that `attn_cfg` may hold, with that
+# layer's defaults (num_heads has none: it is required). `layer_idx` and `causal` are set per layer.
+ATTN_CFG_DEFAULTS: dict[str, Any] = {
+    "num_heads": None,
+    "num_heads_kv": None,  # None: num_heads (multi-head); fewer: grouped- or multi-query attention
+    "head_dim": None,  # None: d_model // num_heads
+    "rotary_emb_dim": 0,
+    "rotary_emb_base": 10000.0,
+    "rotary_emb_interleaved": False,
+    "qkv_proj_bias": True,
+    "out_proj_bias": True,
+    "softmax_scale": None,  # None: 1 / sqrt(head_dim)
+    "d_conv": 0,
+    "mlp_dim": 0,
+}
+_ATTN_INTS = ("num_heads", "num_heads_kv", "head_dim", "rotary_emb_dim", "d_conv", "mlp_dim")
+_ATTN_FLOATS = ("rotary_emb_base", "softmax_scale")
+_ATTN_BOOLS = ("rotary_emb_interleaved", "qkv_proj_bias", "out_proj_bias")
+# The official MHA rounds its gated-MLP width up to a multiple of this.
+ATTN_MLP_MULTIPLE = 256
 # Scan backends (model/scan_backend.py): all compute the same function, so these are how, not what.
 SCAN_IMPLS = ("auto", "chunked", "sequential", "triton")
 # Fields that choose how the model is computed, not what it computes: a checkpoint resumes and loads
@@ -118,13 +143,31 @@ class ModelConfig:
     )
     eos_id: int = field(default=50256, metadata={"help": "end-of-document token id (GPT-2: 50,256)"})
     init_std: float = field(default=0.02, metadata={"help": "standard deviation of the embedding init"})
+    attn_layer_idx: tuple[int, ...] = field(
+        default=(),
+        metadata={
+            "help": "indices of the layers whose mixer is attention (the official MHA, from attn_cfg) "
+            "instead of Mamba-3, as mamba_ssm's MambaConfig; empty = a pure Mamba-3 model"
+        },
+    )
+    attn_cfg: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "keywords of the attention layers, as mamba_ssm's MambaConfig: num_heads (required), "
+            "num_heads_kv, head_dim, rotary_emb_dim, rotary_emb_base, rotary_emb_interleaved, "
+            "qkv_proj_bias, out_proj_bias, softmax_scale, d_conv, mlp_dim"
+        },
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"model.{name} {why} (got {getattr(self, name)!r})")
 
+        self._check_layer_kinds_types()
         # Types first: YAML gives strings/floats where ints are meant only when the user made a typo.
         for f in fields(self):
+            if f.name in ("attn_layer_idx", "attn_cfg"):
+                continue  # checked above
             value = getattr(self, f.name)
             want = type(f.default)
             if want is float and isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -175,6 +218,117 @@ class ModelConfig:
         for name in ("rope_fraction", "A_floor", "dt_min", "dt_max", "norm_eps", "init_std"):
             if not math.isfinite(getattr(self, name)):
                 raise bad(name, "must be finite")
+        self._check_attention()
+
+    def _check_layer_kinds_types(self) -> None:
+        """attn_layer_idx as a tuple of ints (JSON and YAML give a list), attn_cfg a mapping of known
+        keys with values of the official layer's types (YAML's "1e4" read as the number it means)."""
+        idx = self.attn_layer_idx
+        if not isinstance(idx, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in idx
+        ):
+            raise ConfigError(f"model.attn_layer_idx must be a list of layer indices (got {idx!r})")
+        self.attn_layer_idx = tuple(idx)
+        if not isinstance(self.attn_cfg, dict):
+            raise ConfigError(
+                f"model.attn_cfg must be a mapping of attention keywords, e.g. {{num_heads: 12}} "
+                f"(got {self.attn_cfg!r})"
+            )
+        out: dict[str, Any] = {}
+        for key, value in self.attn_cfg.items():
+            where = f"model.attn_cfg.{key}"
+            if key not in ATTN_CFG_DEFAULTS:
+                hint = did_you_mean_hint(
+                    str(key), ATTN_CFG_DEFAULTS, otherwise=f"; known: {', '.join(ATTN_CFG_DEFAULTS)}"
+                )
+                raise ConfigError(f"model.attn_cfg: unknown key `{key}`{hint}")
+            if value is None and ATTN_CFG_DEFAULTS[key] is None:
+                out[key] = None
+            elif key in _ATTN_BOOLS:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{where} must be true or false (got {value!r})")
+                out[key] = value
+            elif key in _ATTN_INTS:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(f"{where} must be an integer (got {value!r})")
+                out[key] = value
+            else:
+                assert key in _ATTN_FLOATS, key
+                try:
+                    number = float(value) if not isinstance(value, bool) else math.nan
+                except (TypeError, ValueError):
+                    number = math.nan
+                if not math.isfinite(number):
+                    raise ConfigError(f"{where} must be a finite number (got {value!r})")
+                out[key] = number
+        self.attn_cfg = out
+
+    def _check_attention(self) -> None:
+        """The attention layers' placement and shape, with the official layer's own rules."""
+        idx, n = self.attn_layer_idx, self.n_layers
+        for i in idx:
+            if not 0 <= i < n:
+                raise ConfigError(
+                    f"model.attn_layer_idx: layer {i} is out of range for n_layers = {n} "
+                    f"(indices are 0 to {n - 1}) (got {list(idx)!r})"
+                )
+        repeated = sorted(i for i, count in Counter(idx).items() if count > 1)
+        if repeated:
+            raise ConfigError(
+                f"model.attn_layer_idx names layer {repeated[0]} more than once; list each attention "
+                f"layer once (got {list(idx)!r})"
+            )
+        if not idx:
+            if self.attn_cfg:
+                raise ConfigError(
+                    "model.attn_cfg is set but model.attn_layer_idx is empty, so no layer would use it: "
+                    "name the attention layers (e.g. attn_layer_idx: [3, 7]) or drop attn_cfg"
+                )
+            return
+        a = self.attn_cfg
+        heads = a.get("num_heads")
+        if heads is None:
+            raise ConfigError(
+                "model.attn_cfg.num_heads is required when model.attn_layer_idx names attention layers "
+                "(the official MHA has no default), e.g. attn_cfg: {num_heads: 12}"
+            )
+        for key in ("num_heads", "num_heads_kv", "head_dim"):
+            if a.get(key) is not None and a[key] < 1:
+                raise ConfigError(f"model.attn_cfg.{key} must be >= 1 (got {a[key]!r})")
+        for key in ("rotary_emb_dim", "d_conv", "mlp_dim"):
+            if a.get(key, 0) < 0:
+                raise ConfigError(f"model.attn_cfg.{key} must be >= 0 (got {a[key]!r})")
+        kv = self.attn_num_heads_kv
+        if heads % kv:
+            raise ConfigError(
+                f"model.attn_cfg.num_heads = {heads} is not divisible by num_heads_kv = {kv}: each "
+                "key/value head serves the same number of query heads (grouped-query attention)"
+            )
+        if a.get("head_dim") is None and self.d_model % heads:
+            raise ConfigError(
+                f"model.attn_cfg: the width does not add up: d_model = {self.d_model} is not divisible by "
+                f"num_heads = {heads}; set attn_cfg.head_dim, or a num_heads that divides d_model"
+            )
+        rot, hd = a.get("rotary_emb_dim", 0), self.attn_head_dim
+        if rot % 2:
+            raise ConfigError(
+                f"model.attn_cfg.rotary_emb_dim must be even: the rotary embedding turns dimensions in "
+                f"pairs (got {rot})"
+            )
+        if rot > hd:
+            raise ConfigError(
+                f"model.attn_cfg.rotary_emb_dim = {rot} is larger than the head dimension {hd}: it must "
+                "be at most head_dim (rotary covers the first rotary_emb_dim dimensions of q and k)"
+            )
+        if a.get("softmax_scale") is not None and not a["softmax_scale"] > 0:
+            raise ConfigError(f"model.attn_cfg.softmax_scale must be > 0 (got {a['softmax_scale']!r})")
+        if not a.get("rotary_emb_base", 1.0) > 0:
+            raise ConfigError(f"model.attn_cfg.rotary_emb_base must be > 0 (got {a['rotary_emb_base']!r})")
+
+    def layer_kind(self, i: int) -> str:
+        """The mixer kind of layer `i`: "attention" for the indices in attn_layer_idx, else "mamba3"."""
+        assert 0 <= i < self.n_layers, i
+        return ATTENTION_KIND if i in self.attn_layer_idx else MAMBA3_KIND
 
     # ---- derived sizes (docs/model.md §1.1) ----
     @property
@@ -213,6 +367,26 @@ class ModelConfig:
         lam = self.nheads if self.trapezoid else 0
         theta = self.n_angles if self.rope else 0
         return 2 * self.d_inner + bc + 2 * self.nheads + lam + theta
+
+    # ---- derived sizes of the attention layers (the official MHA's) ----
+    @property
+    def attn_num_heads_kv(self) -> int:
+        """Key/value heads of an attention layer: attn_cfg.num_heads_kv, else num_heads."""
+        kv = self.attn_cfg.get("num_heads_kv")
+        return self.attn_cfg.get("num_heads", 1) if kv is None else kv
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Head dimension of an attention layer: attn_cfg.head_dim, else d_model // num_heads."""
+        hd = self.attn_cfg.get("head_dim")
+        return self.d_model // self.attn_cfg.get("num_heads", 1) if hd is None else hd
+
+    @property
+    def attn_mlp_dim(self) -> int:
+        """The attention layer's in_proj MLP columns: mlp_dim rounded up to a multiple of 256 (official);
+        half of them (after the gate) enter out_proj."""
+        m = ATTN_MLP_MULTIPLE
+        return (self.attn_cfg.get("mlp_dim", 0) + m - 1) // m * m
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

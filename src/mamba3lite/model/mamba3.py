@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from mamba3lite.model.config import A_ACTIVATIONS, ModelConfig, check_scan_impl
 from mamba3lite.model.context_parallel import ContextParallel, rotated_state_correction, state_correction
+from mamba3lite.model.decode_state import RowTensors
 from mamba3lite.model.rotation import (  # noqa: F401 (pair_views, rotate_, rotation_factors: tests)
     bias_rotate,
     bias_rotate_grads,
@@ -257,8 +258,9 @@ def cumulative_angles(dtheta_BHTS: Tensor, theta0_BHS: Tensor | None, reset_BT: 
 
 
 @dataclass
-class Mamba3Cache:
-    """Decode state of one layer (docs/model.md §4). Updated in place by `Mamba3.forward(..., cache)`/`step`.
+class Mamba3Cache(RowTensors):
+    """Decode state of one layer (docs/model.md §4). Updated in place by `Mamba3.forward(..., state)`/`step`;
+    the decode-state protocol (model/decode_state.py) over its rows. A constant size whatever the length.
 
     angle_BHS: θ of the last token (state dtype); ssm_BHPN: h of the last token (state dtype);
     k_BRHN: biased and rotated key of the last token; v_BHP: raw x of the last token (model dtype).
@@ -273,10 +275,10 @@ class Mamba3Cache:
 class Mamba3(nn.Module):
     """Mamba-3 mixer with the official layer's constructor arguments and parameter names.
 
-    forward(u_BTD, cache=None, reset_BT=None) -> out_BTD: the scan backend `scan_impl` names ("auto",
+    forward(u_BTD, state=None, reset_BT=None) -> out_BTD: the scan backend `scan_impl` names ("auto",
     "chunked", "sequential", "triton"; model/scan_backend.py), resolved for the device the input is on.
-    With a cache, the scan starts from it and writes the final state back.
-    step(u_BD, cache, reset_B=None) -> out_BD: one token in O(1), cache updated in place.
+    With a state (`allocate_state`), the scan starts from it and writes the final state back.
+    step(u_BD, state, reset_B=None) -> out_BD: one token in O(1), state updated in place.
     `reset_BT[b, t]` true: token t starts a fresh state (packed documents; the LM computes it).
     With a context-parallel group set (`set_context_parallel`), forward scans this rank's piece of the
     window and adds the state the previous pieces leave (model/context_parallel.py).
@@ -479,20 +481,20 @@ class Mamba3(nn.Module):
 
     # ---- public ----
     def forward(
-        self, u_BTD: Tensor, cache: Mamba3Cache | None = None, reset_BT: Tensor | None = None
+        self, u_BTD: Tensor, state: Mamba3Cache | None = None, reset_BT: Tensor | None = None
     ) -> Tensor:
         if self.context_parallel is not None:
-            assert cache is None, "decode runs on one process: clear the context-parallel group first"
+            assert state is None, "decode runs on one process: clear the context-parallel group first"
             return self._forward_piece(u_BTD, reset_BT, self.context_parallel)
         z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BTD)
         theta_BHTS = None
         if dtheta is not None:
-            theta_BHTS = cumulative_angles(dtheta, None if cache is None else cache.angle_BHS, reset_BT)
+            theta_BHTS = cumulative_angles(dtheta, None if state is None else state.angle_BHS, reset_BT)
         k_hat, q_hat = self._normed(Bp, Cp)
         x = self._raw_values(x_BTHP)
         # The backend is resolved once per device type (the first forward there, or set_scan_impl).
         scan = self._bound_scan(u_BTD.device)
-        if cache is None and self.scan_impl == "triton":
+        if state is None and self.scan_impl == "triton":
             # Training's path: bias, rotation (and MIMO's per-rank values) and scan in one op that
             # recomputes the per-head q, k and v in its backward instead of keeping them
             # (scan_triton.triton_rotated_scan).
@@ -505,17 +507,17 @@ class Mamba3(nn.Module):
         v = self._values(x)
         q, k = self._qk(k_hat, q_hat, theta_BHTS)
         init = {}
-        if cache is not None:
-            v_prev = self._cache_values(cache.v_BHP)
-            init = {"h0_BHPN": cache.ssm_BHPN, "k_prev_BRHN": cache.k_BRHN, "v_prev_BRHP": v_prev}
+        if state is not None:
+            v_prev = self._cache_values(state.v_BHP)
+            init = {"h0_BHPN": state.ssm_BHPN, "k_prev_BRHN": state.k_BRHN, "v_prev_BRHP": v_prev}
         y, h_BHPN = scan(q, k, v, A * dt, dt, lam, reset_BT=reset_BT, **init)
-        if cache is not None and u_BTD.shape[1] > 0:
+        if state is not None and u_BTD.shape[1] > 0:
             with torch.no_grad():
                 if theta_BHTS is not None:
-                    cache.angle_BHS.copy_(theta_BHTS[:, :, -1])
-                cache.ssm_BHPN.copy_(h_BHPN)
-                cache.k_BRHN.copy_(k[:, :, -1].transpose(1, 2))
-                cache.v_BHP.copy_(x_BTHP[:, -1])
+                    state.angle_BHS.copy_(theta_BHTS[:, :, -1])
+                state.ssm_BHPN.copy_(h_BHPN)
+                state.k_BRHN.copy_(k[:, :, -1].transpose(1, 2))
+                state.v_BHP.copy_(x_BTHP[:, -1])
         return self._output(y, x, z)
 
     def _forward_piece(self, u_BTD: Tensor, reset_BT: Tensor | None, cp: ContextParallel) -> Tensor:
@@ -548,11 +550,11 @@ class Mamba3(nn.Module):
             y = state_correction(y, q, S, w)
         return self._output(y, x, z)
 
-    def step(self, u_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None = None) -> Tensor:
+    def step(self, u_BD: Tensor, state: Mamba3Cache, reset_B: Tensor | None = None) -> Tensor:
         z, x_BTHP, Bp, Cp, dt, A, lam, dtheta = self._project(u_BD[:, None])  # T = 1
         theta_BHTS = None
         if dtheta is not None:
-            prev_BHS = cache.angle_BHS.to(dtheta.dtype)
+            prev_BHS = state.angle_BHS.to(dtheta.dtype)
             if reset_B is not None:
                 prev_BHS = prev_BHS * (~reset_B).to(prev_BHS.dtype)[:, None, None]
             theta_BHTS = torch.remainder(prev_BHS[:, :, None] + dtheta, 2 * math.pi)
@@ -562,18 +564,21 @@ class Mamba3(nn.Module):
         self._bound_scan(u_BD.device)
         y_BHRP, h_BHPN = step_function(self.scan_impl)(
             q[:, :, 0], k[:, :, 0], v[:, :, 0], (A * dt)[:, :, 0], dt[:, :, 0], lam[:, :, 0],
-            cache.ssm_BHPN, cache.k_BRHN, self._cache_values(cache.v_BHP), reset_B,
+            state.ssm_BHPN, state.k_BRHN, self._cache_values(state.v_BHP), reset_B,
         )  # fmt: skip
         with torch.no_grad():
             if theta_BHTS is not None:
-                cache.angle_BHS.copy_(theta_BHTS[:, :, 0])
-            cache.ssm_BHPN.copy_(h_BHPN)
-            cache.k_BRHN.copy_(k[:, :, 0].transpose(1, 2))
-            cache.v_BHP.copy_(x_BTHP[:, 0])
+                state.angle_BHS.copy_(theta_BHTS[:, :, 0])
+            state.ssm_BHPN.copy_(h_BHPN)
+            state.k_BRHN.copy_(k[:, :, 0].transpose(1, 2))
+            state.v_BHP.copy_(x_BTHP[:, 0])
         return self._output(y_BHRP[:, :, None], x, z)[:, 0]
 
-    def allocate_cache(self, batch_size: int, device=None, dtype=None) -> Mamba3Cache:
-        """Zero decode state for `batch_size` rows. dtype: model dtype (default: in_proj's); states ≥ fp32."""
+    def allocate_state(
+        self, batch_size: int, max_len: int | None = None, device=None, dtype=None
+    ) -> Mamba3Cache:
+        """Zero decode state for `batch_size` rows. dtype: model dtype (default: in_proj's); states ≥ fp32.
+        `max_len` (the longest sequence it will hold) is ignored: the state's size does not grow."""
         dtype = dtype or self.in_proj.weight.dtype
         device = device or self.in_proj.weight.device
         sd = torch.promote_types(dtype, torch.float32)

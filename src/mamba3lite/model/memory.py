@@ -1,5 +1,11 @@
 """Training memory of a config, by measurement: what autograd keeps per token and layer, times the batch.
 
+Layers are counted by kind (model/layer_kinds.py): one block of each kind present is measured, and the
+sum over the layers is the count of each kind times its block's bytes. A kind whose activations grow
+with the length (attention) is measured at the run's window length, and its bytes per token there taken
+from the growth over T/4, T/2 and T (a quadratic through three lengths: exact for what an O(T²) layer
+keeps); a Mamba-3 block's are the same at every length and measured as below.
+
 `activation_bytes_per_token` runs one `Block` forward on the CPU at the run's compute dtype (`compute`:
 torch.bfloat16, under autocast as the trainer runs on accelerators, or None, no autocast: an fp32 run,
 e.g. `training.dtype: auto` on a CPU without native bf16, keeps fp32 activations, ~1.8x the bytes) and
@@ -41,14 +47,16 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
-from mamba3lite.model.flops import count_parameters, mixer_parameters
+from mamba3lite.model.flops import block_parameters, count_parameters
+from mamba3lite.model.layer_kinds import LAYER_KINDS, layers_by_kind
+from mamba3lite.model.transformer import Block
 
 # Tokens of the autograd measurement: bytes per token do not depend on the length (module docstring).
 PROBE_TOKENS = 256
 # Of a device's memory, what training may plan to use: the CUDA context, the allocator's fragmentation
 # and the collectives' buffers take the rest (the presets keep 72 of 80 GB).
 USABLE_FRACTION = 0.9
-_PER_TOKEN_CACHE: dict[tuple[str, int, torch.dtype | None], float] = {}
+_PER_TOKEN_CACHE: dict[tuple[str, str, int, torch.dtype | None], float] = {}
 # Layers above this many parameters are measured on fake tensors (`saved_bytes`): from the 880M presets
 # up (29M per layer), where one real bf16 measurement on a CPU without native bf16 costs as much as the
 # fake one's start-up in a fresh process, and about 8x a fake one after it.
@@ -110,23 +118,55 @@ def saved_bytes_per_token(
     return grown / (seq_len - half)
 
 
+def saved_bytes_per_token_growing(
+    layer: torch.nn.Module,
+    d_model: int,
+    seq_len: int,
+    fake: bool = False,
+    compute: torch.dtype | None = torch.bfloat16,
+) -> float:
+    """What `layer` keeps for its backward per token at `seq_len` tokens when that grows with the length
+    (attention's T × T weights on a path that keeps them): saved(t) = a·t² + b·t + w through t = T/4, T/2,
+    T, and the bytes per token at T are a·T + b (the weights w drop out). Exact for a linear layer too
+    (a = 0); below 4 tokens, `saved_bytes_per_token`."""
+    t1, t2, t3 = seq_len // 4, seq_len // 2, seq_len
+    if t1 < 1:
+        return saved_bytes_per_token(layer, d_model, seq_len, fake, compute)
+    s1, s2, s3 = (saved_bytes(layer, d_model, t, fake, compute) for t in (t1, t2, t3))
+    d12, d23 = (s2 - s1) / (t2 - t1), (s3 - s2) / (t3 - t2)  # divided differences
+    a = (d23 - d12) / (t3 - t1)
+    b = d12 - a * (t1 + t2)
+    return a * t3 + b
+
+
+def layer_activation_bytes_per_token(
+    cfg: ModelConfig, kind: str, seq_len: int = 2048, compute: torch.dtype | None = torch.bfloat16
+) -> float:
+    """Bytes saved for backward per token by one block whose mixer is of `kind` (batch 1) at compute
+    dtype `compute` (bf16 autocast, or None: fp32), in windows of `seq_len` tokens; once per config,
+    kind, length and dtype in a process; on fake tensors for a block of more than FAKE_ABOVE_PARAMETERS.
+    A kind whose bytes per token do not depend on the length is measured at min(seq_len, PROBE_TOKENS)
+    tokens; one whose bytes grow with it, at seq_len (`saved_bytes_per_token_growing`)."""
+    grows = LAYER_KINDS[kind].activations_grow_with_length
+    probe = seq_len if grows else min(seq_len, PROBE_TOKENS)
+    key = (repr(cfg), kind, probe, compute)
+    if key not in _PER_TOKEN_CACHE:
+        with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
+            layer = Block(cfg, layers_by_kind(cfg)[kind][1])
+            fake = sum(p.numel() for p in layer.parameters()) > FAKE_ABOVE_PARAMETERS
+            measure = saved_bytes_per_token_growing if grows else saved_bytes_per_token
+            _PER_TOKEN_CACHE[key] = measure(layer, cfg.d_model, probe, fake, compute)
+    return _PER_TOKEN_CACHE[key]
+
+
 def activation_bytes_per_token(
     cfg: ModelConfig, seq_len: int = 2048, compute: torch.dtype | None = torch.bfloat16
 ) -> float:
-    """Bytes saved for backward per token by one layer (batch 1) at compute dtype `compute` (bf16
-    autocast, or None: fp32), in windows of `seq_len` tokens, measured at min(seq_len, PROBE_TOKENS)
-    tokens (the same per token) once per config, length and dtype in a process; on fake tensors for a
-    layer of more than FAKE_ABOVE_PARAMETERS."""
-    from mamba3lite.model.transformer import Block
-
-    probe = min(seq_len, PROBE_TOKENS)
-    key = (repr(cfg), probe, compute)
-    if key not in _PER_TOKEN_CACHE:
-        with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
-            layer = Block(cfg)
-            fake = sum(p.numel() for p in layer.parameters()) > FAKE_ABOVE_PARAMETERS
-            _PER_TOKEN_CACHE[key] = saved_bytes_per_token(layer, cfg.d_model, probe, fake, compute)
-    return _PER_TOKEN_CACHE[key]
+    """Bytes saved for backward per token by one layer, on average over the layers (by kind:
+    `layer_activation_bytes_per_token`); a pure model's every layer keeps this much."""
+    kinds = layers_by_kind(cfg)
+    total = sum(n * layer_activation_bytes_per_token(cfg, k, seq_len, compute) for k, (n, _) in kinds.items())
+    return total / cfg.n_layers
 
 
 def activation_bytes(
@@ -138,13 +178,17 @@ def activation_bytes(
     compute: torch.dtype | None = torch.bfloat16,
 ) -> float:
     """Activations of one micro step on one rank at compute dtype `compute` (bf16 autocast, or None:
-    fp32): micro_batch windows of seq_len / context_parallel tokens each. With gradient checkpointing
-    each layer keeps its fp32 input and one layer's activations are live at a time."""
+    fp32): micro_batch windows of seq_len / context_parallel tokens each, summed over the layers by
+    kind. With gradient checkpointing each layer keeps its fp32 input and one layer's activations (the
+    largest kind's) are live at a time."""
     tokens = micro_batch * seq_len / context_parallel
-    per_layer = activation_bytes_per_token(cfg, seq_len, compute) * tokens
+    per_kind = {
+        k: (n, layer_activation_bytes_per_token(cfg, k, seq_len, compute) * tokens)
+        for k, (n, _) in layers_by_kind(cfg).items()
+    }
     if grad_checkpointing:
-        return cfg.n_layers * 4 * cfg.d_model * tokens + per_layer
-    return cfg.n_layers * per_layer
+        return cfg.n_layers * 4 * cfg.d_model * tokens + max(b for _, b in per_kind.values())
+    return sum(n * b for n, b in per_kind.values())
 
 
 def training_memory_bytes(
@@ -162,10 +206,11 @@ def training_memory_bytes(
 
 def hidden_matrix_parameters(cfg: ModelConfig) -> int:
     """Parameters of the 2-D hidden matrices Muon optimizes (train/optim.py `is_hidden_matrix`): each
-    layer's in_proj and out_proj, and its MLP's fc1 and fc2."""
+    layer's mixer's (its kind's: in_proj and out_proj), and its MLP's fc1 and fc2."""
     D, F = cfg.d_model, cfg.d_mlp
-    per_layer = D * cfg.d_in_proj + cfg.d_inner * D + (3 * D * F if F > 0 else 0)
-    return cfg.n_layers * per_layer
+    mlp = 3 * D * F if F > 0 else 0
+    kinds = layers_by_kind(cfg).items()
+    return sum(n * (LAYER_KINDS[k].hidden_matrix_parameters(cfg) + mlp) for k, (n, _) in kinds)
 
 
 def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
@@ -180,10 +225,11 @@ def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
 
 
 def largest_unit_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the largest piece a sharded model gathers at once: one block (norms, mixer, MLP),
-    or the embedding (with the final norm and an untied head, gathered with the root module)."""
-    D, F = cfg.d_model, cfg.d_mlp
-    block = D + mixer_parameters(cfg) + (D + 3 * D * F if F > 0 else 0)
+    """Parameters of the largest piece a sharded model gathers at once: one block (norms, mixer, MLP;
+    the largest kind's), or the embedding (with the final norm and an untied head, gathered with the
+    root module)."""
+    D = cfg.d_model
+    block = max(block_parameters(cfg, k) for k in layers_by_kind(cfg))
     root = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + D
     return max(block, root)
 

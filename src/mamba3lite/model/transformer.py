@@ -1,7 +1,10 @@
 """Mamba3Transformer: the Llama-style Mamba-3 language model (docs/model.md §5) with decode and generate.
 
-    embed ─► n_layers × [x += Mamba3(RMSNorm(x)); x += SwiGLU(RMSNorm(x))] ─► RMSNorm ─► lm_head (tied)
+    embed ─► n_layers × [x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x))] ─► RMSNorm ─► lm_head (tied)
 
+The mixer of layer i is of kind `cfg.layer_kind(i)` (model/layer_kinds.py): Mamba-3, or attention at the
+indices in `cfg.attn_layer_idx`. The decode state is the model's (model/decode_state.py): one state per
+layer, of its kind, behind one protocol.
 No positional embedding: positions enter only through the data-dependent rotation inside the mixer.
 The residual stream stays in fp32 (official `residual_in_fp32`); under autocast the matmuls run in bf16.
 
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,9 @@ from torch.utils.checkpoint import checkpoint
 
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.context_parallel import ContextParallel
-from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache, RMSNorm, linear_in_own_dtype
+from mamba3lite.model.decode_state import DecodeState, ModelCache, fresh_last_tokens
+from mamba3lite.model.layer_kinds import build_mixer, kind_of_layer
+from mamba3lite.model.mamba3 import RMSNorm, linear_in_own_dtype
 from mamba3lite.model.sampling import sample_next
 from mamba3lite.model.scan import autocast_dtype
 
@@ -52,39 +56,31 @@ class GatedMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One layer: x += mixer(norm(x)); x += mlp(norm2(x)) (the MLP half is absent when d_mlp = 0)."""
+    """Layer `layer_idx`: x += mixer(norm(x)); x += mlp(norm2(x)) (the MLP half is absent when d_mlp = 0).
+    The mixer is of the layer's kind (model/layer_kinds.py)."""
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
-        self.mixer = Mamba3.from_config(cfg, device=device, dtype=dtype)
+        self.mixer = build_mixer(cfg, layer_idx, device=device, dtype=dtype)
         self.mlp = None
         if cfg.d_mlp > 0:
             self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
             self.mlp = GatedMLP(cfg.d_model, cfg.d_mlp, device=device, dtype=dtype)
 
     def forward(
-        self, x_BTD: Tensor, reset_BT: Tensor | None = None, cache: Mamba3Cache | None = None
+        self, x_BTD: Tensor, reset_BT: Tensor | None = None, state: DecodeState | None = None
     ) -> Tensor:
-        x_BTD = x_BTD + self.mixer(self.norm(x_BTD), cache, reset_BT)
+        x_BTD = x_BTD + self.mixer(self.norm(x_BTD), state, reset_BT)
         if self.mlp is not None:
             x_BTD = x_BTD + self.mlp(self.norm2(x_BTD))
         return x_BTD
 
-    def step(self, x_BD: Tensor, cache: Mamba3Cache, reset_B: Tensor | None) -> Tensor:
-        x_BD = x_BD + self.mixer.step(self.norm(x_BD), cache, reset_B)
+    def step(self, x_BD: Tensor, state: DecodeState, reset_B: Tensor | None) -> Tensor:
+        x_BD = x_BD + self.mixer.step(self.norm(x_BD), state, reset_B)
         if self.mlp is not None:
             x_BD = x_BD + self.mlp(self.norm2(x_BD))
         return x_BD
-
-
-@dataclass
-class ModelCache:
-    """Decode state of the whole model: one `Mamba3Cache` per layer, plus the last token fed (for resets
-    at EOS; −1 before any token). `prefill` and `step` update it in place."""
-
-    layers: list[Mamba3Cache]
-    last_token_B: Tensor
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -175,7 +171,8 @@ class Mamba3Transformer(nn.Module):
     forward(input_ids_BT, targets_BT=None): logits_BTV (fp32 when not under autocast), or, with
     targets, the mean cross-entropy over positions whose target is not −100 (fp32 scalar).
     `grad_checkpointing` (settable): recompute each layer in the backward pass to save memory.
-    Decode: `allocate_cache`, `prefill`, `step` (cache updated in place), `generate` (a generator).
+    Decode: `allocate_cache`, `prefill`, `step` (cache updated in place), `generate` (a generator);
+    `hidden_states` is the one road from ids (and a state, fresh starts) to the final-norm hidden states.
     """
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
@@ -185,7 +182,7 @@ class Mamba3Transformer(nn.Module):
         self.context_parallel: ContextParallel | None = None
         fk = {"device": device, "dtype": dtype}
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, **fk)
-        self.layers = nn.ModuleList(Block(cfg, **fk) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, **fk) for i in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, **fk)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **fk)
         if cfg.tie_embeddings:
@@ -204,25 +201,33 @@ class Mamba3Transformer(nn.Module):
             if block.mlp is not None:
                 block.mlp.fc2.weight.div_(math.sqrt(self.cfg.n_layers))
 
+    def _scanning_mixers(self) -> list[nn.Module]:
+        """The mixers of the layers whose kind has a scan backend."""
+        return [b.mixer for i, b in enumerate(self.layers) if kind_of_layer(self.cfg, i).scans]
+
     def set_scan_impl(self, name: str, device: torch.device | str | None = None) -> None:
-        """Choose every layer's scan backend ("auto", "chunked", "sequential", "triton"), resolved for
-        `device` now when given, else at the first forward (see `Mamba3.set_scan_impl`)."""
-        for block in self.layers:
-            block.mixer.set_scan_impl(name, device)
+        """Choose the scan backend ("auto", "chunked", "sequential", "triton") of every layer that has
+        one, resolved for `device` now when given, else at the first forward (see `Mamba3.set_scan_impl`).
+        Layers of a kind without a scan (attention) are not concerned."""
+        for mixer in self._scanning_mixers():
+            mixer.set_scan_impl(name, device)
 
     def set_context_parallel(self, group) -> None:
         """Train on pieces of each window: this process holds piece `rank` of the `size` contiguous
-        pieces of every window (`context_parallel.cut_window`), and every mixer passes the recurrent
-        state over `group` (a torch.distributed ProcessGroup). None: the whole window is here."""
+        pieces of every window (`context_parallel.cut_window`), and every mixer exchanges what its kind
+        needs over `group` (a torch.distributed ProcessGroup; Mamba-3: the recurrent state). None: the
+        whole window is here."""
         cp = None if group is None else ContextParallel(group)
+        for i, block in enumerate(self.layers):
+            kind_of_layer(self.cfg, i).set_context_parallel(block.mixer, cp)
         self.context_parallel = cp
-        for block in self.layers:
-            block.mixer.set_context_parallel(cp)
 
     @property
     def scan_impl(self) -> str | None:
-        """The scan backend the layers run (None until resolved for a device)."""
-        return self.layers[0].mixer.scan_impl if len(self.layers) else None
+        """The scan backend the scanning layers run (None until resolved for a device, or when no layer
+        has a scan)."""
+        mixers = self._scanning_mixers()
+        return mixers[0].scan_impl if mixers else None
 
     def _resets(
         self, input_ids_BT: Tensor, last_token_B: Tensor | None, fresh_BT: Tensor | None = None
@@ -242,15 +247,34 @@ class Mamba3Transformer(nn.Module):
             prev_BT[:, 0] = last_token_B
         return prev_BT == self.cfg.eos_id
 
-    def _body(self, input_ids_BT: Tensor, reset_BT: Tensor | None, caches: list | None = None) -> Tensor:
+    def _body(self, input_ids_BT: Tensor, reset_BT: Tensor | None, states: list | None = None) -> Tensor:
         x_BTD = self.embed(input_ids_BT)
         for i, block in enumerate(self.layers):
-            cache = None if caches is None else caches[i]
-            if self.grad_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+            state = None if states is None else states[i]
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled() and state is None:
                 x_BTD = checkpoint(block, x_BTD, reset_BT, use_reentrant=False)
             else:
-                x_BTD = block(x_BTD, reset_BT, cache)
+                x_BTD = block(x_BTD, reset_BT, state)
         return self.norm_f(x_BTD)
+
+    def hidden_states(
+        self, input_ids_BT: Tensor, cache: ModelCache | None = None, fresh_BT: Tensor | None = None
+    ) -> Tensor:
+        """The final-norm hidden states (B, T, D) of every position, with autograd when enabled.
+
+        With `cache`, the sequence continues from it and the cache is updated in place (its state after
+        the last token); without, it starts fresh. `fresh_BT` (optional, bool): True where a row starts
+        from a fresh state, e.g. its first token after left padding, as an EOS before it would under
+        `reset_at_eos`. (The HF export's glue calls this; `forward` adds the loss and context
+        parallelism, `prefill` / `extend` the head.)"""
+        if cache is None:
+            return self._body(input_ids_BT, self._resets(input_ids_BT, None, fresh_BT))
+        if input_ids_BT.shape[1] == 0:
+            raise ValueError("continuing from a cache needs at least one token per row")
+        reset_BT = self._resets(input_ids_BT, cache.last_token_B, fresh_BT)
+        h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
+        cache.last_token_B.copy_(input_ids_BT[:, -1])
+        return h_BTD
 
     def forward(self, input_ids_BT: Tensor, targets_BT: Tensor | None = None) -> Tensor:
         last_B = None  # the token before the window: none, unless this is a later context-parallel piece
@@ -263,12 +287,18 @@ class Mamba3Transformer(nn.Module):
         return linear_cross_entropy(h_BTD.flatten(0, 1).to(w_VD.dtype), w_VD, targets_BT.flatten())
 
     # ---- decode ----
-    def allocate_cache(self, batch_size: int, device=None, dtype=None) -> ModelCache:
-        """Zero decode state for `batch_size` rows (see `Mamba3.allocate_cache` for dtypes)."""
+    def allocate_cache(
+        self, batch_size: int, max_len: int | None = None, device=None, dtype=None
+    ) -> ModelCache:
+        """Zero decode state for `batch_size` rows that will hold at most `max_len` tokens each (a
+        recurrent layer ignores it; a key/value cache is sized by it). Dtypes: each mixer's
+        `allocate_state` (Mamba-3: the model dtype, states at least fp32)."""
         device = device or self.embed.weight.device
         return ModelCache(
-            layers=[b.mixer.allocate_cache(batch_size, device=device, dtype=dtype) for b in self.layers],
-            last_token_B=torch.full((batch_size,), -1, dtype=torch.long, device=device),
+            layers=[
+                b.mixer.allocate_state(batch_size, max_len, device=device, dtype=dtype) for b in self.layers
+            ],
+            last_token_B=fresh_last_tokens(batch_size, device),
         )
 
     @torch.no_grad()
@@ -281,9 +311,7 @@ class Mamba3Transformer(nn.Module):
         after left padding, so that rows of different lengths end together and batch exactly."""
         if input_ids_BT.shape[1] == 0:
             raise ValueError("prefill needs at least one token per row")
-        reset_BT = self._resets(input_ids_BT, cache.last_token_B, fresh_BT)
-        h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
-        cache.last_token_B.copy_(input_ids_BT[:, -1])
+        h_BTD = self.hidden_states(input_ids_BT, cache, fresh_BT)
         return linear_in_own_dtype(self.lm_head, h_BTD[:, -1]), cache
 
     @torch.no_grad()
@@ -298,18 +326,15 @@ class Mamba3Transformer(nn.Module):
         logits of a few positions only (`lm_head` on those rows)."""
         if input_ids_BT.shape[1] == 0:
             raise ValueError("extend needs at least one token per row")
-        reset_BT = self._resets(input_ids_BT, cache.last_token_B)
-        h_BTD = self._body(input_ids_BT, reset_BT, cache.layers)
-        cache.last_token_B.copy_(input_ids_BT[:, -1])
-        return h_BTD
+        return self.hidden_states(input_ids_BT, cache)
 
     @torch.no_grad()
     def step(self, token_B: Tensor, cache: ModelCache) -> Tensor:
         """Feed one token per row; O(1) in the context length. Updates `cache` in place; returns (B, V)."""
         reset_B = (cache.last_token_B == self.cfg.eos_id) if self.cfg.reset_at_eos else None
         x_BD = self.embed(token_B)
-        for block, layer_cache in zip(self.layers, cache.layers):
-            x_BD = block.step(x_BD, layer_cache, reset_B)
+        for block, layer_state in zip(self.layers, cache.layers):
+            x_BD = block.step(x_BD, layer_state, reset_B)
         cache.last_token_B.copy_(token_B)
         return linear_in_own_dtype(self.lm_head, self.norm_f(x_BD))
 
@@ -330,7 +355,8 @@ class Mamba3Transformer(nn.Module):
         Stops after `max_new_tokens` or once every row has produced `eos_id`; a row that has finished
         keeps yielding `eos_id`. temperature 0 is greedy. Sampling is `sampling.sample_next`.
         """
-        cache = self.allocate_cache(input_ids_BT.shape[0], device=input_ids_BT.device)
+        B, T = input_ids_BT.shape
+        cache = self.allocate_cache(B, T + max_new_tokens, device=input_ids_BT.device)
         logits_BV, _ = self.prefill(input_ids_BT, cache)
         done_B = torch.zeros(input_ids_BT.shape[0], dtype=torch.bool, device=input_ids_BT.device)
         for i in range(max_new_tokens):

@@ -25,22 +25,25 @@ which number is which.
     sample    a continuation of "def" from the newest checkpoint (token healing on)
     plot      WORKDIR/run/metrics.png (when matplotlib is installed)
 
-Time budget (`minutes`): budget.py. The trainer runs to `training.max_steps`; the quickstart measures a
-step on this machine (a throw-away trainer of the same config, which also gives the "before" evaluation of
-the untrained model) and sets max_steps so that everything fits; a timer stops the trainer cleanly when
-only the time for the final evaluation, the sample and the plot is left. Ctrl-C or SIGTERM while training
-(the probe included) stops it the same way, and the quickstart then evaluates, samples and plots what was
+Time budget (`minutes`): budget.py. The clock is the budget: the trainer trains for the time left once
+the data, the recipe and the calibration (a throw-away trainer of the same config, which also gives the
+"before" evaluation of the untrained model) are done, less the time the final evaluation, the sample and
+the plot need (`training.time_budget_minutes`). Its warmup and decay follow the share of that time spent
+and it stops when the time is spent, so a busy spell costs steps, never the end of the schedule: the
+steps are an outcome, and the summary says what share of the minutes trained. Ctrl-C or SIGTERM while
+training stops it cleanly (a checkpoint), and the quickstart then evaluates, samples and plots what was
 trained (exit 0, as `mamba3lite train` after a stop).
 
 Re-running reuses WORKDIR: the dataset when its manifest and every shard verify and it was made from the
 same source and tokenizer request, the run by resuming from its newest verified checkpoint (its own
-shape) and training for another `minutes` (max_steps is extended, so the learning rate rises again part
-of the way: a warm restart of the cosine schedule), the compressors' numbers from WORKDIR/baselines/.
+shape) and training for another `minutes`: a schedule stopped before its end goes on from where it
+stopped and ends at the new deadline; a finished one starts again part of the way (a warm restart: the
+learning rate rises again); the compressors' numbers from WORKDIR/baselines/.
 
     options.py   QuickstartOptions, QuickstartResult, the checks of the options
     dataset.py   the dataset (prepared or reused) and the before/after evaluation
     recipe.py    vocabulary, shape, optimizer, learning rate and batch: chosen by measurement
-    budget.py    the time budget: steps planned, the timer
+    budget.py    the time budget: the training time, the cadence
     calibrate.py what a step, an evaluation and the sample cost here (a throw-away trainer)
     plan.py      QuickstartPlan: the run resolved once (config, checks, shape, calibration, budget)
     run.py       run_quickstart: the steps above in order

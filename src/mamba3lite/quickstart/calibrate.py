@@ -21,10 +21,11 @@ CALIBRATION_STEPS = 3  # timed steps per setting (after one untimed warm-up step
 
 def time_steps(trainer, cpu: bool) -> tuple[float, str]:
     """Seconds per optimizer step of `trainer`: the median of CALIBRATION_STEPS timed steps (a busy
-    machine gives a few slow outliers; the timer guards against the plan running long). On CPU both
-    torch's default thread count and one thread are timed, each after one untimed step, and the faster
-    is kept (`torch.set_num_threads`): a model this small runs many small ops, and on a busy machine
-    every op of a multi-threaded run waits for its slowest thread. Returns (s/step, a note or "")."""
+    machine gives a few slow outliers; the steps expected from it only set the cadence: the clock ends
+    the run). On CPU both torch's default thread count and one thread are timed, each after one
+    untimed step, and the faster is kept (`torch.set_num_threads`): a model this small runs many small
+    ops, and on a busy machine every op of a multi-threaded run waits for its slowest thread. Returns
+    (s/step, a note or "")."""
     import torch  # here, not at the top: building the CLI's parser imports this package
 
     def timed() -> float:

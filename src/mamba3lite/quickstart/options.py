@@ -16,15 +16,17 @@ DEFAULT_CONFIG = "auto"
 # more indentation (token healing, on by default, backs up over it; see mamba3lite/token_healing.py).
 DEFAULT_PROMPT = "def"
 MAX_MINUTES = 1e6  # ~2 years: any real budget, and far from float overflow and threading.TIMEOUT_MAX
-# Config fields the quickstart sets itself (its dataset and vocabulary, its run directory, the planned
-# steps and their cadence): a --set of one of them would be silently replaced, so it is refused.
-# training.warmup_steps and training.log_every are not here: the plan uses them as upper limits.
+# Config fields the quickstart sets itself (its dataset and vocabulary, its run directory, its time
+# budget, the step cap and the cadence): a --set of one of them would be silently replaced, so it is refused.
+# training.warmup_fraction is not here (the warmup of a run by the clock is the config's), nor
+# training.log_every (the plan uses it as an upper limit).
 CONTROLLED_FIELDS = (
     "data.*",
     "model.vocab_size",
     "model.eos_id",
     "training.checkpoint_dir",
     "training.max_steps",
+    "training.time_budget_minutes",
     "training.eval_every",
     "training.eval_batches",
     "training.save_every",
@@ -49,6 +51,18 @@ class QuickstartOptions:
     token_healing: bool = True
 
 
+@dataclass(frozen=True)
+class TrainingShare:
+    """What the training made of the quickstart's time (the summary's "training" line)."""
+
+    trained_s: float  # seconds the trainer trained (its clock: steps, periodic evaluations, checkpoints)
+    given_s: float  # seconds of training it was given (what the minutes left after the calibration)
+    minutes_s: float  # the quickstart's whole budget, --minutes, in seconds
+    progress: float  # the share of the learning-rate schedule done at the end (1: ended at the deadline)
+    before_s: float = 0.0  # seconds before training: the data, the recipe, the calibration
+    short_why: str = ""  # why training ended before its time ("stopped by signal"), "" when it did not
+
+
 @dataclass
 class QuickstartResult:
     """What the quickstart did (the summary's numbers)."""
@@ -64,8 +78,7 @@ class QuickstartResult:
     sample: str
     plot: Path | None
     seconds: float
-    steps_planned: int
-    stopped_by: str | None = None  # "signal" or "time" when training ended before the plan, else None
+    training: TrainingShare
     options: QuickstartOptions = field(default_factory=QuickstartOptions)  # what the run was given
     baselines: dict | None = None  # report/baselines.py: the compressors on the same val text
     recipe: str = ""  # what was chosen and why (one line), "" for a given config

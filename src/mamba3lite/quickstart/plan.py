@@ -8,7 +8,7 @@ summary.
                         sinks, --init-from), the step it resumes from, its shape (the run's own, the
                         config's, or measured here), the evaluator, the calibration, the budget
 
-The calibration's throw-away trainer, the probe and the main run all train `plan.prepared`, changing
+The calibration's throw-away trainer and the run both train `plan.prepared`, changing
 only the fields the checks do not read (`PreparedRun.with_training`, `in_scratch_dir`): nothing is
 loaded, checked or verified twice.
 """
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mamba3lite.checkpoint.run_dir import RunDir
+from mamba3lite.checkpoint.run_state import RunState
 from mamba3lite.data.shards import Manifest
 from mamba3lite.quickstart import recipe
 from mamba3lite.quickstart.budget import Budget, Calibration, Plan
@@ -53,7 +54,8 @@ class QuickstartPlan:
     evaluate: Evaluator  # the before/after evaluation (the whole val split)
     calibration: Calibration
     budget: Budget
-    steps: Plan  # the steps planned at the calibration's speed (the probe may re-plan the rest)
+    steps: Plan  # the steps expected at the calibration's speed: the cadence (the clock ends the run)
+    recorded_clock: dict | None = None  # the time budget's record in the checkpoint resumed from
 
     @property
     def cfg(self):
@@ -79,16 +81,15 @@ def base_config(preset, opts: QuickstartOptions, manifest: Manifest, data_path: 
 
 
 def choose_model(
-    prepared: PreparedRun, opts: QuickstartOptions, deadline: float
-) -> tuple[PreparedRun, int, str]:
-    """(the prepared run with its model shape, the step it resumes from, what was chosen and why). A
-    resumed run keeps its recorded shape; an --init-from source, a given config (or a --set of the
-    shape) keep their own; else the recipe measures the shapes here."""
+    prepared: PreparedRun, opts: QuickstartOptions, deadline: float, state: RunState | None
+) -> tuple[PreparedRun, str]:
+    """(the prepared run with its model shape, what was chosen and why). A resumed run (`state`: the
+    record of the checkpoint it resumes from) keeps its recorded shape; an --init-from source, a given
+    config (or a --set of the shape) keep their own; else the recipe measures the shapes here."""
     cfg = prepared.cfg
-    run = RunDir(cfg.training.checkpoint_dir)
-    step = run.resume_step("latest")  # the newest checkpoint verified once, here
-    if step is not None:
-        recorded = run.run_state(step).config.get("model")
+    step = 0 if state is None else state.step
+    if state is not None:
+        recorded = state.config.get("model")
         if isinstance(recorded, dict):  # a seed-format step records none: the config's shape
             own = cfg.replace("model", **recorded).with_overrides(
                 [o for o in opts.overrides if o.strip().startswith("model.")]
@@ -96,18 +97,25 @@ def choose_model(
             if prepared.init_model is None:
                 prepared = prepared.with_model(**asdict(own.model))
             m = prepared.cfg.model
-            return prepared, step, f"the run's own shape ({m.d_model}x{m.n_layers}, checkpoint step {step})"
-    step = step or 0
+            return prepared, f"the run's own shape ({m.d_model}x{m.n_layers}, checkpoint step {step})"
     m = cfg.model
     if prepared.init_model is not None:
-        return prepared, step, f"the --init-from model's shape ({m.d_model}x{m.n_layers})"
+        return prepared, f"the --init-from model's shape ({m.d_model}x{m.n_layers})"
     pinned = any(o.strip().startswith(("model.d_model", "model.n_layers")) for o in opts.overrides)
     if opts.config != "auto" or pinned or step:
-        return prepared, step, f"the config's shape ({m.d_model}x{m.n_layers})"
+        return prepared, f"the config's shape ({m.d_model}x{m.n_layers})"
     train_s = TRAIN_SHARE * max(0.0, deadline - time.monotonic())
     shape, why = recipe.choose_shape(recipe.measure_shapes(cfg, train_s), train_s)
     shaped = cfg.with_overrides([*shape.overrides(), *opts.overrides])
-    return prepared.with_model(**asdict(shaped.model)), step, why
+    return prepared.with_model(**asdict(shaped.model)), why
+
+
+def resumed_state(run_dir: Path) -> RunState | None:
+    """The record of the checkpoint the run resumes from (its newest, verified once, here), or None
+    for a fresh run."""
+    run = RunDir(run_dir)
+    step = run.resume_step("latest")
+    return None if step is None else run.run_state(step)
 
 
 def resolve_plan(
@@ -128,7 +136,9 @@ def resolve_plan(
     # the calibration spends time: a busy run directory, data whose tokenizer does not fit the model (the
     # model chosen below, a resumed run's own, is checked again against it: PreparedRun.with_model)
     prepared = prepare_run(cfg, TrainOptions())
-    prepared, start_step, why = choose_model(prepared, opts, deadline)
+    state = resumed_state(run_dir)
+    prepared, why = choose_model(prepared, opts, deadline, state)
+    start_step = 0 if state is None else state.step
     cfg = prepared.cfg
     log(f"recipe    {_recipe_line(cfg)}; shape: {why}")
     evaluate = evaluator(cfg, data_path, log, manifest)
@@ -139,21 +149,31 @@ def resolve_plan(
     ln_v = f"(ln {cfg.model.vocab_size:,} = {math.log(cfg.model.vocab_size):.2f})"
     log(f"before    step {start_step}: {fmt_eval(cal.start_eval)}  {ln_v}")
     budget = Budget.after(cal, deadline, opts.minutes)
-    path = plan_compile(cfg, budget.stop_in_s())
+    path = plan_compile(cfg, budget.train_s())
     if path.compile and not cfg.training.compile:
         prepared = prepared.with_training(compile=True)
     step_path = path.reason
-    steps = budget.steps_for(cal.step_s)  # eager's speed; a compiled run's probe re-plans at its own
-    tokens = steps.n_steps * cfg.training.tokens_per_step()
+    steps = budget.expected(cal.step_s)  # at eager's speed: the cadence only (the clock ends the run)
+    recorded_clock = None if state is None else state.clock
     log(
-        f"plan      {cal.step_s:.2f} s/step measured -> {steps.n_steps} steps ({tokens:,} tokens); "
-        f"step path: {step_path}"
+        f"plan      train {budget.train_s() / 60:.2f} min by the clock{_continues(recorded_clock)}: "
+        f"{cal.step_s:.2f} s/step measured, ~{steps.n_steps:,} steps expected; step path: {step_path}"
     )
     return QuickstartPlan(
         prepared=prepared, manifest=manifest, data_path=data_path, data_reused=data_reused,
         run_dir=run_dir, start_step=start_step, shape_why=why, step_path=step_path, evaluate=evaluate,
-        calibration=cal, budget=budget, steps=steps,
+        calibration=cal, budget=budget, steps=steps, recorded_clock=recorded_clock,
     )  # fmt: skip
+
+
+def _continues(clock: dict | None) -> str:
+    """What the schedule does with the run's recorded time budget: go on, or start again."""
+    if not clock:
+        return ""
+    progress = clock.get("progress")
+    if isinstance(progress, (int, float)) and 0 <= progress < 1:
+        return f", its schedule going on from {progress:.0%}"
+    return ", its finished schedule warmly restarted"
 
 
 def _recipe_line(cfg) -> str:

@@ -11,9 +11,15 @@ from pathlib import Path
 
 from mamba3lite.errors import CheckpointError, ConfigError, DataError
 from mamba3lite.quickstart import recipe
-from mamba3lite.quickstart.budget import REPLAN_FRACTION, BudgetTimer, probe_steps, run_settings, warmup_for
+from mamba3lite.quickstart.budget import MIN_TRAIN_S, run_settings, training_minutes
 from mamba3lite.quickstart.dataset import Evaluator, dataset_name, ensure_dataset
-from mamba3lite.quickstart.options import DEFAULT_SOURCE, QuickstartOptions, QuickstartResult, check_options
+from mamba3lite.quickstart.options import (
+    DEFAULT_SOURCE,
+    QuickstartOptions,
+    QuickstartResult,
+    TrainingShare,
+    check_options,
+)
 from mamba3lite.quickstart.plan import QuickstartPlan, resolve_plan
 from mamba3lite.quickstart.summary import fmt_eval
 
@@ -40,64 +46,25 @@ def _startup_s() -> float:
     return age if age <= STARTUP_MAX_S else 0.0
 
 
-def _logged_step_s(run_dir: Path, after_step: int, upto_step: int) -> float | None:
-    """Mean seconds per step of the logged steps (after_step, upto_step] of `run_dir`'s metrics, the
-    start-up window left out (it includes building and loading); None without such rows."""
-    from mamba3lite.train.metrics import read_metrics
-
-    rows = [
-        r
-        for r in read_metrics(run_dir).train
-        if after_step < r["step"] <= upto_step and not r.get("warmup_window") and r.get("window_steps")
-    ]
-    steps = sum(r["window_steps"] for r in rows)
-    return sum(r["window_seconds"] for r in rows) / steps if steps else None
-
-
-def _train(plan: QuickstartPlan, stop, log) -> tuple[object, int, str | None]:
-    """Train for the plan (re-planned after the probe) through the one training entry, stopped by the
-    budget's timer when time is up. Returns (the train result, the steps planned, "time" / "signal" when
-    stopped short, else None)."""
+def _train(plan: QuickstartPlan, stop) -> tuple[object, float]:
+    """Train through the one training entry for the time left (budget.py: the clock is the budget; a
+    run stopped before the end of its schedule goes on from where it stopped). Returns (the train
+    result, the seconds of training it was given)."""
     from mamba3lite.train.entry import run_training
 
-    tc, start_step, n_steps, budget = plan.cfg.training, plan.start_step, plan.steps.n_steps, plan.budget
-    warmup = warmup_for(n_steps, tc.warmup_steps, start_step)
-    probe = probe_steps(warmup, start_step, n_steps)
-
-    def train(n: int, is_probe: bool, until_step: int | None = None):
-        fields = run_settings(
-            n, probe=is_probe, start_step=start_step, warmup=warmup, log_every=tc.log_every,
-            eval_batches=plan.eval_batches,
-        )  # fmt: skip
-        return run_training(plan.prepared.with_training(**fields), stop=stop, until_step=until_step)
-
-    with BudgetTimer(budget.stop_in_s(), stop) as timer:
-        # A probe stopped by a signal (Ctrl-C, SIGTERM) ends the training as the main run's stop would.
-        result = None
-        if probe:
-            result = train(n_steps, True, until_step=start_step + probe)
-            measured = _logged_step_s(plan.run_dir, start_step, start_step + probe)
-            if measured and not timer.fired and not result.stopped:
-                n_steps = probe + budget.steps_for(measured, REPLAN_FRACTION).n_steps
-                log(f"re-plan   {measured:.2f} s/step in the first {probe} steps -> {n_steps} steps in all")
-        if result is None or not (timer.fired or result.stopped):  # >= 1 step, even with no time
-            result = train(n_steps, False)
-    stopped_by = None  # a run short of its plan without a signal (or a stop request) met the timer
-    if result.stopped or result.step < start_step + n_steps:
-        stopped_by = "time" if timer.fired else "signal"
-    return result, n_steps, stopped_by
+    train_s = plan.budget.train_s()
+    fields = run_settings(
+        plan.steps.n_steps, start_step=plan.start_step, log_every=plan.cfg.training.log_every,
+        eval_batches=plan.eval_batches, minutes=training_minutes(train_s, plan.recorded_clock),
+    )  # fmt: skip
+    return run_training(plan.prepared.with_training(**fields), stop=stop), train_s
 
 
-def _log_stop(stopped_by: str | None, step: int, planned: int, log) -> None:
-    if stopped_by == "time":
+def _log_stop(result, log) -> None:
+    if result.stopped:
         log(
-            f"note      the time budget ran out at step {step} of {planned} planned: stopped cleanly, "
-            "checkpoint written"
-        )
-    elif stopped_by == "signal":
-        log(
-            f"note      stopped by signal at step {step} of {planned} planned: "
-            "checkpoint written; evaluating, sampling and plotting it (Ctrl-C again to quit now)"
+            f"note      stopped by signal at step {result.step}: checkpoint written; evaluating, sampling "
+            "and plotting it (Ctrl-C again to quit now)"
         )
 
 
@@ -159,22 +126,39 @@ def run_quickstart(opts: QuickstartOptions, log: Callable[[str], None] = print) 
     # the compressors read the same val text meanwhile, in a child process at the lowest priority
     cache = Path(opts.workdir) / "baselines" / f"{data_path.name}.json"
     baselines = start_baselines(data_path, cache)
-    stop = StopFlag()  # one for the whole quickstart: its signals and its timer stop whichever trainer runs
+    stop = StopFlag()  # one for the whole quickstart: its signals stop whichever trainer runs
     plan = resolve_plan(opts, preset, data_path, reused, run_dir, deadline, stop, log)
+    before_s = time.monotonic() - t_start  # the data, the recipe and the calibration
     try:
-        result, n_steps, stopped_by = _train(plan, stop, log)
+        result, train_s = _train(plan, stop)
     except CheckpointError as e:
         raise CheckpointError(f"{e} (the quickstart's run is {run_dir}; use another --workdir)") from None
-    _log_stop(stopped_by, result.step, plan.start_step + n_steps, log)
+    _log_stop(result, log)
 
     end_eval, sample, plot = _finish(run_dir, plan.evaluate, opts, log)
     return QuickstartResult(
         data_path=data_path, run_dir=run_dir, data_reused=reused, start_step=plan.start_step,
         end_step=result.step, tokens_seen=result.tokens_seen, start_eval=plan.calibration.start_eval,
         end_eval=end_eval, sample=sample, plot=plot, seconds=time.monotonic() - t_start,
-        steps_planned=n_steps, stopped_by=stopped_by, options=opts,
+        training=_training_share(result, train_s, 60.0 * opts.minutes, before_s), options=opts,
         baselines=_baselines(baselines, cache, log), recipe=plan.shape_why,
     )  # fmt: skip
+
+
+def _training_share(result, train_s: float, minutes_s: float, before_s: float) -> TrainingShare:
+    """What the training made of its time: the seconds it trained, of the time it was given and of the
+    quickstart's minutes, and why it ended before the end of its time when it did."""
+    clock = result.clock or {}
+    trained_s = float(clock.get("run_s", 0.0))
+    why = ""
+    if result.stopped:
+        why = "stopped by signal"
+    elif clock.get("progress", 0.0) < 1.0:
+        why = f"the trainer's cap of {result.step:,} steps (training.max_steps)"
+    elif train_s <= 2 * MIN_TRAIN_S:
+        why = "the data, the recipe and the calibration took the whole budget"
+    return TrainingShare(trained_s=trained_s, given_s=train_s, minutes_s=minutes_s, before_s=before_s,
+                         progress=float(clock.get("progress", 0.0)), short_why=why)  # fmt: skip
 
 
 def _baselines(proc, cache: Path, log) -> dict | None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import shlex
 
-from mamba3lite.quickstart.options import DEFAULT_CONFIG, DEFAULT_SOURCE, DEFAULT_WORKDIR, QuickstartResult
+from mamba3lite.quickstart.options import (
+    DEFAULT_CONFIG,
+    DEFAULT_SOURCE,
+    DEFAULT_WORKDIR,
+    QuickstartResult,
+    TrainingShare,
+)
 from mamba3lite.report.baselines import as_text
 
 
@@ -19,6 +25,24 @@ def eval_scope(ev: dict) -> str:
 def fmt_eval(ev: dict) -> str:
     bpb = f", {ev['bits_per_byte']:.3f} bits/byte" if ev.get("bits_per_byte") is not None else ""
     return f"{ev['split']} loss {ev['loss']:.3f}{bpb} (on {eval_scope(ev)})"
+
+
+def training_lines(t: TrainingShare) -> list[str]:
+    """The share of the budget that trained, and where the rest went; the schedule's end, or why it was
+    not reached."""
+    share = t.trained_s / t.minutes_s if t.minutes_s > 0 else 0.0
+    lines = [
+        f"training      {t.trained_s / 60:.2f} min, {share:.0%} of the {t.minutes_s / 60:g}-minute budget "
+        f"(before it {t.before_s / 60:.2f} min of data, recipe and calibration; after it the evaluation, "
+        "sample and plot)"
+    ]
+    if t.progress < 1.0:
+        lines.append(f"schedule      {t.progress:.0%} done, ended early: {t.short_why}")
+    elif t.short_why:
+        lines.append(f"schedule      done, but training was short: {t.short_why}")
+    else:
+        lines.append("schedule      done at the deadline: warmup and decay followed the clock")
+    return lines
 
 
 def summary_text(r: QuickstartResult) -> str:
@@ -45,13 +69,13 @@ def summary_text(r: QuickstartResult) -> str:
     else:
         loss = f"train loss    {s['loss']:.3f} -> {e['loss']:.3f} nats/token   "
         where = f"on {eval_scope(e)}, {e['tokens']:,} tokens: no usable val split"
-    stopped = {"signal": "   (stopped by signal)", "time": "   (stopped: time budget ran out)"}
     lines = [
         "",
         "── quickstart summary ─────────────────────────────────────────────────────────",
         f"time          {r.seconds / 60:.1f} min",
+        *training_lines(r.training),
         f"steps         {r.start_step} -> {r.end_step}   tokens seen {r.tokens_seen:,}"
-        + stopped.get(r.stopped_by or "", ""),
+        + ("   (stopped by signal)" if r.training.short_why == "stopped by signal" else ""),
         f"{loss}(bits/byte {bpb(s)} -> {bpb(e)}; {where})",
         f"bits/byte     {as_text(model_bpb, r.baselines)}"
         if r.baselines
@@ -65,7 +89,7 @@ def summary_text(r: QuickstartResult) -> str:
         f"  mamba3lite eval --checkpoint-dir {run} --data-path {data}",
         f"  mamba3lite inspect {run}",
         f"  mamba3lite train --config {shlex.quote(str(r.run_dir / 'config.yaml'))} --checkpoint-dir {run} "
-        f"--max-steps {r.end_step + 500}",
+        f"--max-steps {r.end_step + 500} --set training.time_budget_minutes=0   (500 steps more, by steps)",
         f"  {shlex.join(again)}   (again: continues this run)",
     ]
     return "\n".join(lines)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mamba3lite.model.mamba3 import linear_in_own_dtype
-from mamba3lite.serve.batch_state import BatchState, load_state, state_tensors
+from mamba3lite.serve.batch_state import BatchState
 from mamba3lite.serve.prefix_cache import PrefixCache, prefix_hashes
 from mamba3lite.serve.sampling import RowSampler, Sampling, top_logprobs
 from mamba3lite.serve.textout import StopMatcher, TokenText
@@ -112,9 +112,13 @@ class Engine:
         max_queue: int = 256,
         prefix_cache: PrefixCache | None = None,
         boundary: int = 256,
+        max_len: int | None = None,
     ) -> None:
         assert max_batch_size >= 1 and max_queue >= 1 and boundary >= 1
         self.model, self.tokenizer = model, tokenizer
+        # The most tokens a request's state holds (prompt + completion), preallocated by a layer whose state
+        # grows with the length (a key/value cache); None: such a state grows by doubling as rows need.
+        self.max_len = max_len
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
         self.max_batch_size, self.max_queue, self.boundary = max_batch_size, max_queue, boundary
@@ -122,7 +126,7 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._rows: list[_Row] = []
-        self._state = BatchState(model, max_batch_size)
+        self._state = BatchState(model, max_batch_size, max_len=max_len)
         self._logits_BV: torch.Tensor | None = None  # row i's next-token logits
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -136,6 +140,11 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._rows)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes the running batch's decode state holds (the model's state protocol: `nbytes`)."""
+        return self._state.nbytes()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="mamba3lite-engine", daemon=True)
@@ -222,11 +231,11 @@ class Engine:
         ids, T, b = job.prompt_ids, len(job.prompt_ids), self.boundary
         scoring = job.sampling.echo and job.sampling.logprobs is not None
         hashes = prefix_hashes(ids, [*range(b, T, b), T]) if self.prefix_cache.enabled else {}
-        cache = self.model.allocate_cache(1)
+        cache = self.model.allocate_cache(1, self.max_len)
         pos, entry = (0, None) if scoring or not hashes else self.prefix_cache.lookup(hashes)
         logits_1V = None
         if entry is not None:
-            load_state(cache, entry.tensors)
+            cache.load_(entry.state)
             logits_1V = entry.logits_V[None].clone()
         chosen: list[float] = []
         tops: list[list[tuple[int, float]]] = []
@@ -241,7 +250,7 @@ class Engine:
             else:
                 logits_1V = linear_in_own_dtype(self.model.lm_head, h_1LD[:, -1]).float()
             if end in hashes:
-                self.prefix_cache.put(hashes[end], state_tensors(cache), logits_1V[0])
+                self.prefix_cache.put(hashes[end], cache, logits_1V[0])
             pos = end
         if scoring:
             r = job.report_from

@@ -75,6 +75,12 @@ ENGINE_METRICS = (
     ),
     ("mamba3lite_queue_length", "gauge", "Requests waiting to join the batch.", lambda e: e.queue_len),
     (
+        "mamba3lite_decode_state_bytes",
+        "gauge",
+        "Bytes held by the running batch's decode state.",
+        lambda e: e.state_bytes,
+    ),
+    (
         "mamba3lite_prefix_cache_hits_total",
         "counter",
         "Prompts that started from a cached state.",

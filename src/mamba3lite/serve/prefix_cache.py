@@ -1,15 +1,17 @@
-"""A constant-size-per-entry cache of recurrent states after token prefixes (LRU, bounded in bytes).
+"""A cache of decode states after token prefixes (LRU, bounded in bytes).
 
 A recurrent model's state after a prefix is a fixed few hundred kB whatever the prefix's length, so the
 state after a long shared prefix (a system prompt, few-shot examples) can be kept for the price of one
-state. The engine prefills every prompt in segments that end on multiples of `boundary` tokens
+state (a layer with a key/value cache adds what it holds; each entry counts its own `nbytes()`).
+The engine prefills every prompt in segments that end on multiples of `boundary` tokens
 (absolute positions), stores the state at each boundary and at the prompt's end, and on a new request
 starts from the longest stored prefix: the full prompt, else the largest boundary inside it. Because the
 segments are the same with or without a hit, a hit gives bit-for-bit the state a full prefill gives.
 
 Keys are the sha256 of the prefix's token ids (int64 little-endian), so equal prefixes meet whatever
-requests they came from. An entry holds the per-layer state tensors (one row), the last token and the
-logits after the prefix (to sample the first new token on a full hit).
+requests they came from. An entry holds a snapshot of the model's one-row state (model/decode_state.py:
+every layer's, and the last token) and the logits after the prefix (to sample the first new token on a
+full hit).
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from mamba3lite.model.decode_state import DecodeState
+
 
 @dataclass
 class PrefixEntry:
-    """The state after a prefix: `tensors` (every state tensor of one row, in a fixed order, cloned),
-    `logits_V` after its last token, and the size in bytes the LRU counts."""
+    """The state after a prefix: `state` (a snapshot of one row, independent of the one it was taken
+    from), `logits_V` after its last token, and the size in bytes the LRU counts."""
 
-    tensors: list[Tensor]
+    state: DecodeState
     logits_V: Tensor
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.tensors, self.logits_V))
+        return self.state.nbytes() + self.logits_V.numel() * self.logits_V.element_size()
 
 
 def prefix_hashes(ids: list[int], ends: list[int]) -> dict[int, str]:
@@ -77,11 +81,12 @@ class PrefixCache:
                 self._entries.move_to_end(key)
             return entry
 
-    def put(self, key: str, tensors: list[Tensor], logits_V: Tensor) -> None:
-        """Store clones of `tensors` and `logits_V` under `key` (evicting least recently used entries)."""
+    def put(self, key: str, state: DecodeState, logits_V: Tensor) -> None:
+        """Store a snapshot of `state` and a copy of `logits_V` under `key` (evicting least recently
+        used entries)."""
         if not self.enabled:
             return
-        entry = PrefixEntry([t.detach().clone() for t in tensors], logits_V.detach().clone())
+        entry = PrefixEntry(state.snapshot(), logits_V.detach().clone())
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:

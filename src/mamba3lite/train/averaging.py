@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from mamba3lite.errors import CheckpointError
+from mamba3lite.errors import CheckpointError, ConfigError
 
 
 class WeightAverage:
@@ -99,6 +99,15 @@ class NoAverage:
         pass
 
 
-def build_average(model: torch.nn.Module, decay: float) -> WeightAverage | NoAverage:
-    """The average `training.ema_decay` asks for: `WeightAverage(model, decay)`, or `NoAverage()` at 0."""
+def build_average(
+    model: torch.nn.Module, decay: float, sharded_by: str | None = None
+) -> WeightAverage | NoAverage:
+    """The average `training.ema_decay` asks for: `WeightAverage(model, decay)`, or `NoAverage()` at 0.
+    `sharded_by`: the strategy that shards the model (parallelism auto chose fsdp; an explicit choice is
+    refused by config.py), where an average, a whole copy of the weights, is refused."""
+    if decay > 0 and sharded_by is not None:
+        raise ConfigError(
+            f"training.ema_decay is {decay} but this run shards its model ({sharded_by}): weight averaging "
+            "is not supported for sharded models; --set training.parallelism=ddp or training.ema_decay=0"
+        )
     return WeightAverage(model, decay) if decay > 0 else NoAverage()

@@ -232,8 +232,8 @@ def out_of_memory_advice(exc: BaseException, cfg, building: bool = False, world_
 # directory, the data's tokenizer, the sinks and --init-from do not depend on them), so changing them
 # keeps the run checked.
 ADJUSTABLE_TRAINING_FIELDS = (
-    "max_steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "log_every", "progress",
-    "compile",
+    "max_steps", "time_budget_minutes", "warmup_steps", "eval_every", "eval_batches", "save_every",
+    "log_every", "progress", "compile",
 )  # fmt: skip
 
 
@@ -243,7 +243,7 @@ class PreparedRun:
     (an --init-from source's model config in it), its options, and the model holding the init weights
     (None without --init-from, or once the run resumes from its own checkpoints). `training_session` and
     `run_training` take one in place of (cfg, opts): a caller that trains the same run several times
-    (the quickstart: a calibration, a probe, the main run) prepares it once and changes only what the
+    (the quickstart: a calibration, then the run) prepares it once and changes only what the
     checks do not read, through the methods below. The runs made with `with_training` share the init
     model: the first one trains it, and the next ones resume from the checkpoint it wrote."""
 

@@ -6,8 +6,6 @@ start_warnings(...)           settings that make the run other than it looks
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 
 def epoch_summary(sampler) -> str:
     """An epoch's size in steps, and the windows each epoch skips (made visible: the seed's DataLoader
@@ -22,36 +20,31 @@ def epoch_summary(sampler) -> str:
     return text
 
 
-def start_message(step: int, target: int, dist, tc, sampler, scan: str | None) -> str:
-    """The "start" event's text: from where to where, on what, the step's tokens, the epoch, the scan
-    backend that runs. `dist`: the DistInfo; `tc`: the TrainingConfig."""
+def start_message(step: int, goal: str, dist, tc, sampler, scan: str | None) -> str:
+    """The "start" event's text: from where to where (`goal`: the schedule's, e.g. "step 2000"), on
+    what, the step's tokens, the epoch, the scan backend that runs. `dist`: the DistInfo; `tc`: the
+    TrainingConfig."""
     what = "resumed" if step else "start"
     return (
-        f"{what} at step {step} -> {target} on {dist.world_size} x {dist.device}; "
+        f"{what} at step {step} -> {goal} on {dist.world_size} x {dist.device}; "
         f"{tc.tokens_per_step():,} tokens/step; {epoch_summary(sampler)}" + (f"; {scan} scan" if scan else "")
     )
 
 
-def start_warnings(
-    tc, step: int, target: int, until_step: int | None, no_val_reason: str | None,
-    lr_at_step: Callable[[int], float],
-) -> list[str]:  # fmt: skip
+def start_warnings(tc, step: int, until_step: int | None, no_val_reason: str | None, schedule) -> list[str]:
     """Settings that make the run other than it looks: no validation although evaluation is on
     (`no_val_reason`: why there is none, None when there is validation data), a warmup that never
-    reaches the peak learning rate, nothing left to train. `tc`: the TrainingConfig; `lr_at_step`: the
-    schedule."""
+    reaches the peak learning rate, nothing left to train. `tc`: the TrainingConfig; `schedule`: the
+    run's (schedule.py)."""
     out = []
     if tc.eval_every and no_val_reason is not None:
         out.append(f"no validation data, so training.eval_every has no effect: {no_val_reason}")
-    if tc.warmup_steps > tc.max_steps:
-        peak = lr_at_step(tc.max_steps - 1)
+    if tc.warmup_steps > tc.max_steps and schedule.clock is None:
+        peak = schedule.lr(tc.max_steps - 1)
         out.append(
             f"training.warmup_steps {tc.warmup_steps} > training.max_steps {tc.max_steps}: the learning "
             f"rate only warms up, to {peak:.3g} instead of training.lr {tc.lr:g}; lower warmup_steps"
         )
-    if step >= target and until_step is None:
-        out.append(
-            f"the run is at step {step}, not before training.max_steps {tc.max_steps}: nothing to "
-            "train; raise --max-steps to continue it"
-        )
+    if until_step is None and (why := schedule.nothing_left(step)) is not None:
+        out.append(why)
     return out

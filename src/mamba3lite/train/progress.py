@@ -22,6 +22,9 @@ class TrainResult:
     last_eval: dict | None = None
     steady_tokens_per_s: float | None = None
     rollbacks: int = 0  # of the run, earlier calls' (recorded in its checkpoints) included
+    # a run by the clock (training.time_budget_minutes): its record at the end (train/clock.py: budget_s,
+    # spent_s, progress) and this call's training seconds as "run_s"; None for a run of steps
+    clock: dict | None = None
 
 
 @dataclass

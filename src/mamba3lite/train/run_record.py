@@ -6,23 +6,52 @@ evaluating and exporting when the dataset is deleted or moved."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json
+from mamba3lite.checkpoint.run_state import RngState, RunState
 from mamba3lite.config import Config, write_resolved_config
-from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir
+from mamba3lite.data.shards import MANIFEST_NAME, Manifest, dataset_dir, has_manifest
 from mamba3lite.data_identity import TOKENIZER_NAME
-from mamba3lite.errors import Mamba3LiteError
+from mamba3lite.errors import CheckpointError, ConfigError, Mamba3LiteError
 from mamba3lite.rundir import CONFIG_NAME, RUN_RECORD_NAME
 
 KEEP_STARTS = 50
+
+
+@dataclass
+class RunRecord:
+    """What a trainer keeps of its run's record between saves: how it resumes ("latest", "none" or a
+    step), this process's random generators (a stateful part), the W&B run id a resumed run continues,
+    and the code version its start wrote to run.json (each checkpoint records it too)."""
+
+    resume: str | int
+    rng: RngState = field(default_factory=RngState)
+    wandb_run_id: str | None = None
+    code_version: dict | None = None
+
+    def continue_wandb(self, ckpt, step: int) -> None:
+        """Take the W&B run id checkpoint `step` recorded (-1: none), so a resumed run continues it."""
+        if step >= 0:
+            with contextlib.suppress(CheckpointError):
+                self.wandb_run_id = RunState.from_meta(ckpt.read_meta(step)).wandb_run_id
+
+
+def check_not_a_dataset(run_dir: str | Path) -> None:
+    """A run directory that holds a dataset's manifest is refused: checkpoints would be mixed into it."""
+    if has_manifest(run_dir):
+        raise ConfigError(
+            f"training.checkpoint_dir {run_dir} is a dataset directory (it holds {MANIFEST_NAME}): "
+            "checkpoints would be mixed into the dataset; point --checkpoint-dir at a run directory"
+        )
 
 
 def code_version() -> dict:

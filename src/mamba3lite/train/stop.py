@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -63,3 +63,24 @@ class StopFlag:
             for sig, previous in mine.items():
                 signal.signal(sig, previous if on_exit is None else on_exit)
                 self._handled.discard(sig)
+
+
+class AgreedStop:
+    """Whether every rank stops now. One process (`any_rank` None): its flag. Several: the flags as the
+    step's one agreement read them (`settled`: no collective of its own in steady state; a flag set
+    after that read, while the optimizer stepped, stops the run after the next step), or, after work
+    outside the step (evaluation, save: `unsettle()`), a fresh agreement through `any_rank`."""
+
+    def __init__(self, flag: StopFlag, any_rank: Callable[[bool], bool] | None) -> None:
+        self.flag, self.any_rank = flag, any_rank
+        self.settled: bool | None = None  # the stop flags as the last step's agreement read them
+
+    def unsettle(self) -> None:
+        """Time passes outside the step: the next `now()` agrees on the flags anew."""
+        self.settled = None
+
+    def now(self) -> bool:
+        settled, self.settled = self.settled, None
+        if self.any_rank is None:
+            return self.flag.is_set()
+        return settled if settled is not None else self.any_rank(self.flag.is_set())

@@ -36,7 +36,7 @@ Exactness. Torch's CPU kernels split sums by thread, so a run that switched is n
 that did not; a comparison that needs bit-exact runs fixes the count (OMP_NUM_THREADS, or the watch off).
 
 State. Not checkpointed: `restore()` (the end of `train()`) puts the run's own count back, so a resumed
-run, or the quickstart's main run after its probe, starts from that count and measures the machine as
+run, or the quickstart's run after its calibration, starts from that count and measures the machine as
 it is then.
 """
 

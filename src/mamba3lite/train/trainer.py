@@ -7,20 +7,23 @@ process runs `accum` micro-steps of `micro_batch_size` windows (accum = global /
 `TrainingConfig.accumulation`). The windows are drawn by `WindowSampler`, whose order is a pure function
 of (seed, epoch, consumed), so a run continues the same batches at any world size.
 
-    build          data (data.py), model (model_setup.py), optimizer, sampler, checkpoint manager
-    train()        lock the run directory, plan and apply the resume (checkpoint/resume.py), write
-                   the run record (run_record.py), then loop: train_step, every `eval_every` steps
-                   evaluate, every `save_every` steps save_checkpoint; stop at max_steps or when the
-                   stop flag (stop.py) is set, with a checkpoint
+    build          data (data.py), model (model_setup.py), optimizer, the steps' input (step_input.py:
+                   sampler, prefetcher), the schedule (schedule.py), checkpoint manager
+    train()        lock the run directory, plan and apply the resume (loading.py), write the run
+                   record (run_record.py), then loop: train_step, every `eval_every` steps
+                   evaluate, every `save_every` steps save_checkpoint; stop at the schedule's end
+                   (schedule.py: max_steps, or the time budget spent) or when the stop flag (stop.py)
+                   is set, with a checkpoint
     train_step()   per micro-step: forward under autocast (bf16 when configured), the loss admitted
                    by the step's tally (zero where any rank's is non-finite), backward, during which
                    the strategy reduces the gradients (parallel/: DDP's reducer on the last micro-step,
                    FSDP's reduce-scatter); then rescale for skipped micro-steps, global-norm clipping
                    (the pre-clip norm is logged), ONE agreement and host read of the step's numbers
                    (parallel/tally.py), the non-finite guard's verdicts (nonfinite.py: skip or roll
-                   back), lr = `lr_at(step)` (a pure function: the "scheduler state" is the step), the
-                   optimizer step, and one `logger.log_step`; when that closes a window, the thread
-                   watch (threads.py: a CPU run's thread count follows the machine's load) sees its row
+                   back), lr = `schedule.lr(step)` (a pure function of the step, or of the share of the
+                   time budget spent), the optimizer step, and one `logger.log_step`; when that closes
+                   a window, the thread watch (threads.py: a CPU run's thread count follows the
+                   machine's load) sees its row
 
 A rollback goes back to the newest verified checkpoint (model, optimizer, RNG, counters) and on with
 the data AFTER the failure: the batches drawn since the checkpoint are skipped (the event says which).
@@ -30,31 +33,28 @@ written, a "stop" event logged, and `train()` returns (exit code 0).
 
 Resume is exact: model, optimizer (by parameter name), sampler position, Python/numpy/torch RNG states,
 step and token counters are in the checkpoint, so N steps == N/2 + resume + N/2 bit for bit (fp32, CPU).
-Rank 0 writes the metrics and run records (the other ranks log to a logger that discards,
-`TrainingLogger.disabled`) and the checkpoints of replicated runs; a sharded run's every rank writes its
-own shards (checkpoint/sharded.py), rank 0 the meta last.
-Fault injection for tests: faults.py.
+Rank 0 writes the metrics and run records (the other ranks: `TrainingLogger.disabled`) and the
+checkpoints of replicated runs; a sharded run's every rank its own shards, rank 0 the meta last.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from mamba3lite.checkpoint import CheckpointManager, RngState, RunLock, RunState
-from mamba3lite.checkpoint.resume import ResumePlan, plan_resume, resume_warnings
+from mamba3lite.checkpoint import CheckpointManager, RunLock, RunState
+from mamba3lite.checkpoint.resume import ResumePlan, resume_warnings
 from mamba3lite.config import Config
-from mamba3lite.data.shards import MANIFEST_NAME, has_manifest
 from mamba3lite.downstream.in_loop import in_loop_evaluator
-from mamba3lite.errors import CheckpointError, ConfigError, DataError
+from mamba3lite.errors import ConfigError, DataError
 from mamba3lite.malloc import keep_freed_memory
 from mamba3lite.model.precision import resolve_precision
 from mamba3lite.train.averaging import build_average
@@ -65,17 +65,25 @@ from mamba3lite.train.data import (
     check_fits_global_batch,
 )
 from mamba3lite.train.faults import INJECT_ENV, FaultInjector, parse_injection
+from mamba3lite.train.loading import agreed_resume_plan, resume_facts
 from mamba3lite.train.metrics import TrainingLogger, run_logger
 from mamba3lite.train.model_setup import build_model
 from mamba3lite.train.nonfinite import OK, ROLLBACK, NonFiniteGuard
 from mamba3lite.train.notes import epoch_summary, start_message, start_warnings
-from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, lr_at, set_lr
+from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, set_lr
 from mamba3lite.train.parallel import Parallelism, StepOutcome
 from mamba3lite.train.parallel import process_group as D
-from mamba3lite.train.prefetch import Batches, Prefetcher
 from mamba3lite.train.progress import Progress, TrainData, TrainResult
-from mamba3lite.train.run_record import code_version, data_identity, run_records_problem, write_run_records
-from mamba3lite.train.stop import StopFlag
+from mamba3lite.train.run_record import (
+    RunRecord,
+    check_not_a_dataset,
+    code_version,
+    data_identity,
+    write_run_records,
+)
+from mamba3lite.train.schedule import build_schedule
+from mamba3lite.train.step_input import StepInput
+from mamba3lite.train.stop import AgreedStop, StopFlag
 from mamba3lite.train.threads import NoThreadWatch, thread_watch
 from mamba3lite.train.validation import nonfinite_note, validate
 
@@ -94,6 +102,7 @@ class Pretrainer:
         model, train_data, val_data: injected instead of built from the config (tests).
         stop: the run's stop flag (`mamba3lite train` installs it before building); default: a new
             one, whose signal handlers `train()` installs for its duration.
+        now: the clock of a run with `training.time_budget_minutes` (schedule.py; tests inject one).
     """
 
     def __init__(
@@ -107,42 +116,36 @@ class Pretrainer:
         val_data: Any = None,
         stop: StopFlag | None = None,
         parallelism: Parallelism | None = None,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
             raise ConfigError(f"resume must be 'latest', 'none' or a step number >= 0, got {resume!r}")
-        self.cfg, self.resume = config, resume
+        self.cfg, self.record = config, RunRecord(resume)
         self.dist = dist or D.DistInfo(device=D.pick_device(config.training.device))
-        self.stop = stop or StopFlag(announce=self.dist.is_main)
+        flag = stop or StopFlag(announce=self.dist.is_main)
+        # the stop flags agreed on by every rank (stop.py); one process: its own flag
+        self.stopping = AgreedStop(
+            flag, (lambda v: D.any_rank(v, self.dist)) if self.dist.distributed else None
+        )
         tc = self.tc
         # training.dtype for this device (auto: bf16 only where it is native); the start says which and why
         self.precision = resolve_precision(tc.dtype, self.device)
         # How the model is spread over the processes: one object, built once (a bad layout is a
         # ConfigError now, before anything is built).
         self.par = parallelism or Parallelism.from_config(config, self.dist)
-        # Micro-steps per optimizer step on this process: the global batch over the data-parallel size
-        # (a split that does not divide is a ConfigError now, before anything is built).
-        self.accum = tc.accumulation(self.par.dp_size)
+        accum = self.accum  # a global batch that does not split is a ConfigError now, before any build
         if self.device.type == "cpu":
             keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
-        if has_manifest(tc.checkpoint_dir):
-            raise ConfigError(
-                f"training.checkpoint_dir {tc.checkpoint_dir} is a dataset directory (it holds "
-                f"{MANIFEST_NAME}): checkpoints would be mixed into the dataset; point --checkpoint-dir "
-                "at a run directory"
-            )
+        check_not_a_dataset(tc.checkpoint_dir)
         self.faults = FaultInjector.from_env(self.dist.rank)
         _seed_everything(tc.seed)
         self.data = self._build_data(train_data, val_data)
         self.raw_model, self.model = build_model(self.cfg, self.dist, self.par, model)
         self.optimizer = build_optimizer(self.raw_model, tc)
-        if tc.ema_decay and self.par.is_sharded:  # parallelism auto chose fsdp (explicit: config.py)
-            raise ConfigError(
-                f"training.ema_decay is {tc.ema_decay} but this run shards its model ({self.par.name}): "
-                "weight averaging is not supported for sharded models; --set training.parallelism=ddp "
-                "or training.ema_decay=0"
-            )
         # The average of the weights that users of the checkpoints read (averaging.py; off: NoAverage).
-        self.average = build_average(self.raw_model, tc.ema_decay)
+        self.average = build_average(
+            self.raw_model, tc.ema_decay, self.par.name if self.par.is_sharded else None
+        )
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
         # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
         manifest = getattr(self.data.train, "manifest", None)
@@ -151,32 +154,16 @@ class Pretrainer:
             config, tok_name, bf16=self.autocast_dtype is not None, rank=self.dist.rank,
             world_size=self.dist.world_size,
         )  # fmt: skip
-        from mamba3lite.data import WindowSampler
-
-        self.sampler = WindowSampler(
-            len(self.data.train),
-            self.global_windows,
-            rank=self.par.dp_rank,
-            world_size=self.par.dp_size,
-            seed=tc.seed,
-            shuffle=True,
-        )
-        # The input of the next steps, produced ahead on a thread (prefetch.py); self.sampler stays the
-        # position of the batches consumed, what checkpoints record.
-        self.prefetcher = Prefetcher(self.sampler.clone(), self._produce_step, depth=tc.prefetch_batches,
-                                     pin=self.device.type == "cuda")  # fmt: skip
-        self._data_wait_s = 0.0  # the training thread's wait for input since the last logged step
+        # The windows of the steps, produced ahead on a thread; its sampler is the position of the batches
+        # consumed, what checkpoints record (step_input.py).
+        self.input = StepInput(self.data.train, tc, self.par, accum, self.device)
         self.ckpt = CheckpointManager(tc.checkpoint_dir, keep_last_n=tc.keep_last_n)
         self.guard = NonFiniteGuard(tc.nan_guard_max_consecutive, tc.max_rollbacks)
-        self.rng = RngState()
+        # lr and end by steps, or by the clock (training.time_budget_minutes); train() sets its target
+        self.schedule = build_schedule(tc, tc.max_steps, now)
         self.progress = Progress()
         self.logger = TrainingLogger.disabled()  # the real one is opened by train(), on rank 0
         self.threads = NoThreadWatch()  # the real one is built by train() (steps outside it: none)
-        self.wandb_run_id: str | None = None
-        self._code_version: dict | None = None
-        self._settled_stop: bool | None = None  # the stop flags as the last step's agreement read them
-        self._damage: DataError | None = None  # this rank's damaged batch, until the step's agreement
-        self._sampler_before: dict = {}  # the sampler's state before the step's batches were drawn
 
     # ---------------------------------------------------------------------------- derived values
     tc = property(lambda self: self.cfg.training)
@@ -188,18 +175,15 @@ class Pretrainer:
     tokens_seen = property(lambda self: self.progress.tokens_seen)
     last_eval = property(lambda self: self.progress.last_eval)
     rollbacks = property(lambda self: self.guard.rollbacks)
+    stop = property(lambda self: self.stopping.flag)
+    sampler = property(lambda self: self.input.sampler)
+    prefetcher = property(lambda self: self.input.prefetcher)
+    # micro-steps per optimizer step on this process: the global batch over the data-parallel size
+    accum = property(lambda self: self.tc.accumulation(self.par.dp_size))
 
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.raw_model.parameters() if p.requires_grad]
-
-    @property
-    def global_windows(self) -> int:
-        return self.tc.global_windows
-
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        return self.precision.dtype
+    params = property(lambda self: [p for p in self.raw_model.parameters() if p.requires_grad])
+    global_windows = property(lambda self: self.tc.global_windows)
+    autocast_dtype = property(lambda self: self.precision.dtype)
 
     # ---------------------------------------------------------------------------------- building
     def _build_data(self, train_data: Any, val_data: Any) -> TrainData:
@@ -215,22 +199,17 @@ class Pretrainer:
         path = None if self.cfg.data.dummy else self.cfg.data.train_data_path
         return data_identity(getattr(self.data.train, "manifest", None), path)
 
-    def _sched_kw(self) -> dict:
-        tc = self.tc
-        return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "max_steps": tc.max_steps,
-                "schedule": tc.lr_schedule, "decay_fraction": tc.decay_fraction}  # fmt: skip
-
     # -------------------------------------------------------------------------------------- run
     def request_stop(self, reason: str = "signal") -> None:
         """Ask `train()` to stop after the current step, as SIGTERM does (checkpoint, "stop" event that
-        says "stopped by `reason`"). Thread-safe: e.g. a timer thread enforcing a wall-clock budget (the
-        quickstart's, reason "the time budget")."""
+        says "stopped by `reason`"). Thread-safe: e.g. from a caller's timer thread."""
         self.stop.request(reason)
 
     def train(self, until_step: int | None = None) -> TrainResult:
-        """Train to `training.max_steps` (or to `until_step`, then save: a resumable pause). Holds the
-        run-directory lock for the whole call. Returns a `TrainResult`."""
+        """Train to `training.max_steps`, or for `training.time_budget_minutes` (or to `until_step`, then
+        save: a resumable pause). Holds the run-directory lock for the whole call. Returns a `TrainResult`."""
         target = self.tc.max_steps if until_step is None else min(until_step, self.tc.max_steps)
+        self.schedule.target = target
         # Handlers from the start: a SIGTERM while a big checkpoint is verified and restored must stop
         # cleanly.
         busy = f"{self.run_dir} is in use by another trainer"
@@ -253,24 +232,22 @@ class Pretrainer:
                 self.prefetcher.close()
                 self.threads.restore()  # the caller's thread count again (a resume measures anew)
                 self.logger.close()
-        return TrainResult(
-            step=self.step,
-            tokens_seen=self.tokens_seen,
-            stopped=stopped,
-            history=list(self.progress.history),
-            last_eval=self.last_eval,
-            steady_tokens_per_s=self.logger.steady_tokens_per_s(),
-            rollbacks=self.guard.state_dict()["rollbacks"],
-        )
+        clock = None if (c := self.schedule.clock) is None else {**c.state_dict(), "run_s": c.run_s}
+        return TrainResult(step=self.step, tokens_seen=self.tokens_seen, stopped=stopped,
+                           history=list(self.progress.history), last_eval=self.last_eval,
+                           steady_tokens_per_s=self.logger.steady_tokens_per_s(),
+                           rollbacks=self.guard.state_dict()["rollbacks"], clock=clock)  # fmt: skip
 
     def _loop(self, target: int) -> bool:
-        """Train until `target` or the stop flag (then True); evaluate at the end."""
+        """Train until the schedule's end (`target`, or the time budget spent) or the stop flag (then
+        True); evaluate at the end."""
         stopped = False
+        self.schedule.start()
         try:
-            while self.step < target and not stopped:
+            while not self.schedule.done(self.step) and not stopped:
                 if self.train_step():
                     self._periodic()
-                stopped = self._agreed_stop()
+                stopped = self.stopping.now()
             self.logger.flush()
             if (
                 not stopped
@@ -285,21 +262,11 @@ class Pretrainer:
             raise
         return stopped
 
-    def _agreed_stop(self) -> bool:
-        """Whether every rank stops now. One process: its flag. Several: the flags as the step's one
-        agreement read them (no collective of its own in steady state; a flag set after that read, while
-        the optimizer stepped, stops the run after the next step), or, after work outside the step
-        (evaluation, save), a fresh agreement."""
-        settled, self._settled_stop = self._settled_stop, None
-        if not self.dist.distributed:
-            return self.stop.is_set()
-        return settled if settled is not None else D.any_rank(self.stop.is_set(), self.dist)
-
     def _periodic(self) -> None:
         """After a step: the evaluation and the checkpoint due at it (their time is not training time)."""
         tc = self.tc
         if self.step % tc.save_every == 0 or (tc.eval_every and self.step % tc.eval_every == 0):
-            self._settled_stop = None  # time passes outside the step: agree on the stop flags anew
+            self.stopping.unsettle()  # time passes outside the step: agree on the stop flags anew
         if self.step % tc.save_every == 0:
             # A step a run can resume from ends a window: a resume or rollback to it then supersedes
             # whole rows of the abandoned steps, never kept ones.
@@ -317,25 +284,26 @@ class Pretrainer:
 
     def _start(self, target: int, until_step: int | None) -> None:
         """Resume (or start afresh), open the logger and the run record, and say what will happen."""
-        plan = self._plan_resume()
+        plan = agreed_resume_plan(self.ckpt, self.record.resume, self.run_dir, self.dist)
         self.logger = self._open_logger(plan.target)
         self._apply_resume(plan)
         if self.dist.is_main:  # after the resume's checks: a refused resume leaves the records as they were
-            start = {"world_size": self.dist.world_size, "resume": self.resume, "device": str(self.device),
-                     "dtype": self.precision.name, "dtype_reason": self.precision.reason}  # fmt: skip
-            self._code_version = write_run_records(self.cfg, self.run_dir, start, self._data_identity())
+            start = {"world_size": self.dist.world_size, "resume": self.record.resume,
+                     "device": str(self.device), "dtype": self.precision.name,
+                     "dtype_reason": self.precision.reason}  # fmt: skip
+            self.record.code_version = write_run_records(self.cfg, self.run_dir, start, self._data_identity())
         # The scan backend that runs (model.scan_impl `auto` resolves per device): the run says which.
         scan = getattr(self.raw_model, "scan_impl", None)
-        message = start_message(self.step, target, self.dist, self.tc, self.sampler, scan)
+        goal = self.schedule.goal(self.step)
+        message = start_message(self.step, goal, self.dist, self.tc, self.sampler, scan)
         message += f"; compute {self.precision.reason}"
         if self.dist.distributed:  # which strategy `auto` chose, and the mesh
             message += f"; parallelism {self.par.name} ({self.par.describe()})"
         scan_field = {"scan_impl": scan} if scan else {}
         self.logger.event(self.step, "start", message, tokens_total=self.tokens_seen, **scan_field)
         no_val = None if self.val_data is not None else self.data.no_val_reason
-        lr_at_step = functools.partial(lr_at, **self._sched_kw())
         slow_bf16 = [self.precision.warning] if self.precision.warning else []
-        for warning in slow_bf16 + start_warnings(self.tc, self.step, target, until_step, no_val, lr_at_step):
+        for warning in slow_bf16 + start_warnings(self.tc, self.step, until_step, no_val, self.schedule):
             self._event("warning", warning)
         self.logger.restart_window(self.step)
         self.progress.history = []
@@ -351,6 +319,9 @@ class Pretrainer:
                 f"stopped by {self.stop.reason} at step {self.step}; checkpoint saved, `mamba3lite train` "
                 "resumes from it",
             )
+        elif (clock := self.schedule.clock) is not None and clock.progress() >= 1.0:
+            self._event("end", f"the time budget is spent at step {self.step} ({clock.run_s / 60:.2f} min "
+                        "trained in this run)")  # fmt: skip
         else:
             self._event("end", f"reached step {self.step}")
 
@@ -362,12 +333,10 @@ class Pretrainer:
         if not self.dist.is_main:
             return self.logger
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_target >= 0:
-            with contextlib.suppress(CheckpointError):
-                self.wandb_run_id = RunState.from_meta(self.ckpt.read_meta(resume_target)).wandb_run_id
+        self.record.continue_wandb(self.ckpt, resume_target)
         logger = run_logger(self.cfg, self.run_dir, device=self.device, world_size=self.dist.world_size,
-                            start_step=self.step, wandb_run_id=self.wandb_run_id)  # fmt: skip
-        self.wandb_run_id = logger.wandb_run_id or self.wandb_run_id
+                            start_step=self.step, wandb_run_id=self.record.wandb_run_id)  # fmt: skip
+        self.record.wandb_run_id = logger.wandb_run_id or self.record.wandb_run_id
         return logger
 
     # ------------------------------------------------------------------------------- checkpoints
@@ -386,35 +355,26 @@ class Pretrainer:
         self.progress.last_saved = self.step
         self.guard.on_saved(self.step)
 
-    def _scheduler_state(self) -> dict:
-        """The meta's record of the schedule: its kind ("warmup_" + training.lr_schedule), the step and
-        the lr of the last step taken (wsd: also its decay_fraction). Informational: the lr is a pure
-        function of the step and the config, so a resume follows its own config's schedule."""
-        state = {"kind": f"warmup_{self.tc.lr_schedule}", "step": self.step,
-                 "lr": lr_at(max(self.step - 1, 0), **self._sched_kw())}  # fmt: skip
-        if self.tc.lr_schedule == "wsd":
-            state["decay_fraction"] = self.tc.decay_fraction
-        return state
-
     def _run_state(self) -> RunState:
         """What the checkpoint of the current step records of the run (its meta: run_state.py)."""
         return RunState(
             step=self.step,
             config=self.cfg.to_dict(),
             tokens_seen=self.tokens_seen,
-            scheduler=self._scheduler_state(),
+            scheduler=self.schedule.record(self.step),
+            clock=None if self.schedule.clock is None else self.schedule.clock.state_dict(),
             average=None if not self.average.updates else {"decay": self.average.decay,
                                                            "updates": self.average.updates},
             sampler=self.sampler.state_dict(),
-            rng=self.rng.state_dict(),
+            rng=self.record.rng.state_dict(),
             data=self._data_identity(),
             metrics=self.logger.last_row,
             last_eval=self.last_eval,
-            wandb_run_id=self.wandb_run_id,
+            wandb_run_id=self.record.wandb_run_id,
             world_size=self.dist.world_size,
             global_batch_windows=self.global_windows,
             rollbacks=self.guard.state_dict()["rollbacks"],
-            code_version=self._code_version,
+            code_version=self.record.code_version,
         )  # fmt: skip
 
     def _save_unsaved(self) -> bool:
@@ -425,26 +385,15 @@ class Pretrainer:
         return True
 
     def _save_before_data_error(self) -> None:
-        """A damaged batch stops the run (on every rank together: `_damaged_batch_error`, after the step's
-        agreement), but the steps done since the last checkpoint are good: save them, so that the run
-        resumes here once the data is repaired."""
+        """A damaged batch stops the run (on every rank together, after the step's agreement:
+        `StepInput.damaged_error`), but the steps done since the last checkpoint are good: save them, so
+        that the run resumes here once the data is repaired."""
         if self._save_unsaved():
             self._event(
                 "save",
                 f"saved step {self.step} before stopping on a damaged batch; repair the data and run the "
                 "same command to resume from it",
             )
-
-    def _plan_resume(self) -> ResumePlan:
-        """The resume plan, made on rank 0, its target broadcast. A refusal is raised on every rank (rank
-        0 raising alone would leave the others waiting in the broadcast)."""
-        plan = plan_resume(self.ckpt, self.resume) if self.dist.is_main else ResumePlan()
-        if self.dist.is_main and plan.refusal is None:  # before the logger or the resume changes them
-            plan.refusal = run_records_problem(self.run_dir)
-        if D.any_rank(plan.refusal is not None, self.dist):
-            raise CheckpointError(plan.refusal or "rank 0 refused to resume (its output says why)")
-        plan.target = D.broadcast_int(plan.target, self.dist)
-        return plan
 
     def _apply_resume(self, plan: ResumePlan) -> None:
         if plan.target < 0:
@@ -458,6 +407,8 @@ class Pretrainer:
                 )
             return
         state = self._restore(plan.target)
+        if self.schedule.clock is not None:  # the share of the time budget spent goes on (not on rollback)
+            self.schedule.clock.load_state_dict(state.clock)
         self.guard.load_state_dict({"rollbacks": state.rollbacks})
         note = plan.tidy(self.ckpt) if self.dist.is_main else ""
         marked = self.logger.supersede_after(plan.target)
@@ -472,16 +423,8 @@ class Pretrainer:
         """Load checkpoint `step` into model, optimizer, sampler, RNG and counters (all ranks)."""
         # The manager's one loader: either format into this strategy at this world size (resharded).
         meta = self.ckpt.load(step, self.raw_model, self.optimizer, map_location=self.device)
-        facts = {
-            "model": self.cfg.to_dict()["model"],
-            "data": self._data_identity(),
-            "data_path": self.cfg.data.train_data_path,
-            "max_seq_len": self.tc.max_seq_len,
-            "run_dir": self.run_dir,
-            "global_batch_windows": self.tc.global_windows,
-            "global_batch_explicit": self.tc.global_batch_size > 0,
-        }
-        warnings = resume_warnings(meta, facts)  # raises for another model or tokenizer
+        # raises for another model or tokenizer
+        warnings = resume_warnings(meta, resume_facts(self.cfg, self._data_identity(), self.run_dir))
         state, p = RunState.from_meta(meta), self.progress
         p.step, p.tokens_seen = int(state.step), int(state.tokens_seen)
         # The average goes back with the weights (a checkpoint without one: averaging starts anew).
@@ -504,8 +447,8 @@ class Pretrainer:
                 self.step, "warning", "seed-format checkpoint: no sampler state, data order restarts"
             )
         if (rng := state.rng_of(self.dist.rank)) is not None:
-            self.rng.load_state_dict(rng)
-        self.wandb_run_id = state.wandb_run_id or self.wandb_run_id
+            self.record.rng.load_state_dict(rng)
+        self.record.wandb_run_id = state.wandb_run_id or self.record.wandb_run_id
         p.last_eval = state.last_eval
         if isinstance(p.last_eval, dict) and p.last_eval.get("step") == p.step:
             p.evaluated_at = p.step  # a re-run of a finished run does not evaluate (and log) it again
@@ -513,26 +456,6 @@ class Pretrainer:
         return state
 
     # ------------------------------------------------------------------------------------ steps
-    def _next_indices(self) -> list[int]:
-        """This rank's windows of the next step to produce, from the prefetcher's sampler (ahead of
-        `self.sampler` by the steps produced and not yet consumed)."""
-        return self.prefetcher.sampler.next_batch()
-
-    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Windows `indices` on the CPU: one gather, no per-window tensors."""
-        return self.train_data.get_batch(indices)
-
-    def _produce_step(self) -> Batches:
-        """One step's micro-batches on the CPU (the prefetcher runs it, on its thread when it has one)."""
-        mb, accum = self.tc.micro_batch_size, self.accum
-        indices = self._next_indices()
-        assert len(indices) == mb * accum, f"sampler gave {len(indices)} windows, expected {mb * accum}"
-        return [self.par.cut(*self._batch(indices[i * mb : (i + 1) * mb])) for i in range(accum)]
-
-    def _take_data_wait(self) -> float:
-        waited, self._data_wait_s = self._data_wait_s, 0.0
-        return waited
-
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -542,17 +465,19 @@ class Pretrainer:
         """One optimizer step (accumulation, reduction, clip, one agreement, the non-finite guard,
         the optimizer). Returns False when the step was abandoned (every micro-step skipped, a
         non-finite gradient norm, or a rollback)."""
-        lr = lr_at(self.step, **self._sched_kw())
+        lr = self.schedule.lr(self.step)
         set_lr(self.optimizer, lr)
-        batches = self._draw_batches()
+        batches = self.input.draw(
+            lambda: self._event("epoch", f"{epoch_summary(self.sampler)} begins at step {self.step + 1}")
+        )
         tally = self._accumulate(batches)
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         norm = self.par.reduce_and_clip(self.params, tally, max_norm, self.accum)
-        outcome = tally.settle(norm, stop=self.stop.is_set(), damaged=self._damage is not None)
-        self._settled_stop = outcome.stop
+        outcome = tally.settle(norm, stop=self.stop.is_set(), damaged=self.input.damage is not None)
+        self.stopping.settled = outcome.stop
         if outcome.damaged:
             self.optimizer.zero_grad(set_to_none=True)
-            raise self._damaged_batch_error()
+            raise self.input.damaged_error(self.step + 1)
         if not self._judge_losses(outcome):  # rolled back
             return False
         skipped, good, grad_norm = len(outcome.finite) - outcome.good, outcome.good, outcome.grad_norm
@@ -590,50 +515,16 @@ class Pretrainer:
             tokens_processed=tokens + pending_tokens,
             tokens_total=self.tokens_seen,
             skipped=skipped + pending_skipped,
-            data_wait_s=self._take_data_wait(),
+            data_wait_s=self.input.take_wait(),
         )
         self.threads.after_window(row, self.logger)  # the next window's thread count (None: no window closed)
         return True
-
-    def _draw_batches(self) -> Batches:
-        """The step's micro-batches on the device, taken from the prefetcher (the time waited for them is
-        the data wait); the sampler then holds the position after them. A damaged batch: zero stand-ins
-        of its shape (the step still runs its collectives with every rank, contributing nothing), and the
-        error kept for the step's agreement, which raises it on every rank with the sampler put back to
-        before the step (nothing of it has happened, so the checkpoint `train` writes then resumes exactly
-        here)."""
-        sampler_before = self.sampler.state_dict()
-        t0 = time.perf_counter()
-        item = self.prefetcher.take(sampler_before)
-        self._data_wait_s += time.perf_counter() - t0
-        bad = item.error  # a DataError: a shard whose bytes changed since prepare (the message names it)
-        if bad is not None and not isinstance(bad, DataError):
-            raise bad
-        self._damage, self._sampler_before = bad, sampler_before
-        if bad is not None:
-            stand_in = torch.zeros(self.tc.micro_batch_size, self.tc.max_seq_len, dtype=torch.long,
-                                   device=self.device)  # fmt: skip
-            return [(stand_in, stand_in)] * self.accum
-        self.sampler.load_state_dict(item.after)  # consumed: what a checkpoint from now on records
-        if self.sampler.epoch != sampler_before["epoch"]:
-            self._event("epoch", f"{epoch_summary(self.sampler)} begins at step {self.step + 1}")
-        to = functools.partial(torch.Tensor.to, device=self.device, non_blocking=True)
-        return [(to(x_BT), to(y_BT)) for x_BT, y_BT in item.batches]
-
-    def _damaged_batch_error(self) -> DataError:
-        """The error every rank raises together when any rank's batch was damaged (one rank raising
-        alone would leave the others waiting in the next collective); the sampler back to before it."""
-        mine, self._damage = self._damage, None
-        self.sampler.load_state_dict(self._sampler_before)
-        return mine or DataError(
-            f"another rank's batch for step {self.step + 1} is damaged (its log names the shard)"
-        )
 
     def _accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Forward and backward of every micro-batch, each loss admitted by the step's tally (zero
         where any rank's is non-finite: parallel/tally.py); the tally, read once by `settle`."""
         tally, accum = self.par.tally(), len(batches)
-        usable = self._damage is None
+        usable = self.input.damage is None
         for i, (x, y) in enumerate(batches):
             with self.par.micro_step(last=i == accum - 1):
                 with self._autocast():

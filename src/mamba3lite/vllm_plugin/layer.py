@@ -11,7 +11,7 @@ layer reads: the split, the pieces' bounds, their slots, and whether a piece con
                        initial state; zero for a request's first piece), the final state written in place
 
 The slot's state tensors are the fields of `Mamba3Cache`, in its field order, one vLLM state each:
-their shapes and dtypes come from `Mamba3.allocate_cache` itself (`state_spec`), and `slot_cache` builds
+their shapes and dtypes come from `Mamba3.allocate_state` itself (`state_spec`), and `slot_cache` builds
 the cache object from them, so the layout is defined once, by the model.
 
 Resets at EOS (`reset_at_eos`): the token after an EOS starts from a fresh state. Inside a piece that is
@@ -52,9 +52,9 @@ def cache_tensors(cache: Mamba3Cache) -> tuple[Tensor, ...]:
 
 def state_spec(cfg: Mamba3Config, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], ...], tuple]:
     """(shapes, dtypes) of one request's decode state of one layer, in `Mamba3Cache` field order, for a
-    model run in `dtype`: what `Mamba3.allocate_cache` allocates, without the batch axis."""
+    model run in `dtype`: what `Mamba3.allocate_state` allocates, without the batch axis."""
     mixer = Mamba3.from_config(cfg, device="meta")
-    fields = cache_tensors(mixer.allocate_cache(1, device="meta", dtype=dtype))
+    fields = cache_tensors(mixer.allocate_state(1, device="meta", dtype=dtype))
     empty = [i for i, t in enumerate(fields) if t.numel() == 0]
     if empty:
         raise ConfigError(

@@ -32,12 +32,18 @@ def model_config_of(hf_config) -> ModelConfig:
             "`mamba3lite export --format hf`"
         )
     try:
-        return ModelConfig(**fields)
+        cfg = ModelConfig(**fields)
     except TypeError as e:  # a field this mamba3lite does not know (an export from a newer version)
         raise ConfigError(
             f"config.json's 'mamba3lite' section does not fit this mamba3lite ({e}): upgrade mamba3lite, or "
             "export the run again with this one"
         ) from None
+    if cfg.attn_layer_idx:
+        raise ConfigError(
+            f"model.attn_layer_idx = {list(cfg.attn_layer_idx)}: the vLLM plugin serves pure Mamba-3 models "
+            "only, not hybrids with attention layers yet; serve this one with `mamba3lite serve`"
+        )
+    return cfg
 
 
 class Mamba3LiteForCausalLM(nn.Module, HasInnerState, IsAttentionFree):

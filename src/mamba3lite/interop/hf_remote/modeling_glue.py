@@ -21,7 +21,6 @@ the EOS, but with eos_token_id=None it would take that first EOS for padding.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import torch
@@ -32,15 +31,16 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mamba3lite.model.config import ModelConfig
+from mamba3lite.model.decode_state import ModelCache
 from mamba3lite.model.mamba3 import linear_in_own_dtype
-from mamba3lite.model.transformer import Mamba3Transformer, ModelCache
+from mamba3lite.model.transformer import Mamba3Transformer
 
 from .configuration_mamba3lite import Mamba3LiteConfig
 
 
 class Mamba3LiteCache(Cache):
-    """generate()'s cache: the model's `ModelCache` (one Mamba3Cache per layer + the last token), a
-    constant size whatever the length; `seen` counts the tokens it holds."""
+    """generate()'s cache: the model's own decode state (`ModelCache`: one state per layer + the last
+    token, model/decode_state.py), used through its protocol only; `seen` counts the tokens it holds."""
 
     is_compileable = False
 
@@ -54,12 +54,7 @@ class Mamba3LiteCache(Cache):
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         """Beam search: keep the rows `beam_idx` picks."""
-        for layer in self.state.layers:
-            for f in dataclasses.fields(layer):
-                t = getattr(layer, f.name)
-                setattr(layer, f.name, t.index_select(0, beam_idx.to(t.device)))
-        last_B = self.state.last_token_B
-        self.state.last_token_B = last_B.index_select(0, beam_idx.to(last_B.device))
+        self.state = self.state.select(beam_idx)
 
 
 def _fresh_starts(attention_mask: Tensor) -> Tensor | None:
@@ -133,13 +128,11 @@ class Mamba3LiteForCausalLM(Mamba3LitePreTrainedModel, GenerationMixin):
         elif use_cache or cache is not None:
             if cache is None:
                 cache = Mamba3LiteCache(m.allocate_cache(input_ids.shape[0], device=input_ids.device))
-            reset_BT = m._resets(input_ids, cache.state.last_token_B, fresh_BT)
-            h_BTD = m._body(input_ids, reset_BT, cache.state.layers)
-            cache.state.last_token_B.copy_(input_ids[:, -1])
+            h_BTD = m.hidden_states(input_ids, cache.state, fresh_BT)
             cache.seen += input_ids.shape[1]
             logits = linear_in_own_dtype(m.lm_head, h_BTD)
         else:
-            logits = linear_in_own_dtype(m.lm_head, m._body(input_ids, m._resets(input_ids, None, fresh_BT)))
+            logits = linear_in_own_dtype(m.lm_head, m.hidden_states(input_ids, fresh_BT=fresh_BT))
         logits = logits.float()
         loss = None
         if labels is not None:

@@ -1,0 +1,364 @@
+"""Why a user would pick a hybrid: pure Mamba-3, a Mamba-3 + attention hybrid and a Transformer, side by
+side on the same tokens at (nearly) the same parameter count.
+
+    python benchmarks/hybrid_compare.py                      # MQAR + step time (synthetic, no data)
+    python benchmarks/hybrid_compare.py --data DATASET_DIR   # + bits/byte and length extrapolation
+    python benchmarks/hybrid_compare.py --quick              # a smoke run (seconds; numbers mean nothing)
+
+Three sections, each printing a table with ratios:
+
+1. **Multi-query associative recall** (MQAR; Arora et al., "Zoology", 2023, and the Based paper): a window
+   opens with `n` key-value pairs `k1 v1 k2 v2 ...`; later, at random positions, each key appears again
+   and the model must predict its value. Only those positions are scored. A fixed-size recurrent state
+   must hold all `n` pairs at once, attention looks them up: accuracy at a growing `n` shows the gap.
+   Every model trains on a mixture of the pair counts (same windows, same order, same steps) and is
+   scored on fresh windows of each count.
+2. **Language modelling and length extrapolation** (with `--data`): each model trains on windows of
+   `--window` tokens of a prepared dataset (same windows, same order), then is scored on the val split:
+   bits/byte at the training window, and mean loss by position on windows of 8x the training window
+   (positions [0, W), [W, 2W), [2W, 4W), [4W, 8W)).
+3. **CPU step time** at T = 512: forward + backward of the hybrid with one attention layer in four,
+   over the pure model of the same width and depth (alternating, median).
+
+The hybrid's attention layer is mamba3lite's official-layout `MHA` (model/attention.py) at the index
+`--attn-idx` (default: the third of four layers, as the field places a few attention layers inside the
+stack rather than first); the Transformer is benchmarks/baseline_transformer.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from baseline_transformer import BaselineTransformer
+from mamba3lite.model import ModelConfig
+from mamba3lite.model.transformer import Mamba3Transformer
+
+IGNORE = -100
+
+
+# ---- MQAR data ----
+@dataclass(frozen=True)
+class MqarVocab:
+    """Token ids of the task: 0 = filler, keys in [1, 1 + n_keys), values in [1 + n_keys, vocab)."""
+
+    n_keys: int
+    n_values: int
+
+    @property
+    def size(self) -> int:
+        return 1 + self.n_keys + self.n_values
+
+
+def mqar_batch(
+    vocab: MqarVocab, batch: int, seq_len: int, n_pairs: int, gen: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """(x_BT, y_BT): `n_pairs` key-value pairs, then each key once more at a random even position of the
+    rest of the window followed by its value; y is the value after each queried key, IGNORE elsewhere."""
+    assert 4 * n_pairs <= seq_len, "the pairs and their queries must fit the window"
+    x_BT = torch.zeros(batch, seq_len, dtype=torch.long)
+    y_BT = torch.full((batch, seq_len), IGNORE, dtype=torch.long)
+    slots = (seq_len - 2 * n_pairs) // 2  # query slots: (key, value) at even offsets after the pairs
+    for b in range(batch):
+        keys = torch.randperm(vocab.n_keys, generator=gen)[:n_pairs] + 1
+        values = torch.randint(0, vocab.n_values, (n_pairs,), generator=gen) + 1 + vocab.n_keys
+        x_BT[b, 0 : 2 * n_pairs : 2] = keys
+        x_BT[b, 1 : 2 * n_pairs : 2] = values
+        where = torch.randperm(slots, generator=gen)[:n_pairs]
+        order = torch.randperm(n_pairs, generator=gen)
+        pos = 2 * n_pairs + 2 * where
+        x_BT[b, pos] = keys[order]
+        x_BT[b, pos + 1] = values[order]
+        y_BT[b, pos] = values[order]
+    return x_BT, y_BT
+
+
+# ---- the models ----
+def base_config(args, vocab_size: int) -> dict:
+    return dict(
+        vocab_size=vocab_size,
+        eos_id=vocab_size - 1,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        d_intermediate=2 * args.d_model,
+        d_state=args.d_state,
+        headdim=args.headdim,
+        expand=2,
+        chunk_size=64,
+    )
+
+
+def build_models(args, vocab_size: int) -> dict[str, torch.nn.Module]:
+    """The three contenders with one seed each: pure, hybrid, Transformer."""
+    base = base_config(args, vocab_size)
+    heads = max(1, args.d_model // args.attn_head_dim)
+    attn_cfg = {
+        "num_heads": heads,
+        "head_dim": args.attn_head_dim,
+        "rotary_emb_dim": args.attn_head_dim,
+        "qkv_proj_bias": False,
+        "out_proj_bias": False,
+    }
+    models = {}
+    torch.manual_seed(args.seed)
+    models["mamba3"] = Mamba3Transformer(ModelConfig(**base))
+    torch.manual_seed(args.seed)
+    models["hybrid"] = Mamba3Transformer(
+        ModelConfig(**base, attn_layer_idx=tuple(args.attn_idx), attn_cfg=attn_cfg)
+    )
+    torch.manual_seed(args.seed)
+    models["transformer"] = BaselineTransformer(ModelConfig(**{**base, "headdim": args.attn_head_dim}))
+    return models
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def logits(model: torch.nn.Module, x_BT: Tensor) -> Tensor:
+    if isinstance(model, BaselineTransformer):
+        return model._body(x_BT) @ model.embed.weight.T
+    return model(x_BT)
+
+
+def train(model, batches, steps: int, lr: float) -> float:
+    """AdamW, linear warmup (5%) then cosine to 10%, on `batches(step)`; returns seconds spent."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warm = max(1, steps // 20)
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        frac = step / max(1, steps - 1)
+        scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
+        x_BT, y_BT = batches(step)
+        loss = model(x_BT, y_BT)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return time.perf_counter() - t0
+
+
+# ---- section 1: MQAR ----
+def mqar(args) -> dict:
+    vocab = MqarVocab(args.mqar_keys, args.mqar_values)
+    pairs = args.pairs
+    models = build_models(args, vocab.size)
+    train_gen_seed = args.seed + 1
+
+    def batches_for(seed):
+        gen = torch.Generator().manual_seed(seed)
+        cache = {}
+
+        def batches(step):
+            if step not in cache:
+                cache.clear()
+                n = pairs[step % len(pairs)]
+                cache[step] = mqar_batch(vocab, args.batch, args.mqar_len, n, gen)
+            return cache[step]
+
+        return batches
+
+    acc: dict[str, dict[int, float]] = {}
+    secs = {}
+    for name, model in models.items():
+        secs[name] = train(model, batches_for(train_gen_seed), args.mqar_steps, args.lr)
+        model.eval()
+        gen = torch.Generator().manual_seed(args.seed + 2)
+        acc[name] = {}
+        with torch.no_grad():
+            for n in pairs:
+                x_BT, y_BT = mqar_batch(vocab, args.eval_windows, args.mqar_len, n, gen)
+                pred_BT = logits(model, x_BT).argmax(-1)
+                scored = y_BT != IGNORE
+                acc[name][n] = float((pred_BT[scored] == y_BT[scored]).float().mean())
+    print(
+        f"\n## MQAR: window {args.mqar_len}, {args.mqar_steps} steps x {args.batch} windows (pair counts "
+        f"{','.join(map(str, pairs))} in turn), {args.eval_windows} fresh windows per count"
+    )
+    print("| model | parameters | " + " | ".join(f"{n} pairs" for n in pairs) + " | train s |")
+    print("|---|---|" + "---|" * len(pairs) + "---|")
+    for name, model in models.items():
+        cells = " | ".join(f"{acc[name][n]:.3f}" for n in pairs)
+        print(f"| {name} | {n_params(model):,} | {cells} | {secs[name]:.0f} |")
+    below = [n for n in pairs if acc["mamba3"][n] < 0.5]
+    if below:
+        n = max(below)
+        verdict = "met" if acc["hybrid"][n] >= 0.9 else "not met"
+        print(
+            f"target: at {n} pairs (the largest count where pure Mamba-3 < 0.5: {acc['mamba3'][n]:.3f}) "
+            f"the hybrid reads {acc['hybrid'][n]:.3f} (>= 0.9: {verdict})"
+        )
+    else:
+        print("target: pure Mamba-3 stays >= 0.5 at every count measured: raise --pairs")
+    return acc
+
+
+# ---- section 2: language modelling and length extrapolation ----
+def lm(args) -> dict:
+    from mamba3lite.data import PretrainDataset
+    from mamba3lite.data.shards import dataset_dir  # noqa: F401  (the dataset layout's reader)
+
+    W, long = args.window, 8 * args.window
+    probe = PretrainDataset(args.data, W, 1 << 31)
+    vocab = probe.manifest.identity.vocab_size if probe.manifest is not None else None
+    if vocab is None:
+        raise SystemExit(f"{args.data}: a prepared dataset directory (with manifest.json) is needed")
+    train_ds = PretrainDataset(args.data, W, vocab, split="train")
+    val_ds = PretrainDataset(args.data, W, vocab, split="val")
+    long_ds = PretrainDataset(args.data, long, vocab, split="val")
+    models = build_models(args, vocab)
+    order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.seed)).tolist()
+
+    def batches(step):
+        i = (step * args.batch) % max(1, len(order) - args.batch)
+        return train_ds.get_batch(order[i : i + args.batch])
+
+    buckets = [(0, W), (W, 2 * W), (2 * W, 4 * W), (4 * W, 8 * W)]
+    out = {}
+    for name, model in models.items():
+        train(model, batches, args.lm_steps, args.lr)
+        model.eval()
+        with torch.no_grad():
+            n_val = min(len(val_ds), args.eval_windows)
+            picks = [k * len(val_ds) // n_val for k in range(n_val)]
+            loss = statistics.fmean(float(model(*val_ds.get_batch([i]))) for i in picks)
+            n_long = min(len(long_ds), max(1, args.eval_windows // 8))
+            sums = torch.zeros(long)
+            for k in range(n_long):
+                x_BT, y_BT = long_ds.get_batch([k * len(long_ds) // n_long])
+                lp = torch.log_softmax(logits(model, x_BT).float(), -1)
+                sums += -lp.gather(-1, y_BT[..., None])[0, :, 0]
+            per_pos = sums / n_long
+        bpb = loss / math.log(2) / val_ds.bytes_per_token if val_ds.bytes_per_token else float("nan")
+        out[name] = {"bpb": bpb, "buckets": [float(per_pos[a:b].mean()) for a, b in buckets]}
+    print(
+        f"\n## Language modelling: {args.data}, window {W}, {args.lm_steps} steps x {args.batch} windows; "
+        f"loss (nats) by position on {long}-token val windows"
+    )
+    heads = " | ".join(f"[{a},{b})" for a, b in buckets)
+    print(f"| model | val bits/byte | {heads} | 8x/1x |")
+    print("|---|---|" + "---|" * len(buckets) + "---|")
+    for name, r in out.items():
+        b = r["buckets"]
+        cells = " | ".join(f"{v:.3f}" for v in b)
+        print(f"| {name} | {r['bpb']:.3f} | {cells} | {b[-1] / b[0]:.2f}x |")
+    return out
+
+
+# ---- section 3: CPU step time ----
+def step_time(args) -> dict:
+    base = base_config(args, 4096)
+    base.update(d_model=args.step_d_model, d_intermediate=2 * args.step_d_model)
+    heads = args.step_d_model // args.attn_head_dim
+    attn_cfg = {"num_heads": heads, "head_dim": args.attn_head_dim, "rotary_emb_dim": args.attn_head_dim}
+    idx = tuple(i for i in range(args.n_layers) if i % 4 == 2)
+    cfgs = {
+        "mamba3": ModelConfig(**base),
+        "hybrid": ModelConfig(**base, attn_layer_idx=idx, attn_cfg=attn_cfg),
+    }
+    T = args.step_len
+    x_BT = torch.randint(0, 4096, (args.step_batch, T))
+    models = {k: Mamba3Transformer(c) for k, c in cfgs.items()}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for rep in range(args.step_reps + 2):
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            model(x_BT, x_BT).backward()
+            if rep >= 2:
+                times[name].append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(
+        f"\n## CPU step time: T = {T}, batch {args.step_batch}, d_model {args.step_d_model}, "
+        f"{args.n_layers} layers (attention at {list(idx)}), {torch.get_num_threads()} threads, "
+        f"median of {args.step_reps}"
+    )
+    print("| model | parameters | fwd+bwd vs mamba3 |")
+    print("|---|---|---|")
+    for name, model in models.items():
+        print(f"| {name} | {n_params(model):,} | {med[name] / med['mamba3']:.2f}x |")
+    ratio = med["hybrid"] / med["mamba3"]
+    print(f"target: hybrid / pure <= 1.2x: {ratio:.2f}x ({'met' if ratio <= 1.2 else 'not met'})")
+    return {"ratio": ratio}
+
+
+def plot(acc: dict, lm_out: dict | None, pairs: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = 2 if lm_out else 1
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
+    ax = axes[0][0]
+    for name, a in acc.items():
+        ax.plot(pairs, [a[p] for p in pairs], marker="o", label=name)
+    ax.set(xlabel="key-value pairs", ylabel="MQAR accuracy", title="Recall", ylim=(0, 1.05))
+    ax.legend()
+    if lm_out:
+        ax = axes[0][1]
+        for name, r in lm_out.items():
+            ax.plot(["1x", "2x", "4x", "8x"], r["buckets"], marker="o", label=name)
+        ax.set(xlabel="position (x the training window)", ylabel="loss (nats)", title="Length extrapolation")
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, a few steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--n-layers", type=int, default=4)
+    ap.add_argument("--d-state", type=int, default=16, help="Mamba-3 state size N (small: recall is hard)")
+    ap.add_argument("--headdim", type=int, default=16, help="Mamba-3 head dim P")
+    ap.add_argument("--attn-head-dim", type=int, default=32)
+    ap.add_argument("--attn-idx", type=int, nargs="+", default=[2], help="the hybrid's attention layers")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 16, 32, 48])
+    ap.add_argument("--mqar-len", type=int, default=256)
+    ap.add_argument("--mqar-keys", type=int, default=512)
+    ap.add_argument("--mqar-values", type=int, default=512)
+    ap.add_argument("--mqar-steps", type=int, default=1500)
+    ap.add_argument("--eval-windows", type=int, default=128)
+    ap.add_argument("--data", type=Path, default=None, help="a prepared dataset directory (section 2)")
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--lm-steps", type=int, default=1000)
+    ap.add_argument("--step-len", type=int, default=512)
+    ap.add_argument("--step-batch", type=int, default=4)
+    ap.add_argument("--step-d-model", type=int, default=256)
+    ap.add_argument("--step-reps", type=int, default=10)
+    ap.add_argument("--plot", type=Path, default=Path("docs/hybrid_compare.png"))
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.pairs, args.mqar_len, args.mqar_steps, args.batch = [2, 4], 32, 4, 4
+        args.eval_windows, args.lm_steps, args.window = 4, 3, 32
+        args.step_len, args.step_reps, args.step_d_model = 64, 1, 64
+        args.mqar_keys = args.mqar_values = 16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    acc = mqar(args)
+    lm_out = lm(args) if args.data is not None else None
+    step_time(args)
+    if not args.no_plot:
+        plot(acc, lm_out, args.pairs, args.plot)
+
+
+if __name__ == "__main__":
+    main()
