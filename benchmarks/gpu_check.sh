@@ -28,6 +28,9 @@
 #      Mamba-3 layer (where mamba-ssm imports), with the ratios and the issue-16 targets; cases that would
 #      start too late are printed as skipped (chunked ones first: earlier sessions measured them);
 #   5. the CLI on cuda: train the tiny preset compiled with the triton scan;
+#   optional, only where the machine's python has vLLM's CUDA build (and `pip install -e '.[vllm]'`), before
+#      part 4: the vLLM plugin's tests (tests/with_vllm: greedy equality with the model's own decode, `vllm
+#      serve`) on the GPU, prefill through the Triton scan; without vLLM, one line says it was skipped;
 #   on a node with 2+ GPUs also: context parallelism (C = 2) and mamba3_180m under ddp and fsdp on every
 #   GPU (NCCL), tokens/s side by side in $OUT/multi_gpu.log.
 set -uo pipefail
@@ -110,6 +113,12 @@ t=[r for r in rows if r.get('kind') == 'train']; print('$strategy tokens/s', t[-
     done
 else
     echo "== cli_context_parallel, multi_gpu_ddp, multi_gpu_fsdp: skipped, ${ngpu:-0} GPU(s) (they need 2)"
+fi
+
+if $PY -c "import vllm" >/dev/null 2>&1; then
+    part --optional vllm_plugin 120 $PY -m pytest tests/with_vllm -q -p no:cacheprovider -rs
+else
+    echo "== vllm_plugin: skipped, no vLLM in $PY (pip install vllm, then pip install -e '.[vllm]')"
 fi
 
 # The benchmark gets what is left but 100 s (kept for the compiled CLI run after it); it starts no case

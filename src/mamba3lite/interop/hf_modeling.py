@@ -14,7 +14,9 @@ object, `generate`'s hooks). So the exported model computes exactly what the pac
 with no `mamba3lite` installed where it is loaded; a change to the model reaches the next export.
 
 The files in `hf_remote/` are templates read as text, never imported by the package (they import
-transformers, which the package does not need).
+transformers, which the package does not need), with one exception: the vLLM plugin (which runs where
+transformers is) registers `configuration_mamba3lite.Mamba3LiteConfig` for the export's model_type, the
+same class the export carries.
 """
 
 from __future__ import annotations

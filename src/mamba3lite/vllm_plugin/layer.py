@@ -1,0 +1,155 @@
+"""The Mamba-3 mixer as a vLLM state layer: `VllmMamba3` is the package's `Mamba3` (same parameters,
+same math) plus what vLLM needs to keep its decode state in the engine's cache.
+
+vLLM gives each request one cache slot per layer and, each step, one flat batch of tokens: decode
+requests first (one token each), then prefill pieces (a prompt, or a chunk of one under chunked
+prefill), as `attn_metadata[prefix]` describes (vLLM's Mamba-1 metadata, which holds exactly what this
+layer reads: the split, the pieces' bounds, their slots, and whether a piece continues a state).
+
+    decode tokens   -> `Mamba3.step` on the rows' states, gathered from their slots and written back
+    prefill pieces  -> `Mamba3.forward` with the slot's state as its cache (the chunked scan from that
+                       initial state; zero for a request's first piece), the final state written in place
+
+The slot's state tensors are the fields of `Mamba3Cache`, in its field order, one vLLM state each:
+their shapes and dtypes come from `Mamba3.allocate_state` itself (`state_spec`), and `slot_cache` builds
+the cache object from them, so the layout is defined once, by the model.
+
+Resets at EOS (`reset_at_eos`): the token after an EOS starts from a fresh state. Inside a piece that is
+the scan's reset; across pieces and steps the state a token ending in EOS leaves behind is zeroed,
+which is the same thing (a zero state, zero previous key and value, angles from 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+from vllm.config import CacheConfig, ModelConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backends.mamba1_attn import Mamba1AttentionBackend
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from mamba3lite.errors import ConfigError
+from mamba3lite.model.config import ModelConfig as Mamba3Config
+from mamba3lite.model.mamba3 import Mamba3, Mamba3Cache
+
+
+class Mamba3LiteStateBackend(Mamba1AttentionBackend):
+    """The layers' vLLM state backend: Mamba-1's metadata builder under a name of our own (registered by
+    the plugin as MambaAttentionBackendEnum.MAMBA3LITE), so vLLM's Mamba-1/2 kernel set-up skips it."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "MAMBA3LITE_STATE"
+
+
+def cache_tensors(cache: Mamba3Cache) -> tuple[Tensor, ...]:
+    """The tensors of `cache` in field order, themselves (dataclasses.astuple would copy them)."""
+    return tuple(getattr(cache, f.name) for f in dataclasses.fields(cache))
+
+
+def state_spec(cfg: Mamba3Config, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], ...], tuple]:
+    """(shapes, dtypes) of one request's decode state of one layer, in `Mamba3Cache` field order, for a
+    model run in `dtype`: what `Mamba3.allocate_state` allocates, without the batch axis."""
+    mixer = Mamba3.from_config(cfg, device="meta")
+    fields = cache_tensors(mixer.allocate_state(1, device="meta", dtype=dtype))
+    empty = [i for i, t in enumerate(fields) if t.numel() == 0]
+    if empty:
+        raise ConfigError(
+            f"model.d_state = {cfg.d_state} with rope_fraction = {cfg.rope_fraction} gives an empty decode "
+            "state tensor, which vLLM cannot page: serve this model with `mamba3lite serve`"
+        )
+    return tuple(tuple(t.shape[1:]) for t in fields), tuple(t.dtype for t in fields)
+
+
+def slot_cache(states: tuple[Tensor, ...], rows: Tensor | slice) -> Mamba3Cache:
+    """The `Mamba3Cache` of cache slots `rows` of a layer's vLLM states (positional: one state per field).
+    A slice gives views (the model's in-place updates land in the slots); an index tensor gives copies
+    (write them back with `write_slots`)."""
+    return Mamba3Cache(*(s[rows] for s in states))
+
+
+def write_slots(states: tuple[Tensor, ...], rows: Tensor, cache: Mamba3Cache, keep_B: Tensor | None) -> None:
+    """Store `cache` (one row per slot in `rows`) into the vLLM states; rows where `keep_B` is False get
+    a zero state (the row's last token was an EOS: the next one starts afresh)."""
+    for state, new in zip(states, cache_tensors(cache)):
+        if keep_B is not None:
+            new = new * keep_B.view(-1, *[1] * (new.dim() - 1)).to(new.dtype)
+        state[rows] = new
+
+
+class VllmMamba3(Mamba3, MambaBase):
+    """`Mamba3` whose decode state lives in vLLM's cache (see the module docstring).
+
+    forward(u_1TD, eos_T) -> out_1TD over the step's flat batch of tokens; `eos_T` (bool, or None when
+    the model does not reset at EOS) marks the tokens that are the EOS.
+    """
+
+    @classmethod
+    def build(
+        cls, cfg: Mamba3Config, model_config: ModelConfig, cache_config: CacheConfig, prefix: str
+    ) -> VllmMamba3:
+        """The mixer of one layer of the model `cfg`, registered with vLLM as layer `prefix`. Its scan
+        backend is "auto": the fastest that runs on the device its input is on (the chunked scan on a
+        CPU, Triton on a GPU), whatever backend the model was trained with."""
+        layer = cls.from_config(dataclasses.replace(cfg, scan_impl="auto"))
+        layer.state_shapes, layer.state_dtypes = state_spec(cfg, model_config.dtype)
+        layer.model_config, layer.cache_config, layer.prefix = model_config, cache_config, prefix
+        layer.kv_cache = tuple(torch.tensor([]) for _ in layer.state_shapes)
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name: {prefix}")
+        context[prefix] = layer
+        return layer
+
+    # ---- vLLM's state layer interface ----
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return self.state_shapes
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return self.state_dtypes
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.MAMBA3LITE
+
+    # ---- the step's tokens ----
+    def forward(self, u_1TD: Tensor, eos_T: Tensor | None = None) -> Tensor:
+        metadata = get_forward_context().attn_metadata
+        md = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if md is None:
+            # vLLM's profiling run (no cache yet): the tokens as one sequence, stateless.
+            return Mamba3.forward(self, u_1TD)
+        out_1TD = torch.zeros_like(u_1TD, dtype=self.out_proj.weight.dtype)
+        n_dec = md.num_decode_tokens
+        if md.num_decodes > 0:
+            rows = md.state_indices_tensor_d[:, 0]
+            cache = slot_cache(self.kv_cache, rows)
+            out_1TD[0, :n_dec] = self.step(u_1TD[0, :n_dec], cache)
+            write_slots(self.kv_cache, rows, cache, None if eos_T is None else ~eos_T[:n_dec])
+        if md.num_prefills > 0:
+            self._prefill(u_1TD, eos_T, md, out_1TD)
+        return out_1TD
+
+    def _prefill(self, u_1TD: Tensor, eos_T: Tensor | None, md, out_1TD: Tensor) -> None:
+        """Each prefill piece through the chunked scan from its slot's state, written back in place."""
+        n_dec = md.num_decode_tokens
+        bounds = (md.query_start_loc_p + n_dec).tolist()
+        slots = md.state_indices_tensor_p.tolist()
+        continues = md.has_initial_states_p.tolist()
+        for i, slot in enumerate(slots):
+            start, end = bounds[i], bounds[i + 1]
+            cache = slot_cache(self.kv_cache, slice(slot, slot + 1))
+            if not continues[i]:  # a request's first piece: the slot holds a previous request's state
+                for t in cache_tensors(cache):
+                    t.zero_()
+            reset_1T = None
+            if eos_T is not None and bool(eos_T[start : end - 1].any()):
+                reset_1T = torch.zeros(1, end - start, dtype=torch.bool, device=u_1TD.device)
+                reset_1T[0, 1:] = eos_T[start : end - 1]
+            out_1TD[:, start:end] = Mamba3.forward(self, u_1TD[:, start:end], cache, reset_1T)
+            if eos_T is not None and bool(eos_T[end - 1]):
+                for t in cache_tensors(cache):
+                    t.zero_()

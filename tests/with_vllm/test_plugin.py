@@ -1,0 +1,136 @@
+"""The plugin's registration and its errors, without an engine: vLLM loads our config class and model for
+an export, and each bad case (an untested vLLM, a directory that is not an export) is one `error:` line
+from vllm_cli, with no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from vllm_helpers import ENGINE_ENV, NO_VLLM, export, tiny_model
+
+pytest.importorskip("vllm", reason=NO_VLLM)
+
+from mamba3lite.errors import ConfigError
+from mamba3lite.interop.hf_export import ARCHITECTURE
+from mamba3lite.vllm_plugin import register
+
+VLLM_CLI = [sys.executable, "-m", "mamba3lite.vllm_plugin.vllm_cli"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return export(tiny_model(), tmp_path_factory.mktemp("plugin"))
+
+
+def test_register_makes_the_export_loadable_without_remote_code(exported):
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    register()
+    register()  # vLLM calls it once per process; twice is harmless
+    config = AutoConfig.from_pretrained(exported, trust_remote_code=False)
+    assert type(config).__name__ == "Mamba3LiteConfig" and config.mamba3lite["headdim"] == 32
+    assert ARCHITECTURE in ModelRegistry.get_supported_archs()
+    assert MODELS_CONFIG_MAP[ARCHITECTURE].__name__ == "Mamba3LiteModelConfig"
+
+
+def test_an_untested_vllm_is_refused(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    with pytest.raises(ConfigError, match=r"tested with vLLM 0\.32\.x, not 0\.99\.0"):
+        register()
+
+
+def run_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """vllm_cli ARGS in a subprocess (after `prelude`, Python run first in that process)."""
+    code = (
+        f"{prelude}\nimport runpy; runpy.run_module('mamba3lite.vllm_plugin.vllm_cli', run_name='__main__')"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env={**os.environ, **ENGINE_ENV}, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_serving_a_directory_that_is_not_an_export_is_one_error(exported, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in exported.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    del config["mamba3lite"]
+    (bad / "config.json").write_text(json.dumps(config))
+    proc = run_cli("serve", str(bad), "--port", "0")
+    assert proc.returncode != 0
+    assert "error: config.json has no 'mamba3lite' section" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_untested_vllm_stops_vllm_cli_with_one_error(exported):
+    proc = run_cli("serve", str(exported), prelude="import vllm; vllm.__version__ = '0.99.0'")
+    assert proc.returncode != 0
+    assert "error: the mamba3lite vLLM plugin was tested with vLLM 0.32.x, not 0.99.0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_state_shapes_from_the_config_are_the_layers(exported):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin.model import Mamba3LiteForCausalLM, model_config_of
+
+    register()
+    hf = AutoConfig.from_pretrained(exported)
+    cfg = model_config_of(hf)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
+    shapes = Mamba3LiteForCausalLM.get_mamba_state_shape_from_config(vllm_config)
+    dtypes = Mamba3LiteForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
+    H, P, N, S = cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles
+    assert shapes == ((H, S), (H, P, N), (1, H, N), (H, P))  # Mamba3Cache's fields, batch axis dropped
+    assert dtypes == (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16)
+
+
+def test_load_weights_takes_an_export_and_names_each_bad_tensor(exported):
+    from safetensors.torch import load_file
+    from torch import nn
+
+    from mamba3lite.errors import CheckpointError
+    from mamba3lite.vllm_plugin.model import Mamba3LiteForCausalLM
+
+    tensors = load_file(exported / "model.safetensors")
+    holder = nn.Module()  # the vLLM model's parameters without an engine: ours under `model.`
+    holder.model = tiny_model()
+    with torch.no_grad():
+        for p in holder.parameters():
+            p.zero_()
+    load = Mamba3LiteForCausalLM.load_weights
+    assert load(holder, tensors.items()) == set(tensors)
+    assert all(torch.equal(holder.get_parameter(k), v) for k, v in tensors.items())
+    name = "model.layers.0.mixer.in_proj.weight"
+    with pytest.raises(CheckpointError, match=re.escape("holds 'model.extra'")):
+        load(holder, [*tensors.items(), ("model.extra", torch.zeros(1))])
+    with pytest.raises(CheckpointError, match=re.escape(f"'{name}' has shape")):
+        load(holder, [(k, v[:1] if k == name else v) for k, v in tensors.items()])
+    with pytest.raises(CheckpointError, match=re.escape(f"lacks 1 tensor(s) the model needs, e.g. '{name}'")):
+        load(holder, [(k, v) for k, v in tensors.items() if k != name])
+
+
+def test_a_hybrid_config_is_refused(exported):
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin.model import model_config_of
+
+    register()
+    hf = AutoConfig.from_pretrained(exported)
+    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [1], "attn_cfg": {"num_heads": 2}}
+    with pytest.raises(ConfigError, match="pure Mamba-3 models only"):
+        model_config_of(hf)
