@@ -27,6 +27,7 @@
 #      16 x 2048, triton and chunked (eager, compiled), the Transformer (SDPA, compiled) and the official
 #      Mamba-3 layer (where mamba-ssm imports), with the ratios and the issue-16 targets; cases that would
 #      start too late are printed as skipped (chunked ones first: earlier sessions measured them);
+#   4b. optional: the hybrid preset (mamba3_180m_hybrid) beside mamba3_180m, Triton scan, eager;
 #   5. the CLI on cuda: train the tiny preset compiled with the triton scan;
 #   optional, only where the machine's python has vLLM's CUDA build (and `pip install -e '.[vllm]'`), before
 #      part 4: the vLLM plugin's tests (tests/with_vllm: greedy equality with the model's own decode, `vllm
@@ -120,6 +121,12 @@ if $PY -c "import vllm" >/dev/null 2>&1; then
 else
     echo "== vllm_plugin: skipped, no vLLM in $PY (pip install vllm, then pip install -e '.[vllm]')"
 fi
+
+# The hybrid beside the pure model of (nearly) its size: tokens/s of mamba3_180m_hybrid (attention at one
+# layer in four, SDPA) over mamba3_180m, both with the Triton scan, eager, at 16 x 2048.
+part --optional hybrid_model 75 env PYTHONPATH="src:$SITE" $PY benchmarks/gpu_model.py \
+    --runs mamba3_180m_hybrid:16x2048 mamba3_180m:16x2048 --scan-impls triton --modes eager \
+    --steps 5 --warmup 1 --budget-s 50 --json "$OUT/hybrid_model.json"
 
 # The benchmark gets what is left but 100 s (kept for the compiled CLI run after it); it starts no case
 # in its last 60 s (a case compiling at T = 8192 takes up to about a minute), so it ends on its own
