@@ -56,6 +56,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
+    from mamba3lite.checkpoint.dtensor import is_sharded
     from mamba3lite.checkpoint.lock import RunLock
     from mamba3lite.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
     from mamba3lite.checkpoint.meta import META_FORMAT
@@ -73,7 +74,6 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
     from mamba3lite.checkpoint.state import (
         full_model_state,
         full_optimizer_state,
-        is_sharded,
         set_full_model_state,
         set_full_optimizer_state,
     )
@@ -92,7 +92,7 @@ _WHERE = {
     "capture_rng_state": "mamba3lite.checkpoint.rng",
     "full_model_state": "mamba3lite.checkpoint.state",
     "full_optimizer_state": "mamba3lite.checkpoint.state",
-    "is_sharded": "mamba3lite.checkpoint.state",
+    "is_sharded": "mamba3lite.checkpoint.dtensor",
     "set_full_model_state": "mamba3lite.checkpoint.state",
     "set_full_optimizer_state": "mamba3lite.checkpoint.state",
     "RngState": "mamba3lite.checkpoint.run_state",
