@@ -18,6 +18,7 @@ hold NaN or inf (a run saved after it diverged) is refused here, for every user,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,7 @@ from mamba3lite.checkpoint.manager import CheckpointManager, CheckpointStatus, h
 from mamba3lite.config import Config
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.model import Mamba3Transformer
-from mamba3lite.rundir import checkpoint_files
+from mamba3lite.rundir import average_file, checkpoint_files, sharded_dir
 
 # The dtypes a model is loaded at when none is asked for: the widest the step stores (none is rounded).
 _WIDEST_FIRST = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -77,13 +78,22 @@ def load_verified(ckpt: CheckpointManager, status: CheckpointStatus, dtype: torc
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(
-                f"{checkpoint_files(ckpt.dir, step)['model']} holds non-finite weights (NaN or inf, first "
-                f"in {name}): the run diverged before this step was saved; load an earlier step with --step N"
+                f"{_weights_path(ckpt.dir, status)} holds non-finite weights (NaN or inf, first in {name}): "
+                "the run diverged before this step was saved; load an earlier step with --step N"
             )
     return LoadedStep(step, meta, config, model.eval(), [], weights_description(meta), stored)
 
 
-def _config(meta: dict, meta_path, step: int) -> Config:
+def _weights_path(run: Path, status: CheckpointStatus) -> Path:
+    """The file (or shard directory) the weights of the step of `status` were loaded from."""
+    if status.sharded:
+        return sharded_dir(run, status.step)
+    if status.meta is not None and has_average(status.meta):
+        return average_file(run, status.step)
+    return checkpoint_files(run, status.step)["model"]
+
+
+def _config(meta: dict, meta_path: Path, step: int) -> Config:
     """The Config a verified meta records: CheckpointError when it records none (a seed-format step) or
     one that no longer validates."""
     raw = meta.get("config")
