@@ -1,6 +1,6 @@
 """Start-up: how long a command takes before it does its work, side by side with `import torch`.
 
-    python benchmarks/startup.py [--repeat 7] [--run DIR]
+    python benchmarks/startup.py [--repeat 7] [--run DIR] [--threads N]
 
 Each row is a fresh process, timed from its start to its exit (wall-clock, and the CPU seconds of the
 process, user + system), the median of --repeat rounds; the rounds alternate the commands, so a busy
@@ -19,7 +19,9 @@ PYTHONDONTWRITEBYTECODE of this shell is dropped for the commands). Targets (iss
 wall-clock: generate within 1.3x of `import torch`, --help under 0.5 s. The CPU column counts every
 thread: after the model's first operations torch's second OpenMP thread spins idle for a while, CPU time
 that a 2-core machine's other core absorbs without a later wall-clock. A shared machine slows every row
-(the rounds alternate, so alike): quote the ratios, with the load average printed.
+(the rounds alternate, so alike): quote the ratios, with the load average printed. There, torch's
+two-thread operations also wait for a descheduled second thread at every parallel region, which a quiet
+machine does not do: `--threads 1` (OMP_NUM_THREADS=1 for every command) shows the commands without it.
 """
 
 from __future__ import annotations
@@ -89,10 +91,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7, help="rounds, alternating the commands (default 7)")
     ap.add_argument("--run", type=Path, default=None, help="also generate on this run directory")
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every command")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        env["OMP_NUM_THREADS"] = str(args.threads)
     py, cli = [sys.executable], [sys.executable, "-m", "mamba3lite"]
     with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
         runs = {"GPT-2": make_run(Path(tmp) / "gpt2", "gpt2"), "own BPE": make_run(Path(tmp) / "bpe", "bpe")}
@@ -116,7 +123,8 @@ def main() -> None:
     floor = 'python -c "import torch"'
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: quote the ratios)")
-    rounds = f"median of {args.repeat} alternating rounds after a warm-up; bytecode caches on"
+    rounds = f"median of {args.repeat} alternating rounds after a warm-up; bytecode caches on; "
+    rounds += f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}"
     print(f"torch {torch.__version__}, python {platform.python_version()}; {rounds}")
     print()
     head = f"{'command':46} {'wall s':>7} {'cpu s':>7} {'wall/torch':>10} {'cpu/torch':>10}  target"
