@@ -472,3 +472,13 @@ def test_bench_cpu_step_prints_the_ratio_and_the_profile():
     assert "aten::mm" in out and "mixer.scan" in out and "_ChunkCoreBackward" in out
     for phase in ("forward", "backward", "optimizer"):
         assert re.search(rf"^  {phase}\s+[\d.]+ ms/step", out, re.M), (phase, out)
+
+
+@pytest.mark.slow
+def test_startup_prints_each_command_and_its_ratio_to_import_torch():
+    out = run_script("startup.py", "--repeat", "1")
+    times = r"\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+[\d.]+x\s+"  # wall s, cpu s, both ratios
+    assert re.search(r'^python -c "import torch"\s+[\d.]+\s+[\d.]+\s+1\.00x\s+1\.00x', out, re.M), out
+    assert re.search(rf"^mamba3lite --help{times}< 0\.5 s (ok|MISS)$", out, re.M), out
+    for run in ("GPT-2", "own BPE"):
+        assert re.search(rf"^generate --max-new-tokens 1 \({run}\){times}<= 1\.3x (ok|MISS)$", out, re.M), out

@@ -162,15 +162,15 @@ def test_newest_step_deleted_by_a_running_trainings_retention_is_chosen_again(tm
 
     run = save_tiny_checkpoint(tmp_path / "run", step=3)
     save_tiny_checkpoint(run, step=4)
-    read_meta, reads = CheckpointManager.read_meta, []
+    status = CheckpointManager.status
 
-    def retention_strikes(self, step):
-        reads.append(step)
-        if reads.count(4) == 2:  # chosen (status read it once), about to be loaded
+    def retention_strikes(self, step, **kw):
+        st = status(self, step, **kw)
+        if step == 4 and st.loadable:  # chosen and verified, about to be loaded
             self.delete(4)  # as `keep_last_n` does right after the next save
-        return read_meta(self, step)
+        return st
 
-    monkeypatch.setattr(CheckpointManager, "read_meta", retention_strikes)
+    monkeypatch.setattr(CheckpointManager, "status", retention_strikes)
     loaded = load_pretrained(run)
     assert loaded.step == 3 and any("step 4 was removed while loading" in n for n in loaded.notes)
 

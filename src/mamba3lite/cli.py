@@ -92,7 +92,12 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}; see `{self.prog} --help`")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` (one of COMMANDS) only that subcommand gets its flags, the
+    others their names and help lines. Some flags' defaults come from the library (the quickstart's and
+    prepare's import their packages, ~0.1 s on a quiet 2-core machine), which a run of another command
+    need not pay for."""
+    assert command is None or command in COMMANDS, command
     parser = _Parser(
         prog="mamba3lite",
         description="Pretrain small Mamba-3 language models: prepare -> train -> eval / generate.",
@@ -102,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = command_module(name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if command in (None, name):
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
@@ -157,7 +163,8 @@ def _run_command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv_given_none:  # the process's own output (an in-process caller keeps Python's format)
         warnings.formatwarning = _one_line_warning
-    parser = build_parser()
+    # the command is the first argument (the only options before it are --help and --version)
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     try:
         args = parser.parse_args(argv)
     except ConfigError as e:

@@ -6,8 +6,9 @@
 A run directory (`training.checkpoint_dir`) holds `model_step_N.safetensors`, `optim_step_N.pt` and
 `meta_step_N.json` per step; the meta carries the whole resolved config and the identity of the data the
 model was trained on (tokenizer name, vocabulary hash, vocab size, EOS id). From those this module
-rebuilds `Mamba3Transformer(config.model)`, loads the verified weights (sha256 checked against the meta
-by `CheckpointManager`) and the tokenizer the model was trained with. The optimizer file is not read.
+rebuilds `Mamba3Transformer(config.model)` with the verified weights (`RunDir.load`, the one road from
+a step to a model: the step is verified once, its files against the sha256 the meta records) and the
+tokenizer the model was trained with. The optimizer file is not read.
 A run that averaged its weights (training.ema_decay) gives the average (average_step_N.safetensors):
 `Pretrained.weights` and a note say which weights were loaded.
 
@@ -24,11 +25,9 @@ from typing import Any
 
 import torch
 
-from mamba3lite.checkpoint.manager import has_average
 from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.data_identity import DataIdentity, resolve_name
 from mamba3lite.errors import CheckpointError, ConfigError
-from mamba3lite.rundir import checkpoint_files
 
 
 def recorded_tokenizer(recorded: str | None, run_dir: Path) -> str:
@@ -111,91 +110,26 @@ def load_pretrained(
     """Load the model of checkpoint `step` (default: the newest one that verifies) from `run_dir`.
 
     The newest-step search skips damaged newer checkpoints (each noted in `Pretrained.notes`); an
-    explicit `step` loads exactly that step or raises. Weights are verified against the meta's sha256.
+    explicit `step` loads exactly that step or raises. `RunDir.load` verifies the step once (weights
+    against the meta's sha256) and builds the model; this puts it on `device` and adds the tokenizer.
     """
-    run = RunDir(run_dir).check()
-    notes: list[str] = []
-    # The step (`RunDir.resolve`); a training run writing into the directory may delete the newest step
-    # (retention) between the choice and the load: then choose again.
-    for attempt in range(1 if step is not None else 3):
-        pick = run.resolve(step)
-        notes += pick.notes
-        try:
-            meta, config, model = _load_step(run, pick.step)
-            break
-        except CheckpointError:
-            if step is not None or attempt == 2 or pick.step in run.steps():
-                raise
-            notes.append(f"step {pick.step} was removed while loading it (a running training's retention?)")
-    model.to(device).eval()
-    weights = weights_description(meta)
-    if weights != "trained":
-        notes.append(f"weights: the run's {weights}, not the trained weights of step {pick.step}")
-    notes += bind_scan(model, config.model.scan_impl, torch.device(device))
-    where = f"the meta of step {pick.step} in {run.path}"
-    data = DataIdentity.from_dict(meta.get("data"), run.path, where=where, error=CheckpointError)
+    run = RunDir(run_dir)
+    got = run.load(step, torch.float32)
+    model = got.model.to(device).eval()
+    notes = list(got.notes)
+    if got.weights != "trained":
+        notes.append(f"weights: the run's {got.weights}, not the trained weights of step {got.step}")
+    notes += bind_scan(model, got.config.model.scan_impl, torch.device(device))
+    where = f"the meta of step {got.step} in {run.path}"
+    data = DataIdentity.from_dict(got.meta.get("data"), run.path, where=where, error=CheckpointError)
     return Pretrained(
         model=model,
-        config=config,
-        step=pick.step,
-        meta=meta,
+        config=got.config,
+        step=got.step,
+        meta=got.meta,
         run_dir=run.path,
         tokenizer_name=data.tokenizer if data else resolve_name(None, run.path),
         vocab_hash=data.vocab_hash if data else None,
         notes=notes,
-        weights=weights,
+        weights=got.weights,
     )
-
-
-def weights_description(meta: dict) -> str:
-    """What the model of a checkpoint with `meta` is when loaded for use: "trained", or "averaged (EMA,
-    decay D, N steps)" when the step holds averaged weights (the manager's `load(averaged=True)`)."""
-    if not has_average(meta):
-        return "trained"
-    avg = meta.get("average") if isinstance(meta.get("average"), dict) else {}
-    n = avg.get("updates", "?")
-    return f"averaged weights (EMA, decay {avg.get('decay', '?')}, {n} step{'' if n == 1 else 's'})"
-
-
-def verified_meta(run: RunDir, step: int) -> tuple[dict, Any]:
-    """(meta, Config) of checkpoint `step` of `run`, its files verified (sizes, sha256) before the config
-    is trusted: an edited meta could ask for any shape. CheckpointError if anything is wrong."""
-    from mamba3lite.config import Config
-
-    st = run.ckpt.status(step, need_optimizer=False)
-    if not st.loadable:
-        raise CheckpointError(
-            f"checkpoint step {step} in {run.path} cannot be loaded: {'; '.join(st.problems)}"
-        )
-    meta = run.read_meta(step)
-    meta_path = checkpoint_files(run.path, step)["meta"]
-    raw_cfg = meta.get("config")
-    if not isinstance(raw_cfg, dict) or "model" not in raw_cfg:
-        raise CheckpointError(
-            f"{meta_path} records no model config (a seed-format checkpoint?); "
-            "mamba3lite cannot rebuild its model"
-        )
-    try:
-        return meta, Config.from_dict(raw_cfg, source=str(meta_path))
-    except ConfigError as e:
-        raise CheckpointError(f"the config saved with step {step} does not validate: {e}") from None
-
-
-def _load_step(run: RunDir, step: int):
-    """(meta, config, model on the CPU) of checkpoint `step`, verified; CheckpointError if anything is
-    wrong."""
-    from mamba3lite.model import Mamba3Transformer
-
-    meta, config = verified_meta(run, step)
-    model = Mamba3Transformer(config.model)
-    # verifies sizes and sha256 first; a run that averaged: its averaged weights
-    run.ckpt.load(step, model, None, map_location="cpu", averaged=True)
-    # The sha256 proves the file is what training wrote, not that training wrote numbers: a run saved
-    # after it diverged gives `eval` a loss of nan and `generate` a sampling error, so refuse it here.
-    for name, t in model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(
-                f"{checkpoint_files(run.path, step)['model']} holds non-finite weights (NaN or inf, first "
-                f"in {name}): the run diverged before this step was saved; load an earlier step with --step N"
-            )
-    return meta, config, model

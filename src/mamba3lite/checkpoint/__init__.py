@@ -35,11 +35,15 @@ this order:
     run_state.py    RunState: what a meta records of the run, one field per meta key (its schema)
     manager.py      CheckpointManager: save, verify (status), find, load, prune, move aside
     state.py        model/optimizer state of plain, DDP and FSDP2 models: local shards or whole tensors
+                    (torch.distributed.checkpoint: imported by the manager for sharded models only)
     sharded.py      the sharded step format: DCP write (sync or async), read, checks against the meta
     resume.py       plan_resume: which step a starting run continues from, and what to tidy first;
                     compatibility of a checkpoint with the run that loads it
     run_dir.py      RunDir: the one reader of a run directory for every command (is it a run, its
-                    newest verified step, "step or latest", a step's RunState, the resume decision)
+                    newest verified step, "step or latest", a step's RunState, the resume decision,
+                    `load`: a step as a model, verified once)
+    loaded.py       LoadedStep: what `RunDir.load` returns (meta, config, model, notes)
+    dtensor.py      whether a model is sharded, asked without importing DTensor (start-up)
     seed_format.py  the seed system's checkpoints (no hashes, index-keyed optimizer), accepted
                     as "unverified"
     lock.py         RunLock, the run directory's lock
@@ -56,6 +60,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
+    from mamba3lite.checkpoint.dtensor import is_sharded
     from mamba3lite.checkpoint.lock import RunLock
     from mamba3lite.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
     from mamba3lite.checkpoint.meta import META_FORMAT
@@ -73,7 +78,6 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
     from mamba3lite.checkpoint.state import (
         full_model_state,
         full_optimizer_state,
-        is_sharded,
         set_full_model_state,
         set_full_optimizer_state,
     )
@@ -92,7 +96,7 @@ _WHERE = {
     "capture_rng_state": "mamba3lite.checkpoint.rng",
     "full_model_state": "mamba3lite.checkpoint.state",
     "full_optimizer_state": "mamba3lite.checkpoint.state",
-    "is_sharded": "mamba3lite.checkpoint.state",
+    "is_sharded": "mamba3lite.checkpoint.dtensor",
     "set_full_model_state": "mamba3lite.checkpoint.state",
     "set_full_optimizer_state": "mamba3lite.checkpoint.state",
     "RngState": "mamba3lite.checkpoint.run_state",

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import HashingAtomicFile, atomic_write_json, fsync_dir, sha256_file
+from mamba3lite.checkpoint.dtensor import is_sharded
 from mamba3lite.checkpoint.meta import META_FORMAT, meta_digest, meta_problems, read_meta_file
 from mamba3lite.checkpoint.optim_state import (
     OPTIM_FORMAT,
@@ -47,24 +48,13 @@ from mamba3lite.checkpoint.optim_state import (
 )
 from mamba3lite.checkpoint.run_state import RunState
 from mamba3lite.checkpoint.seed_format import is_seed_meta, load_seed_optimizer, seed_file_problems
-from mamba3lite.checkpoint.sharded import (
-    read_shards,
-    shard_file_names,
-    shard_problems,
-    stored_dtypes,
-    write_shards,
+from mamba3lite.checkpoint.weights import (
+    load_model_file,
+    read_model_file,
+    split_tied,
+    tensor_dtypes,
+    write_safetensors,
 )
-from mamba3lite.checkpoint.state import (
-    full_model_state,
-    full_optimizer_state,
-    is_sharded,
-    local_model_state,
-    local_optimizer_state,
-    set_full_model_state,
-    set_full_optimizer_state,
-    set_local_state,
-)
-from mamba3lite.checkpoint.weights import load_model_file, read_model_file, split_tied, write_safetensors
 from mamba3lite.errors import CheckpointError
 from mamba3lite.rundir import (
     SUPERSEDED_DIRNAME,
@@ -88,6 +78,23 @@ def _test_pause() -> None:
         time.sleep(float(delay))
 
 
+# The sharded format's modules: sharded.py (DCP's files) and state.py (torch's state_dict API over
+# DTensors). They import torch.distributed.checkpoint and DTensor, ~0.4 s of a command's start beside
+# torch's own (python -X importtime), which a plain model in one process (generate, eval, serve, a
+# one-process train) never needs: they are imported where a sharded model or step is first met
+# (docs/architecture.md §6 rule 19: a measured start-up cost).
+def _sharded_files():
+    from mamba3lite.checkpoint import sharded
+
+    return sharded
+
+
+def _sharded_state():
+    from mamba3lite.checkpoint import state
+
+    return state
+
+
 @dataclass
 class CheckpointStatus:
     """What is on disk for one step and whether it can be trusted."""
@@ -99,6 +106,7 @@ class CheckpointStatus:
     problems: list[str] = field(default_factory=list)  # one line per bad/missing file, naming it
     sizes: dict[str, int | None] = field(default_factory=dict)
     sharded: bool = False  # a sharded step (its shard directory is on disk)
+    meta: dict | None = None  # the parsed meta (None when missing or unreadable): trusted when `loadable`
 
 
 @dataclass
@@ -227,8 +235,10 @@ class CheckpointManager:
         paths = checkpoint_files(self.dir, step)
         gathered = is_sharded(model)
         if gathered:  # whole tensors, gathered to rank 0 (a collective; the other ranks get none)
-            whole = full_model_state(model)
-            whole_optim = None if optimizer is None else full_optimizer_state(model, optimizer)
+            whole = _sharded_state().full_model_state(model)
+            whole_optim = (
+                None if optimizer is None else _sharded_state().full_optimizer_state(model, optimizer)
+            )
             if _rank() != 0:
                 _barrier()  # until rank 0 has written them
                 return paths["meta"]
@@ -308,11 +318,12 @@ class CheckpointManager:
             self.delete(step)  # an older save of the same step (re-saved after a rollback), meta first
         rngs = _gather_objects(state.rng)
         _barrier()  # no rank writes into the directory before rank 0 has cleared it
-        content: dict[str, Any] = {"model": local_model_state(model)}
+        dcp_state = _sharded_state()
+        content: dict[str, Any] = {"model": dcp_state.local_model_state(model)}
         if optimizer is not None:
-            content["optim"] = local_optimizer_state(model, optimizer)
+            content["optim"] = dcp_state.local_optimizer_state(model, optimizer)
         group = self._async_group() if async_save else None
-        future = write_shards(
+        future = _sharded_files().write_shards(
             sharded_dir(self.dir, step),
             content,
             async_save=async_save,
@@ -349,7 +360,7 @@ class CheckpointManager:
                 pending.future.result()
             sdir = sharded_dir(self.dir, pending.step)
             files = {}
-            for name in shard_file_names(sdir):
+            for name in _sharded_files().shard_file_names(sdir):
                 path = sdir / name
                 sha = sha256_file(path)
                 files[name] = {"size": path.stat().st_size, "sha256": sha}
@@ -475,19 +486,19 @@ class CheckpointManager:
             return CheckpointStatus(step, False, False, None, problems, sizes, has_shards)
         if is_seed_meta(meta):
             problems = seed_file_problems(paths, kinds)
-            return CheckpointStatus(step, False, not problems, "seed", problems, sizes)
+            return CheckpointStatus(step, False, not problems, "seed", problems, sizes, meta=meta)
         fmt, problems = meta_problems(meta, paths["meta"])
         sharded = isinstance(meta.get("shards"), dict)
         if not problems:  # an edited or damaged meta: its other fields cannot be trusted to have any shape
             if sharded:
-                problems = shard_problems(meta["shards"], sdir, self._cached_sha)
+                problems = _sharded_files().shard_problems(meta["shards"], sdir, self._cached_sha)
             else:
                 if "average" in meta.get("files", {}):  # every user of the step may read the average
                     kinds, paths = (*kinds, "average"), {**paths, "average": average_file(self.dir, step)}
                     sizes["average"] = paths["average"].stat().st_size if paths["average"].exists() else None
                 problems = self._data_file_problems(meta, paths, sizes, kinds)
         ok = not problems
-        return CheckpointStatus(step, ok, ok, fmt, problems, sizes, sharded)
+        return CheckpointStatus(step, ok, ok, fmt, problems, sizes, sharded, meta)
 
     def _data_file_problems(
         self, meta: dict, paths: dict[str, Path], sizes: dict[str, int | None], kinds: tuple[str, ...]
@@ -520,14 +531,19 @@ class CheckpointManager:
     def latest_step(self, *, need_optimizer: bool = True) -> int | None:
         """The newest loadable step, or None. Each newer bad step is skipped with a warning naming the
         bad file(s); older steps are not checked once a good one is found."""
+        st = self.latest_status(need_optimizer=need_optimizer)
+        return None if st is None else st.step
+
+    def latest_status(self, *, need_optimizer: bool = True) -> CheckpointStatus | None:
+        """`latest_step`'s choice as the status that verified it (each step checked once), or None."""
         steps = self.list_steps()
         for i, step in reversed(list(enumerate(steps))):
             st = self.status(step, need_optimizer=need_optimizer)
             if st.loadable:
-                return step
+                return st
             then = "trying an older one" if i else "and there is no older one"
             warnings.warn(
-                f"checkpoint step {step} is not usable, {then}: {'; '.join(st.problems)}", stacklevel=2
+                f"checkpoint step {step} is not usable, {then}: {'; '.join(st.problems)}", stacklevel=3
             )
         return None
 
@@ -540,21 +556,27 @@ class CheckpointManager:
         map_location: str | torch.device = "cpu",
         *,
         averaged: bool = False,
+        verified: CheckpointStatus | None = None,
     ) -> dict:
         """Verify step `step`, load its weights into `model` and its state into `optimizer` (either may
         be None), and return the meta dict. CheckpointError naming the file if anything is wrong. The
         optimizer file is checked only when `optimizer` is given. `averaged`: the model gets the step's
         averaged weights when it has them (`has_average(meta)`), else its weights (what users of a
-        trained model read); training resumes from the weights (the default)."""
+        trained model read); training resumes from the weights (the default). `verified`: the step's
+        loadable status from a check just made (`RunDir.load`), which is not made again."""
         need_optimizer = optimizer is not None
-        st = self.status(step, need_optimizer=need_optimizer)
+        if verified is None:
+            st = self.status(step, need_optimizer=need_optimizer)
+        else:
+            assert verified.step == step and verified.loadable and not need_optimizer, verified
+            st = verified
         if not st.loadable:
             available = self.verified_steps(need_optimizer=need_optimizer)
             raise CheckpointError(
                 f"checkpoint step {step} in {self.dir} cannot be loaded: {'; '.join(st.problems)}. "
                 f"Loadable steps: {available or 'none'}"
             )
-        meta = self.read_meta(step)
+        meta = st.meta if st.meta is not None else self.read_meta(step)
         paths = checkpoint_files(self.dir, step)
         if optimizer is not None and model is None:
             raise AssertionError("loading optimizer state needs the model (names -> parameters)")
@@ -567,7 +589,7 @@ class CheckpointManager:
             if averaged and has_average(meta):
                 paths = {**paths, "model": average_file(self.dir, step)}
             if is_sharded(model):  # whole tensors from the file, each rank keeps its shards
-                set_full_model_state(model, read_model_file(paths["model"], tied))
+                _sharded_state().set_full_model_state(model, read_model_file(paths["model"], tied))
             else:
                 load_model_file(paths["model"], model, tied)
         if optimizer is not None:
@@ -592,11 +614,12 @@ class CheckpointManager:
             if not meta.get("has_optimizer", True):
                 raise CheckpointError(f"{sdir}: this checkpoint holds no optimizer state")
             check_optimizer_kind(meta["shards"].get("optimizer", "adamw"), optimizer, str(sdir))
-        content: dict[str, Any] = {"model": local_model_state(model)}
+        dcp_state = _sharded_state()
+        content: dict[str, Any] = {"model": dcp_state.local_model_state(model)}
         if optimizer is not None:
-            content["optim"] = local_optimizer_state(model, optimizer)
-        read_shards(sdir, content)
-        set_local_state(model, optimizer, content["model"], content.get("optim"))
+            content["optim"] = dcp_state.local_optimizer_state(model, optimizer)
+        _sharded_files().read_shards(sdir, content)
+        dcp_state.set_local_state(model, optimizer, content["model"], content.get("optim"))
 
     @staticmethod
     def _load_optimizer(
@@ -620,15 +643,20 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: this checkpoint holds no optimizer state")
         if is_sharded(model):
             check_optimizer_kind(saved.get("optimizer", "adamw"), optimizer, str(path))
-            set_full_optimizer_state(model, optimizer, saved)
+            _sharded_state().set_full_optimizer_state(model, optimizer, saved)
             return
         load_optimizer_state_by_name(optimizer, model, saved, str(path))
 
-    def sharded_dtypes(self, step: int) -> dict[str, torch.dtype] | None:
-        """{parameter name: dtype} of a verified sharded step's weights; None for a three-file step (its
-        safetensors header says) or a step that does not verify."""
-        st = self.status(step, need_optimizer=False)
-        return stored_dtypes(sharded_dir(self.dir, step)) if st.sharded and st.loadable else None
+    def stored_dtypes(self, verified: CheckpointStatus, *, averaged: bool = False) -> dict[str, torch.dtype]:
+        """{state_dict name: dtype} of the weights a loadable step stores, in either format: what
+        `load(..., averaged=averaged)` reads (a tied alias is absent when the file holds it once)."""
+        assert verified.loadable and verified.meta is not None, verified
+        step = verified.step
+        if verified.sharded:
+            return _sharded_files().stored_dtypes(sharded_dir(self.dir, step))
+        use_average = averaged and has_average(verified.meta)
+        path = average_file(self.dir, step) if use_average else checkpoint_files(self.dir, step)["model"]
+        return tensor_dtypes(path)
 
     # --------------------------------------------------------------------------------- retention
     def delete(self, step: int) -> None:

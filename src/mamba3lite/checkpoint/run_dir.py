@@ -6,11 +6,12 @@
     pick = run.resolve(None)         # the newest VERIFIED step (pick.notes: the newer ones skipped)
     pick = run.resolve(400)          # exactly step 400: CheckpointError if absent or damaged
     state = run.run_state(pick.step) # its RunState (checkpoint/run_state.py)
+    got = run.load(None, torch.float32)  # a step verified once: meta, config, model, notes (loaded.py)
     plan = run.plan_resume("latest") # what a starting trainer does here (checkpoint/resume.py)
 
 Every command that reads a run (generate, eval, serve, export, inspect, train --init-from, the quickstart)
-and the write check of `train` (mamba3lite/outdir.py) ask this class, so "is this a run directory" and
-"which step" are each decided in one place:
+and the write checks of `train` (mamba3lite/outdir.py, commands/train.py) ask this class, so "is this a
+run directory", "is this config.yaml the run's", "which step" and "load it" are each decided in one place:
 
     is a run directory   it holds what `train` writes: a checkpoint file (or the temp file of one being
                          written), the run record (run.json), the metrics log (metrics.jsonl), or a
@@ -21,6 +22,8 @@ and the write check of `train` (mamba3lite/outdir.py) ask this class, so "is thi
                          needs matches its meta; a newer damaged step is skipped with a note naming the
                          file. The manager owns verification, so a checkpoint format it learns (a sharded
                          step, say) is read here without a change.
+    loaded               `load`: the one road from a step to a model (checkpoint/loaded.py); the step is
+                         verified once, by `resolve`, and what that check read is what is loaded
     resume               `plan_resume`: the one decision of where a starting run continues from
 
 The names and patterns of the files are in mamba3lite/rundir.py; this module reads them. A method that
@@ -40,7 +43,10 @@ from mamba3lite.config import RESOLVED_HEADER
 from mamba3lite.errors import CheckpointError
 
 if TYPE_CHECKING:  # torch-importing modules, loaded on first use (see the module docstring)
-    from mamba3lite.checkpoint.manager import CheckpointManager
+    import torch
+
+    from mamba3lite.checkpoint.loaded import LoadedStep
+    from mamba3lite.checkpoint.manager import CheckpointManager, CheckpointStatus
     from mamba3lite.checkpoint.resume import ResumePlan
     from mamba3lite.checkpoint.run_state import RunState
 
@@ -50,11 +56,13 @@ _NO_CHECKPOINTS = "no model_step_N.safetensors / meta_step_N.json"
 
 @dataclass
 class StepPick:
-    """A step chosen by `RunDir.resolve`: `step`, and `notes` (one line per newer step skipped because it
-    does not verify; empty for an explicit step)."""
+    """A step chosen by `RunDir.resolve`: `step`, `notes` (one line per newer step skipped because it
+    does not verify; empty for an explicit step) and `status`, the check that verified it (its parsed
+    meta included), which `load` trusts instead of checking the step again."""
 
     step: int
     notes: list[str] = field(default_factory=list)
+    status: CheckpointStatus | None = None
 
 
 class RunDir:
@@ -81,9 +89,11 @@ class RunDir:
         for p in self.path.iterdir():
             if self.is_checkpoint_file(p.name) or p.name in (rundir.RUN_RECORD_NAME, rundir.METRICS_NAME):
                 return True
-        return self._has_resolved_config()
+        return self.has_resolved_config()
 
-    def _has_resolved_config(self) -> bool:
+    def has_resolved_config(self) -> bool:
+        """Whether the directory's config.yaml is the resolved config `train` writes (its first line is
+        the header config.py's `write_resolved_config` writes), not a config file of the user's own."""
         config = self.path / rundir.CONFIG_NAME
         if not config.is_file():
             return False
@@ -137,9 +147,9 @@ class RunDir:
         """The newest verified step and the notes on each newer one skipped, or None when none verifies."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step = self.ckpt.latest_step(need_optimizer=need_optimizer)
+            status = self.ckpt.latest_status(need_optimizer=need_optimizer)
         notes = [str(w.message) for w in caught]
-        return None if step is None else StepPick(step, notes)
+        return None if status is None else StepPick(status.step, notes, status)
 
     def resolve(self, step: int | None, *, need_optimizer: bool = False) -> StepPick:
         """`step` ("--step N") if it is here and verifies, or with None the newest verified step: the one
@@ -167,7 +177,35 @@ class RunDir:
                 f"checkpoint step {step} in {self.path} cannot be loaded: {'; '.join(status.problems)}; "
                 f"loadable steps: {self.loadable_steps(need_optimizer=need_optimizer) or 'none'}"
             )
-        return StepPick(step)
+        return StepPick(step, status=status)
+
+    # ----------------------------------------------------------------------------------- loading
+    def load(self, step: int | None = None, dtype: torch.dtype | None = None) -> LoadedStep:
+        """Checkpoint `step` (default: the newest that verifies, the damaged newer ones noted) as a
+        `LoadedStep` (checkpoint/loaded.py): its meta, its Config, the model with its weights (the
+        average for a run that averaged) on the CPU at `dtype` (None: the widest dtype the step stores,
+        so that no value is rounded), and notes. The step is verified once, by `resolve`. One
+        CheckpointError line for anything wrong, as `check` and `resolve` say it; a training run's
+        retention that deletes the newest step between its choice and its load: the choice is made again."""
+        from mamba3lite.checkpoint.loaded import load_verified
+
+        self.check()
+        notes: list[str] = []
+        for attempt in range(1 if step is not None else 3):
+            pick = self.resolve(step)
+            notes += pick.notes
+            assert pick.status is not None
+            try:
+                loaded = load_verified(self.ckpt, pick.status, dtype)
+                break
+            except CheckpointError:
+                if step is not None or attempt == 2 or pick.step in self.steps():
+                    raise
+                notes.append(
+                    f"step {pick.step} was removed while loading it (a running training's retention?)"
+                )
+        loaded.notes[:0] = notes
+        return loaded
 
     # --------------------------------------------------------------------------------- reading
     def read_meta(self, step: int) -> dict:

@@ -18,6 +18,10 @@ beside Muon, for a model with a tied head), so each part goes through it alone: 
 ({"adamw": ..., "muon": ...}), the full form concatenates their groups in that order and merges their states
 (names are unique: a parameter is in one part only).
 
+Everything here imports torch.distributed.checkpoint (and DTensor): the manager reaches this module only
+for a sharded model or step, so a plain model in one process never pays for it (manager.py `_sharded`).
+The plain path (one process, three files) needs none of it: `model.state_dict()` and optim_state.py.
+
 A tied parameter (the LM head that is the embedding) is named by its first name in `named_parameters()`
 (here `embed.weight`, also the smallest, as optim_state.param_names chooses).
 """
@@ -34,17 +38,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
+from mamba3lite.checkpoint.dtensor import is_sharded
 from mamba3lite.checkpoint.optim_state import OPTIM_FORMAT, optimizer_kind
 from mamba3lite.optimizers import lookup
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether the model's parameters are DTensors (fully_shard / HSDP): its checkpoints are sharded."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def torch_optimizers(optimizer: Any) -> dict[str, torch.optim.Optimizer]:

@@ -107,6 +107,23 @@ def read_header(path: Path) -> dict:
     return header
 
 
+def tensor_dtypes(path: Path) -> dict[str, torch.dtype]:
+    """{tensor name: dtype} of a safetensors file, from its header (the data is not read); CheckpointError
+    naming the file for a header that does not parse or a dtype that is not a tensor type here."""
+    by_code = {code: dtype for dtype, code in _ST_DTYPES.items()}
+    out = {}
+    for name, entry in read_header(path).items():
+        if name == "__metadata__":
+            continue
+        code = entry.get("dtype") if isinstance(entry, dict) else None
+        if code not in by_code:
+            raise intake.SAFETENSORS_HEADER.fail(
+                f"{path}: tensor {name!r} has dtype {code!r}, not one of {', '.join(by_code)}"
+            )
+        out[name] = by_code[code]
+    return out
+
+
 def tied_aliases(header: dict, path: Path) -> dict[str, str]:
     """The {alias: source} that our writer records in the header's `mamba3lite_tied` ({} in others)."""
     kind, where = intake.SAFETENSORS_HEADER, str(path)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-from mamba3lite import intake
 from mamba3lite.commands.options import add_override_option
 from mamba3lite.errors import ConfigError
 
@@ -140,14 +138,15 @@ def _check_config_file_is_not_the_runs_record(config: str, checkpoint_dir: str) 
     """RUN/config.yaml is the trainer's record of the resolved config, rewritten at every start. Passing
     it back (`--config RUN/config.yaml`) is fine; a hand-written file of that name would be overwritten,
     comments and all: refuse before anything is written."""
-    from mamba3lite.config import RESOLVED_HEADER, resolve_preset
+    from mamba3lite.checkpoint.run_dir import RunDir
+    from mamba3lite.config import resolve_preset
     from mamba3lite.rundir import CONFIG_NAME
 
     path = resolve_preset(config)
-    record = Path(checkpoint_dir) / CONFIG_NAME
+    run = RunDir(checkpoint_dir)
+    record = run.path / CONFIG_NAME
     mine = record.exists() and path.resolve() == record.resolve()
-    header = RESOLVED_HEADER.encode("utf-8")
-    if mine and intake.read_prefix(path, intake.CONFIG, len(header)) != header:
+    if mine and not run.has_resolved_config():  # the rule `RunDir.is_run` reads a run by
         raise ConfigError(
             f"--config {config} is the run's config.yaml, which `train` rewrites with the resolved "
             "config of every start: keep your config file outside the checkpoint directory"

@@ -23,16 +23,14 @@ from pathlib import Path
 import torch
 
 from mamba3lite.atomicfile import sha256_file
+from mamba3lite.checkpoint.loaded import LoadedStep
 from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import CheckpointError
 from mamba3lite.interop.names import EMBED_OFFICIAL, HEAD, to_official
 from mamba3lite.interop.official_config import OfficialVocab, official_config_from_model
 from mamba3lite.interop.source import CONFIG_NAME
-from mamba3lite.rundir import TOKENIZER_NAME, checkpoint_files
-
-_WIDEST_FIRST = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+from mamba3lite.rundir import TOKENIZER_NAME
 
 
 @dataclass
@@ -41,17 +39,6 @@ class ExportResult:
     step: int
     n_params: int
     notes: list[str]
-
-
-def _stored_dtypes(path: Path) -> dict[str, torch.dtype]:
-    """name -> dtype of each tensor in a safetensors file (its header only)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {k: _ST_DTYPES[f.get_slice(k).get_dtype()] for k in f.keys()}  # noqa: SIM118
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot read weights ({e})") from None
 
 
 def _padding(p: Path, meta: dict, vocab_size: int, d_model: int, tied: bool) -> tuple[OfficialVocab, dict]:
@@ -118,13 +105,12 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
 
     out = Path(out)
     check_out_dir(out)
-    run, step, notes, meta, config = exported_step(run_dir, step)
-    p = run.path
-    cfg = config.model
+    run, got, notes = exported_step(run_dir, step)
+    p, step, meta, cfg = run.path, got.step, got.meta, got.config.model
     vocab, padding = _padding(p, meta, cfg.vocab_size, cfg.d_model, cfg.tie_embeddings)
     official_cfg = official_config_from_model(cfg, vocab)
     tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
-    state = _official_state(run, step, cfg, padding)
+    state = _official_state(got, padding)
     notes += _behaviour_notes(cfg)
     a_act = cfg.a_activation
     last_eval = meta.get("last_eval") if isinstance(meta.get("last_eval"), dict) else {}
@@ -153,44 +139,37 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None)
     return ExportResult(out, step, n_params, notes)
 
 
-def exported_step(run_dir: str | Path, step: int | None):
-    """(the RunDir, the step: `step` or the newest verified one, notes on skipped steps, its meta, its
-    Config), its files verified: what every export format starts from."""
-    from mamba3lite.pretrained import verified_meta, weights_description
-
-    run = RunDir(run_dir).check()
-    pick = run.resolve(step)
-    meta, config = verified_meta(run, pick.step)
-    notes = list(pick.notes)
-    if (weights := weights_description(meta)) != "trained":
-        notes.append(f"exported the run's {weights}, not the trained weights of step {pick.step}")
-    return run, pick.step, notes, meta, config
+def exported_step(run_dir: str | Path, step: int | None) -> tuple[RunDir, LoadedStep, list[str]]:
+    """(the RunDir, its step `step` or the newest verified one loaded at the widest dtype it stores
+    (`RunDir.load`: verified once, the average of a run that averaged, what eval and generate read), the
+    export's notes): what every export format starts from."""
+    run = RunDir(run_dir)
+    got = run.load(step, None)
+    notes = list(got.notes)
+    if got.weights != "trained":
+        notes.append(f"exported the run's {got.weights}, not the trained weights of step {got.step}")
+    return run, got, notes
 
 
-def checkpoint_state(run: RunDir, step: int, cfg) -> dict[str, torch.Tensor]:
-    """Checkpoint `step` as our state_dict: loaded through the manager (sizes and sha256 verified,
-    strict) into a model of the widest stored dtype, then every tensor given its stored dtype back (no
-    value is rounded on the way). A tied head is the embedding's tensor."""
-    from mamba3lite.model import Mamba3Transformer
-
-    dtypes = run.ckpt.sharded_dtypes(step) or _stored_dtypes(checkpoint_files(run.path, step)["model"])
-    widest = next(d for d in _WIDEST_FIRST if d in dtypes.values())
-    model = Mamba3Transformer(cfg).to(widest)
-    run.ckpt.load(step, model, None, map_location="cpu", averaged=True)  # what eval and generate read
+def checkpoint_state(got: LoadedStep) -> dict[str, torch.Tensor]:
+    """The loaded step as our state_dict, every tensor in the dtype its file stores (the model holds the
+    widest, so no value was rounded on the way). A tied head is the embedding's tensor."""
+    dtypes = got.stored_dtypes
     state = {}
-    for name, t in model.state_dict().items():
+    for name, t in got.model.state_dict().items():
+        widest = t.dtype
         dt = dtypes.get(name, dtypes.get("embed.weight", widest) if name == HEAD else widest)
         state[name] = t.to(dt)
     return state
 
 
-def _official_state(run: RunDir, step: int, cfg, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint `step` as the official state_dict (`checkpoint_state`): renamed, the padding rows
+def _official_state(got: LoadedStep, padding: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The loaded step as the official state_dict (`checkpoint_state`): renamed, the padding rows
     appended, a tied head dropped."""
-    state = to_official(checkpoint_state(run, step, cfg))
+    state = to_official(checkpoint_state(got))
     for name, rows in padding.items():
         state[name] = torch.cat([state[name], rows.to(state[name].dtype)])
-    if cfg.tie_embeddings:
+    if got.config.model.tie_embeddings:
         state.pop(HEAD)
     return state
 

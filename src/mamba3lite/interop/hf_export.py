@@ -183,13 +183,12 @@ def export_hf(
         raise ConfigError(f"--max-shard-size must be >= 1 byte, got {max_shard_bytes}")
     out = Path(out)
     check_out_dir(out)
-    run, step, notes, meta, config = exported_step(run_dir, step)
-    p = run.path
-    cfg = config.model
+    run, got, notes = exported_step(run_dir, step)
+    p, step, meta, cfg = run.path, got.step, got.meta, got.config.model
     tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
     tok_name = recorded_tokenizer((meta.get("data") or {}).get("tokenizer"), p)
     tok_config = tokenizer_files(tok_bytes, cfg.eos_id, tok_name == "gpt2", find_chat_template(p, tok_name))
-    state = hf_state(checkpoint_state(run, step, cfg), cfg.tie_embeddings)
+    state = hf_state(checkpoint_state(got), cfg.tie_embeddings)
     dtype = next(iter(state.values())).dtype
     n_params = count_parameters(cfg)
     card = _card(p, step, meta, cfg, n_params, tok_desc, notes)

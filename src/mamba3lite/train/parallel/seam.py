@@ -27,19 +27,23 @@ format into any strategy at any world size.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
+from mamba3lite.checkpoint.dtensor import is_dtensor
 from mamba3lite.model.context_parallel import cut_window
 from mamba3lite.model.memory import replicated_fits
 from mamba3lite.model.precision import resolve_precision
 from mamba3lite.train.parallel.layout import MESH_DIMS, Layout, plan_layout
 from mamba3lite.train.parallel.process_group import DistInfo
-from mamba3lite.train.parallel.strategies import Local, Replicated, Sharded
+from mamba3lite.train.parallel.strategies import Local, Replicated
 from mamba3lite.train.parallel.tally import StepTally
+
+if TYPE_CHECKING:
+    from mamba3lite.train.parallel.fsdp import Sharded
 
 
 class Parallelism:
@@ -57,7 +61,9 @@ class Parallelism:
         self.mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_DIMS)
         if layout.strategy == "ddp":
             self.strategy = Replicated(self.mesh, info.device)
-        else:
+        else:  # chosen here: FSDP2 imports DTensor (fsdp.py), which no other layout needs
+            from mamba3lite.train.parallel.fsdp import Sharded
+
             self.strategy = Sharded(self.mesh, layout, reshard_after_forward, param_dtype)
 
     @classmethod
@@ -170,7 +176,7 @@ class Parallelism:
             return torch.zeros((), device=self.info.device)
         scale = accum / tally.good_count().clamp(min=1)
         for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype))
+            (g.to_local() if is_dtensor(g) else g).mul_(scale.to(g.dtype))
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         # over DTensor gradients the norm is a DTensor too (its shards' partial sums): the global value
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return norm.full_tensor() if is_dtensor(norm) else norm

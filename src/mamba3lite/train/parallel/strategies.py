@@ -8,9 +8,11 @@
 
 Local: one process, the plain module. Replicated: DDP with PyTorch's reducer, which all-reduces the
 gradients in buckets DURING the backward of the last micro-step (no_sync on the others), into the
-gradients themselves (`gradient_as_bucket_view`). Sharded: FSDP2 (`fully_shard` on every block, then on
-the root so the tied embedding/head stays one parameter), on a 1-D mesh (fsdp) or 2-D (hsdp: the same
-code; replicas all-reduce their shards on the last micro-step only).
+gradients themselves (`gradient_as_bucket_view`). Sharded (fsdp.py, a module of its own): FSDP2
+(`fully_shard` on every block, then on the root so the tied embedding/head stays one parameter), on a
+1-D mesh (fsdp) or 2-D (hsdp: the same code; replicas all-reduce their shards on the last micro-step
+only). FSDP2 imports DTensor, ~0.35 s of start-up beside torch's own (`python -X importtime`), so the
+seam imports fsdp.py only for a sharded layout; DDP is in the torch that every run imports already.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ import contextlib
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-
-from mamba3lite.train.parallel.layout import Layout
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 class Local:
@@ -47,8 +48,6 @@ class Replicated:
         self.ddp: torch.nn.Module | None = None
 
     def wrap(self, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DDP(
             model,
@@ -61,52 +60,6 @@ class Replicated:
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         assert self.ddp is not None, "wrap first"
         return contextlib.nullcontext() if last else self.ddp.no_sync()
-
-
-class Sharded:
-    """FSDP2 on the ("dp_replicate", "dp_shard") mesh: every block, then the root, `fully_shard`ed.
-
-    Gradients are reduce-scattered after every micro-step's backward (an unsharded gradient kept across
-    micro-steps would hold the whole model's gradient on each process, what sharding saves); under hsdp
-    the replicas all-reduce their shards on the last micro-step only. `param_dtype`: bf16 for the
-    forward/backward on CUDA when training.dtype is bf16 (gradients reduced in fp32); None keeps the
-    parameters' own dtype (fp32 on CPU)."""
-
-    is_sharded = True
-
-    def __init__(
-        self, mesh: DeviceMesh, layout: Layout, reshard_after_forward: bool, param_dtype: torch.dtype | None
-    ) -> None:
-        self.mesh, self.layout = mesh, layout
-        self.reshard_after_forward = reshard_after_forward
-        self.param_dtype = param_dtype
-        self.root: torch.nn.Module | None = None
-
-    def wrap(self, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        if self.layout.cp > 1:  # shard over every rank of the window's group too (as torchtitan does)
-            mesh = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        elif self.layout.dp_replicate > 1:
-            mesh = self.mesh["dp_replicate", "dp_shard"]
-        else:
-            mesh = self.mesh["dp_shard"]
-        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-        kw = {"mesh": mesh, "mp_policy": mp}
-        for block in getattr(model, "layers", []):
-            if compile:
-                block.compile()  # in place: the state_dict keys stay the model's own
-            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kw)
-        # The root last: it owns what no block does (embedding = tied head, final norm); its parameters
-        # stay gathered after the forward (the head's backward needs them at once).
-        self.root = fully_shard(model, reshard_after_forward=False, **kw)
-        return self.root
-
-    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
-        assert self.root is not None, "wrap first"
-        if self.layout.dp_replicate > 1:
-            self.root.set_requires_all_reduce(last)
-        return contextlib.nullcontext()
 
 
 def replicas_group(mesh: DeviceMesh):
