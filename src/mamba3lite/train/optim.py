@@ -312,7 +312,13 @@ def lr_at(
         start = max(warmup_steps, max_steps - round(decay_fraction * max_steps))
         if step < start:
             return lr
-    t = (step - start) / max(1, max_steps - start)
+    return decayed_lr((step - start) / max(1, max_steps - start), lr=lr, min_lr=min_lr, schedule=schedule)
+
+
+def decayed_lr(t: float, *, lr: float, min_lr: float, schedule: str) -> float:
+    """The decay's learning rate at t ∈ [0, 1] of the way from its start to its end (`lr_at`'s and the
+    time schedule's): cosine min_lr + ½(lr − min_lr)(1 + cos(π·t)); linear and wsd
+    min_lr + (lr − min_lr)(1 − t)."""
     if schedule == "cosine":
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * t))
     assert schedule in ("linear", "wsd"), f"unknown schedule {schedule!r}"

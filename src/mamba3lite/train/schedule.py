@@ -11,12 +11,11 @@ after it, and never branches on which. `record(step)` is what a checkpoint's met
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
 from mamba3lite.train.clock import TrainClock
-from mamba3lite.train.optim import lr_at
+from mamba3lite.train.optim import decayed_lr, lr_at
 
 # A time schedule's warmup starts above 0 so that the first step moves (as lr_at's lr / warmup_steps):
 # 1% of the peak, where a 100-step warmup starts.
@@ -52,11 +51,7 @@ def lr_at_progress(
         start = max(warmup_fraction, 1.0 - decay_fraction)
         if progress < start:
             return lr
-    t = (progress - start) / (1.0 - start)
-    if schedule == "cosine":
-        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * t))
-    assert schedule in ("linear", "wsd"), f"unknown schedule {schedule!r}"
-    return min_lr + (lr - min_lr) * (1.0 - t)
+    return decayed_lr((progress - start) / (1.0 - start), lr=lr, min_lr=min_lr, schedule=schedule)
 
 
 class StepSchedule:
