@@ -28,8 +28,12 @@ parameter, mamba3lite/optimizers.py: AdamW 8; Muon 4 for its hidden matrices) ar
 processes that shard them (fsdp: the data-parallel size; hsdp: its shard groups; ddp and one process: 1),
 plus what a sharded model gathers while a block computes (two blocks' weights, the one running and the one
 prefetched, and one block's unsharded gradients; every block's weights from forward to backward when
-`reshard_after_forward` is off); activations are divided by the context-parallel size C, each rank
-holding T / C tokens of each window. `check_model_fits` refuses what cannot fit even sharded, and
+`reshard_after_forward` is off); activations are those of T / C tokens of each window (C the
+context-parallel size), each layer measured as the group's last rank runs it, so that what a kind gathers
+from the other ranks and keeps (attention: the whole window's keys and values, a (T / C) × T mask) is
+counted. Blocks run as the run runs them: with resets when `reset_at_eos` (attention's masked path keeps
+the mask, as an additive one of the compute dtype). `check_model_fits` refuses what cannot fit even
+sharded, and
 `replicated_fits` is the question `parallelism: auto` asks. The autograd measurement runs at 256 tokens
 at most: the bytes kept per token are the same at any length (the chunked scan's memory is linear in
 T; tests/test_memory.py checks it), and a 7B layer forward at 2,048 tokens takes minutes on a CPU.
@@ -205,7 +209,7 @@ def layer_activation_bytes_per_token(
     length is measured at min(T/C, PROBE_TOKENS) tokens; one whose bytes grow with it, at T/C
     (`saved_bytes_per_token_growing`: under C the gathered keys grow as C·t, the mask as C·t²)."""
     kind_of = LAYER_KINDS[kind]
-    piece = max(1, seq_len // context_parallel)
+    piece = max(2, seq_len // context_parallel)  # the growth needs two lengths (a window of C tokens: 1)
     probe = piece if kind_of.activations_grow_with_length else min(piece, PROBE_TOKENS)
     key = (repr(cfg), kind, probe, compute, context_parallel)
     if key not in _PER_TOKEN_CACHE:
