@@ -20,9 +20,15 @@ import torch
 import torch.distributed as dist
 
 from gloo_processes import spawn
+from mamba3lite.config import TrainingConfig
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.model.context_parallel import cut_window
-from mamba3lite.model.memory import activation_bytes, layer_activation_bytes_per_token, model_saved_bytes
+from mamba3lite.model.memory import (
+    activation_bytes,
+    layer_activation_bytes_per_token,
+    model_saved_bytes,
+    per_rank_memory,
+)
 from mamba3lite.model.transformer import Mamba3Transformer
 
 BASE = dict(
@@ -62,6 +68,8 @@ def test_the_activation_estimate_is_within_10_percent_of_what_the_model_keeps(hy
     measured = measured_per_window(model, tokens(T), torch.bfloat16)
     estimate = activation_bytes(cfg, 1, T, compute=torch.bfloat16)
     assert 0.9 * measured <= estimate <= 1.1 * measured, (estimate / measured, estimate, measured)
+    plan = per_rank_memory(cfg, TrainingConfig(micro_batch_size=1, max_seq_len=T), compute=torch.bfloat16)
+    assert plan.activations == estimate  # what `train --plan` prints
 
 
 def test_packed_documents_add_attentions_mask_to_the_estimate():
