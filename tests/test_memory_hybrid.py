@@ -22,14 +22,16 @@ import torch.distributed as dist
 from gloo_processes import spawn
 from mamba3lite.config import TrainingConfig
 from mamba3lite.model.config import ModelConfig
-from mamba3lite.model.context_parallel import cut_window
+from mamba3lite.model.context_parallel import ContextParallel, MeasuredRank, cut_window
+from mamba3lite.model.layer_kinds import LAYER_KINDS
 from mamba3lite.model.memory import (
     activation_bytes,
     layer_activation_bytes_per_token,
     model_saved_bytes,
     per_rank_memory,
+    saved_bytes,
 )
-from mamba3lite.model.transformer import Mamba3Transformer
+from mamba3lite.model.transformer import Block, Mamba3Transformer
 
 BASE = dict(
     vocab_size=256, eos_id=0, d_model=32, n_layers=4, d_intermediate=64, d_state=16, headdim=16,
@@ -88,6 +90,17 @@ def test_packed_documents_add_attentions_mask_to_the_estimate():
 
 def _measure_ranks(rank: int, world: int, cases: list, out_file: str) -> None:
     measured = {}
+    for reset_at_eos in (False, True):  # a block on a real rank keeps what it keeps on a MeasuredRank
+        cfg = config(reset_at_eos)
+        for layer_idx in (0, 3):  # Mamba-3, attention
+            torch.manual_seed(0)
+            block = Block(cfg, layer_idx)
+            real, alone = ContextParallel(dist.group.WORLD), MeasuredRank(rank, world)
+            kept = {}
+            for name, cp in (("real", real), ("alone", alone), ("none", None)):
+                LAYER_KINDS[cfg.layer_kind(layer_idx)].set_context_parallel(block.mixer, cp)
+                kept[name] = saved_bytes(block, cfg.d_model, 64, compute=None, resets=reset_at_eos)
+            measured[f"rank-block {reset_at_eos} {layer_idx}"] = kept
     for reset_at_eos, T in cases:
         torch.manual_seed(0)
         model = Mamba3Transformer(config(reset_at_eos)).train()
@@ -102,13 +115,21 @@ def _measure_ranks(rank: int, world: int, cases: list, out_file: str) -> None:
 
 @pytest.mark.slow
 def test_the_estimate_per_rank_under_context_parallelism_is_within_10_percent(tmp_path):
-    """C = 2 (fp32, as the context-parallel tests run): the largest rank's measured activations against
+    """C = 2 (fp32, as the context-parallel tests run). Each kind's block keeps the same bytes on a rank
+    of a real group as on a `MeasuredRank` (what the estimate measures), per rank, with and without resets.
+    The largest rank's measured activations against
     the estimate, which counts the last rank's gathered keys and values of the whole window and its
     (T/2) × T mask; dividing the whole window's estimate by C would be 11% short at T = 512 here."""
     cases = [(False, 128), (False, 512), (True, 512)]
     out = tmp_path / "ranks.json"
     spawn(2, _measure_ranks, cases, str(out))
     ranks = json.loads(out.read_text())
+    for r in ranks:
+        blocks = {k: v for k, v in r.items() if k.startswith("rank-block")}
+        assert len(blocks) == 4 and all(v["real"] == v["alone"] > 0 for v in blocks.values()), blocks
+    for reset_at_eos in (False, True):  # the last rank's attention keeps the gathered keys and the mask
+        last = ranks[-1][f"rank-block {reset_at_eos} 3"]
+        assert last["alone"] > last["none"], last
     for reset_at_eos, T in cases:
         measured = max(r[f"{reset_at_eos} {T}"] for r in ranks)
         cfg = config(reset_at_eos)
