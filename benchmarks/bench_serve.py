@@ -13,15 +13,23 @@ same run:
              (prefilled in full) against the same prompt again (a prefix-cache hit), and a prompt that
              shares those tokens plus 16 new ones (a boundary hit: only the tail is prefilled)
   overhead   tokens/s of one server stream against `generation.generate_text` in process, same prompt
+  hybrid     (--hybrid, on by default) decode tokens/s at the largest stream count of a pure model and of
+             a hybrid of the same size, each behind its own server: the preset's width and at least 4
+             layers, the hybrid's mixers attention at one layer in four (layers 2, 6, ...: the
+             mamba3_180m_hybrid preset's placement; heads of 64, rotary on half of each head, no biases),
+             its key/value cache growing with the streams' lengths; and `model.step` alone at that
+             many rows, the ceiling of each
 Targets (issue 26): decode at 32 streams >= 8x 1 stream (tiny); TTFT >= 10x faster on a hit at 2,048
-tokens; one server stream >= 0.9x generate. Best of --repeat, the repeats interleaved. The clients
-share the machine's cores, and the machine may be shared with other jobs: quote the ratios.
+tokens; one server stream >= 0.9x generate. Issue 39: the hybrid at 32 streams >= 0.8x the pure model.
+Best of --repeat, the repeats interleaved. The clients share the machine's cores, and the machine may be
+shared with other jobs: quote the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -132,6 +140,46 @@ def step_rate(model, batch: int, min_s: float = 2.0) -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
+def hybrid_pair(model_cfg):
+    """(pure, hybrid) model configs of the same size (module docstring, "hybrid")."""
+    pure = dataclasses.replace(model_cfg, n_layers=max(4, model_cfg.n_layers), attn_layer_idx=(), attn_cfg={})
+    heads = max(1, pure.d_model // 64)
+    attn_cfg = {"num_heads": heads, "rotary_emb_dim": pure.d_model // heads // 2, "qkv_proj_bias": False,
+                "out_proj_bias": False}  # fmt: skip
+    hybrid = dataclasses.replace(pure, attn_layer_idx=tuple(range(2, pure.n_layers, 4)), attn_cfg=attn_cfg)
+    return pure, hybrid
+
+
+def hybrid_rows(cfgs: tuple, tok, n_streams: int, tokens: int, repeat: int) -> list[str]:
+    """The "hybrid" rows: decode tokens/s at `n_streams` streams of the pure and the hybrid model (best of
+    `repeat`, interleaved), and their `model.step` ceilings."""
+    rates, ceilings, sizes, servers = [], [], [], []
+    for cfg in cfgs:
+        torch.manual_seed(0)
+        model = Mamba3Transformer(cfg).eval()
+        sizes.append(sum(p.numel() for p in model.parameters()) / 1e6)
+        server, thread, url, _ = start_server(model, tok, n_streams)
+        servers.append((server, thread, Clients(url)))
+        servers[-1][2].ask("decode", n_streams, 8, -1)  # warm-up
+        ceilings.append(step_rate(model, n_streams))
+        rates.append(0.0)
+    for r in range(repeat):
+        for i, (_, _, clients) in enumerate(servers):
+            rates[i] = max(rates[i], clients.ask("decode", n_streams, tokens, 2000 + r * 1000 + n_streams))
+    for server, thread, clients in servers:
+        clients.close()
+        server.should_exit = True
+        thread.join(30)
+    attn = ",".join(map(str, cfgs[1].attn_layer_idx))
+    what = f"{cfgs[0].n_layers} layers, {sizes[0]:.2f}M vs {sizes[1]:.2f}M, attention at {attn}"
+    return [
+        row(f"decode tokens/s at {n_streams} streams, pure vs hybrid ({what})", f"{rates[0]:.1f}",
+            f"{rates[1]:.1f}", rates[1] / rates[0], 0.8),
+        row(f"model.step alone at {n_streams} rows, pure vs hybrid (ceiling)", f"{ceilings[0]:.1f}",
+            f"{ceilings[1]:.1f}", ceilings[1] / ceilings[0], None),
+    ]  # fmt: skip
+
+
 def row(name: str, a: str, b: str, ratio: float, target: float | None) -> str:
     mark = "" if target is None else f">= {target:g}x" + ("" if ratio >= target else " MISS")
     return f"| {name} | {a} | {b} | {ratio:.2f}x | {mark} |"
@@ -145,6 +193,8 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
+                    help="also compare a hybrid with the pure model of the same size")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -222,6 +272,9 @@ def main() -> None:
     print(row(f"TTFT s, miss vs shared {args.prompt_tokens} + 16 new", f"{m:.3f}", f"{t:.3f}", m / t, None))
     gb, sb = max(gen), max(srv)
     print(row("tokens/s, generate vs 1 server stream", f"{gb:.1f}", f"{sb:.1f}", sb / gb, 0.9))
+    if args.hybrid:
+        for line in hybrid_rows(hybrid_pair(cfg.model), tok, streams[-1], args.tokens, args.repeat):
+            print(line)
     print(
         f"\nprefix cache: {engine.prefix_cache.hits} hits, {engine.prefix_cache.bytes / 2**20:.1f} MiB held"
     )

@@ -79,8 +79,10 @@ def test_model_state_divides_by_the_shards_and_activations_by_context_parallel()
     assert (four.params, four.grads, four.optimizer) == (n, n, 2 * n)
     assert four.activations == one.activations and four.gathered > 0  # a gathered block, not sharded
     cp = per_rank_memory(SMALL, TC, shards=4, context_parallel=2)
-    assert cp.activations == pytest.approx(one.activations / 2)
-    assert cp.activations == pytest.approx(activation_bytes(SMALL, 2, 16))  # T / C tokens per window
+    assert cp.activations == pytest.approx(activation_bytes(SMALL, 2, 32, context_parallel=2))
+    # T / C tokens per window, measured as the last rank runs them: a Mamba-3 piece also keeps how much
+    # of the incoming state each token sees (a few bytes a token)
+    assert one.activations / 2 < cp.activations < 1.05 * one.activations / 2
     deep = dataclasses.replace(SMALL, n_layers=4)
     resharded = per_rank_memory(deep, TC, shards=4)
     kept = per_rank_memory(deep, dataclasses.replace(TC, reshard_after_forward=False), shards=4)

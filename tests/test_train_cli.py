@@ -468,3 +468,26 @@ def test_plan_of_the_hybrid_preset_counts_its_attention_layers(monkeypatch, caps
     assert out[3] == "per rank (GiB): " + " | ".join(f"{k} {v:,.2f}" for k, v in est.parts_gib().items())
     assert est.parts_gib() != pure_est.parts_gib()
     assert out[4] == "device planned for: 80.0 GiB (72.0 usable): fits"
+
+
+def test_the_mfu_of_a_hybrid_counts_attentions_t2_term(tmp_path):
+    """A hybrid's training rows: MFU is model/flops.py's train FLOPs per token at the run's window, its
+    attention part (q·kᵀ and the weights' product with v, growing with T) included, times tokens/s over
+    the peak (`training.peak_tflops`: the CPU has none to look up)."""
+    from mamba3lite.model import model_flops_per_token
+
+    run = tmp_path / "run"
+    config = tiny_yaml(tmp_path, max_steps=2, max_seq_len=64, peak_tflops=0.001, checkpoint_dir=str(run))
+    doc = yaml.safe_load(Path(config).read_text())
+    doc["model"].update(n_layers=2, attn_layer_idx=[1], attn_cfg={"num_heads": 2, "rotary_emb_dim": 4})
+    Path(config).write_text(yaml.safe_dump(doc))
+    assert main(["train", "--config", config]) == 0
+    cfg = load_config(config)
+    parts = model_flops_per_token(cfg.model, 64)
+    assert parts["attention"] == 2 * 2 * 2 * 8 * (64 + 1) / 2  # 2 matmuls x 2 heads of 8 x (T + 1) / 2 keys
+    without = 3 * (parts["forward"] - parts["attention"])  # what MFU would be without the T² term
+    train_rows = [r for r in rows(run) if r["kind"] == "train"]
+    assert len(train_rows) == 2
+    for r in train_rows:
+        assert r["mfu"] == pytest.approx(parts["train"] * r["tokens_per_s"] / 1e9, rel=1e-6)
+        assert r["mfu"] > without * r["tokens_per_s"] / 1e9 * (1 + 1e-3)

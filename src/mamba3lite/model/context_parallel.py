@@ -309,3 +309,17 @@ class ContextParallel:
         total = loss.detach().clone()
         dist.all_reduce(total, group=self.group)
         return total / self.size
+
+
+class MeasuredRank(ContextParallel):
+    """Rank `rank` of a context-parallel group of `size`, alone in this process, for measuring what a rank
+    keeps (model/memory.py): `gather` stacks `size` copies of this rank's piece where the group's would
+    hold every rank's. The shapes, dtypes and ops are the real exchange's, so are the storages autograd
+    saves; the values (and the gradients) are not, and no process group is needed."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        assert 0 <= rank < size, (rank, size)
+        self.group, self.rank, self.size = None, rank, size
+
+    def gather(self, x_BF: Tensor) -> Tensor:
+        return torch.stack([x_BF.contiguous()] * self.size)

@@ -29,7 +29,6 @@ several, an all-gather was enough for the activation target (benchmarks/bench_co
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from mamba3lite.model.context_parallel import ContextParallel
@@ -46,9 +45,7 @@ def window_documents(
     if reset_BT is None:
         key_doc_BC = torch.zeros(batch, T, dtype=torch.long, device=device)
     else:
-        pieces = [torch.empty_like(reset_BT) for _ in range(cp.size)]
-        dist.all_gather(pieces, reset_BT.contiguous(), group=cp.group)
-        window_BC = torch.cat(pieces, dim=1)
+        window_BC = cp.gather(reset_BT).permute(1, 0, 2).reshape(batch, T)  # the pieces side by side
         key_doc_BC = torch.cummax(torch.where(window_BC, t_C, 0), dim=1).values
     mine = slice(cp.rank * piece, (cp.rank + 1) * piece)
     return t_C[mine].expand(batch, piece), key_doc_BC[:, mine], key_doc_BC

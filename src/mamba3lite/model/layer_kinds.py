@@ -14,7 +14,8 @@ kind_attention.py) and supplies, through its `LayerKind`:
     activations_grow_with_length           whether the bytes it keeps for backward per token grow with
                                            the length (model/memory.py then measures at the run's length)
     scans                                  whether it has a scan backend (`set_scan_impl` applies)
-    set_context_parallel(mixer, cp)        its part in context parallelism
+    set_context_parallel(mixer, cp)        its part in context parallelism (also how model/memory.py
+                                           measures what a rank of the group keeps: `MeasuredRank`)
 
 The model, memory.py and flops.py iterate over layers by kind through this table; nothing else branches
 on a kind.

@@ -28,8 +28,12 @@ parameter, mamba3lite/optimizers.py: AdamW 8; Muon 4 for its hidden matrices) ar
 processes that shard them (fsdp: the data-parallel size; hsdp: its shard groups; ddp and one process: 1),
 plus what a sharded model gathers while a block computes (two blocks' weights, the one running and the one
 prefetched, and one block's unsharded gradients; every block's weights from forward to backward when
-`reshard_after_forward` is off); activations are divided by the context-parallel size C, each rank
-holding T / C tokens of each window. `check_model_fits` refuses what cannot fit even sharded, and
+`reshard_after_forward` is off); activations are those of T / C tokens of each window (C the
+context-parallel size), each layer measured as the group's last rank runs it, so that what a kind gathers
+from the other ranks and keeps (attention: the whole window's keys and values, a (T / C) × T mask) is
+counted. Blocks run as the run runs them: with resets when `reset_at_eos` (attention's masked path keeps
+the mask, as an additive one of the compute dtype). `check_model_fits` refuses what cannot fit even
+sharded, and
 `replicated_fits` is the question `parallelism: auto` asks. The autograd measurement runs at 256 tokens
 at most: the bytes kept per token are the same at any length (the chunked scan's memory is linear in
 T; tests/test_memory.py checks it), and a 7B layer forward at 2,048 tokens takes minutes on a CPU.
@@ -49,6 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from mamba3lite.errors import ConfigError
 from mamba3lite.model.config import ModelConfig
+from mamba3lite.model.context_parallel import MeasuredRank
 from mamba3lite.model.flops import block_parameters, count_parameters
 from mamba3lite.model.layer_kinds import LAYER_KINDS, layers_by_kind
 from mamba3lite.model.transformer import Block, Mamba3Transformer
@@ -76,10 +81,13 @@ def saved_bytes(
     seq_len: int,
     fake: bool = False,
     compute: torch.dtype | None = torch.bfloat16,
+    resets: bool = False,
 ) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one forward of `layer` on
     (1, seq_len, d_model) on the CPU under autocast to `compute` (None: no autocast, fp32), weights and
-    their autocast copies included.
+    their autocast copies included. `resets`: the forward takes reset_BT as well (a `Block` of a
+    `reset_at_eos` model, whose every window has them: the attention kind then takes its masked path),
+    with a document starting halfway (what is kept depends on the resets' presence, not their places).
 
     `fake`: run the forward on fake tensors (FakeTensorMode: the same ops, autocast's casts and every
     storage's size, no arithmetic; tests/test_memory.py checks the count equals the real forward's).
@@ -103,8 +111,41 @@ def saved_bytes(
     cast = contextlib.nullcontext() if compute is None else torch.autocast("cpu", dtype=compute)
     with mode if mode is not None else contextlib.nullcontext():
         x = torch.randn(1, seq_len, d_model, requires_grad=True)
+        extra = ()
+        if resets:
+            reset_BT = torch.zeros(1, seq_len, dtype=torch.bool)
+            reset_BT[:, seq_len // 2] = True
+            extra = (reset_BT,)
         with hooks, cast:
-            layer(x)
+            layer(x, *extra)
+    return sum(storages.values())
+
+
+def model_saved_bytes(
+    model: torch.nn.Module,
+    x_BT: torch.Tensor,
+    y_BT: torch.Tensor,
+    compute: torch.dtype | None = torch.bfloat16,
+) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of one training forward of the
+    whole `model` (`model(x_BT, y_BT)`: the loss included) under autocast to `compute` on the CPU (None:
+    fp32), less the parameters' own storages; the check of the estimate (tests/test_memory_hybrid.py,
+    benchmarks/activation_memory.py): the activations of a micro batch are what grows with it, the
+    difference of two batch sizes (the weights' autocast copies stay the same)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)  # alive to the end: a freed storage's address may be reused
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    cast = contextlib.nullcontext() if compute is None else torch.autocast("cpu", dtype=compute)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+        model(x_BT, y_BT)
     return sum(storages.values())
 
 
@@ -114,13 +155,14 @@ def saved_bytes_per_token(
     seq_len: int = 2048,
     fake: bool = False,
     compute: torch.dtype | None = torch.bfloat16,
+    resets: bool = False,
 ) -> float:
     """What `layer` keeps for its backward per token at compute dtype `compute`: the growth of
     `saved_bytes` from seq_len / 2 to seq_len tokens, so that the weights and their copies (the same at
     every length) drop out."""
     half = seq_len // 2
-    grown = saved_bytes(layer, d_model, seq_len, fake, compute) - saved_bytes(
-        layer, d_model, half, fake, compute
+    grown = saved_bytes(layer, d_model, seq_len, fake, compute, resets) - saved_bytes(
+        layer, d_model, half, fake, compute, resets
     )
     return grown / (seq_len - half)
 
@@ -131,6 +173,7 @@ def saved_bytes_per_token_growing(
     seq_len: int,
     fake: bool = False,
     compute: torch.dtype | None = torch.bfloat16,
+    resets: bool = False,
 ) -> float:
     """What `layer` keeps for its backward per token at `seq_len` tokens when that grows with the length
     (attention's T × T weights on a path that keeps them): saved(t) = a·t² + b·t + w through t = T/4, T/2,
@@ -138,8 +181,8 @@ def saved_bytes_per_token_growing(
     (a = 0); below 4 tokens, `saved_bytes_per_token`."""
     t1, t2, t3 = seq_len // 4, seq_len // 2, seq_len
     if t1 < 1:
-        return saved_bytes_per_token(layer, d_model, seq_len, fake, compute)
-    s1, s2, s3 = (saved_bytes(layer, d_model, t, fake, compute) for t in (t1, t2, t3))
+        return saved_bytes_per_token(layer, d_model, seq_len, fake, compute, resets)
+    s1, s2, s3 = (saved_bytes(layer, d_model, t, fake, compute, resets) for t in (t1, t2, t3))
     d12, d23 = (s2 - s1) / (t2 - t1), (s3 - s2) / (t3 - t2)  # divided differences
     a = (d23 - d12) / (t3 - t1)
     b = d12 - a * (t1 + t2)
@@ -147,35 +190,57 @@ def saved_bytes_per_token_growing(
 
 
 def layer_activation_bytes_per_token(
-    cfg: ModelConfig, kind: str, seq_len: int = 2048, compute: torch.dtype | None = torch.bfloat16
+    cfg: ModelConfig,
+    kind: str,
+    seq_len: int = 2048,
+    compute: torch.dtype | None = torch.bfloat16,
+    context_parallel: int = 1,
 ) -> float:
-    """Bytes saved for backward per token by one block whose mixer is of `kind` (batch 1) at compute
-    dtype `compute` (bf16 autocast, or None: fp32), in windows of `seq_len` tokens; once per config,
-    kind, length and dtype in a process; on fake tensors for a block of more than FAKE_ABOVE_PARAMETERS.
-    A kind whose bytes per token do not depend on the length is measured at min(seq_len, PROBE_TOKENS)
-    tokens; one whose bytes grow with it, at seq_len (`saved_bytes_per_token_growing`)."""
-    grows = LAYER_KINDS[kind].activations_grow_with_length
-    probe = seq_len if grows else min(seq_len, PROBE_TOKENS)
-    key = (repr(cfg), kind, probe, compute)
+    """Bytes saved for backward per token of a rank's piece by one block whose mixer is of `kind` (batch 1)
+    at compute dtype `compute` (bf16 autocast, or None: fp32), in windows of `seq_len` tokens cut into
+    `context_parallel` pieces; once per config, kind, length, dtype and C in a process; on fake tensors for
+    a block of more than FAKE_ABOVE_PARAMETERS or a window of more than FAKE_ABOVE_TOKENS.
+
+    The block runs as the run runs it: with resets when `cfg.reset_at_eos` (then every window has them,
+    and attention takes its masked path), and, for C > 1, as the group's last rank (`MeasuredRank`, set
+    through its kind's `set_context_parallel`), the one that keeps most: what its kind gathers from the
+    other ranks (attention's keys and values of the whole window, and a (T/C) × T mask) does not shrink
+    with C and is counted in its bytes per piece token. A kind whose bytes per token do not depend on the
+    length is measured at min(T/C, PROBE_TOKENS) tokens; one whose bytes grow with it, at T/C
+    (`saved_bytes_per_token_growing`: under C the gathered keys grow as C·t, the mask as C·t²)."""
+    kind_of = LAYER_KINDS[kind]
+    piece = max(2, seq_len // context_parallel)  # the growth needs two lengths (a window of C tokens: 1)
+    probe = piece if kind_of.activations_grow_with_length else min(piece, PROBE_TOKENS)
+    key = (repr(cfg), kind, probe, compute, context_parallel)
     if key not in _PER_TOKEN_CACHE:
         with torch.random.fork_rng(devices=[]):  # the layer's init draws on the CPU generator: restored after
             layer = Block(cfg, layers_by_kind(cfg)[kind][1])
+            if context_parallel > 1:
+                last = MeasuredRank(context_parallel - 1, context_parallel)
+                kind_of.set_context_parallel(layer.mixer, last)
             fake = (
                 sum(p.numel() for p in layer.parameters()) > FAKE_ABOVE_PARAMETERS
-                or probe > FAKE_ABOVE_TOKENS
+                or probe * context_parallel > FAKE_ABOVE_TOKENS
             )
-            measure = saved_bytes_per_token_growing if grows else saved_bytes_per_token
-            _PER_TOKEN_CACHE[key] = measure(layer, cfg.d_model, probe, fake, compute)
+            growing = kind_of.activations_grow_with_length
+            measure = saved_bytes_per_token_growing if growing else saved_bytes_per_token
+            _PER_TOKEN_CACHE[key] = measure(layer, cfg.d_model, probe, fake, compute, cfg.reset_at_eos)
     return _PER_TOKEN_CACHE[key]
 
 
 def activation_bytes_per_token(
-    cfg: ModelConfig, seq_len: int = 2048, compute: torch.dtype | None = torch.bfloat16
+    cfg: ModelConfig,
+    seq_len: int = 2048,
+    compute: torch.dtype | None = torch.bfloat16,
+    context_parallel: int = 1,
 ) -> float:
-    """Bytes saved for backward per token by one layer, on average over the layers (by kind:
-    `layer_activation_bytes_per_token`); a pure model's every layer keeps this much."""
+    """Bytes saved for backward per token (of a rank's piece) by one layer, on average over the layers
+    (by kind: `layer_activation_bytes_per_token`); a pure model's every layer keeps this much."""
     kinds = layers_by_kind(cfg)
-    total = sum(n * layer_activation_bytes_per_token(cfg, k, seq_len, compute) for k, (n, _) in kinds.items())
+    total = sum(
+        n * layer_activation_bytes_per_token(cfg, k, seq_len, compute, context_parallel)
+        for k, (n, _) in kinds.items()
+    )
     return total / cfg.n_layers
 
 
@@ -189,11 +254,12 @@ def activation_bytes(
 ) -> float:
     """Activations of one micro step on one rank at compute dtype `compute` (bf16 autocast, or None:
     fp32): micro_batch windows of seq_len / context_parallel tokens each, summed over the layers by
-    kind. With gradient checkpointing each layer keeps its fp32 input and one layer's activations (the
-    largest kind's) are live at a time."""
+    kind, each measured as the run runs it (resets, the largest rank's piece:
+    `layer_activation_bytes_per_token`). With gradient checkpointing each layer keeps its fp32 input and
+    one layer's activations (the largest kind's) are live at a time."""
     tokens = micro_batch * seq_len / context_parallel
     per_kind = {
-        k: (n, layer_activation_bytes_per_token(cfg, k, seq_len, compute) * tokens)
+        k: (n, layer_activation_bytes_per_token(cfg, k, seq_len, compute, context_parallel) * tokens)
         for k, (n, _) in layers_by_kind(cfg).items()
     }
     if grad_checkpointing:
