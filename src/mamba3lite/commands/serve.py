@@ -68,6 +68,15 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         help="prefix-state cache size; 0 = off (default 256)",
     )
     a(
+        "--max-state-mb",
+        type=float,
+        default=8192,
+        metavar="MB",
+        help="the most decode state the running requests hold together (a hybrid's key/value cache grows "
+        "with each request's prompt + max_tokens, reserved when it joins; those that do not fit wait, one "
+        "that cannot fit alone gets 400); 0 = no limit (default 8192)",
+    )
+    a(
         "--prefix-boundary",
         type=int,
         default=256,
@@ -104,6 +113,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.prefix_cache_mb < float("inf"):
         raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if not 0 <= args.max_state_mb < float("inf"):
+        raise ConfigError(f"--max-state-mb must be >= 0 (0 = no limit), got {args.max_state_mb}")
+    if 0 < args.max_state_mb * (1 << 20) < 1:
+        raise ConfigError(f"--max-state-mb {args.max_state_mb} is under one byte; give 0 for no limit")
     if not 0 < args.shutdown_timeout < float("inf"):
         raise ConfigError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
 
@@ -140,6 +153,7 @@ def build_app(args: argparse.Namespace, loaded, api_key: str | None):
         max_queue=args.max_queue,
         prefix_cache=PrefixCache(int(args.prefix_cache_mb * (1 << 20))),
         boundary=args.prefix_boundary,
+        max_state_bytes=int(args.max_state_mb * (1 << 20)) or None,
     )  # fmt: skip  (no max_len: a key/value cache grows with its longest row instead of holding the limit)
     template = find_chat_template(loaded.run_dir, loaded.tokenizer_name)
     app = create_app(
@@ -148,6 +162,19 @@ def build_app(args: argparse.Namespace, loaded, api_key: str | None):
         api_key=api_key, chat=ChatRenderer(template, tok.decode([tok.eos_id])), chat_template=template,
     )  # fmt: skip
     return app, engine
+
+
+def state_limit_note(args: argparse.Namespace, model, max_state_bytes: int | None) -> str | None:
+    """A note when the largest request the limits allow (the longest prompt and the largest max_tokens)
+    needs more decode state than --max-state-mb: such requests will get 400."""
+    tokens = args.max_prompt_tokens + args.max_tokens_limit
+    if max_state_bytes is None or (need := model.state_bytes(1, tokens)) <= max_state_bytes:
+        return None
+    return (
+        f"a request of {tokens} tokens (--max-prompt-tokens + --max-tokens-limit) needs "
+        f"{need / (1 << 20):.1f} MB of decode state, over --max-state-mb {args.max_state_mb:g}: "
+        "requests that long get 400"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +190,10 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_pretrained(args.checkpoint_dir, args.step, device=resolve_device(args.device))
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
-    app, _ = build_app(args, loaded, api_key)
+    app, engine = build_app(args, loaded, api_key)
+    note = state_limit_note(args, loaded.model, engine.max_state_bytes)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:

@@ -301,6 +301,13 @@ class Mamba3Transformer(nn.Module):
             last_token_B=fresh_last_tokens(batch_size, device),
         )
 
+    def state_bytes(self, batch_size: int, length: int, dtype=None) -> int:
+        """Bytes of the decode state of `batch_size` rows that hold `length` tokens each: what
+        `allocate_cache(batch_size, length, dtype=dtype).nbytes()` holds, computed on the meta device
+        (nothing is allocated). Each kind answers through its own state: a Mamba-3 layer's does not
+        depend on `length`, a key/value cache's grows linearly with it; all of it is linear in the rows."""
+        return self.allocate_cache(batch_size, length, device="meta", dtype=dtype).nbytes()
+
     @torch.no_grad()
     def prefill(
         self, input_ids_BT: Tensor, cache: ModelCache, fresh_BT: Tensor | None = None

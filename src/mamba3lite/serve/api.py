@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from mamba3lite.serve.auth import authorized
-from mamba3lite.serve.engine import Finished, Job, QueueFull
+from mamba3lite.serve.engine import Finished, Job, QueueFull, StateTooLarge
 from mamba3lite.serve.metrics import Metrics
 from mamba3lite.serve.protocol import APIError, Limits, Request, parse_chat, parse_completion, parse_json_body
 from mamba3lite.serve.responses import Responder
@@ -79,6 +79,10 @@ async def read_body(request, limits: Limits) -> dict:
     return parse_json_body(b"".join(chunks))
 
 
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / (1 << 20):.1f}"
+
+
 class _Submission:
     """The jobs of one request (prompt i, choice k -> index i * n + k) and the queue of their events."""
 
@@ -96,6 +100,16 @@ class _Submission:
                 self.jobs.append(Job(prompt.ids, prompt.report_from, req.sampling_for(k), sink))
         try:
             engine.submit(self.jobs)
+        except StateTooLarge as e:
+            raise APIError(
+                400,
+                f"this request's decode state ({e.tokens} tokens: the prompt and max_tokens) needs "
+                f"{_mb(e.need_bytes)} MB, over the server's limit of {_mb(e.budget_bytes)} MB for all "
+                "running requests together; send a shorter prompt or a smaller max_tokens, or restart "
+                "the server with a larger --max-state-mb (0 = no limit)",
+                param="max_tokens",
+                code="state_too_large",
+            ) from None
         except QueueFull as e:
             raise APIError(
                 429,

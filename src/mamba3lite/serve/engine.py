@@ -6,15 +6,20 @@
     ...
     engine.stop()
 
-The loop: at each step boundary, waiting jobs join the running batch (up to `max_batch_size` rows):
-their prompt is prefilled alone with the chunked scan (`Mamba3Transformer.extend_hidden`, in segments
-that end on multiples of the prefix cache's boundary, starting from the longest cached prefix), and their
-one-row state is copied into a row of the batch's state (`batch_state.BatchState`). Then every row's
-next token is chosen from its own logits with its own generator (`sampling.RowSampler`), rows that
-finished (EOS, a stop string, max_tokens) or were cancelled (a client that went away) leave (the last
-row moves into the freed one), and the whole batch takes one `Mamba3Transformer.step` on the stacked
-states. A row's numbers therefore never mix with another row's: its output does not depend on what else
-is in the batch, and greedy output is `generation.generate_text`'s.
+The loop: at each step boundary, waiting jobs join the running batch, in order, up to `max_batch_size`
+rows and, with `max_state_bytes`, while the batch's decode state stays within that many bytes: a row
+reserves the state of its prompt + max_tokens tokens when it joins (`BatchState.layout_for`; a hybrid's
+key/value cache grows with the length, a pure Mamba-3 state does not), the first job that does not fit
+waits with those behind it until rows leave, and `submit` refuses (`StateTooLarge`) a job that would not
+fit even alone. A joining job's prompt is prefilled alone with the chunked scan
+(`Mamba3Transformer.extend_hidden`, in segments that end on multiples of the prefix cache's boundary,
+starting from the longest cached prefix), and its one-row state is copied into a row of the batch's state
+(`batch_state.BatchState`). Then every row's next token is chosen from its own logits with its own
+generator (`sampling.RowSampler`), rows that finished (EOS, a stop string, max_tokens) or were cancelled
+(a client that went away) leave (the last row moves into the freed one), and the whole batch takes one
+`Mamba3Transformer.step` on the stacked states. A row's numbers therefore never mix with another row's:
+its output does not depend on what else is in the batch, and greedy output is
+`generation.generate_text`'s.
 
 Events to a job's sink, in order: `PromptScores` (only with echo and logprobs), `Delta`s (text safe to
 show, and the token with its logprobs), one `Finished`.
@@ -41,6 +46,15 @@ SCORE_ROWS = 256
 
 class QueueFull(Exception):
     """The engine's waiting queue has no room for the submitted jobs."""
+
+
+class StateTooLarge(Exception):
+    """A job whose decode state (`tokens`: its prompt + max_tokens) needs `need_bytes`, over the engine's
+    `budget_bytes` even with no other row in the batch."""
+
+    def __init__(self, tokens: int, need_bytes: int, budget_bytes: int) -> None:
+        super().__init__(f"a decode state of {tokens} tokens needs {need_bytes} bytes, over {budget_bytes}")
+        self.tokens, self.need_bytes, self.budget_bytes = tokens, need_bytes, budget_bytes
 
 
 @dataclass
@@ -113,8 +127,10 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         boundary: int = 256,
         max_len: int | None = None,
+        max_state_bytes: int | None = None,
     ) -> None:
         assert max_batch_size >= 1 and max_queue >= 1 and boundary >= 1
+        assert max_state_bytes is None or max_state_bytes > 0
         self.model, self.tokenizer = model, tokenizer
         # The most tokens a request's state holds (prompt + completion), preallocated by a layer whose state
         # grows with the length (a key/value cache); None: such a state grows by doubling as rows need.
@@ -126,7 +142,9 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._rows: list[_Row] = []
-        self._state = BatchState(model, max_batch_size, max_len=max_len)
+        # The most bytes the running batch's decode state may hold (None: no limit; module docstring).
+        self.max_state_bytes = max_state_bytes
+        self._state = BatchState(model, max_batch_size, max_len=max_len, budget_bytes=max_state_bytes)
         self._logits_BV: torch.Tensor | None = None  # row i's next-token logits
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -151,7 +169,13 @@ class Engine:
         self._thread.start()
 
     def submit(self, jobs: list[Job]) -> None:
-        """Queue `jobs` (all or none); QueueFull when the waiting queue cannot take them all."""
+        """Queue `jobs` (all or none); StateTooLarge when one could never join within `max_state_bytes`,
+        QueueFull when the waiting queue cannot take them all."""
+        for job in jobs:
+            need = row_tokens(job)
+            if not self._state.fits_alone(need):
+                length = self.max_len or need
+                raise StateTooLarge(need, self._state.row_bytes(length), self.max_state_bytes)
         with self._cv:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
@@ -177,8 +201,7 @@ class Engine:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    room = self.max_batch_size - len(self._rows)
-                    joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    joining = self._take_joining()
                 joined = [lg for lg in (self._admit(job) for job in joining) if lg is not None]
                 if joined:
                     parts = [self._logits_BV, *joined] if self._logits_BV is not None else joined
@@ -192,6 +215,29 @@ class Engine:
                         self._drop_all()
         self._cancel_all()
 
+    def _take_joining(self) -> list[Job]:
+        """The waiting jobs that join now, in order (the lock held): while the batch has rows for them and,
+        with a budget, a layout of its state holds what they reserve; the first that does not fit waits,
+        and those behind it too (first come, first served). Cancelled jobs are taken (to be answered)."""
+        joining: list[Job] = []
+        needs: list[int] = []
+        room = self.max_batch_size - len(self._rows)
+        while self._waiting and len(needs) < room:
+            job = self._waiting[0]
+            if not job.cancelled:
+                need = row_tokens(job)
+                if self._state.layout_for([*needs, need]) is None:
+                    break
+                needs.append(need)
+            joining.append(self._waiting.popleft())
+        if not self._rows and not joining and self._waiting:  # cannot happen (submit checks); never hang
+            job = self._waiting.popleft()
+            _send(job, Finished("error", len(job.prompt_ids) - job.report_from, 0, "its state does not fit"))
+        if needs:
+            placed = self._state.make_room(needs)
+            assert placed
+        return joining
+
     def _cancel_all(self) -> None:
         with self._cv:
             waiting, self._waiting = list(self._waiting), collections.deque()
@@ -203,7 +249,7 @@ class Engine:
 
     def _drop_all(self) -> None:
         self._rows, self._logits_BV = [], None
-        self._state.n = 0
+        self._state.clear()
 
     def _admit(self, job: Job) -> torch.Tensor | None:
         """Prefill `job` and add its row; returns its next-token logits (1, V), None when it did not join."""
@@ -222,7 +268,7 @@ class Engine:
             self._finish(row, "length")
             return None
         self._rows.append(row)
-        self._state.add(cache_1)
+        self._state.add(cache_1, row_tokens(job))
         return logits_1V
 
     def _prefill(self, job: Job):
@@ -336,6 +382,11 @@ class Engine:
             _send(row.job, Delta(text, None))
         n_prompt = len(row.job.prompt_ids) - row.job.report_from
         _send(row.job, Finished(reason, n_prompt, row.n_out, message))
+
+
+def row_tokens(job: Job) -> int:
+    """The tokens a job's state may come to hold: its prompt and max_tokens (what it reserves)."""
+    return len(job.prompt_ids) + job.sampling.max_tokens
 
 
 def _send(job: Job, event: object) -> None:
