@@ -23,7 +23,7 @@ from mamba3lite.serve.engine import Delta, Engine, Finished, Job, StateTooLarge
 from mamba3lite.serve.protocol import Limits
 from mamba3lite.serve.sampling import Sampling
 from mamba3lite.tokenizer import load_tokenizer
-from serve_helpers import MODEL, live_server
+from serve_helpers import MODEL, live_server, metric_values
 
 PROMPTS = ("def add(a, b):", "import os\n", "class Point:", "x = ")
 N_NEW = 6
@@ -214,6 +214,9 @@ def test_a_request_too_large_for_the_budget_gets_400_and_the_server_goes_on(hybr
         assert "--max-state-mb" in err["message"] and f"{budget / (1 << 20):.1f} MB" in err["message"]
         r = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": N_NEW}, timeout=60)
         assert r.status_code == 200
+        gauges = metric_values(httpx.get(srv.url + "/metrics", timeout=30).text)
+        assert gauges["mamba3lite_decode_state_capacity_bytes"] == budget
+        assert 0 < gauges["mamba3lite_decode_state_bytes"] <= budget
         assert r.json()["choices"][0]["text"] == tok.decode(greedy(hybrid, prompt_ids(tok, body["prompt"])))
 
 

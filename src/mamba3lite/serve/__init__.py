@@ -1,7 +1,7 @@
 """`mamba3lite serve`: an OpenAI-compatible HTTP server over one loaded run.
 
     engine.py        continuous batching: one decode loop, requests join and leave at step boundaries
-    batch_state.py   the running batch's recurrent states: preallocated rows, swap-remove
+    batch_state.py   the running batch's decode states: preallocated rows, swap-remove, a byte budget
     sampling.py      a request's sampling settings and its row's seeded token choice
     prefix_cache.py  the LRU of recurrent states at a prompt's token boundaries
     textout.py       generated tokens to text pieces, and stop strings matched across token boundaries

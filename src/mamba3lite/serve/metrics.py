@@ -81,6 +81,12 @@ ENGINE_METRICS = (
         lambda e: e.state_bytes,
     ),
     (
+        "mamba3lite_decode_state_capacity_bytes",
+        "gauge",
+        "The decode state's bound (--max-state-mb; 0: none).",
+        lambda e: e.max_state_bytes or 0,
+    ),
+    (
         "mamba3lite_prefix_cache_hits_total",
         "counter",
         "Prompts that started from a cached state.",
