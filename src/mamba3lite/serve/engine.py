@@ -11,7 +11,8 @@ rows and, with `max_state_bytes`, while the batch's decode state stays within th
 reserves the state of its prompt + max_tokens tokens when it joins (`BatchState.layout_for`; a hybrid's
 key/value cache grows with the length, a pure Mamba-3 state does not), the first job that does not fit
 waits with those behind it until rows leave, and `submit` refuses (`StateTooLarge`) a job that would not
-fit even alone. A joining job's prompt is prefilled alone with the chunked scan
+fit even alone (a joining job's own state during its prefill, and the prefix cache, bounded on its own,
+are not counted). A joining job's prompt is prefilled alone with the chunked scan
 (`Mamba3Transformer.extend_hidden`, in segments that end on multiples of the prefix cache's boundary,
 starting from the longest cached prefix), and its one-row state is copied into a row of the batch's state
 (`batch_state.BatchState`). Then every row's next token is chosen from its own logits with its own
@@ -201,7 +202,10 @@ class Engine:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    joining = self._take_joining()
+                    joining, needs = self._take_joining()
+                if needs:  # laid out outside the lock: `submit` never waits on a copy of the rows
+                    placed = self._state.make_room(needs)
+                    assert placed
                 joined = [lg for lg in (self._admit(job) for job in joining) if lg is not None]
                 if joined:
                     parts = [self._logits_BV, *joined] if self._logits_BV is not None else joined
@@ -215,10 +219,11 @@ class Engine:
                         self._drop_all()
         self._cancel_all()
 
-    def _take_joining(self) -> list[Job]:
-        """The waiting jobs that join now, in order (the lock held): while the batch has rows for them and,
-        with a budget, a layout of its state holds what they reserve; the first that does not fit waits,
-        and those behind it too (first come, first served). Cancelled jobs are taken (to be answered)."""
+    def _take_joining(self) -> tuple[list[Job], list[int]]:
+        """The waiting jobs that join now, in order (the lock held), and the tokens each live one reserves:
+        while the batch has rows for them and, with a budget, a layout of its state holds what they
+        reserve; the first that does not fit waits, and those behind it too (first come, first served).
+        Cancelled jobs are taken (to be answered)."""
         joining: list[Job] = []
         needs: list[int] = []
         room = self.max_batch_size - len(self._rows)
@@ -233,10 +238,7 @@ class Engine:
         if not self._rows and not joining and self._waiting:  # cannot happen (submit checks); never hang
             job = self._waiting.popleft()
             _send(job, Finished("error", len(job.prompt_ids) - job.report_from, 0, "its state does not fit"))
-        if needs:
-            placed = self._state.make_room(needs)
-            assert placed
-        return joining
+        return joining, needs
 
     def _cancel_all(self) -> None:
         with self._cv:
