@@ -36,7 +36,7 @@ def test_register_makes_the_export_loadable_without_remote_code(exported):
     register()
     register()  # vLLM calls it once per process; twice is harmless
     config = AutoConfig.from_pretrained(exported, trust_remote_code=False)
-    assert type(config).__name__ == "Mamba3LiteConfig" and config.mamba3lite["headdim"] == 32
+    assert type(config).__name__ == "VllmMamba3LiteConfig" and config.mamba3lite["headdim"] == 32
     assert ARCHITECTURE in ModelRegistry.get_supported_archs()
     assert MODELS_CONFIG_MAP[ARCHITECTURE].__name__ == "Mamba3LiteModelConfig"
 
