@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason=NO_VLLM)
 
 from vllm.model_executor.layers.attention import Attention
 
-from mamba3lite.vllm_plugin.hf_config import HYBRID_ARCHITECTURE
+from mamba3lite.vllm_plugin import HYBRID_ARCHITECTURE
 
 LENGTHS = [1, 6, 27, 70, 140]
 # Head size 32 (vLLM's CPU attention refuses 16); d_model 64.

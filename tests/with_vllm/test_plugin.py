@@ -124,13 +124,66 @@ def test_load_weights_takes_an_export_and_names_each_bad_tensor(exported):
         load(holder, [(k, v) for k, v in tensors.items() if k != name])
 
 
-def test_a_hybrid_config_is_refused(exported):
+HYBRID = {"attn_layer_idx": [1], "attn_cfg": {"num_heads": 2, "num_heads_kv": 1}}
+
+
+def test_a_hybrid_export_is_routed_to_the_hybrid_class(exported, tmp_path):
+    """The config vLLM reads names the hybrid architecture and the attention heads it sizes pages by; the
+    pure class refuses a hybrid config (an overridden architecture) and the other way round."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin import HYBRID_ARCHITECTURE
+    from mamba3lite.vllm_plugin.model import Mamba3LiteForCausalLM, Mamba3LiteHybridForCausalLM
+
+    register()
+    pure = AutoConfig.from_pretrained(exported)
+    assert pure.architectures == [ARCHITECTURE] and getattr(pure, "num_attention_heads", 0) == 0
+    config = json.loads((exported / "config.json").read_text())
+    config["mamba3lite"] |= HYBRID
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hybrid = AutoConfig.from_pretrained(tmp_path)
+    assert hybrid.architectures == [HYBRID_ARCHITECTURE]
+    assert (hybrid.num_attention_heads, hybrid.num_key_value_heads, hybrid.head_dim) == (2, 1, 32)
+    for cls, hf in ((Mamba3LiteForCausalLM, hybrid), (Mamba3LiteHybridForCausalLM, pure)):
+        parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+        vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), parallel_config=parallel)
+        with pytest.raises(ConfigError, match=f"{cls.architecture} cannot serve this export"):
+            cls(vllm_config=vllm_config)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"attn_cfg": {**HYBRID["attn_cfg"], "d_conv": 4}}, "attn_cfg.d_conv = 4: the vLLM plugin serves"),
+        ({"reset_at_eos": True}, "reset_at_eos is true in a hybrid"),
+    ],
+)
+def test_what_a_hybrid_cannot_do_in_vllm_is_one_error(exported, change, message):
     from transformers import AutoConfig
 
     from mamba3lite.vllm_plugin.model import model_config_of
 
     register()
     hf = AutoConfig.from_pretrained(exported)
-    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [1], "attn_cfg": {"num_heads": 2}}
-    with pytest.raises(ConfigError, match="pure Mamba-3 models only"):
+    hf.mamba3lite = {**hf.mamba3lite, **HYBRID, **change}
+    with pytest.raises(ConfigError, match=re.escape(message)):
         model_config_of(hf)
+    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [], "attn_cfg": {}}  # a pure model may do either
+    if "reset_at_eos" in change:
+        assert model_config_of(hf).reset_at_eos
+
+
+def test_vllm_cli_refuses_a_hybrid_that_resets_at_eos_with_one_error(exported, tmp_path):
+    bad = tmp_path / "eos"
+    bad.mkdir()
+    for f in exported.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    config["mamba3lite"] |= {**HYBRID, "reset_at_eos": True}
+    (bad / "config.json").write_text(json.dumps(config))
+    proc = run_cli("serve", str(bad), "--port", "0")
+    assert proc.returncode != 0
+    assert "error: model.reset_at_eos is true in a hybrid" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
