@@ -153,26 +153,36 @@ def test_a_hybrid_export_is_routed_to_the_hybrid_class(exported, tmp_path):
             cls(vllm_config=vllm_config)
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"attn_cfg": {**HYBRID["attn_cfg"], "d_conv": 4}}, "attn_cfg.d_conv = 4: the vLLM plugin serves"),
-        ({"reset_at_eos": True}, "reset_at_eos is true in a hybrid"),
-    ],
-)
-def test_what_a_hybrid_cannot_do_in_vllm_is_one_error(exported, change, message):
+def test_a_hybrid_that_resets_at_eos_is_one_error(exported):
     from transformers import AutoConfig
 
     from mamba3lite.vllm_plugin.model import model_config_of
 
     register()
     hf = AutoConfig.from_pretrained(exported)
-    hf.mamba3lite = {**hf.mamba3lite, **HYBRID, **change}
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    hf.mamba3lite = {**hf.mamba3lite, **HYBRID, "reset_at_eos": True}
+    with pytest.raises(ConfigError, match="reset_at_eos is true in a hybrid"):
         model_config_of(hf)
-    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [], "attn_cfg": {}}  # a pure model may do either
-    if "reset_at_eos" in change:
-        assert model_config_of(hf).reset_at_eos
+    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [], "attn_cfg": {}}  # a pure model may
+    assert model_config_of(hf).reset_at_eos
+
+
+def test_the_page_is_sized_by_the_largest_state(exported):
+    """vLLM sizes one page for every state layer from the model class: a conv window wider than a Mamba-3
+    state sizes it (the other states are padded to it)."""
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin.model import largest_state_spec, model_config_of
+
+    register()
+    hf = AutoConfig.from_pretrained(exported)
+    cfg = model_config_of(hf)
+    mamba = largest_state_spec(cfg, torch.float32)
+    hf.mamba3lite = {**hf.mamba3lite, **HYBRID}
+    hf.mamba3lite["attn_cfg"] = {**HYBRID["attn_cfg"], "d_conv": 4}
+    assert largest_state_spec(model_config_of(hf), torch.float32) == mamba  # 3 x 128 floats: smaller
+    hf.mamba3lite["attn_cfg"] = {**HYBRID["attn_cfg"], "d_conv": 200}
+    assert largest_state_spec(model_config_of(hf), torch.float32) == (((199, 128),), (torch.float32,))
 
 
 def test_vllm_cli_refuses_a_hybrid_that_resets_at_eos_with_one_error(exported, tmp_path):

@@ -7,13 +7,13 @@ the model's own) and `load_weights` reads `mamba3lite export --format hf` direct
                                   layers' keys and values in vLLM's paged cache
 
 Two classes because vLLM reads attention-free / hybrid off the class; hf_config.py routes an export to
-its class. A hybrid's attention layers have no conv over qkv (`attn_cfg.d_conv` = 0) and the model does
-not reset at EOS (attention.py says why); each of these is one error. Tensor and pipeline parallelism are
-not supported (one clear error); run more replicas instead.
+its class. A hybrid does not reset at EOS (attention.py says why): one error. Tensor and pipeline
+parallelism are not supported (one clear error); run more replicas instead.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -30,6 +30,7 @@ from mamba3lite.vllm_plugin import HYBRID_ARCHITECTURE
 from mamba3lite.vllm_plugin.attention import VllmMHA
 from mamba3lite.vllm_plugin.hf_config import architecture_of
 from mamba3lite.vllm_plugin.layer import VllmMamba3, state_spec
+from mamba3lite.vllm_plugin.qkv_conv import conv_state_spec
 
 
 def model_config_of(hf_config) -> ModelConfig:
@@ -47,12 +48,6 @@ def model_config_of(hf_config) -> ModelConfig:
             f"config.json's 'mamba3lite' section does not fit this mamba3lite ({e}): upgrade mamba3lite, or "
             "export the run again with this one"
         ) from None
-    if cfg.attn_layer_idx and cfg.attn_cfg.get("d_conv", 0) > 0:
-        raise ConfigError(
-            f"model.attn_cfg.d_conv = {cfg.attn_cfg['d_conv']}: the vLLM plugin serves hybrids whose "
-            "attention layers have no conv over qkv (d_conv 0) only, since that conv needs a state of its "
-            "own beside vLLM's key/value cache; serve this one with `mamba3lite serve`"
-        )
     if cfg.attn_layer_idx and cfg.reset_at_eos:
         raise ConfigError(
             "model.reset_at_eos is true in a hybrid: its attention layers would start a new document after "
@@ -60,6 +55,22 @@ def model_config_of(hf_config) -> ModelConfig:
             "this one with `mamba3lite serve`"
         )
     return cfg
+
+
+def largest_state_spec(cfg: ModelConfig, dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """(shapes, dtypes) of the largest per-request state a layer of the model keeps in vLLM's Mamba state
+    cache: a Mamba-3 layer's, or an attention layer's conv window (d_conv > 1). vLLM sizes the shared
+    page by it (the others are padded to it)."""
+    specs = [state_spec(cfg, dtype)]
+    W = cfg.attn_cfg.get("d_conv", 0) if cfg.attn_layer_idx else 0
+    if W > 1:
+        heads, kv, hd = cfg.attn_cfg["num_heads"], cfg.attn_num_heads_kv, cfg.attn_head_dim
+        specs.append(conv_state_spec(W, hd * (heads + 2 * kv), dtype))
+
+    def nbytes(spec) -> int:
+        return sum(math.prod(s) * d.itemsize for s, d in zip(*spec))
+
+    return max(specs, key=nbytes)
 
 
 class _Mamba3LiteVllm(nn.Module):
@@ -71,12 +82,12 @@ class _Mamba3LiteVllm(nn.Module):
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
         cfg = model_config_of(vllm_config.model_config.hf_config)
-        return state_spec(cfg, vllm_config.model_config.dtype)[0]
+        return largest_state_spec(cfg, vllm_config.model_config.dtype)[0]
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
         cfg = model_config_of(vllm_config.model_config.hf_config)
-        return state_spec(cfg, vllm_config.model_config.dtype)[1]
+        return largest_state_spec(cfg, vllm_config.model_config.dtype)[1]
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -97,7 +108,7 @@ class _Mamba3LiteVllm(nn.Module):
         mc, cc = vllm_config.model_config, vllm_config.cache_config
         build = {
             MAMBA3_KIND: lambda i, name: VllmMamba3.build(cfg, mc, cc, name),
-            ATTENTION_KIND: lambda i, name: VllmMHA.build(cfg, i, cc, mc.max_model_len, name),
+            ATTENTION_KIND: lambda i, name: VllmMHA.build(cfg, i, mc, cc, name),
         }
         for i, block in enumerate(self.model.layers):
             name = f"{prefix}{'.' if prefix else ''}{HF_PREFIX}layers.{i}.mixer"
