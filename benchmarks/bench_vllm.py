@@ -5,9 +5,10 @@
 
 Run it in the vLLM environment (`make vllm-venv`), from the repository root, under a main guard (vLLM
 starts its engine with spawn). The preset's model with random weights (speed does not depend on them)
-is saved as a run and exported with `mamba3lite export --format hf`; then each server runs alone, as a
-subprocess on 127.0.0.1 with the same thread count (OMP_NUM_THREADS), fp32, and is stopped before the
-other starts. The httpx clients run in this process. Measured, per server:
+is saved as a run and exported with `mamba3lite export --format hf` (a hybrid preset, e.g.
+mamba3_180m_hybrid, too: the plugin serves its attention layers with vLLM's paged attention); then each
+server runs alone, as a subprocess on 127.0.0.1 with the same thread count (OMP_NUM_THREADS), fp32, and
+is stopped before the other starts. The httpx clients run in this process. Measured, per server:
   decode   aggregate completion tokens/s of N concurrent greedy streams of --tokens tokens (prompts of
            16 token ids; wall time from the first request to the last [DONE]; tokens from `usage`)
   TTFT     time to the first streamed token of a --prompt-tokens prompt (token ids), first seen, then the

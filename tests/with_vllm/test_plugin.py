@@ -36,7 +36,7 @@ def test_register_makes_the_export_loadable_without_remote_code(exported):
     register()
     register()  # vLLM calls it once per process; twice is harmless
     config = AutoConfig.from_pretrained(exported, trust_remote_code=False)
-    assert type(config).__name__ == "Mamba3LiteConfig" and config.mamba3lite["headdim"] == 32
+    assert type(config).__name__ == "VllmMamba3LiteConfig" and config.mamba3lite["headdim"] == 32
     assert ARCHITECTURE in ModelRegistry.get_supported_archs()
     assert MODELS_CONFIG_MAP[ARCHITECTURE].__name__ == "Mamba3LiteModelConfig"
 
@@ -124,13 +124,76 @@ def test_load_weights_takes_an_export_and_names_each_bad_tensor(exported):
         load(holder, [(k, v) for k, v in tensors.items() if k != name])
 
 
-def test_a_hybrid_config_is_refused(exported):
+HYBRID = {"attn_layer_idx": [1], "attn_cfg": {"num_heads": 2, "num_heads_kv": 1}}
+
+
+def test_a_hybrid_export_is_routed_to_the_hybrid_class(exported, tmp_path):
+    """The config vLLM reads names the hybrid architecture and the attention heads it sizes pages by; the
+    pure class refuses a hybrid config (an overridden architecture) and the other way round."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin import HYBRID_ARCHITECTURE
+    from mamba3lite.vllm_plugin.model import Mamba3LiteForCausalLM, Mamba3LiteHybridForCausalLM
+
+    register()
+    pure = AutoConfig.from_pretrained(exported)
+    assert pure.architectures == [ARCHITECTURE] and getattr(pure, "num_attention_heads", 0) == 0
+    config = json.loads((exported / "config.json").read_text())
+    config["mamba3lite"] |= HYBRID
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hybrid = AutoConfig.from_pretrained(tmp_path)
+    assert hybrid.architectures == [HYBRID_ARCHITECTURE]
+    assert (hybrid.num_attention_heads, hybrid.num_key_value_heads, hybrid.head_dim) == (2, 1, 32)
+    for cls, hf in ((Mamba3LiteForCausalLM, hybrid), (Mamba3LiteHybridForCausalLM, pure)):
+        parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+        vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), parallel_config=parallel)
+        with pytest.raises(ConfigError, match=f"{cls.architecture} cannot serve this export"):
+            cls(vllm_config=vllm_config)
+
+
+def test_a_hybrid_that_resets_at_eos_is_one_error(exported):
     from transformers import AutoConfig
 
     from mamba3lite.vllm_plugin.model import model_config_of
 
     register()
     hf = AutoConfig.from_pretrained(exported)
-    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [1], "attn_cfg": {"num_heads": 2}}
-    with pytest.raises(ConfigError, match="pure Mamba-3 models only"):
+    hf.mamba3lite = {**hf.mamba3lite, **HYBRID, "reset_at_eos": True}
+    with pytest.raises(ConfigError, match="reset_at_eos is true in a hybrid"):
         model_config_of(hf)
+    hf.mamba3lite = {**hf.mamba3lite, "attn_layer_idx": [], "attn_cfg": {}}  # a pure model may
+    assert model_config_of(hf).reset_at_eos
+
+
+def test_the_page_is_sized_by_the_largest_state(exported):
+    """vLLM sizes one page for every state layer from the model class: a conv window wider than a Mamba-3
+    state sizes it (the other states are padded to it)."""
+    from transformers import AutoConfig
+
+    from mamba3lite.vllm_plugin.model import largest_state_spec, model_config_of
+
+    register()
+    hf = AutoConfig.from_pretrained(exported)
+    cfg = model_config_of(hf)
+    mamba = largest_state_spec(cfg, torch.float32)
+    hf.mamba3lite = {**hf.mamba3lite, **HYBRID}
+    hf.mamba3lite["attn_cfg"] = {**HYBRID["attn_cfg"], "d_conv": 4}
+    assert largest_state_spec(model_config_of(hf), torch.float32) == mamba  # 3 x 128 floats: smaller
+    hf.mamba3lite["attn_cfg"] = {**HYBRID["attn_cfg"], "d_conv": 200}
+    assert largest_state_spec(model_config_of(hf), torch.float32) == (((199, 128),), (torch.float32,))
+
+
+def test_vllm_cli_refuses_a_hybrid_that_resets_at_eos_with_one_error(exported, tmp_path):
+    bad = tmp_path / "eos"
+    bad.mkdir()
+    for f in exported.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    config["mamba3lite"] |= {**HYBRID, "reset_at_eos": True}
+    (bad / "config.json").write_text(json.dumps(config))
+    proc = run_cli("serve", str(bad), "--port", "0")
+    assert proc.returncode != 0
+    assert "error: model.reset_at_eos is true in a hybrid" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

@@ -92,10 +92,12 @@ def engine(export_dir: Path, monkeypatch: pytest.MonkeyPatch, **kwargs):
 
 
 class StepLog:
-    """What the first Mamba-3 layer was given at each engine step: (decode rows, prefill pieces, which of
-    the pieces continue a state), recorded by wrapping VllmMamba3.forward while the context is open."""
+    """What a Mamba-3 layer (`layer_idx`, the first by default) was given at each engine step: (decode
+    rows, prefill pieces, which of the pieces continue a state), recorded by wrapping VllmMamba3.forward
+    while the context is open."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer_idx: int = 0) -> None:
+        self.layer = f"layers.{layer_idx}.mixer"
         self.steps: list[tuple[int, int, list[bool]]] = []
 
     def watch(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,13 +107,13 @@ class StepLog:
 
         forward = VllmMamba3.forward
 
-        def recorded(layer, u_1TD, eos_T=None):
+        def recorded(layer, u_1TD, eos_T=None, positions_T=None):
             metadata = get_forward_context().attn_metadata
             md = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
-            if md is not None and layer.prefix.endswith("layers.0.mixer"):
+            if md is not None and layer.prefix.endswith(self.layer):
                 cont = md.has_initial_states_p.tolist() if md.num_prefills else []
                 self.steps.append((md.num_decodes, md.num_prefills, cont))
-            return forward(layer, u_1TD, eos_T)
+            return forward(layer, u_1TD, eos_T, positions_T)
 
         monkeypatch.setattr(VllmMamba3, "forward", recorded)
 

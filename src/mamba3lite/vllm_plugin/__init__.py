@@ -1,5 +1,6 @@
-"""vLLM out-of-tree plugin: `vllm serve EXPORT_DIR` runs a pure Mamba-3 model exported by
-`mamba3lite export --format hf` (SISO or MIMO), with the package's own model code.
+"""vLLM out-of-tree plugin: `vllm serve EXPORT_DIR` runs a Mamba-3 model exported by
+`mamba3lite export --format hf` (SISO or MIMO, pure or a hybrid with attention layers), with the
+package's own model code.
 
     pip install -e '.[vllm]'                 # in an environment with vLLM (`make vllm-venv`)
     vllm serve exported/tiny-hf              # the plugin is found through its entry point
@@ -8,9 +9,10 @@ vLLM loads every `vllm.general_plugins` entry point in each of its processes and
 is ours (pyproject.toml). It
 - checks the installed vLLM is a version the plugin was tested with (`compat.py`);
 - registers the export's config class for its model_type (`Mamba3LiteConfig`, the same file the export
-  carries), so no trust_remote_code is needed;
-- registers `Mamba3LiteForCausalLM` (model.py) lazily, by import path, under the export's architecture
-  name, with its config hook (attention-free; prefix caching off);
+  carries, with the names vLLM reads set from it: hf_config.py), so no trust_remote_code is needed;
+- registers the model classes (model.py) lazily, by import path: `Mamba3LiteForCausalLM` under the
+  export's architecture name (attention-free) and `Mamba3LiteHybridForCausalLM` for hybrids, each with
+  the config hook (prefix caching off);
 - registers the layers' state backend (layer.py), which reuses vLLM's Mamba-1 metadata.
 Calling it twice is harmless (vLLM does, once per process).
 """
@@ -20,9 +22,14 @@ from __future__ import annotations
 from mamba3lite.interop.hf_export import ARCHITECTURE, MODEL_TYPE
 from mamba3lite.vllm_plugin.compat import check_vllm_version
 
+# The architecture vLLM serves a hybrid export as (hf_config.py routes it; config.json names ARCHITECTURE).
+HYBRID_ARCHITECTURE = "Mamba3LiteHybridForCausalLM"
 BACKEND_NAME = "MAMBA3LITE"
 BACKEND_PATH = "mamba3lite.vllm_plugin.layer.Mamba3LiteStateBackend"
-MODEL_PATH = "mamba3lite.vllm_plugin.model:Mamba3LiteForCausalLM"
+MODEL_PATHS = {
+    ARCHITECTURE: "mamba3lite.vllm_plugin.model:Mamba3LiteForCausalLM",
+    HYBRID_ARCHITECTURE: "mamba3lite.vllm_plugin.model:Mamba3LiteHybridForCausalLM",
+}
 
 
 def register() -> None:
@@ -33,13 +40,14 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    from mamba3lite.interop.hf_remote.configuration_mamba3lite import Mamba3LiteConfig
+    from mamba3lite.vllm_plugin.hf_config import VllmMamba3LiteConfig
     from mamba3lite.vllm_plugin.model_config import Mamba3LiteModelConfig
 
     check_vllm_version(vllm.__version__)
-    AutoConfig.register(MODEL_TYPE, Mamba3LiteConfig, exist_ok=True)
+    AutoConfig.register(MODEL_TYPE, VllmMamba3LiteConfig, exist_ok=True)
     if BACKEND_NAME not in MambaAttentionBackendEnum.__members__:
         MambaAttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, MODEL_PATH)
-    MODELS_CONFIG_MAP[ARCHITECTURE] = Mamba3LiteModelConfig
+    for architecture, path in MODEL_PATHS.items():
+        if architecture not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture, path)
+        MODELS_CONFIG_MAP[architecture] = Mamba3LiteModelConfig

@@ -83,8 +83,9 @@ def write_slots(states: tuple[Tensor, ...], rows: Tensor, cache: Mamba3Cache, ke
 class VllmMamba3(Mamba3, MambaBase):
     """`Mamba3` whose decode state lives in vLLM's cache (see the module docstring).
 
-    forward(u_1TD, eos_T) -> out_1TD over the step's flat batch of tokens; `eos_T` (bool, or None when
-    the model does not reset at EOS) marks the tokens that are the EOS.
+    forward(u_1TD, eos_T, positions_T=None) -> out_1TD over the step's flat batch of tokens; `eos_T`
+    (bool, or None when the model does not reset at EOS) marks the tokens that are the EOS; the positions
+    (the signature of the vLLM mixers) are unused: Mamba-3's state carries its own.
     """
 
     @classmethod
@@ -116,7 +117,9 @@ class VllmMamba3(Mamba3, MambaBase):
         return MambaAttentionBackendEnum.MAMBA3LITE
 
     # ---- the step's tokens ----
-    def forward(self, u_1TD: Tensor, eos_T: Tensor | None = None) -> Tensor:
+    def forward(
+        self, u_1TD: Tensor, eos_T: Tensor | None = None, positions_T: Tensor | None = None
+    ) -> Tensor:
         metadata = get_forward_context().attn_metadata
         md = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         if md is None:

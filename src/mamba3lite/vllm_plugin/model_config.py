@@ -1,6 +1,7 @@
-"""The config hook vLLM runs for our architecture (MODELS_CONFIG_MAP), in the process that starts vLLM,
+"""The config hook vLLM runs for our architectures (MODELS_CONFIG_MAP), in the process that starts vLLM,
 before any engine: the export's model config is checked here (one error, not an engine that fails to
-start), the model is attention-free, and prefix caching is off.
+start), and prefix caching is off. One hook serves the pure and the hybrid architecture: vLLM's own
+hybrid hook (HybridAttentionMambaModelConfig) does exactly MambaModelConfig's, whose subclass this is.
 
 Prefix caching of a recurrent model needs the state at block boundaries copied between cache slots
 (vLLM's "align" mode and a model's `get_mamba_state_copy_func`); the plugin does not do that yet, so
