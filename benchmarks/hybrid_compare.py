@@ -206,13 +206,10 @@ def mqar(args) -> dict:
 # ---- section 2: language modelling and length extrapolation ----
 def lm(args) -> dict:
     from mamba3lite.data import PretrainDataset
-    from mamba3lite.data.shards import dataset_dir  # noqa: F401  (the dataset layout's reader)
+    from mamba3lite.data.shards import Manifest, dataset_dir
 
     W, long = args.window, 8 * args.window
-    probe = PretrainDataset(args.data, W, 1 << 31)
-    vocab = probe.manifest.identity.vocab_size if probe.manifest is not None else None
-    if vocab is None:
-        raise SystemExit(f"{args.data}: a prepared dataset directory (with manifest.json) is needed")
+    vocab = Manifest.load(dataset_dir(args.data) / "manifest.json").vocab_size
     train_ds = PretrainDataset(args.data, W, vocab, split="train")
     val_ds = PretrainDataset(args.data, W, vocab, split="val")
     long_ds = PretrainDataset(args.data, long, vocab, split="val")
@@ -292,21 +289,22 @@ def step_time(args) -> dict:
     return {"ratio": ratio}
 
 
-def plot(acc: dict, lm_out: dict | None, pairs: list[int], path: Path) -> None:
+def plot(acc: dict | None, lm_out: dict | None, pairs: list[int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = 2 if lm_out else 1
-    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
-    ax = axes[0][0]
-    for name, a in acc.items():
-        ax.plot(pairs, [a[p] for p in pairs], marker="o", label=name)
-    ax.set(xlabel="key-value pairs", ylabel="MQAR accuracy", title="Recall", ylim=(0, 1.05))
-    ax.legend()
+    panels = [p for p in (acc, lm_out) if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    if acc:
+        ax = axes[0][0]
+        for name, a in acc.items():
+            ax.plot(pairs, [a[p] for p in pairs], marker="o", label=name)
+        ax.set(xlabel="key-value pairs", ylabel="MQAR accuracy", title="Recall", ylim=(0, 1.05))
+        ax.legend()
     if lm_out:
-        ax = axes[0][1]
+        ax = axes[0][-1]
         for name, r in lm_out.items():
             ax.plot(["1x", "2x", "4x", "8x"], r["buckets"], marker="o", label=name)
         ax.set(xlabel="position (x the training window)", ylabel="loss (nats)", title="Length extrapolation")
@@ -345,6 +343,7 @@ def main() -> None:
     ap.add_argument("--step-reps", type=int, default=10)
     ap.add_argument("--plot", type=Path, default=Path("docs/hybrid_compare.png"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--sections", default="mqar,lm,step", help="which to run, comma-separated")
     args = ap.parse_args()
     if args.quick:
         args.pairs, args.mqar_len, args.mqar_steps, args.batch = [2, 4], 32, 4, 4
@@ -353,10 +352,12 @@ def main() -> None:
         args.mqar_keys = args.mqar_values = 16
     if args.threads:
         torch.set_num_threads(args.threads)
-    acc = mqar(args)
-    lm_out = lm(args) if args.data is not None else None
-    step_time(args)
-    if not args.no_plot:
+    sections = set(args.sections.split(","))
+    acc = mqar(args) if "mqar" in sections else None
+    lm_out = lm(args) if args.data is not None and "lm" in sections else None
+    if "step" in sections:
+        step_time(args)
+    if not args.no_plot and (acc or lm_out):
         plot(acc, lm_out, args.pairs, args.plot)
 
 
