@@ -52,14 +52,16 @@ TARGET_HELP_S = 0.5
 
 def make_run(run: Path, tokenizer: str) -> Path:
     """A run directory with one verified checkpoint of the tiny preset's shape: "gpt2" tokens, or "bpe":
-    a tokenizer.json of the quickstart's 4,096 ids fit to this repository's Python files, copied into
+    a tokenizer.json of the quickstart's 4,096 ids fit to the package's Python files, copied into
     the run and recorded by that name (what `train` does for data with its own tokenizer)."""
     cfg = load_config("tiny")
     if tokenizer == "gpt2":
         tok = load_tokenizer("gpt2")
         data = {"tokenizer": "gpt2", "vocab_hash": tok.vocab_hash, "vocab_size": tok.vocab_size}
     else:
-        texts = [p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parents[1].rglob("*.py"))]
+        # The package's own sources: every checkout has them (the repository root may also hold a .venv).
+        src = Path(__file__).resolve().parents[1] / "src" / "mamba3lite"
+        texts = [p.read_text(encoding="utf-8") for p in sorted(src.rglob("*.py"))]
         raw = train_bpe(texts, 4096)
         run.mkdir(parents=True)
         (run / TOKENIZER_NAME).write_bytes(raw)
