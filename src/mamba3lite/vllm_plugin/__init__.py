@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from mamba3lite.interop.hf_export import ARCHITECTURE, MODEL_TYPE
 from mamba3lite.vllm_plugin.compat import check_vllm_version
+from mamba3lite.vllm_plugin.names import HYBRID_ARCHITECTURE
 
-# The architecture vLLM serves a hybrid export as (hf_config.py routes it; config.json names ARCHITECTURE).
-HYBRID_ARCHITECTURE = "Mamba3LiteHybridForCausalLM"
 BACKEND_NAME = "MAMBA3LITE"
 BACKEND_PATH = "mamba3lite.vllm_plugin.layer.Mamba3LiteStateBackend"
 MODEL_PATHS = {

@@ -18,7 +18,7 @@ from mamba3lite.errors import Mamba3LiteError
 from mamba3lite.interop.hf_export import ARCHITECTURE
 from mamba3lite.interop.hf_remote.configuration_mamba3lite import Mamba3LiteConfig
 from mamba3lite.model.config import ModelConfig
-from mamba3lite.vllm_plugin import HYBRID_ARCHITECTURE
+from mamba3lite.vllm_plugin.names import HYBRID_ARCHITECTURE
 
 
 class VllmMamba3LiteConfig(Mamba3LiteConfig):

@@ -26,10 +26,10 @@ from mamba3lite.interop.hf_export import ARCHITECTURE, HF_PREFIX
 from mamba3lite.model.config import ATTENTION_KIND, MAMBA3_KIND, ModelConfig
 from mamba3lite.model.mamba3 import linear_in_own_dtype
 from mamba3lite.model.transformer import Mamba3Transformer
-from mamba3lite.vllm_plugin import HYBRID_ARCHITECTURE
 from mamba3lite.vllm_plugin.attention import VllmMHA
 from mamba3lite.vllm_plugin.hf_config import architecture_of
 from mamba3lite.vllm_plugin.layer import VllmMamba3, state_spec
+from mamba3lite.vllm_plugin.names import HYBRID_ARCHITECTURE
 from mamba3lite.vllm_plugin.qkv_conv import conv_state_spec
 
 
