@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -482,3 +483,33 @@ def test_startup_prints_each_command_and_its_ratio_to_import_torch():
     assert re.search(rf"^mamba3lite --help{times}< 0\.5 s (ok|MISS)$", out, re.M), out
     for run in ("GPT-2", "own BPE"):
         assert re.search(rf"^generate --max-new-tokens 1 \({run}\){times}<= 1\.3x (ok|MISS)$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_hybrid_compare_smallest_budget_prints_recall_and_step_time_side_by_side(tmp_path):
+    out = run_script(
+        "hybrid_compare.py", "--quick", "--sections", "mqar,step", "--plot", str(tmp_path / "h.png")
+    )
+    assert "| model | parameters | 2 pairs | 4 pairs | train s |" in out
+    for model in ("mamba3", "hybrid", "transformer"):
+        assert re.search(rf"^\| {model} \| [\d,]+ \| [\d.]+ \| [\d.]+ \| \d+ \|$", out, re.M), out
+    assert re.search(r"^\| hybrid \| [\d,]+ \| [\d.]+x \|$", out, re.M), out
+    assert re.search(r"^target: hybrid / pure <= 1\.2x: [\d.]+x \((met|not met)\)$", out, re.M), out
+    assert (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_mqar_windows_ask_for_each_key_once_with_the_value_it_was_paired_with(monkeypatch):
+    """The recall task itself: every scored position holds a key of the prefix, its target is the value
+    that key was paired with there, and the value follows it (teacher forcing)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    hybrid_compare = importlib.import_module("hybrid_compare")
+    vocab = hybrid_compare.MqarVocab(n_keys=20, n_values=10)
+    gen = torch.Generator().manual_seed(0)
+    x_BT, y_BT = hybrid_compare.mqar_batch(vocab, batch=3, seq_len=48, n_pairs=6, gen=gen)
+    for x, y in zip(x_BT.tolist(), y_BT.tolist()):
+        pairs = dict(zip(x[0:12:2], x[1:12:2]))
+        assert len(pairs) == 6 and all(1 <= k <= 20 and 21 <= v <= 30 for k, v in pairs.items())
+        scored = [t for t, target in enumerate(y) if target != hybrid_compare.IGNORE]
+        assert sorted(x[t] for t in scored) == sorted(pairs)  # each key asked once, after the pairs
+        assert all(t >= 12 and y[t] == pairs[x[t]] == x[t + 1] for t in scored)
+        assert all(x[t] == 0 for t in range(12, 48) if t not in scored and t - 1 not in scored)
