@@ -152,3 +152,19 @@ def test_selecting_rows_of_a_state_is_written_once():
     for rel in callers:
         text = (ROOT / "src/mamba3lite" / rel).read_text(encoding="utf-8")
         assert "last_token_B" not in text and ".layers" not in text, rel
+
+
+def test_a_layer_state_hands_out_its_parts_and_takes_others_in_their_order():
+    """What a serving engine with its own slots does (the vLLM plugin): keep a state's parts unnamed,
+    then rebuild a state of the same kind around views of its slots."""
+    state = numbered(tiny_model(), 3).layers[1]
+    parts = state.tensors()
+    assert [t.data_ptr() for t in parts] == [t.data_ptr() for t in tensors(state)]  # themselves, in order
+    slots = tuple(torch.zeros(5, *t.shape[1:], dtype=t.dtype) for t in parts)
+    view = state.with_tensors(s[1:4] for s in slots)
+    assert type(view) is type(state)
+    view.load_(state)  # writes through the views into the slots
+    assert row_values(state.with_tensors(s[1:4] for s in slots)) == row_values(state)
+    assert all(bool((s[0] == 0).all() and (s[4] == 0).all()) for s in slots)
+    with pytest.raises(AssertionError, match="more tensors"):
+        state.with_tensors([*parts, parts[0]])

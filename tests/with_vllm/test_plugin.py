@@ -95,7 +95,7 @@ def test_state_shapes_from_the_config_are_the_layers(exported):
     shapes = Mamba3LiteForCausalLM.get_mamba_state_shape_from_config(vllm_config)
     dtypes = Mamba3LiteForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
     H, P, N, S = cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles
-    assert shapes == ((H, S), (H, P, N), (1, H, N), (H, P))  # Mamba3Cache's fields, batch axis dropped
+    assert shapes == ((H, S), (H, P, N), (1, H, N), (H, P))  # the state's parts, batch axis dropped
     assert dtypes == (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16)
 
 

@@ -17,6 +17,7 @@ tensor in a state belongs to sequence b, so "select rows" is written once, here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -65,6 +66,18 @@ class RowTensors:
 
     def snapshot(self) -> RowTensors:
         return self._map(lambda t: t.detach().clone())
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The parts this state has, in a fixed order: what a caller that keeps them in a store of its
+        own (a serving engine's cache slots) holds, one tensor each, without naming them."""
+        return tuple(t for t in self._tensors().values() if t is not None)
+
+    def with_tensors(self, tensors: Iterable[Tensor]) -> RowTensors:
+        """A state of this kind and layout holding `tensors` (in `tensors()`'s order) in place of its own."""
+        given = iter(tensors)
+        state = self._map(lambda _: next(given))
+        assert next(given, None) is None, "more tensors than the state has parts"
+        return state
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors().values() if t is not None)

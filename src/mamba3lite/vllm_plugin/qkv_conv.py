@@ -17,10 +17,11 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from vllm.config import CacheConfig, ModelConfig, get_current_vllm_config
-from vllm.forward_context import get_forward_context
+from vllm.config import CacheConfig, ModelConfig
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from mamba3lite.vllm_plugin.layer import prefill_pieces, register_state_layer, step_metadata
 
 # MHA._conv: (x_BTQ, in_doc_BT, window_BWQ, state) -> out_BTQ
 ConvFn = Callable[[Tensor, Tensor, Tensor, None], Tensor]
@@ -41,10 +42,7 @@ class VllmQkvConv(nn.Module, MambaBase):
         self.state_shapes, self.state_dtypes = conv_state_spec(W, Q, model_config.dtype)
         self.model_config, self.cache_config, self.prefix = model_config, cache_config, prefix
         self.kv_cache = (torch.tensor([]),)
-        context = get_current_vllm_config().compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"duplicate layer name: {prefix}")
-        context[prefix] = self
+        register_state_layer(prefix, self)
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
         return self.state_shapes
@@ -57,8 +55,7 @@ class VllmQkvConv(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.MAMBA3LITE
 
     def forward(self, qkv_TQ: Tensor, positions_T: Tensor, conv: ConvFn) -> Tensor:
-        metadata = get_forward_context().attn_metadata
-        md = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        md = step_metadata(self.prefix)
         if md is None:  # vLLM's profiling run: one stateless sequence
             window_1WQ = qkv_TQ.new_zeros(1, self.W - 1, qkv_TQ.shape[-1])
             return conv(qkv_TQ[None], positions_T[None], window_1WQ, None)[0]
@@ -72,13 +69,9 @@ class VllmQkvConv(nn.Module, MambaBase):
             out_TQ[:n_dec] = conv(x_B1Q, positions_T[:n_dec, None], window_BWQ, None)[:, 0]
             state[rows] = torch.cat((window_BWQ, x_B1Q), dim=1)[:, 1:].to(state.dtype)
         if md.num_prefills > 0:
-            bounds = (md.query_start_loc_p + n_dec).tolist()
-            slots = md.state_indices_tensor_p.tolist()
-            continues = md.has_initial_states_p.tolist()
-            for i, slot in enumerate(slots):
-                start, end = bounds[i], bounds[i + 1]
+            for slot, start, end, continues in prefill_pieces(md):
                 window_1WQ = state[slot : slot + 1].to(qkv_TQ.dtype)
-                if not continues[i]:
+                if not continues:
                     window_1WQ = torch.zeros_like(window_1WQ)
                 x_1TQ = qkv_TQ[None, start:end]
                 out_TQ[start:end] = conv(x_1TQ, positions_T[None, start:end], window_1WQ, None)[0]
