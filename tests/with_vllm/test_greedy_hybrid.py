@@ -17,10 +17,9 @@ from vllm_helpers import (
     NEW_TOKENS,
     NO_VLLM,
     StepLog,
-    engine,
-    export,
     prompts,
     reference_greedy,
+    served_engine,
     tiny_model,
     vllm_greedy,
 )
@@ -53,13 +52,8 @@ HYBRIDS = {
 def served(request, tmp_path_factory):
     """(model, engine, step log) of one hybrid, 4 layers."""
     model = tiny_model(n_layers=4, **HYBRIDS[request.param])
-    out = export(model, tmp_path_factory.mktemp(request.param))
     log = StepLog(layer_idx=next(i for i in range(4) if i not in model.cfg.attn_layer_idx))
-    with pytest.MonkeyPatch.context() as mp:
-        log.watch(mp)
-        llm = engine(out, mp)
-        yield model, llm, log
-        del llm
+    yield from served_engine(model, tmp_path_factory.mktemp(request.param), log)
 
 
 def test_the_export_is_served_as_a_hybrid(served):

@@ -11,11 +11,9 @@ from vllm_helpers import (
     MAX_BATCHED_TOKENS,
     NEW_TOKENS,
     NO_VLLM,
-    StepLog,
-    engine,
-    export,
     prompts,
     reference_greedy,
+    served_engine,
     tiny_model,
     vllm_greedy,
 )
@@ -38,14 +36,7 @@ def eos_prone_model():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model = eos_prone_model()
-    out = export(model, tmp_path_factory.mktemp("mimo"))
-    log = StepLog()
-    with pytest.MonkeyPatch.context() as mp:
-        log.watch(mp)
-        llm = engine(out, mp)
-        yield model, llm, log
-        del llm
+    yield from served_engine(eos_prone_model(), tmp_path_factory.mktemp("mimo"))
 
 
 def with_eos_inside(rows: list[list[int]]) -> list[list[int]]:

@@ -7,11 +7,9 @@ import pytest
 from vllm_helpers import (
     NEW_TOKENS,
     NO_VLLM,
-    StepLog,
-    engine,
-    export,
     prompts,
     reference_greedy,
+    served_engine,
     tiny_model,
     vllm_greedy,
 )
@@ -24,14 +22,7 @@ LENGTHS = [1, 5, 23, 70, 150]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(model, engine, step log): one engine for the module, prefix caching asked for (and refused)."""
-    model = tiny_model()
-    out = export(model, tmp_path_factory.mktemp("siso"))
-    log = StepLog()
-    with pytest.MonkeyPatch.context() as mp:
-        log.watch(mp)
-        llm = engine(out, mp, enable_prefix_caching=True)
-        yield model, llm, log
-        del llm
+    yield from served_engine(tiny_model(), tmp_path_factory.mktemp("siso"), enable_prefix_caching=True)
 
 
 def test_greedy_equals_the_models_own(served):

@@ -91,6 +91,19 @@ def engine(export_dir: Path, monkeypatch: pytest.MonkeyPatch, **kwargs):
     return LLM(**{**args, **kwargs})
 
 
+def served_engine(model: Mamba3Transformer, root: Path, log: StepLog | None = None, **engine_kwargs):
+    """Yield (model, engine, log) for a module-scoped fixture: `model` exported under `root`, one engine
+    on the export for the module's tests (`engine`'s arguments, overridden by `engine_kwargs`), and the
+    layer's steps recorded into `log` (a StepLog of the first layer by default) while it lives."""
+    out = export(model, root)
+    log = StepLog() if log is None else log
+    with pytest.MonkeyPatch.context() as mp:
+        log.watch(mp)
+        llm = engine(out, mp, **engine_kwargs)
+        yield model, llm, log
+        del llm
+
+
 class StepLog:
     """What a Mamba-3 layer (`layer_idx`, the first by default) was given at each engine step: (decode
     rows, prefill pieces, which of the pieces continue a state), recorded by wrapping VllmMamba3.forward
