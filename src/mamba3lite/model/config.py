@@ -265,6 +265,12 @@ class ModelConfig:
 
     def _check_attention(self) -> None:
         """The attention layers' placement and shape, with the official layer's own rules."""
+        self._check_attention_placement()
+        if self.attn_layer_idx:
+            self._check_attention_shape()
+
+    def _check_attention_placement(self) -> None:
+        """Each index names a layer, once; attn_cfg only beside attention layers."""
         idx, n = self.attn_layer_idx, self.n_layers
         for i in idx:
             if not 0 <= i < n:
@@ -278,13 +284,14 @@ class ModelConfig:
                 f"model.attn_layer_idx names layer {repeated[0]} more than once; list each attention "
                 f"layer once (got {list(idx)!r})"
             )
-        if not idx:
-            if self.attn_cfg:
-                raise ConfigError(
-                    "model.attn_cfg is set but model.attn_layer_idx is empty, so no layer would use it: "
-                    "name the attention layers (e.g. attn_layer_idx: [3, 7]) or drop attn_cfg"
-                )
-            return
+        if not idx and self.attn_cfg:
+            raise ConfigError(
+                "model.attn_cfg is set but model.attn_layer_idx is empty, so no layer would use it: "
+                "name the attention layers (e.g. attn_layer_idx: [3, 7]) or drop attn_cfg"
+            )
+
+    def _check_attention_shape(self) -> None:
+        """attn_cfg's heads, widths and rotary add up (the official MHA's rules)."""
         a = self.attn_cfg
         heads = a.get("num_heads")
         if heads is None:
