@@ -6,13 +6,17 @@ An optimizer is an `OptimizerKind`, registered under its name in `KINDS`:
     help         one line for the config reference
     state_bytes  bytes of optimizer state per element of a parameter, by its name and the parameter
                  (model/memory.py counts a model's parameters with it: the memory estimate)
+    build        (model, training config) -> the optimizer, with torch's interface (step, zero_grad,
+                 param_groups, state_dict, load_state_dict); one with its own lr per group sets
+                 `lr_scales` (train/optim.py's `MuonWithAdamW`)
     parts        attributes of the built optimizer that are torch optimizers, checkpointed one by one in
                  that order (checkpoint/state.py); () when the built object is one torch optimizer
 
-How each is built is `train/optim.py`'s `BUILDERS`, under the same name: building needs torch and the
-model, which live above this module (config.py, model/ and checkpoint/ import it without importing
-torch's optimizers). tests/test_optimizers.py checks that both name the same optimizers and that an
-optimizer registered in both alone is built, checkpointed and counted.
+So an optimizer is added here and nowhere else (and tested: tests/test_optimizers.py registers one in
+a test alone and trains, checkpoints, resumes and counts it). The builders import torch and
+train/optim.py's parts (parameter groups, AdamW, Muon) when they run, not at the top: config.py reads
+this registry for its choices at every command's start, and `--help` or a config check must not pay
+for importing torch.
 
 A name the registry does not know is one error wherever it arrives: `lookup`. Which parameters get
 weight decay, and which of them Muon takes, is written once here (`wants_decay`, `is_hidden_matrix`):
@@ -55,6 +59,7 @@ class OptimizerKind:
     name: str
     help: str
     state_bytes: Callable[[str, Any], int]  # (parameter name, parameter) -> state bytes per element
+    build: Callable[[Any, Any], Any]  # (model, TrainingConfig) -> the optimizer
     parts: tuple[str, ...] = ()
 
 
@@ -66,10 +71,46 @@ def _muon_bytes(name: str, p: Any) -> int:
     return 4 if is_hidden_matrix(name, p) else 8  # Muon's one fp32 momentum; AdamW's two moments
 
 
+def _build_adamw(model: Any, training: Any) -> Any:
+    """AdamW over `param_groups(model)` (decayed, not decayed)."""
+    from mamba3lite.train import optim  # torch: when a run builds it (module docstring)
+
+    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
+    return optim.build_adamw(optim.param_groups(model, training.weight_decay), **kw)
+
+
+def _build_muon(model: Any, training: Any) -> Any:
+    """`MuonWithAdamW`: Muon over the hidden matrices, AdamW over the rest. ConfigError when the model
+    has no hidden matrix for Muon."""
+    from mamba3lite.model.precision import resolve_precision  # torch: when a run builds it
+    from mamba3lite.train import optim
+
+    hidden = [(n, p) for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
+    if not hidden:
+        raise ConfigError(
+            "training.optimizer is muon, but this model has no 2-D hidden matrix for Muon (only embedding, "
+            "head, norms, biases); use --set training.optimizer=adamw"
+        )
+    muon_lr = training.lr if training.muon_lr is None else training.muon_lr
+    device = hidden[0][1].device  # the device the model trains on (a DTensor's too)
+    muon = optim.FullMatrixMuon(
+        [p for _, p in hidden],
+        ns_dtype=resolve_precision(training.dtype, device).matmul_dtype,
+        lr=muon_lr,
+        weight_decay=training.weight_decay,
+        momentum=training.muon_momentum,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    groups = optim.param_groups(model, training.weight_decay, exclude=frozenset(n for n, _ in hidden))
+    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
+    return optim.MuonWithAdamW(optim.build_adamw(groups, **kw), muon, muon_lr / training.lr)
+
+
 KINDS: dict[str, OptimizerKind] = {
     k.name: k
     for k in (
-        OptimizerKind("adamw", "AdamW for every parameter", _adamw_bytes),
+        OptimizerKind("adamw", "AdamW for every parameter", _adamw_bytes, _build_adamw),
         OptimizerKind(
             "muon",
             "torch.optim.Muon for the 2-D hidden matrices (the mixers' in_proj/out_proj, the MLP's fc1/fc2) "
@@ -77,6 +118,7 @@ KINDS: dict[str, OptimizerKind] = {
             "modded-nanogpt speedrun; Muon's decay is weight_decay, decoupled like AdamW's "
             "(p -= lr x weight_decay x p)",
             _muon_bytes,
+            _build_muon,
             parts=("adamw", "muon"),
         ),
     )
