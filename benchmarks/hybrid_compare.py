@@ -61,22 +61,28 @@ def mqar_batch(
     vocab: MqarVocab, batch: int, seq_len: int, n_pairs: int, gen: torch.Generator
 ) -> tuple[Tensor, Tensor]:
     """(x_BT, y_BT): `n_pairs` key-value pairs, then each key once more at a random even position of the
-    rest of the window followed by its value; y is the value after each queried key, IGNORE elsewhere."""
+    rest of the window followed by its value; y is the value after each queried key, IGNORE elsewhere.
+    Built on the generator's device, every row at once (random permutations as argsorts of uniforms)."""
     assert 4 * n_pairs <= seq_len, "the pairs and their queries must fit the window"
-    x_BT = torch.zeros(batch, seq_len, dtype=torch.long)
-    y_BT = torch.full((batch, seq_len), IGNORE, dtype=torch.long)
+    dev = gen.device
     slots = (seq_len - 2 * n_pairs) // 2  # query slots: (key, value) at even offsets after the pairs
-    for b in range(batch):
-        keys = torch.randperm(vocab.n_keys, generator=gen)[:n_pairs] + 1
-        values = torch.randint(0, vocab.n_values, (n_pairs,), generator=gen) + 1 + vocab.n_keys
-        x_BT[b, 0 : 2 * n_pairs : 2] = keys
-        x_BT[b, 1 : 2 * n_pairs : 2] = values
-        where = torch.randperm(slots, generator=gen)[:n_pairs]
-        order = torch.randperm(n_pairs, generator=gen)
-        pos = 2 * n_pairs + 2 * where
-        x_BT[b, pos] = keys[order]
-        x_BT[b, pos + 1] = values[order]
-        y_BT[b, pos] = values[order]
+
+    def first_of_permutation(n: int, k: int) -> Tensor:  # (batch, k): k distinct of range(n) per row
+        return torch.rand(batch, n, generator=gen, device=dev).argsort(-1)[:, :k]
+
+    keys_BN = first_of_permutation(vocab.n_keys, n_pairs) + 1
+    values_BN = torch.randint(0, vocab.n_values, (batch, n_pairs), generator=gen, device=dev)
+    values_BN += 1 + vocab.n_keys
+    pos_BN = 2 * n_pairs + 2 * first_of_permutation(slots, n_pairs)
+    order_BN = first_of_permutation(n_pairs, n_pairs)
+    x_BT = torch.zeros(batch, seq_len, dtype=torch.long, device=dev)
+    y_BT = torch.full((batch, seq_len), IGNORE, dtype=torch.long, device=dev)
+    x_BT[:, 0 : 2 * n_pairs : 2] = keys_BN
+    x_BT[:, 1 : 2 * n_pairs : 2] = values_BN
+    asked_BN, answer_BN = keys_BN.gather(1, order_BN), values_BN.gather(1, order_BN)
+    x_BT.scatter_(1, pos_BN, asked_BN)
+    x_BT.scatter_(1, pos_BN + 1, answer_BN)
+    y_BT.scatter_(1, pos_BN, answer_BN)
     return x_BT, y_BT
 
 
@@ -128,13 +134,16 @@ def logits(model: torch.nn.Module, x_BT: Tensor) -> Tensor:
     return model(x_BT)
 
 
-def train(model, batches, steps: int, lr: float) -> float:
-    """AdamW, linear warmup (5%) then cosine to 10%, on `batches(step)`; returns seconds spent."""
+def train(model, batches, steps: int, lr: float, budget_s: float = math.inf) -> tuple[float, int]:
+    """AdamW, linear warmup (5%) then cosine to 10%, on `batches(step)`; stops early when `budget_s`
+    seconds have passed (the schedule is not shortened: a cut run says so). Returns (seconds, steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
     model.train()
     t0 = time.perf_counter()
     for step in range(steps):
+        if time.perf_counter() - t0 > budget_s:
+            return time.perf_counter() - t0, step
         frac = step / max(1, steps - 1)
         scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
         for g in opt.param_groups:
@@ -145,18 +154,18 @@ def train(model, batches, steps: int, lr: float) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, steps
 
 
 # ---- section 1: MQAR ----
 def mqar(args) -> dict:
     vocab = MqarVocab(args.mqar_keys, args.mqar_values)
     pairs = args.pairs
-    models = build_models(args, vocab.size)
+    models = {n: m.to(args.device) for n, m in build_models(args, vocab.size).items() if n in args.models}
     train_gen_seed = args.seed + 1
 
     def batches_for(seed):
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=args.device).manual_seed(seed)
         cache = {}
 
         def batches(step):
@@ -169,11 +178,13 @@ def mqar(args) -> dict:
         return batches
 
     acc: dict[str, dict[int, float]] = {}
-    secs = {}
+    secs, done = {}, {}
     for name, model in models.items():
-        secs[name] = train(model, batches_for(train_gen_seed), args.mqar_steps, args.lr)
+        secs[name], done[name] = train(
+            model, batches_for(train_gen_seed), args.mqar_steps, args.lr, args.mqar_budget_s
+        )
         model.eval()
-        gen = torch.Generator().manual_seed(args.seed + 2)
+        gen = torch.Generator(device=args.device).manual_seed(args.seed + 2)
         acc[name] = {}
         with torch.no_grad():
             for n in pairs:
@@ -183,13 +194,16 @@ def mqar(args) -> dict:
                 acc[name][n] = float((pred_BT[scored] == y_BT[scored]).float().mean())
     print(
         f"\n## MQAR: window {args.mqar_len}, {args.mqar_steps} steps x {args.batch} windows (pair counts "
-        f"{','.join(map(str, pairs))} in turn), {args.eval_windows} fresh windows per count"
+        f"{','.join(map(str, pairs))} in turn), {args.eval_windows} fresh windows per count, lr {args.lr}, "
+        f"d_model {args.d_model}, {args.n_layers} layers, d_state {args.d_state}, on {args.device}"
     )
-    print("| model | parameters | " + " | ".join(f"{n} pairs" for n in pairs) + " | train s |")
-    print("|---|---|" + "---|" * len(pairs) + "---|")
+    print("| model | parameters | " + " | ".join(f"{n} pairs" for n in pairs) + " | steps | train s |")
+    print("|---|---|" + "---|" * len(pairs) + "---|---|")
     for name, model in models.items():
         cells = " | ".join(f"{acc[name][n]:.3f}" for n in pairs)
-        print(f"| {name} | {n_params(model):,} | {cells} | {secs[name]:.0f} |")
+        print(f"| {name} | {n_params(model):,} | {cells} | {done[name]} | {secs[name]:.0f} |")
+    if not {"mamba3", "hybrid"} <= acc.keys():
+        return acc
     below = [n for n in pairs if acc["mamba3"][n] < 0.5]
     if below:
         n = max(below)
@@ -333,7 +347,10 @@ def main() -> None:
     ap.add_argument("--mqar-keys", type=int, default=512)
     ap.add_argument("--mqar-values", type=int, default=512)
     ap.add_argument("--mqar-steps", type=int, default=1500)
+    ap.add_argument("--mqar-budget-s", type=float, default=math.inf, help="cut each model's training here")
+    ap.add_argument("--device", default="cpu", help="where section 1 (MQAR) runs: cpu or cuda")
     ap.add_argument("--eval-windows", type=int, default=128)
+    ap.add_argument("--models", nargs="+", default=["mamba3", "hybrid", "transformer"])
     ap.add_argument("--data", type=Path, default=None, help="a prepared dataset directory (section 2)")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--lm-steps", type=int, default=1000)

@@ -490,9 +490,9 @@ def test_hybrid_compare_smallest_budget_prints_recall_and_step_time_side_by_side
     out = run_script(
         "hybrid_compare.py", "--quick", "--sections", "mqar,step", "--plot", str(tmp_path / "h.png")
     )
-    assert "| model | parameters | 2 pairs | 4 pairs | train s |" in out
+    assert "| model | parameters | 2 pairs | 4 pairs | steps | train s |" in out
     for model in ("mamba3", "hybrid", "transformer"):
-        assert re.search(rf"^\| {model} \| [\d,]+ \| [\d.]+ \| [\d.]+ \| \d+ \|$", out, re.M), out
+        assert re.search(rf"^\| {model} \| [\d,]+ \| [\d.]+ \| [\d.]+ \| 4 \| \d+ \|$", out, re.M), out
     assert re.search(r"^\| hybrid \| [\d,]+ \| [\d.]+x \|$", out, re.M), out
     assert re.search(r"^target: hybrid / pure <= 1\.2x: [\d.]+x \((met|not met)\)$", out, re.M), out
     assert (tmp_path / "h.png").stat().st_size > 0
