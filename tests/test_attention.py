@@ -396,10 +396,11 @@ def test_a_bf16_layer_takes_fp32_inputs_and_runs_under_autocast():
         ({"num_heads": 5}, "set head_dim"),
         ({"rotary_emb_dim": 3}, "must be even"),
         ({"rotary_emb_dim": 8}, "at most head_dim"),
-        ({"num_heads": 0}, "num_heads must be a positive"),
-        ({"d_conv": -1}, "d_conv must be a non-negative"),
-        ({"softmax_scale": 0.0}, "softmax_scale must be positive"),
-        ({"head_dim": 0}, "head_dim must be a positive"),
+        ({"num_heads": 0}, "MHA num_heads must be an integer >= 1"),
+        ({"d_conv": -1}, "MHA d_conv must be an integer >= 0"),
+        ({"softmax_scale": 0.0}, "MHA softmax_scale must be > 0"),
+        ({"head_dim": 0}, "MHA head_dim must be an integer >= 1"),
+        ({"rotary_emb_base": -1.0}, "MHA rotary_emb_base must be > 0"),
     ],
 )
 def test_bad_arguments_get_one_clear_error(kw, words):

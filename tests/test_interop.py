@@ -414,7 +414,7 @@ BAD = {
     ),
     "attention-width-does-not-add-up": (
         "bin", _edit_config(attn_layer_idx=[1], attn_cfg={"num_heads": 3, "causal": True}),
-        "model.attn_cfg: the width does not add up",
+        "model.attn_cfg.num_heads: the width does not add up",
     ),
     "attention-layer-out-of-range": (
         "bin", _edit_config(attn_layer_idx=[2], attn_cfg={"num_heads": 4, "causal": True}),

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mamba3lite.errors import ConfigError, did_you_mean_hint
+from mamba3lite.model.config import check_attention_shape
 from mamba3lite.model.context_parallel import ContextParallel
 from mamba3lite.model.context_parallel_attention import conv_halo, gather_keys_values, window_documents
 from mamba3lite.model.mamba3 import linear_in_own_dtype
@@ -284,9 +285,11 @@ class MHA(nn.Module):
     ) -> None:
         super().__init__()
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
-        _check_shape(
-            embed_dim, num_heads, num_heads_kv, head_dim, mlp_dim, softmax_scale, d_conv, rotary_emb_dim
-        )
+        if not (isinstance(embed_dim, int) and embed_dim >= 1):
+            raise ConfigError(f"MHA embed_dim must be an integer >= 1 (got {embed_dim!r})")
+        shape = dict(num_heads=num_heads, num_heads_kv=num_heads_kv, head_dim=head_dim, mlp_dim=mlp_dim)
+        shape |= dict(d_conv=d_conv, rotary_emb_dim=rotary_emb_dim, softmax_scale=softmax_scale)
+        check_attention_shape(shape | {"rotary_emb_base": rotary_emb_base}, embed_dim, "MHA ")
         fk = {"device": device, "dtype": dtype}
         self.embed_dim, self.layer_idx, self.causal = embed_dim, layer_idx, causal
         self.num_heads, self.num_heads_kv = num_heads, num_heads_kv
@@ -478,46 +481,3 @@ class MHA(nn.Module):
             if T > 0:
                 state.doc_start_B.copy_(doc_start_BT[:, -1])
         return k_buf[:, :, :C], v_buf[:, :, :C], mask_BTC
-
-
-def _check_shape(
-    embed_dim: int,
-    num_heads: int,
-    num_heads_kv: int,
-    head_dim: int | None,
-    mlp_dim: int,
-    softmax_scale: float | None,
-    d_conv: int,
-    rotary_emb_dim: int,
-) -> None:
-    """The layer's arguments add up, or one ConfigError naming the argument and the fix."""
-    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_heads_kv", num_heads_kv)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"MHA {name} must be a positive integer, got {value!r}")
-    for name, value in (("mlp_dim", mlp_dim), ("d_conv", d_conv), ("rotary_emb_dim", rotary_emb_dim)):
-        if not isinstance(value, int) or value < 0:
-            raise ConfigError(f"MHA {name} must be a non-negative integer (0: off), got {value!r}")
-    if num_heads % num_heads_kv:
-        raise ConfigError(
-            f"MHA num_heads ({num_heads}) must be divisible by num_heads_kv ({num_heads_kv}): each K/V "
-            "head serves num_heads / num_heads_kv query heads"
-        )
-    if head_dim is None and embed_dim % num_heads:
-        raise ConfigError(
-            f"MHA embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}): set head_dim, "
-            "or choose a number of heads that divides it"
-        )
-    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
-        raise ConfigError(
-            f"MHA head_dim must be a positive integer (or None: embed_dim / num_heads), got {head_dim!r}"
-        )
-    P = embed_dim // num_heads if head_dim is None else head_dim
-    if rotary_emb_dim % 2 or rotary_emb_dim > P:
-        raise ConfigError(
-            f"MHA rotary_emb_dim ({rotary_emb_dim}) must be even and at most head_dim ({P}): it rotates "
-            "pairs of the first rotary_emb_dim channels of each head"
-        )
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ConfigError(
-            f"MHA softmax_scale must be positive (or None: 1/sqrt(head_dim)), got {softmax_scale!r}"
-        )

@@ -56,6 +56,56 @@ def check_scan_impl(name: object, where: str = "model.scan_impl") -> str:
     raise ConfigError(f"{where} must be one of {', '.join(SCAN_IMPLS)}, got {name!r}{hint}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_attention_shape(a: dict[str, Any], d_model: int, where: str) -> None:
+    """The official MHA's rules on its keywords `a` (attn_cfg's names; absent = the layer's default) at
+    width `d_model`: heads, widths and rotary add up, or one ConfigError naming `where` + the keyword
+    ("model.attn_cfg." from a config, "MHA " from the layer's own arguments) and the fix. Written once,
+    here without torch: the config checks it at load time, model/attention.py's MHA when it is built."""
+    heads = a.get("num_heads")
+    if heads is None:
+        raise ConfigError(
+            f"{where}num_heads is required for an attention layer (the official MHA has no default), "
+            "e.g. attn_cfg: {num_heads: 12}"
+        )
+    for key in ("num_heads", "num_heads_kv", "head_dim"):  # None: the default (heads; d_model / heads)
+        if a.get(key) is not None and not (_is_int(a[key]) and a[key] >= 1):
+            raise ConfigError(f"{where}{key} must be an integer >= 1 (got {a[key]!r})")
+    for key in ("rotary_emb_dim", "d_conv", "mlp_dim"):
+        if not (_is_int(a.get(key, 0)) and a.get(key, 0) >= 0):
+            raise ConfigError(f"{where}{key} must be an integer >= 0, 0 for off (got {a[key]!r})")
+    kv = heads if a.get("num_heads_kv") is None else a["num_heads_kv"]
+    if heads % kv:
+        raise ConfigError(
+            f"{where}num_heads = {heads} is not divisible by num_heads_kv = {kv}: each key/value head "
+            "serves the same number of query heads (grouped-query attention)"
+        )
+    if a.get("head_dim") is None and d_model % heads:
+        raise ConfigError(
+            f"{where}num_heads: the width does not add up: d_model (embed_dim) = {d_model} is not "
+            f"divisible by num_heads = {heads}; set head_dim, or a num_heads that divides d_model"
+        )
+    rot, hd = a.get("rotary_emb_dim", 0), a.get("head_dim") or d_model // heads
+    if rot % 2:
+        raise ConfigError(
+            f"{where}rotary_emb_dim must be even: the rotary embedding turns dimensions in pairs (got {rot})"
+        )
+    if rot > hd:
+        raise ConfigError(
+            f"{where}rotary_emb_dim = {rot} is larger than the head dimension {hd}: it must be at most "
+            "head_dim (rotary covers the first rotary_emb_dim dimensions of q and k)"
+        )
+    scale = a.get("softmax_scale")
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ConfigError(f"{where}softmax_scale must be > 0, or None for 1/sqrt(head_dim) (got {scale!r})")
+    base = a.get("rotary_emb_base", 1.0)
+    if not (isinstance(base, (int, float)) and base > 0):
+        raise ConfigError(f"{where}rotary_emb_base must be > 0 (got {base!r})")
+
+
 @dataclass
 class ModelConfig:
     """Shape and switches of `Mamba3Transformer`. Field names follow the official Mamba-3 layer."""
@@ -292,45 +342,7 @@ class ModelConfig:
 
     def _check_attention_shape(self) -> None:
         """attn_cfg's heads, widths and rotary add up (the official MHA's rules)."""
-        a = self.attn_cfg
-        heads = a.get("num_heads")
-        if heads is None:
-            raise ConfigError(
-                "model.attn_cfg.num_heads is required when model.attn_layer_idx names attention layers "
-                "(the official MHA has no default), e.g. attn_cfg: {num_heads: 12}"
-            )
-        for key in ("num_heads", "num_heads_kv", "head_dim"):
-            if a.get(key) is not None and a[key] < 1:
-                raise ConfigError(f"model.attn_cfg.{key} must be >= 1 (got {a[key]!r})")
-        for key in ("rotary_emb_dim", "d_conv", "mlp_dim"):
-            if a.get(key, 0) < 0:
-                raise ConfigError(f"model.attn_cfg.{key} must be >= 0 (got {a[key]!r})")
-        kv = self.attn_num_heads_kv
-        if heads % kv:
-            raise ConfigError(
-                f"model.attn_cfg.num_heads = {heads} is not divisible by num_heads_kv = {kv}: each "
-                "key/value head serves the same number of query heads (grouped-query attention)"
-            )
-        if a.get("head_dim") is None and self.d_model % heads:
-            raise ConfigError(
-                f"model.attn_cfg: the width does not add up: d_model = {self.d_model} is not divisible by "
-                f"num_heads = {heads}; set attn_cfg.head_dim, or a num_heads that divides d_model"
-            )
-        rot, hd = a.get("rotary_emb_dim", 0), self.attn_head_dim
-        if rot % 2:
-            raise ConfigError(
-                f"model.attn_cfg.rotary_emb_dim must be even: the rotary embedding turns dimensions in "
-                f"pairs (got {rot})"
-            )
-        if rot > hd:
-            raise ConfigError(
-                f"model.attn_cfg.rotary_emb_dim = {rot} is larger than the head dimension {hd}: it must "
-                "be at most head_dim (rotary covers the first rotary_emb_dim dimensions of q and k)"
-            )
-        if a.get("softmax_scale") is not None and not a["softmax_scale"] > 0:
-            raise ConfigError(f"model.attn_cfg.softmax_scale must be > 0 (got {a['softmax_scale']!r})")
-        if not a.get("rotary_emb_base", 1.0) > 0:
-            raise ConfigError(f"model.attn_cfg.rotary_emb_base must be > 0 (got {a['rotary_emb_base']!r})")
+        check_attention_shape(self.attn_cfg, self.d_model, "model.attn_cfg.")
 
     def layer_kind(self, i: int) -> str:
         """The mixer kind of layer `i`: "attention" for the indices in attn_layer_idx, else "mamba3"."""
