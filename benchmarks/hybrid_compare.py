@@ -28,8 +28,10 @@ stack rather than first); the Transformer is benchmarks/baseline_transformer.py.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +111,7 @@ def build_models(args, vocab_size: int) -> dict[str, torch.nn.Module]:
         "num_heads": heads,
         "head_dim": args.attn_head_dim,
         "rotary_emb_dim": args.attn_head_dim,
+        "d_conv": args.attn_d_conv,
         "qkv_proj_bias": False,
         "out_proj_bias": False,
     }
@@ -134,9 +137,12 @@ def logits(model: torch.nn.Module, x_BT: Tensor) -> Tensor:
     return model(x_BT)
 
 
-def train(model, batches, steps: int, lr: float, budget_s: float = math.inf) -> tuple[float, int]:
+def train(
+    model, batches, steps: int, lr: float, budget_s: float = math.inf, log_every: int = 0
+) -> tuple[float, int]:
     """AdamW, linear warmup (5%) then cosine to 10%, on `batches(step)`; stops early when `budget_s`
-    seconds have passed (the schedule is not shortened: a cut run says so). Returns (seconds, steps)."""
+    seconds have passed (the schedule is not shortened: a cut run says so); the loss to stderr every
+    `log_every` steps. Returns (seconds, steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
     model.train()
@@ -154,6 +160,8 @@ def train(model, batches, steps: int, lr: float, budget_s: float = math.inf) -> 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if log_every and step % log_every == 0:
+            print(f"step {step} loss {loss.item():.4f} {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return time.perf_counter() - t0, steps
 
 
@@ -177,31 +185,55 @@ def mqar(args) -> dict:
 
         return batches
 
-    acc: dict[str, dict[int, float]] = {}
-    secs, done = {}, {}
+    rows: dict[str, dict] = {}
     for name, model in models.items():
-        secs[name], done[name] = train(
-            model, batches_for(train_gen_seed), args.mqar_steps, args.lr, args.mqar_budget_s
+        secs, done = train(
+            model, batches_for(train_gen_seed), args.mqar_steps, args.lr, args.mqar_budget_s, args.log_every
         )
         model.eval()
         gen = torch.Generator(device=args.device).manual_seed(args.seed + 2)
-        acc[name] = {}
+        acc = {}
         with torch.no_grad():
             for n in pairs:
                 x_BT, y_BT = mqar_batch(vocab, args.eval_windows, args.mqar_len, n, gen)
                 pred_BT = logits(model, x_BT).argmax(-1)
                 scored = y_BT != IGNORE
-                acc[name][n] = float((pred_BT[scored] == y_BT[scored]).float().mean())
-    print(
+                acc[n] = float((pred_BT[scored] == y_BT[scored]).float().mean())
+        rows[name] = {"parameters": n_params(model), "acc": acc, "steps": done, "train_s": secs}
+    header = (
         f"\n## MQAR: window {args.mqar_len}, {args.mqar_steps} steps x {args.batch} windows (pair counts "
         f"{','.join(map(str, pairs))} in turn), {args.eval_windows} fresh windows per count, lr {args.lr}, "
-        f"d_model {args.d_model}, {args.n_layers} layers, d_state {args.d_state}, on {args.device}"
+        f"d_model {args.d_model}, {args.n_layers} layers (attention at {args.attn_idx}), d_state "
+        f"{args.d_state}, the hybrid's attention d_conv {args.attn_d_conv}, on {args.device}"
     )
+    if args.json:
+        args.json.write_text(json.dumps({"header": header, "pairs": pairs, "rows": rows}))
+    return report_mqar(header, pairs, rows)
+
+
+def merge_mqar(paths: list[Path]) -> dict:
+    """One table from the JSON of runs that trained one model each (in parallel processes): they must
+    share the settings (the same header)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    headers = {r["header"] for r in runs}
+    assert len(headers) == 1, f"the runs' settings differ: {headers}"
+    rows = {
+        name: {**row, "acc": {int(n): a for n, a in row["acc"].items()}}
+        for r in runs
+        for name, row in r["rows"].items()
+    }
+    return report_mqar(runs[0]["header"], runs[0]["pairs"], rows)
+
+
+def report_mqar(header: str, pairs: list[int], rows: dict[str, dict]) -> dict[str, dict[int, float]]:
+    """The table as printed, and the target's line when both Mamba-3 models are in it."""
+    print(header)
     print("| model | parameters | " + " | ".join(f"{n} pairs" for n in pairs) + " | steps | train s |")
     print("|---|---|" + "---|" * len(pairs) + "---|---|")
-    for name, model in models.items():
-        cells = " | ".join(f"{acc[name][n]:.3f}" for n in pairs)
-        print(f"| {name} | {n_params(model):,} | {cells} | {done[name]} | {secs[name]:.0f} |")
+    for name, row in rows.items():
+        cells = " | ".join(f"{row['acc'][n]:.3f}" for n in pairs)
+        print(f"| {name} | {row['parameters']:,} | {cells} | {row['steps']} | {row['train_s']:.0f} |")
+    acc = {name: row["acc"] for name, row in rows.items()}
     if not {"mamba3", "hybrid"} <= acc.keys():
         return acc
     below = [n for n in pairs if acc["mamba3"][n] < 0.5]
@@ -339,6 +371,12 @@ def main() -> None:
     ap.add_argument("--d-state", type=int, default=16, help="Mamba-3 state size N (small: recall is hard)")
     ap.add_argument("--headdim", type=int, default=16, help="Mamba-3 head dim P")
     ap.add_argument("--attn-head-dim", type=int, default=32)
+    ap.add_argument(
+        "--attn-d-conv",
+        type=int,
+        default=4,
+        help="the hybrid's short causal conv over q, k, v (the official MHA's d_conv; 0: none)",
+    )
     ap.add_argument("--attn-idx", type=int, nargs="+", default=[2], help="the hybrid's attention layers")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--batch", type=int, default=32)
@@ -350,6 +388,9 @@ def main() -> None:
     ap.add_argument("--mqar-budget-s", type=float, default=math.inf, help="cut each model's training here")
     ap.add_argument("--device", default="cpu", help="where section 1 (MQAR) runs: cpu or cuda")
     ap.add_argument("--eval-windows", type=int, default=128)
+    ap.add_argument("--log-every", type=int, default=0, help="the training loss to stderr every N steps")
+    ap.add_argument("--json", type=Path, default=None, help="section 1's results, for --merge")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, help="one MQAR table from runs' --json")
     ap.add_argument("--models", nargs="+", default=["mamba3", "hybrid", "transformer"])
     ap.add_argument("--data", type=Path, default=None, help="a prepared dataset directory (section 2)")
     ap.add_argument("--window", type=int, default=128)
@@ -370,7 +411,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sections = set(args.sections.split(","))
-    acc = mqar(args) if "mqar" in sections else None
+    if args.merge:
+        acc = merge_mqar(args.merge)
+        args.pairs = sorted(next(iter(acc.values())))
+    else:
+        acc = mqar(args) if "mqar" in sections else None
     lm_out = lm(args) if args.data is not None and "lm" in sections else None
     if "step" in sections:
         step_time(args)

@@ -513,3 +513,35 @@ def test_mqar_windows_ask_for_each_key_once_with_the_value_it_was_paired_with(mo
         assert sorted(x[t] for t in scored) == sorted(pairs)  # each key asked once, after the pairs
         assert all(t >= 12 and y[t] == pairs[x[t]] == x[t + 1] for t in scored)
         assert all(x[t] == 0 for t in range(12, 48) if t not in scored and t - 1 not in scored)
+
+
+def test_mqar_runs_of_one_model_each_merge_into_one_table_with_the_target(monkeypatch, tmp_path, capsys):
+    """Models trained in parallel processes (--models X --json F) print one table (--merge), and the
+    target reads the hybrid at the largest pair count where pure Mamba-3 is below 0.5."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    hybrid_compare = importlib.import_module("hybrid_compare")
+    header = "\n## MQAR: the same settings"
+
+    def run(name, acc, path):
+        row = {"parameters": 1000, "acc": acc, "steps": 12, "train_s": 3.0}
+        path.write_text(json.dumps({"header": header, "pairs": [4, 16], "rows": {name: row}}))
+        return path
+
+    paths = [
+        run("hybrid", {"4": 1.0, "16": 0.95}, tmp_path / "h.json"),
+        run("mamba3", {"4": 0.6, "16": 0.3}, tmp_path / "m.json"),
+    ]
+    acc = hybrid_compare.merge_mqar(paths)
+    out = capsys.readouterr().out
+    assert acc == {"hybrid": {4: 1.0, 16: 0.95}, "mamba3": {4: 0.6, 16: 0.3}}
+    assert (
+        "| hybrid | 1,000 | 1.000 | 0.950 | 12 | 3 |" in out and "| mamba3 | 1,000 | 0.600 | 0.300 |" in out
+    )
+    assert (
+        "target: at 16 pairs (the largest count where pure Mamba-3 < 0.5: 0.300) the hybrid reads 0.950 "
+        "(>= 0.9: met)" in out
+    )
+    other = tmp_path / "t.json"
+    other.write_text(json.dumps({"header": "\n## MQAR: other settings", "pairs": [4, 16], "rows": {}}))
+    with pytest.raises(AssertionError, match="settings differ"):
+        hybrid_compare.merge_mqar([paths[0], other])
