@@ -12,7 +12,10 @@ Three sections, each printing a table with ratios:
    and the model must predict its value. Only those positions are scored. A fixed-size recurrent state
    must hold all `n` pairs at once, attention looks them up: accuracy at a growing `n` shows the gap.
    Every model trains on a mixture of the pair counts (same windows, same order, same steps) and is
-   scored on fresh windows of each count.
+   scored on fresh windows of each count. The table's last row is the accuracy without recall (knowing
+   which values a window holds, guessing among those not asked yet): a model above it has learned to
+   bind keys to values. `--device cuda` trains there (the windows are built on the device); `--models
+   X --json F` trains some of the models in one process, and `--merge F1 F2 ...` prints their table.
 2. **Language modelling and length extrapolation** (with `--data`): each model trains on windows of
    `--window` tokens of a prepared dataset (same windows, same order), then is scored on the val split:
    bits/byte at the training window, and mean loss by position on windows of 8x the training window
@@ -225,6 +228,13 @@ def merge_mqar(paths: list[Path]) -> dict:
     return report_mqar(runs[0]["header"], runs[0]["pairs"], rows)
 
 
+def elimination_accuracy(n_pairs: int) -> float:
+    """The accuracy of a model that knows which values the window holds but not which key each belongs
+    to: the queries come in random order with their answers (teacher forcing), so the k-th query has
+    n - k values left to guess among: mean over k of 1 / (n - k) = H(n) / n. Above it is recall."""
+    return sum(1 / k for k in range(1, n_pairs + 1)) / n_pairs
+
+
 def report_mqar(header: str, pairs: list[int], rows: dict[str, dict]) -> dict[str, dict[int, float]]:
     """The table as printed, and the target's line when both Mamba-3 models are in it."""
     print(header)
@@ -233,6 +243,8 @@ def report_mqar(header: str, pairs: list[int], rows: dict[str, dict]) -> dict[st
     for name, row in rows.items():
         cells = " | ".join(f"{row['acc'][n]:.3f}" for n in pairs)
         print(f"| {name} | {row['parameters']:,} | {cells} | {row['steps']} | {row['train_s']:.0f} |")
+    cells = " | ".join(f"{elimination_accuracy(n):.3f}" for n in pairs)
+    print(f"| (no recall: a guess among the values not yet asked) | - | {cells} | - | - |")
     acc = {name: row["acc"] for name, row in rows.items()}
     if not {"mamba3", "hybrid"} <= acc.keys():
         return acc
@@ -347,6 +359,8 @@ def plot(acc: dict | None, lm_out: dict | None, pairs: list[int], path: Path) ->
         ax = axes[0][0]
         for name, a in acc.items():
             ax.plot(pairs, [a[p] for p in pairs], marker="o", label=name)
+        no_recall = [elimination_accuracy(p) for p in pairs]
+        ax.plot(pairs, no_recall, linestyle="--", color="grey", label="no recall (a guess among the unasked)")
         ax.set(xlabel="key-value pairs", ylabel="MQAR accuracy", title="Recall", ylim=(0, 1.05))
         ax.legend()
     if lm_out:

@@ -537,6 +537,8 @@ def test_mqar_runs_of_one_model_each_merge_into_one_table_with_the_target(monkey
     assert (
         "| hybrid | 1,000 | 1.000 | 0.950 | 12 | 3 |" in out and "| mamba3 | 1,000 | 0.600 | 0.300 |" in out
     )
+    # H(4) / 4 and H(16) / 16: the accuracy without recall, guessing among the values not yet asked
+    assert "| (no recall: a guess among the values not yet asked) | - | 0.521 | 0.211 | - | - |" in out
     assert (
         "target: at 16 pairs (the largest count where pure Mamba-3 < 0.5: 0.300) the hybrid reads 0.950 "
         "(>= 0.9: met)" in out
