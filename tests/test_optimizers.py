@@ -1,4 +1,4 @@
-"""The optimizers' registry (mamba3lite/optimizers.py: each entry builds its optimizer): the config's
+"""The optimizers' registry (mamba3lite/optimizers.py: each entry names what builds it): the config's
 choices are the registry, a name it does not know is one error wherever it arrives, the memory estimate
 counts exactly the state each optimizer holds, and an optimizer registered by a test alone (no other file
 touched) is chosen by the config, built, trained, checkpointed, resumed and counted."""
@@ -19,7 +19,8 @@ from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.model.memory import check_model_fits, optimizer_state_bytes, per_rank_memory
 from mamba3lite.optimizers import OptimizerKind, lookup
-from mamba3lite.train.optim import build_optimizer, param_groups
+from mamba3lite.train import optim
+from mamba3lite.train.optim import build_optimizer
 from mamba3lite.train.trainer import Pretrainer
 from test_trainer import metrics, tiny_config
 from tiny_shapes import TINY_MODEL_SHAPE
@@ -27,15 +28,13 @@ from tiny_shapes import TINY_MODEL_SHAPE
 MODEL = Config().replace("model", vocab_size=64, eos_id=0, **{**TINY_MODEL_SHAPE, "n_layers": 2}).model
 
 
-def _sgd(model: torch.nn.Module, training: TrainingConfig) -> torch.optim.SGD:
-    """A test's optimizer: SGD with momentum over the AdamW groups (decayed, not decayed)."""
-    return torch.optim.SGD(param_groups(model, training.weight_decay), lr=training.lr, momentum=0.9)
-
-
 @pytest.fixture
 def sgd(monkeypatch):
-    """ "sgd" registered for this test only: one registry entry (its facts and its builder), nothing else."""
-    kind = OptimizerKind("sgd", "SGD with momentum", lambda name, p: 4, _sgd)  # one fp32 momentum buffer
+    """ "sgd" registered for this test only, as a user adds an optimizer torch provides: one registry
+    entry (torch's class and its options), no other file or function."""
+    kind = OptimizerKind(
+        "sgd", "SGD with momentum", lambda name, p: 4, "torch.optim:SGD", options={"momentum": 0.9}
+    )
     monkeypatch.setitem(optimizers.KINDS, "sgd", kind)
     return kind
 
@@ -62,7 +61,7 @@ def one_step(model_cfg, optimizer_name: str):
 def test_the_configs_choices_are_the_registry_and_every_optimizer_has_a_builder():
     assert OPTIMIZERS is optimizers.KINDS and set(OPTIMIZERS) == {"adamw", "muon"}
     for name in OPTIMIZERS:
-        assert callable(OPTIMIZERS[name].build)
+        assert callable(optim.builder(OPTIMIZERS[name]))
         assert f"{name}: " in TrainingConfig.__dataclass_fields__["optimizer"].metadata["help"]
 
 

@@ -6,17 +6,21 @@ An optimizer is an `OptimizerKind`, registered under its name in `KINDS`:
     help         one line for the config reference
     state_bytes  bytes of optimizer state per element of a parameter, by its name and the parameter
                  (model/memory.py counts a model's parameters with it: the memory estimate)
-    build        (model, training config) -> the optimizer, with torch's interface (step, zero_grad,
-                 param_groups, state_dict, load_state_dict); one with its own lr per group sets
-                 `lr_scales` (train/optim.py's `MuonWithAdamW`)
     parts        attributes of the built optimizer that are torch optimizers, checkpointed one by one in
                  that order (checkpoint/state.py); () when the built object is one torch optimizer
 
-So an optimizer is added here and nowhere else (and tested: tests/test_optimizers.py registers one in
-a test alone and trains, checkpoints, resumes and counts it). The builders import torch and
-train/optim.py's parts (parameter groups, AdamW, Muon) when they run, not at the top: config.py reads
-this registry for its choices at every command's start, and `--help` or a config check must not pay
-for importing torch.
+    build        what builds it, as "module:attribute" (an entry point: this module sits below torch and
+                 the model, which config.py, model/ and checkpoint/ read it without importing;
+                 train/optim.py's `build_optimizer` imports it when a run builds one):
+                 - a torch optimizer class (`torch.optim:SGD`): built over the parameter groups (decayed,
+                   not decayed: `wants_decay`) with `training.lr` and `options`;
+                 - or a function (model, training config) -> an optimizer with torch's interface, where
+                   one run assembles several (`MuonWithAdamW`: Muon's matrices, AdamW's rest)
+    options      keyword arguments for a class's constructor (momentum, say)
+
+So an optimizer that torch (or an installed package) provides is one entry here and nothing else
+(tests/test_optimizers.py registers SGD in a test alone, then trains, checkpoints, resumes and counts
+it); one that needs its own assembly adds its function to train/optim.py beside AdamW's and Muon's.
 
 A name the registry does not know is one error wherever it arrives: `lookup`. Which parameters get
 weight decay, and which of them Muon takes, is written once here (`wants_decay`, `is_hidden_matrix`):
@@ -26,7 +30,7 @@ the optimizers' parameter groups (train/optim.py) and the memory estimate both f
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mamba3lite.errors import ConfigError, Mamba3LiteError, did_you_mean_hint
@@ -59,8 +63,9 @@ class OptimizerKind:
     name: str
     help: str
     state_bytes: Callable[[str, Any], int]  # (parameter name, parameter) -> state bytes per element
-    build: Callable[[Any, Any], Any]  # (model, TrainingConfig) -> the optimizer
+    build: str  # "module:attribute": a torch optimizer class, or a function (model, training) -> optimizer
     parts: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def _adamw_bytes(name: str, p: Any) -> int:
@@ -71,46 +76,10 @@ def _muon_bytes(name: str, p: Any) -> int:
     return 4 if is_hidden_matrix(name, p) else 8  # Muon's one fp32 momentum; AdamW's two moments
 
 
-def _build_adamw(model: Any, training: Any) -> Any:
-    """AdamW over `param_groups(model)` (decayed, not decayed)."""
-    from mamba3lite.train import optim  # torch: when a run builds it (module docstring)
-
-    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
-    return optim.build_adamw(optim.param_groups(model, training.weight_decay), **kw)
-
-
-def _build_muon(model: Any, training: Any) -> Any:
-    """`MuonWithAdamW`: Muon over the hidden matrices, AdamW over the rest. ConfigError when the model
-    has no hidden matrix for Muon."""
-    from mamba3lite.model.precision import resolve_precision  # torch: when a run builds it
-    from mamba3lite.train import optim
-
-    hidden = [(n, p) for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
-    if not hidden:
-        raise ConfigError(
-            "training.optimizer is muon, but this model has no 2-D hidden matrix for Muon (only embedding, "
-            "head, norms, biases); use --set training.optimizer=adamw"
-        )
-    muon_lr = training.lr if training.muon_lr is None else training.muon_lr
-    device = hidden[0][1].device  # the device the model trains on (a DTensor's too)
-    muon = optim.FullMatrixMuon(
-        [p for _, p in hidden],
-        ns_dtype=resolve_precision(training.dtype, device).matmul_dtype,
-        lr=muon_lr,
-        weight_decay=training.weight_decay,
-        momentum=training.muon_momentum,
-        nesterov=True,
-        adjust_lr_fn="match_rms_adamw",
-    )
-    groups = optim.param_groups(model, training.weight_decay, exclude=frozenset(n for n, _ in hidden))
-    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
-    return optim.MuonWithAdamW(optim.build_adamw(groups, **kw), muon, muon_lr / training.lr)
-
-
 KINDS: dict[str, OptimizerKind] = {
     k.name: k
     for k in (
-        OptimizerKind("adamw", "AdamW for every parameter", _adamw_bytes, _build_adamw),
+        OptimizerKind("adamw", "AdamW for every parameter", _adamw_bytes, "mamba3lite.train.optim:adamw"),
         OptimizerKind(
             "muon",
             "torch.optim.Muon for the 2-D hidden matrices (the mixers' in_proj/out_proj, the MLP's fc1/fc2) "
@@ -118,7 +87,7 @@ KINDS: dict[str, OptimizerKind] = {
             "modded-nanogpt speedrun; Muon's decay is weight_decay, decoupled like AdamW's "
             "(p -= lr x weight_decay x p)",
             _muon_bytes,
-            _build_muon,
+            "mamba3lite.train.optim:muon_with_adamw",
             parts=("adamw", "muon"),
         ),
     )

@@ -2,7 +2,8 @@
 schedule as a pure function.
 
 `training.optimizer` names one of the registry's optimizers (mamba3lite/optimizers.py: the names, their
-state's bytes per parameter, their checkpointed parts, how each is built from the parts here). Weight decay
+state's bytes per parameter, their checkpointed parts, what builds each: a torch optimizer class, or
+`adamw` and `muon_with_adamw` here). Weight decay
 (decoupled, AdamW) applies to the weight matrices of linear layers only, by the registry's rule
 (`wants_decay`: docs/model.md §1.2, §5, and common practice for LMs): not to parameters flagged
 `p._no_weight_decay`, to anything of fewer than 2 dimensions, nor to norms, biases and embeddings by name.
@@ -31,7 +32,9 @@ config names another schedule follows the new one from the saved step, as with a
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,8 +42,9 @@ from torch import Tensor
 from torch.optim._muon import _adjust_lr
 
 from mamba3lite.checkpoint.dtensor import is_dtensor
-from mamba3lite.errors import CheckpointError
-from mamba3lite.optimizers import lookup, wants_decay
+from mamba3lite.errors import CheckpointError, ConfigError
+from mamba3lite.model.precision import resolve_precision
+from mamba3lite.optimizers import OptimizerKind, is_hidden_matrix, lookup, wants_decay
 
 if TYPE_CHECKING:
     from mamba3lite.config import TrainingConfig
@@ -230,7 +234,7 @@ class MuonWithAdamW:
 
 
 def build_optimizer(model: torch.nn.Module, training: TrainingConfig | None = None, **adamw: Any) -> Any:
-    """The optimizer `training.optimizer` names (the registry, optimizers.py, builds it),
+    """The optimizer `training.optimizer` names (the registry, optimizers.py, says what builds it),
     over the model's trainable parameters, with its name as `kind` (what a checkpoint records). Without
     a config, `build_optimizer(model, lr=..., weight_decay=..., betas=..., eps=...)` is AdamW over
     `param_groups(model)` (the form checkpoint tests and benchmarks use). An unknown name: ConfigError."""
@@ -238,9 +242,57 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig | None = No
         wd = adamw.pop("weight_decay")
         return build_adamw(param_groups(model, wd), **adamw)
     kind = lookup(training.optimizer)
-    optimizer = kind.build(model, training)
+    optimizer = builder(kind)(model, training)
     optimizer.kind = kind.name
     return optimizer
+
+
+def adamw(model: torch.nn.Module, training: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW over `param_groups(model)`."""
+    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
+    return build_adamw(param_groups(model, training.weight_decay), **kw)
+
+
+def muon_with_adamw(model: torch.nn.Module, training: TrainingConfig) -> MuonWithAdamW:
+    """`MuonWithAdamW`: Muon over the hidden matrices, AdamW over the rest. ConfigError when the model
+    has no hidden matrix for Muon."""
+    hidden = [(n, p) for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
+    if not hidden:
+        raise ConfigError(
+            "training.optimizer is muon, but this model has no 2-D hidden matrix for Muon (only embedding, "
+            "head, norms, biases); use --set training.optimizer=adamw"
+        )
+    muon_lr = training.lr if training.muon_lr is None else training.muon_lr
+    device = hidden[0][1].device  # the device the model trains on (a DTensor's too)
+    muon = FullMatrixMuon(
+        [p for _, p in hidden],
+        ns_dtype=resolve_precision(training.dtype, device).matmul_dtype,
+        lr=muon_lr,
+        weight_decay=training.weight_decay,
+        momentum=training.muon_momentum,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    groups = param_groups(model, training.weight_decay, exclude=frozenset(n for n, _ in hidden))
+    kw = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
+    return MuonWithAdamW(build_adamw(groups, **kw), muon, muon_lr / training.lr)
+
+
+def builder(kind: OptimizerKind) -> Callable[[torch.nn.Module, TrainingConfig], Any]:
+    """What builds the registered optimizer `kind` (its `build`, "module:attribute"): a function as it is;
+    a torch optimizer class over `param_groups(model)` with the run's lr and the entry's options."""
+    module, _, attribute = kind.build.partition(":")
+    target = getattr(importlib.import_module(module), attribute)
+    if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
+        return target
+
+    def build(model: torch.nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
+        groups = param_groups(model, training.weight_decay)
+        for g in groups:
+            g.pop("names", None)  # torch keeps unknown group keys in its state_dict; names live in the model
+        return target(groups, lr=training.lr, **kind.options)
+
+    return build
 
 
 def lr_at(
