@@ -141,12 +141,12 @@ def logits(model: torch.nn.Module, x_BT: Tensor) -> Tensor:
 
 
 def train(
-    model, batches, steps: int, lr: float, budget_s: float = math.inf, log_every: int = 0
+    model, batches, steps: int, lr: float, budget_s: float = math.inf, log_every: int = 0, wd: float = 0.1
 ) -> tuple[float, int]:
     """AdamW, linear warmup (5%) then cosine to 10%, on `batches(step)`; stops early when `budget_s`
     seconds have passed (the schedule is not shortened: a cut run says so); the loss to stderr every
     `log_every` steps. Returns (seconds, steps)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=wd)
     warm = max(1, steps // 20)
     model.train()
     t0 = time.perf_counter()
@@ -191,7 +191,13 @@ def mqar(args) -> dict:
     rows: dict[str, dict] = {}
     for name, model in models.items():
         secs, done = train(
-            model, batches_for(train_gen_seed), args.mqar_steps, args.lr, args.mqar_budget_s, args.log_every
+            model,
+            batches_for(train_gen_seed),
+            args.mqar_steps,
+            args.lr,
+            args.mqar_budget_s,
+            args.log_every,
+            args.weight_decay,
         )
         model.eval()
         gen = torch.Generator(device=args.device).manual_seed(args.seed + 2)
@@ -393,6 +399,7 @@ def main() -> None:
     )
     ap.add_argument("--attn-idx", type=int, nargs="+", default=[2], help="the hybrid's attention layers")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on every parameter (MQAR)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 16, 32, 48])
     ap.add_argument("--mqar-len", type=int, default=256)
