@@ -53,10 +53,13 @@ def meta_state(cfg: Mamba3Config, dtype: torch.dtype) -> RowTensors:
     return Mamba3.from_config(cfg, device="meta").allocate_state(1, device="meta", dtype=dtype)
 
 
-def state_spec(cfg: Mamba3Config, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], ...], tuple]:
+def state_spec(
+    cfg: Mamba3Config, dtype: torch.dtype, state: RowTensors | None = None
+) -> tuple[tuple[tuple[int, ...], ...], tuple]:
     """(shapes, dtypes) of one request's decode state of one layer, in the state's `tensors()` order, for
-    a model run in `dtype`: what `Mamba3.allocate_state` allocates, without the batch axis."""
-    parts = meta_state(cfg, dtype).tensors()
+    a model run in `dtype`: what `Mamba3.allocate_state` allocates, without the batch axis. `state`: that
+    state's `meta_state` where the caller holds it already (else it is built here)."""
+    parts = (meta_state(cfg, dtype) if state is None else state).tensors()
     if any(t.numel() == 0 for t in parts):
         raise ConfigError(
             f"model.d_state = {cfg.d_state} with rope_fraction = {cfg.rope_fraction} gives an empty decode "
@@ -122,8 +125,8 @@ class VllmMamba3(Mamba3, MambaBase):
         backend is "auto": the fastest that runs on the device its input is on (the chunked scan on a
         CPU, Triton on a GPU), whatever backend the model was trained with."""
         layer = cls.from_config(dataclasses.replace(cfg, scan_impl="auto"))
-        layer.state_shapes, layer.state_dtypes = state_spec(cfg, model_config.dtype)
         layer.state_template = meta_state(cfg, model_config.dtype)
+        layer.state_shapes, layer.state_dtypes = state_spec(cfg, model_config.dtype, layer.state_template)
         layer.model_config, layer.cache_config, layer.prefix = model_config, cache_config, prefix
         layer.kv_cache = tuple(torch.tensor([]) for _ in layer.state_shapes)
         register_state_layer(prefix, layer)
