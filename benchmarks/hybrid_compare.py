@@ -353,7 +353,7 @@ def step_time(args) -> dict:
     return {"ratio": ratio}
 
 
-def plot(acc: dict | None, lm_out: dict | None, pairs: list[int], path: Path) -> None:
+def plot(acc: dict | None, lm_out: dict | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,6 +363,7 @@ def plot(acc: dict | None, lm_out: dict | None, pairs: list[int], path: Path) ->
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     if acc:
         ax = axes[0][0]
+        pairs = sorted(next(iter(acc.values())))  # every model is scored at the same counts
         for name, a in acc.items():
             ax.plot(pairs, [a[p] for p in pairs], marker="o", label=name)
         no_recall = [elimination_accuracy(p) for p in pairs]
@@ -412,7 +413,8 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=0, help="the training loss to stderr every N steps")
     ap.add_argument("--json", type=Path, default=None, help="section 1's results, for --merge")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, help="one MQAR table from runs' --json")
-    ap.add_argument("--models", nargs="+", default=["mamba3", "hybrid", "transformer"])
+    models = ["mamba3", "hybrid", "transformer"]
+    ap.add_argument("--models", nargs="+", choices=models, default=models, help="section 1's contenders")
     ap.add_argument("--data", type=Path, default=None, help="a prepared dataset directory (section 2)")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--lm-steps", type=int, default=1000)
@@ -434,14 +436,13 @@ def main() -> None:
     sections = set(args.sections.split(","))
     if args.merge:
         acc = merge_mqar(args.merge)
-        args.pairs = sorted(next(iter(acc.values())))
     else:
         acc = mqar(args) if "mqar" in sections else None
     lm_out = lm(args) if args.data is not None and "lm" in sections else None
     if "step" in sections:
         step_time(args)
     if not args.no_plot and (acc or lm_out):
-        plot(acc, lm_out, args.pairs, args.plot)
+        plot(acc, lm_out, args.plot)
 
 
 if __name__ == "__main__":

@@ -317,7 +317,7 @@ class ModelConfig:
         """The attention layers' placement and shape, with the official layer's own rules."""
         self._check_attention_placement()
         if self.attn_layer_idx:
-            self._check_attention_shape()
+            check_attention_shape(self.attn_cfg, self.d_model, "model.attn_cfg.")
 
     def _check_attention_placement(self) -> None:
         """Each index names a layer, once; attn_cfg only beside attention layers."""
@@ -339,10 +339,6 @@ class ModelConfig:
                 "model.attn_cfg is set but model.attn_layer_idx is empty, so no layer would use it: "
                 "name the attention layers (e.g. attn_layer_idx: [3, 7]) or drop attn_cfg"
             )
-
-    def _check_attention_shape(self) -> None:
-        """attn_cfg's heads, widths and rotary add up (the official MHA's rules)."""
-        check_attention_shape(self.attn_cfg, self.d_model, "model.attn_cfg.")
 
     def layer_kind(self, i: int) -> str:
         """The mixer kind of layer `i`: "attention" for the indices in attn_layer_idx, else "mamba3"."""
