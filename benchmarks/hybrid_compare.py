@@ -96,10 +96,9 @@ def mqar_batch(
 
 
 # ---- the models ----
-def base_config(args, vocab_size: int, init_std: float = 0.02) -> dict:
+def base_config(args, vocab_size: int) -> dict:
     return dict(
         vocab_size=vocab_size,
-        init_std=init_std,
         eos_id=vocab_size - 1,
         d_model=args.d_model,
         n_layers=args.n_layers,
@@ -111,10 +110,10 @@ def base_config(args, vocab_size: int, init_std: float = 0.02) -> dict:
     )
 
 
-def build_models(args, vocab_size: int, init_std: float = 0.02) -> dict[str, torch.nn.Module]:
-    """The three contenders with one seed each: pure, hybrid, Transformer; `init_std` is their token
-    embeddings' (the model's default 0.02 unless section 1 says otherwise)."""
-    base = base_config(args, vocab_size, init_std)
+def build_models(args, vocab_size: int, **overrides) -> dict[str, torch.nn.Module]:
+    """The three contenders with one seed each: pure, hybrid, Transformer; `overrides` are ModelConfig
+    fields all three take (section 1's `init_std`), else the model's defaults."""
+    base = base_config(args, vocab_size) | overrides
     heads = max(1, args.d_model // args.attn_head_dim)
     attn_cfg = {
         "num_heads": heads,
@@ -187,7 +186,7 @@ def accuracy(model: torch.nn.Module, x_BT: Tensor, y_BT: Tensor) -> float:
 def mqar(args) -> dict:
     vocab = MqarVocab(args.mqar_keys, args.mqar_values)
     pairs = args.pairs
-    built = build_models(args, vocab.size, args.mqar_init_std)
+    built = build_models(args, vocab.size, init_std=args.mqar_init_std)
     models = {n: m.to(args.device) for n, m in built.items() if n in args.models}
     train_gen_seed = args.seed + 1
 

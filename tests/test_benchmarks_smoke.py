@@ -561,7 +561,7 @@ def test_mqar_hybrid_with_attention_after_a_mamba3_layer_learns_recall_at_the_be
         ["--d-model", "32", "--n-layers", "2", "--attn-idx", "1", "--attn-head-dim", "16"]
     )
     vocab = hybrid_compare.MqarVocab(n_keys=16, n_values=16)
-    model = hybrid_compare.build_models(args, vocab.size, args.mqar_init_std)["hybrid"]
+    model = hybrid_compare.build_models(args, vocab.size, init_std=args.mqar_init_std)["hybrid"]
     gen = torch.Generator().manual_seed(1)
     hybrid_compare.train(model, lambda step: hybrid_compare.mqar_batch(vocab, 32, 32, 4, gen), 400, 3e-3)
     x_BT, y_BT = hybrid_compare.mqar_batch(vocab, 256, 32, 4, torch.Generator().manual_seed(2))
