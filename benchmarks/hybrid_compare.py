@@ -19,7 +19,8 @@ Three sections, each printing a table with ratios:
    layer after the first sees little of which token it is on, and an attention layer placed after a
    Mamba-3 layer stayed on the no-recall line for 12,000 steps; at 0.3 it binds in a few hundred.
    `--device cuda` trains there (the windows are built on the device); `--models
-   X --json F` trains some of the models in one process, and `--merge F1 F2 ...` prints their table.
+   X --json F` trains some of the models in one process, and `--merge F1 F2 ...` prints their table (one
+   per `--seed`, then each model's mean and range across the seeds).
 2. **Language modelling and length extrapolation** (with `--data`): each model trains on windows of
    `--window` tokens of a prepared dataset (same windows, same order), then is scored on the val split:
    bits/byte at the training window, and mean loss by position on windows of 8x the training window
@@ -223,25 +224,63 @@ def mqar(args) -> dict:
         f"{','.join(map(str, pairs))} in turn), {args.eval_windows} fresh windows per count, lr {args.lr}, "
         f"d_model {args.d_model}, {args.n_layers} layers (attention at {args.attn_idx}), d_state "
         f"{args.d_state}, the hybrid's attention d_conv {args.attn_d_conv}, embedding init std "
-        f"{args.mqar_init_std}, on {args.device}"
+        f"{args.mqar_init_std}, seed {args.seed}, on {args.device}"
     )
     if args.json:
-        args.json.write_text(json.dumps({"header": header, "pairs": pairs, "rows": rows}))
+        args.json.write_text(json.dumps({"header": header, "seed": args.seed, "pairs": pairs, "rows": rows}))
     return report_mqar(header, pairs, rows)
 
 
 def merge_mqar(paths: list[Path]) -> dict:
-    """One table from the JSON of runs that trained one model each (in parallel processes): they must
-    share the settings (the same header)."""
+    """One table per seed from the JSON of runs that trained some of the models each (in parallel
+    processes), and with several seeds one more: each model's mean and range across them. The runs must
+    share every setting but the seed (their headers equal once the seed is taken out)."""
     runs = [json.loads(p.read_text()) for p in paths]
-    headers = {r["header"] for r in runs}
-    assert len(headers) == 1, f"the runs' settings differ: {headers}"
-    rows = {
-        name: {**row, "acc": {int(n): a for n, a in row["acc"].items()}}
-        for r in runs
-        for name, row in r["rows"].items()
-    }
-    return report_mqar(runs[0]["header"], runs[0]["pairs"], rows)
+    settings = {r["header"].replace(f", seed {r.get('seed', 0)}", "") for r in runs}
+    assert len(settings) == 1, f"the runs' settings differ: {settings}"
+    by_seed: dict[int, dict] = {}
+    for r in runs:
+        group = by_seed.setdefault(r.get("seed", 0), {"header": r["header"], "rows": {}})
+        for name, row in r["rows"].items():
+            group["rows"][name] = {**row, "acc": {int(n): a for n, a in row["acc"].items()}}
+    pairs = runs[0]["pairs"]
+    accs = {seed: report_mqar(g["header"], pairs, g["rows"]) for seed, g in sorted(by_seed.items())}
+    return accs[next(iter(accs))] if len(accs) == 1 else report_across_seeds(pairs, accs)
+
+
+def report_across_seeds(pairs: list[int], accs: dict[int, dict]) -> dict[str, dict[int, float]]:
+    """Each model's mean (min-max) over the seeds at each count, and in how many seeds the target holds;
+    returns the means."""
+    names = list(next(iter(accs.values())))
+    missing = {seed: sorted(set(names) ^ set(acc)) for seed, acc in accs.items() if set(acc) != set(names)}
+    assert not missing, f"every seed needs the same models; these differ: {missing}"
+    print(f"\n## Across seeds {', '.join(map(str, accs))}: mean (min-max)")
+    print("| model | " + " | ".join(f"{n} pairs" for n in pairs) + " |")
+    print("|---|" + "---|" * len(pairs))
+    means = {}
+    for name in names:
+        per_count = {n: [acc[name][n] for acc in accs.values()] for n in pairs}
+        means[name] = {n: statistics.fmean(a) for n, a in per_count.items()}
+        cells = " | ".join(f"{means[name][n]:.3f} ({min(a):.3f}-{max(a):.3f})" for n, a in per_count.items())
+        print(f"| {name} | {cells} |")
+    if {"mamba3", "hybrid"} <= set(names):
+        verdicts = {seed: recall_target(acc, pairs) for seed, acc in accs.items()}
+        met = [seed for seed, (n, ok) in verdicts.items() if ok]
+        cells = ", ".join(
+            f"seed {seed}: " + (f"{n} pairs, {'met' if ok else 'not met'}" if n else "pure >= 0.5 everywhere")
+            for seed, (n, ok) in verdicts.items()
+        )
+        print(f"target met in {len(met)} of {len(accs)} seeds ({cells})")
+    return means
+
+
+def recall_target(acc: dict[str, dict[int, float]], pairs: list[int]) -> tuple[int | None, bool]:
+    """The target's count (the largest where pure Mamba-3 < 0.5; None if there is none) and whether the
+    hybrid reaches 0.9 there."""
+    below = [n for n in pairs if acc["mamba3"][n] < 0.5]
+    if not below:
+        return None, False
+    return max(below), acc["hybrid"][max(below)] >= 0.9
 
 
 def elimination_accuracy(n_pairs: int) -> float:
@@ -264,10 +303,9 @@ def report_mqar(header: str, pairs: list[int], rows: dict[str, dict]) -> dict[st
     acc = {name: row["acc"] for name, row in rows.items()}
     if not {"mamba3", "hybrid"} <= acc.keys():
         return acc
-    below = [n for n in pairs if acc["mamba3"][n] < 0.5]
-    if below:
-        n = max(below)
-        verdict = "met" if acc["hybrid"][n] >= 0.9 else "not met"
+    n, met = recall_target(acc, pairs)
+    if n:
+        verdict = "met" if met else "not met"
         print(
             f"target: at {n} pairs (the largest count where pure Mamba-3 < 0.5: {acc['mamba3'][n]:.3f}) "
             f"the hybrid reads {acc['hybrid'][n]:.3f} (>= 0.9: {verdict})"

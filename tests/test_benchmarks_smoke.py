@@ -549,6 +549,47 @@ def test_mqar_runs_of_one_model_each_merge_into_one_table_with_the_target(monkey
         hybrid_compare.merge_mqar([paths[0], other])
 
 
+def test_mqar_runs_of_several_seeds_merge_into_a_table_per_seed_and_a_mean_with_the_target_counted(
+    monkeypatch, tmp_path, capsys
+):
+    """Runs of two seeds print each seed's table, then each model's mean (min-max) and in how many seeds
+    the target holds; a seed that lacks a model, or runs whose settings differ beyond the seed, are
+    refused."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    hybrid_compare = importlib.import_module("hybrid_compare")
+
+    def run(name, seed, acc, settings="the same settings"):
+        row = {"parameters": 1000, "acc": acc, "steps": 12, "train_s": 3.0}
+        header = f"\n## MQAR: {settings}, seed {seed}, on cpu"
+        path = tmp_path / f"{name}{seed}{len(settings)}.json"
+        path.write_text(json.dumps({"header": header, "seed": seed, "pairs": [4, 16], "rows": {name: row}}))
+        return path
+
+    paths = [
+        run("mamba3", 0, {"4": 0.6, "16": 0.3}),
+        run("hybrid", 0, {"4": 1.0, "16": 0.95}),
+        run("mamba3", 1, {"4": 0.4, "16": 0.2}),
+        run("hybrid", 1, {"4": 1.0, "16": 0.85}),
+    ]
+    means = hybrid_compare.merge_mqar(paths)
+    out = capsys.readouterr().out
+    assert means["mamba3"] == pytest.approx({4: 0.5, 16: 0.25}) and means["hybrid"] == pytest.approx(
+        {4: 1.0, 16: 0.9}
+    )
+    assert (
+        "## MQAR: the same settings, seed 0, on cpu" in out
+        and "## MQAR: the same settings, seed 1, on cpu" in out
+    )
+    assert "(>= 0.9: met)" in out and "(>= 0.9: not met)" in out  # seed 0's table, then seed 1's
+    assert "| mamba3 | 0.500 (0.400-0.600) | 0.250 (0.200-0.300) |" in out
+    assert "| hybrid | 1.000 (1.000-1.000) | 0.900 (0.850-0.950) |" in out
+    assert "target met in 1 of 2 seeds (seed 0: 16 pairs, met, seed 1: 16 pairs, not met)" in out
+    with pytest.raises(AssertionError, match="same models"):
+        hybrid_compare.merge_mqar(paths[:3])
+    with pytest.raises(AssertionError, match="settings differ"):
+        hybrid_compare.merge_mqar([paths[0], run("hybrid", 0, {"4": 1.0, "16": 1.0}, "other settings")])
+
+
 @pytest.mark.slow
 def test_mqar_hybrid_with_attention_after_a_mamba3_layer_learns_recall_at_the_benchmarks_init(monkeypatch):
     """The recall the benchmark reports is learnable as it builds the models: a 2-layer hybrid whose
