@@ -106,7 +106,7 @@ def base_config(args, vocab_size: int) -> dict:
         d_intermediate=2 * args.d_model,
         d_state=args.d_state,
         headdim=args.headdim,
-        expand=2,
+        expand=args.expand,
         chunk_size=64,
     )
 
@@ -223,8 +223,8 @@ def mqar(args) -> dict:
         f"\n## MQAR: window {args.mqar_len}, {args.mqar_steps} steps x {args.batch} windows (pair counts "
         f"{','.join(map(str, pairs))} in turn), {args.eval_windows} fresh windows per count, lr {args.lr}, "
         f"d_model {args.d_model}, {args.n_layers} layers (attention at {args.attn_idx}), d_state "
-        f"{args.d_state}, the hybrid's attention d_conv {args.attn_d_conv}, embedding init std "
-        f"{args.mqar_init_std}, seed {args.seed}, on {args.device}"
+        f"{args.d_state}, expand {args.expand}, the hybrid's attention d_conv {args.attn_d_conv}, "
+        f"embedding init std {args.mqar_init_std}, seed {args.seed}, on {args.device}"
     )
     if args.json:
         args.json.write_text(json.dumps({"header": header, "seed": args.seed, "pairs": pairs, "rows": rows}))
@@ -440,6 +440,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-layers", type=int, default=4)
     ap.add_argument("--d-state", type=int, default=16, help="Mamba-3 state size N (small: recall is hard)")
     ap.add_argument("--headdim", type=int, default=16, help="Mamba-3 head dim P")
+    ap.add_argument(
+        "--expand",
+        type=int,
+        default=2,
+        help="Mamba-3 inner width over d_model (its state: expand * d_model * d_state)",
+    )
     ap.add_argument("--attn-head-dim", type=int, default=32)
     ap.add_argument(
         "--attn-d-conv",
