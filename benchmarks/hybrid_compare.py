@@ -231,10 +231,11 @@ def mqar(args) -> dict:
     return report_mqar(header, pairs, rows)
 
 
-def merge_mqar(paths: list[Path]) -> dict:
+def merge_mqar(paths: list[Path]) -> tuple[dict[str, dict[int, float]], int]:
     """One table per seed from the JSON of runs that trained some of the models each (in parallel
     processes), and with several seeds one more: each model's mean and range across them. The runs must
-    share every setting but the seed (their headers equal once the seed is taken out)."""
+    share every setting but the seed (their headers equal once the seed is taken out). Returns the
+    accuracies (the mean over the seeds) and the number of seeds."""
     runs = [json.loads(p.read_text()) for p in paths]
     settings = {r["header"].replace(f", seed {r.get('seed', 0)}", "") for r in runs}
     assert len(settings) == 1, f"the runs' settings differ: {settings}"
@@ -245,7 +246,8 @@ def merge_mqar(paths: list[Path]) -> dict:
             group["rows"][name] = {**row, "acc": {int(n): a for n, a in row["acc"].items()}}
     pairs = runs[0]["pairs"]
     accs = {seed: report_mqar(g["header"], pairs, g["rows"]) for seed, g in sorted(by_seed.items())}
-    return accs[next(iter(accs))] if len(accs) == 1 else report_across_seeds(pairs, accs)
+    means = accs[next(iter(accs))] if len(accs) == 1 else report_across_seeds(pairs, accs)
+    return means, len(accs)
 
 
 def report_across_seeds(pairs: list[int], accs: dict[int, dict]) -> dict[str, dict[int, float]]:
@@ -401,7 +403,7 @@ def step_time(args) -> dict:
     return {"ratio": ratio}
 
 
-def plot(acc: dict | None, lm_out: dict | None, path: Path) -> None:
+def plot(acc: dict | None, lm_out: dict | None, path: Path, recall_title: str = "Recall") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,7 +419,7 @@ def plot(acc: dict | None, lm_out: dict | None, path: Path) -> None:
             ax.plot(pairs, [a[p] for p in pairs], marker="os^D"[k % 4], linewidth=4 - 1.2 * k, label=name)
         no_recall = [elimination_accuracy(p) for p in pairs]
         ax.plot(pairs, no_recall, linestyle="--", color="grey", label="no recall (a guess among the unasked)")
-        ax.set(xlabel="key-value pairs", ylabel="MQAR accuracy", title="Recall", ylim=(0, 1.05))
+        ax.set(xlabel="key-value pairs", ylabel="MQAR accuracy", title=recall_title, ylim=(0, 1.05))
         ax.legend()
     if lm_out:
         ax = axes[0][-1]
@@ -500,15 +502,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sections = set(args.sections.split(","))
+    seeds = 1
     if args.merge:
-        acc = merge_mqar(args.merge)
+        acc, seeds = merge_mqar(args.merge)
     else:
         acc = mqar(args) if "mqar" in sections else None
     lm_out = lm(args) if args.data is not None and "lm" in sections else None
     if "step" in sections:
         step_time(args)
     if not args.no_plot and (acc or lm_out):
-        plot(acc, lm_out, args.plot)
+        plot(acc, lm_out, args.plot, "Recall" if seeds == 1 else f"Recall (mean of {seeds} seeds)")
 
 
 if __name__ == "__main__":

@@ -531,9 +531,9 @@ def test_mqar_runs_of_one_model_each_merge_into_one_table_with_the_target(monkey
         run("hybrid", {"4": 1.0, "16": 0.95}, tmp_path / "h.json"),
         run("mamba3", {"4": 0.6, "16": 0.3}, tmp_path / "m.json"),
     ]
-    acc = hybrid_compare.merge_mqar(paths)
+    acc, seeds = hybrid_compare.merge_mqar(paths)
     out = capsys.readouterr().out
-    assert acc == {"hybrid": {4: 1.0, 16: 0.95}, "mamba3": {4: 0.6, 16: 0.3}}
+    assert acc == {"hybrid": {4: 1.0, 16: 0.95}, "mamba3": {4: 0.6, 16: 0.3}} and seeds == 1
     assert (
         "| hybrid | 1,000 | 1.000 | 0.950 | 12 | 3 |" in out and "| mamba3 | 1,000 | 0.600 | 0.300 |" in out
     )
@@ -571,8 +571,9 @@ def test_mqar_runs_of_several_seeds_merge_into_a_table_per_seed_and_a_mean_with_
         run("mamba3", 1, {"4": 0.4, "16": 0.2}),
         run("hybrid", 1, {"4": 1.0, "16": 0.85}),
     ]
-    means = hybrid_compare.merge_mqar(paths)
+    means, seeds = hybrid_compare.merge_mqar(paths)
     out = capsys.readouterr().out
+    assert seeds == 2
     assert means["mamba3"] == pytest.approx({4: 0.5, 16: 0.25}) and means["hybrid"] == pytest.approx(
         {4: 1.0, 16: 0.9}
     )
