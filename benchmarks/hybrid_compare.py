@@ -476,7 +476,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-windows", type=int, default=128)
     ap.add_argument("--log-every", type=int, default=0, help="the training loss to stderr every N steps")
     ap.add_argument("--json", type=Path, default=None, help="section 1's results, for --merge")
-    ap.add_argument("--merge", type=Path, nargs="+", default=None, help="one MQAR table from runs' --json")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="one MQAR table from runs' --json (and nothing else)",
+    )
     models = ["mamba3", "hybrid", "transformer"]
     ap.add_argument("--models", nargs="+", choices=models, default=models, help="section 1's contenders")
     ap.add_argument("--data", type=Path, default=None, help="a prepared dataset directory (section 2)")
@@ -501,17 +507,18 @@ def main() -> None:
         args.mqar_keys = args.mqar_values = 16
     if args.threads:
         torch.set_num_threads(args.threads)
-    sections = set(args.sections.split(","))
-    seeds = 1
-    if args.merge:
+    if args.merge:  # the runs' table and plot only: nothing trains or is timed
         acc, seeds = merge_mqar(args.merge)
-    else:
-        acc = mqar(args) if "mqar" in sections else None
+        if not args.no_plot:
+            plot(acc, None, args.plot, "Recall" if seeds == 1 else f"Recall (mean of {seeds} seeds)")
+        return
+    sections = set(args.sections.split(","))
+    acc = mqar(args) if "mqar" in sections else None
     lm_out = lm(args) if args.data is not None and "lm" in sections else None
     if "step" in sections:
         step_time(args)
     if not args.no_plot and (acc or lm_out):
-        plot(acc, lm_out, args.plot, "Recall" if seeds == 1 else f"Recall (mean of {seeds} seeds)")
+        plot(acc, lm_out, args.plot)
 
 
 if __name__ == "__main__":

@@ -585,6 +585,10 @@ def test_mqar_runs_of_several_seeds_merge_into_a_table_per_seed_and_a_mean_with_
     assert "| mamba3 | 0.500 (0.400-0.600) | 0.250 (0.200-0.300) |" in out
     assert "| hybrid | 1.000 (1.000-1.000) | 0.900 (0.850-0.950) |" in out
     assert "target met in 1 of 2 seeds (seed 0: 16 pairs, met, seed 1: 16 pairs, not met)" in out
+    # The command prints the same tables and nothing else: no section trains or is timed.
+    out = run_script("hybrid_compare.py", "--merge", *map(str, paths), "--plot", str(tmp_path / "r.png"))
+    assert "target met in 1 of 2 seeds" in out and "CPU step time" not in out, out
+    assert (tmp_path / "r.png").stat().st_size > 0
     with pytest.raises(AssertionError, match="same models"):
         hybrid_compare.merge_mqar(paths[:3])
     with pytest.raises(AssertionError, match="settings differ"):
