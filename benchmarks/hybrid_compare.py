@@ -246,7 +246,7 @@ def merge_mqar(paths: list[Path]) -> tuple[dict[str, dict[int, float]], int]:
             group["rows"][name] = {**row, "acc": {int(n): a for n, a in row["acc"].items()}}
     pairs = runs[0]["pairs"]
     accs = {seed: report_mqar(g["header"], pairs, g["rows"]) for seed, g in sorted(by_seed.items())}
-    means = accs[next(iter(accs))] if len(accs) == 1 else report_across_seeds(pairs, accs)
+    means = next(iter(accs.values())) if len(accs) == 1 else report_across_seeds(pairs, accs)
     return means, len(accs)
 
 
@@ -267,12 +267,12 @@ def report_across_seeds(pairs: list[int], accs: dict[int, dict]) -> dict[str, di
         print(f"| {name} | {cells} |")
     if {"mamba3", "hybrid"} <= set(names):
         verdicts = {seed: recall_target(acc, pairs) for seed, acc in accs.items()}
-        met = [seed for seed, (n, ok) in verdicts.items() if ok]
+        met = sum(ok for _, ok in verdicts.values())
         cells = ", ".join(
             f"seed {seed}: " + (f"{n} pairs, {'met' if ok else 'not met'}" if n else "pure >= 0.5 everywhere")
             for seed, (n, ok) in verdicts.items()
         )
-        print(f"target met in {len(met)} of {len(accs)} seeds ({cells})")
+        print(f"target met in {met} of {len(accs)} seeds ({cells})")
     return means
 
 
