@@ -32,7 +32,8 @@ from mamba3lite.malloc import keep_freed_memory
 
 # The subcommands, in the order of the pipeline. Each module's HELP is its line in `--help`.
 COMMANDS: tuple[str, ...] = (
-    "quickstart", "prepare", "train", "eval", "generate", "serve", "inspect", "plot", "import", "export",
+    "quickstart", "prepare", "train", "lighthouse", "eval", "generate", "serve", "inspect", "plot", "import",
+    "export",
 )  # fmt: skip
 # Commands whose work must not end when their console output can no longer be written (`train | head`):
 # the run goes on, its rows are in RUN/metrics.jsonl. `generate | head` stops, as a reader expects.

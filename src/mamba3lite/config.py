@@ -73,6 +73,59 @@ def _positive(section: str, obj: Any, names: tuple[str, ...], *, allow_zero: boo
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Live fault tolerance (torchft): the data-parallel replicas are replica groups, each its own torchrun
+    job, and a group that fails costs no restart of the others (train/parallel/replicas.py).
+
+    The global-batch contract with fewer groups: a step's global batch is `training.global_batch_size`
+    windows in `replica_groups` equal slots; group g always reads slot g (its windows are the same
+    whichever groups take part), so a step that commits with P of the groups trains on P/replica_groups
+    of the batch, the mean gradient over the windows of those P groups, and the windows of the absent
+    groups' slots are skipped (not read later). Every committed step moves the data position by one whole
+    global batch, on every group; a step that does not commit moves nothing. Each step's participants are
+    in metrics.jsonl ("quorum" events) and in the checkpoint, so the run can be replayed exactly."""
+
+    enabled: bool = _f(False, "train as one replica group of a fault-tolerant job (needs torchft: mamba3lite[ft])")
+    lighthouse: str = _f(
+        "",
+        "address of the torchft lighthouse that forms the quorums, e.g. http://node0:29510 (start it with "
+        "`mamba3lite lighthouse`); required when enabled",
+    )
+    replica_groups: int = _f(
+        1, "replica groups of the job at full strength: the global batch is divided into this many slots"
+    )
+    replica_group_id: int = _f(0, "this group's index in [0, replica_groups): its slot of every global batch")
+    min_replica_size: int = _f(
+        1, "groups that must take part in a step for it to commit (1 = go on with any single healthy group)"
+    )
+    timeout_s: float = _f(
+        60.0, "seconds a cross-group collective, the commit vote or a heal's transfer may take before it fails"
+    )
+    quorum_timeout_s: float = _f(120.0, "seconds to wait for a quorum of at least min_replica_size groups")
+    connect_timeout_s: float = _f(10.0, "seconds to reach the lighthouse and the peers' managers at start-up")
+
+    def __post_init__(self) -> None:
+        s = "training.fault_tolerance"
+        _positive(s, self, ("replica_groups", "min_replica_size", "timeout_s", "quorum_timeout_s",
+                            "connect_timeout_s"))  # fmt: skip
+        if not 0 <= self.replica_group_id < self.replica_groups:
+            raise ConfigError(
+                f"{s}.replica_group_id must be in [0, {self.replica_groups}) (replica_groups is "
+                f"{self.replica_groups}), got {self.replica_group_id}; give each group its own index"
+            )
+        if self.min_replica_size > self.replica_groups:
+            raise ConfigError(
+                f"{s}.min_replica_size is {self.min_replica_size} but the job has {self.replica_groups} replica "
+                f"group(s): no step could ever commit; set min_replica_size <= {self.replica_groups}"
+            )
+        if self.enabled and not self.lighthouse.strip():
+            raise ConfigError(
+                f"{s}.lighthouse is empty; start one with `mamba3lite lighthouse --min-replicas "
+                f"{self.min_replica_size}` and pass its address, e.g. --set {s}.lighthouse=http://HOST:29510"
+            )
+
+
+@dataclass
 class TrainingConfig:
     """Optimisation, schedule, cadence and checkpointing. Defaults are the seed's 440M recipe."""
 
@@ -217,6 +270,11 @@ class TrainingConfig:
     dist_timeout_s: float = _f(
         1800.0, "seconds a collective may wait for the other processes before the job fails (torchrun jobs)"
     )
+    fault_tolerance: FaultToleranceConfig = field(
+        default_factory=FaultToleranceConfig,
+        metadata={"help": "live fault tolerance over torchft replica groups (off by default): its keys are "
+                  "`training.fault_tolerance.*`, below"},
+    )  # fmt: skip
     prefetch_batches: int = _f(
         2,
         "optimizer steps of input prepared ahead on a background thread (pinned memory, non-blocking "
@@ -550,6 +608,8 @@ class Config:
                 values[name] = _parse_text(text.strip())
                 continue
             current = values.get(name, getattr(getattr(self, section), name, None))
+            if dataclasses.is_dataclass(current):  # a nested section: one of its keys, or deeper
+                current = dataclasses.asdict(current)
             if not isinstance(current, dict):
                 _reject_unknown(
                     [name],
@@ -635,6 +695,12 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
         return value
     if origin in (tuple, list):
         return _coerce_sequence(value, origin, args, where)
+    if dataclasses.is_dataclass(type_):  # a nested section (training.fault_tolerance): a mapping of its keys
+        if isinstance(value, type_):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping of its keys, got {_short(value)}")
+        return build_section(type_, value, where)
     scalar = _SCALARS.get(type_)
     return value if scalar is None else scalar(value, where)  # Any (and unknown hints): as given
 
@@ -805,9 +871,23 @@ def config_reference_markdown() -> str:
                 default = f.default_factory()
             else:
                 default = "(required)"
+            if dataclasses.is_dataclass(default):  # a nested section: its row, then one per key of it
+                help_text = f.metadata.get("help", "")
+                lines += [f"| `{f.name}` | {type(default).__name__} | | {help_text} |", *_nested_rows(f.name, default)]
+                continue
             default = _plain(default)
             meaning = f.metadata.get("help", "").replace("|", "\\|")
             type_text = _type_name(f.type).replace("|", "\\|")
             lines.append(f"| `{f.name}` | {type_text} | `{default}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _nested_rows(name: str, section: Any) -> list[str]:
+    """The reference rows of a nested section's keys, named `name.key`."""
+    rows = []
+    for f in dataclasses.fields(section):
+        meaning = f.metadata.get("help", "").replace("|", "\\|")
+        type_text = _type_name(f.type).replace("|", "\\|")
+        rows.append(f"| `{name}.{f.name}` | {type_text} | `{_plain(getattr(section, f.name))}` | {meaning} |")
+    return rows

@@ -79,6 +79,9 @@ class RunState:
     code_version: dict | None = None
     # `mamba3lite import`: the source, its format and official config
     imported_from: dict | None = field(default=None, metadata=ABSENT)
+    # training.fault_tolerance: {"replica_groups", "participation": [[first_step, last_step, [group ids]],
+    # ...]}: which replica groups took part in each committed step (train/parallel/replicas.py)
+    replicas: dict | None = field(default=None, metadata=ABSENT)
 
     def to_meta(self) -> dict:
         """The meta file's fields of this state (JSON values; ABSENT fields left out while None)."""

@@ -80,6 +80,11 @@ class StepInput:
         to = functools.partial(torch.Tensor.to, device=self.device, non_blocking=True)
         return [(to(x_BT), to(y_BT)) for x_BT, y_BT in item.batches]
 
+    def undo(self) -> None:
+        """Put the sampler back to before the step just drawn (a step the replica groups did not commit:
+        its windows are drawn again)."""
+        self.sampler.load_state_dict(self._sampler_before)
+
     def damaged_error(self, step: int) -> DataError:
         """The error every rank raises together when any rank's batch for `step` was damaged (one rank
         raising alone would leave the others waiting in the next collective); the sampler back to before

@@ -73,6 +73,7 @@ from mamba3lite.train.notes import epoch_summary, start_message, start_warnings
 from mamba3lite.train.optim import apply_optimizer_settings, build_optimizer, set_lr
 from mamba3lite.train.parallel import Parallelism, StepOutcome
 from mamba3lite.train.parallel import process_group as D
+from mamba3lite.train.parallel.replicas import StepNews, config_fingerprint
 from mamba3lite.train.progress import Progress, TrainData, TrainResult
 from mamba3lite.train.run_record import (
     RunRecord,
@@ -164,6 +165,9 @@ class Pretrainer:
         self.progress = Progress()
         self.logger = TrainingLogger.disabled()  # the real one is opened by train(), on rank 0
         self.threads = NoThreadWatch()  # the real one is built by train() (steps outside it: none)
+        # Replica groups (training.fault_tolerance): a joiner receives this live state from a healthy peer
+        self.par.replicas.attach(self._live_state, self._load_live_state,
+                                 config_fingerprint(config, self.dist.world_size))  # fmt: skip
 
     # ---------------------------------------------------------------------------- derived values
     tc = property(lambda self: self.cfg.training)
@@ -229,6 +233,7 @@ class Pretrainer:
                     )
                 raise
             finally:
+                self.par.replicas.shutdown()
                 self.prefetcher.close()
                 self.threads.restore()  # the caller's thread count again (a resume measures anew)
                 self.logger.close()
@@ -375,6 +380,7 @@ class Pretrainer:
             global_batch_windows=self.global_windows,
             rollbacks=self.guard.state_dict()["rollbacks"],
             code_version=self.record.code_version,
+            replicas=self.par.replicas.state_dict(),
         )  # fmt: skip
 
     def _save_unsaved(self) -> bool:
@@ -448,6 +454,7 @@ class Pretrainer:
             )
         if (rng := state.rng_of(self.dist.rank)) is not None:
             self.record.rng.load_state_dict(rng)
+        self.par.replicas.load_state_dict(state.replicas, p.step)
         self.record.wandb_run_id = state.wandb_run_id or self.record.wandb_run_id
         p.last_eval = state.last_eval
         if isinstance(p.last_eval, dict) and p.last_eval.get("step") == p.step:
@@ -465,6 +472,8 @@ class Pretrainer:
         """One optimizer step (accumulation, reduction, clip, one agreement, the non-finite guard,
         the optimizer). Returns False when the step was abandoned (every micro-step skipped, a
         non-finite gradient norm, or a rollback)."""
+        if (news := self.par.replicas.begin_step(self.step)) is not None:  # the quorum; a heal lands here
+            self._quorum_news(news)
         lr = self.schedule.lr(self.step)
         set_lr(self.optimizer, lr)
         batches = self.input.draw(
@@ -474,6 +483,8 @@ class Pretrainer:
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         norm = self.par.reduce_and_clip(self.params, tally, max_norm, self.accum)
         outcome = tally.settle(norm, stop=self.stop.is_set(), damaged=self.input.damage is not None)
+        # the loss the run logs: the mean over the replica groups of the step (one group: its own)
+        loss_mean = self.par.replicas.mean_loss(outcome.loss_mean)
         self.stopping.settled = outcome.stop
         if outcome.damaged:
             self.optimizer.zero_grad(set_to_none=True)
@@ -481,7 +492,8 @@ class Pretrainer:
         if not self._judge_losses(outcome):  # rolled back
             return False
         skipped, good, grad_norm = len(outcome.finite) - outcome.good, outcome.good, outcome.grad_norm
-        tokens = self.tc.tokens_per_step()
+        # the windows the step trains on: the global batch, or the slots of the replica groups taking part
+        tokens = round(self.tc.tokens_per_step() * self.par.replicas.tokens_share())
         self.progress.tokens_seen += tokens
         if good == 0:
             self.optimizer.zero_grad(set_to_none=True)
@@ -501,15 +513,19 @@ class Pretrainer:
             else:
                 self.guard.on_abandoned_step(skipped + good, tokens)
             return False
+        if not self.par.replicas.commit():  # the quorum did not agree: the step never happened
+            self._uncommitted(tokens)
+            return False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.average.update(self.raw_model)
         self.progress.step += 1
-        self.progress.history.append((self.step, outcome.loss_mean))
+        self.par.replicas.record_commit(self.step)
+        self.progress.history.append((self.step, loss_mean))
         pending_skipped, pending_tokens = self.guard.take_pending()
         row = self.logger.log_step(
             self.step,
-            loss=outcome.loss_mean,
+            loss=loss_mean,
             lr=lr,
             grad_norm=grad_norm,
             tokens_processed=tokens + pending_tokens,
@@ -519,6 +535,59 @@ class Pretrainer:
         )
         self.threads.after_window(row, self.logger)  # the next window's thread count (None: no window closed)
         return True
+
+    def _uncommitted(self, tokens: int) -> None:
+        """A step the replica groups did not commit (a peer failed during it, or too few took part):
+        no optimizer step, its tokens uncounted and its data position undone, so it is drawn again."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.tokens_seen -= tokens
+        self.input.undo()
+        self._event("uncommitted", f"step {self.step + 1} did not commit (a replica group failed or too few "
+                    "took part); it runs again")  # fmt: skip
+
+    def _quorum_news(self, news: StepNews) -> None:
+        """Events for what a quorum changed: who takes part, a heal received or sent."""
+        groups = self.par.replicas.groups
+        if news.healed_from_step is not None:
+            self.logger.restart_window(self.step)
+            self.logger.event(
+                self.step, "heal",
+                f"healed from a live peer in {news.heal_s:.2f} s: step {news.healed_from_step} -> {self.step} "
+                "(model, optimizer, schedule, data position, RNG)", tokens_total=self.tokens_seen,
+                from_step=news.healed_from_step, heal_s=news.heal_s, state_digest=news.heal_digest,
+            )  # fmt: skip
+        if news.sent_digest:
+            self.logger.event(self.step, "heal_sent", f"sent the state of step {self.step} to a joining replica "
+                              "group", tokens_total=self.tokens_seen, state_digest=news.sent_digest)  # fmt: skip
+        if news.participants is not None:
+            self.logger.event(
+                self.step, "quorum",
+                f"{len(news.participants)} of {groups} replica groups take part from step {self.step + 1}: "
+                f"groups {', '.join(map(str, news.participants))}", tokens_total=self.tokens_seen,
+                participants=news.participants, quorum=len(news.participants),
+            )  # fmt: skip
+
+    def _live_state(self) -> dict:
+        """What a joining replica group receives from this one (replicas.py): the model, the optimizer (its
+        lr included), the counters, the data position, the RNG, the guard and the participation so far."""
+        return {
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "run": {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
+                    "rng": self.record.rng.state_dict(), "guard": self.guard.state_dict(),
+                    "replicas": self.par.replicas.state_dict()},
+        }  # fmt: skip
+
+    def _load_live_state(self, state: dict) -> None:
+        """Take a healthy peer's live state (`_live_state`'s) in place of this group's."""
+        run = state["run"]
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.progress.step, self.progress.tokens_seen = int(run["step"]), int(run["tokens_seen"])
+        self.sampler.load_state_dict(run["sampler"])
+        self.record.rng.load_state_dict(run["rng"])
+        self.guard.load_state_dict(run["guard"])
+        self.par.replicas.load_state_dict(run["replicas"], self.step)
 
     def _accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Forward and backward of every micro-batch, each loss admitted by the step's tally (zero

@@ -98,6 +98,29 @@ def plan_layout(tc, world_size: int, fits_replicated: bool = True) -> Layout:
                                 cp=cp))  # fmt: skip
 
 
+def check_fault_tolerance(tc, layout: Layout) -> None:
+    """ConfigError for `training.fault_tolerance` beside what it does not support (yet): replica groups
+    replace the replicate dimension, and inside a group the model is the plain module or DDP."""
+    if not tc.fault_tolerance.enabled:
+        return
+    fix = "run each replica group as one process or with parallelism ddp, or turn training.fault_tolerance off"
+    if layout.strategy not in ("local", "ddp"):
+        raise ConfigError(
+            f"training.fault_tolerance is not supported with parallelism {layout.strategy} inside a replica "
+            f"group (the groups are the replicas; sharding inside a group is not carried yet); {fix}"
+        )
+    if layout.cp > 1:
+        raise ConfigError(f"training.fault_tolerance is not supported with training.context_parallel > 1; {fix}")
+    if tc.time_budget_minutes:
+        raise ConfigError(
+            "training.fault_tolerance with training.time_budget_minutes: each group would end by its own "
+            "clock at a different step; give the run training.max_steps (time_budget_minutes=0)"
+        )
+    if tc.eval_tasks:
+        raise ConfigError("training.fault_tolerance with training.eval_tasks is not supported; evaluate the "
+                          "checkpoints with `mamba3lite eval`")  # fmt: skip
+
+
 def check_context_parallel(tc, world_size: int) -> None:
     """ConfigError for a `training.context_parallel` C > 1 that this job cannot run."""
     cp = tc.context_parallel

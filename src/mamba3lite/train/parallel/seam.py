@@ -37,8 +37,9 @@ from mamba3lite.checkpoint.dtensor import is_dtensor
 from mamba3lite.model.context_parallel import cut_window
 from mamba3lite.model.memory import replicated_fits
 from mamba3lite.model.precision import resolve_precision
-from mamba3lite.train.parallel.layout import MESH_DIMS, Layout, plan_layout
+from mamba3lite.train.parallel.layout import MESH_DIMS, Layout, check_fault_tolerance, plan_layout
 from mamba3lite.train.parallel.process_group import DistInfo
+from mamba3lite.train.parallel.replicas import ReplicaGroups, SingleReplica, build_replicas
 from mamba3lite.train.parallel.strategies import Local, Replicated
 from mamba3lite.train.parallel.tally import StepTally
 
@@ -50,9 +51,12 @@ class Parallelism:
     """See the module docstring. Built by `from_config`; `Parallelism.local(device)` is one process."""
 
     def __init__(self, layout: Layout, info: DistInfo, *, reshard_after_forward: bool = True,
-                 param_dtype: torch.dtype | None = None, compile: bool = False) -> None:  # fmt: skip
+                 param_dtype: torch.dtype | None = None, compile: bool = False,
+                 replicas: SingleReplica | ReplicaGroups | None = None) -> None:  # fmt: skip
         assert layout.world_size == info.world_size, (layout, info.world_size)
         self.layout, self.info, self.compile = layout, info, compile
+        # torchft replica groups (replicas.py): this job is one of them, or (off) the whole job
+        self.replicas = replicas or SingleReplica()
         self.mesh: DeviceMesh | None = None
         if layout.strategy == "local":
             self.strategy: Local | Replicated | Sharded = Local()
@@ -75,11 +79,12 @@ class Parallelism:
         if info.distributed and tc.parallelism == "auto" and tc.dp_replicate == 1:
             fits = replicated_fits(cfg.model, tc, info.device, compute)  # activations at the run's dtype
         layout = plan_layout(tc, info.world_size, fits)
+        check_fault_tolerance(tc, layout)
         # bf16 parameters for the sharded forward/backward on an accelerator that computes in bf16; the
         # CPU keeps fp32 ones (autocast still computes in bf16 where the resolved dtype is bf16)
         param_dtype = compute if info.device.type == "cuda" else None
         return cls(layout, info, reshard_after_forward=tc.reshard_after_forward, param_dtype=param_dtype,
-                   compile=tc.compile)  # fmt: skip
+                   compile=tc.compile, replicas=build_replicas(cfg, info.rank, info.world_size))  # fmt: skip
 
     @classmethod
     def local(cls, device: torch.device, compile: bool = False) -> Parallelism:
@@ -102,16 +107,18 @@ class Parallelism:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel processes (they read different windows): the sampler's world size."""
-        return self.layout.dp_size
+        """Data-parallel processes (they read different windows): the sampler's world size. With replica
+        groups, those of every group at full strength: each group reads its own slot of the global batch."""
+        return self.layout.dp_size * self.replicas.groups
 
     @property
     def dp_rank(self) -> int:
         """This process's index among the data-parallel ones: the sampler's rank."""
-        if self.mesh is None:
-            return 0
-        replica, shard, _cp = self.mesh.get_coordinate() or (0, 0, 0)
-        return replica * self.layout.dp_shard + shard
+        inner = 0
+        if self.mesh is not None:
+            replica, shard, _cp = self.mesh.get_coordinate() or (0, 0, 0)
+            inner = replica * self.layout.dp_shard + shard
+        return self.replicas.group_id * self.layout.dp_size + inner
 
     @property
     def cp_rank(self) -> int:
@@ -168,7 +175,8 @@ class Parallelism:
     def reduce_and_clip(self, params: list[torch.nn.Parameter], tally: StepTally, max_norm: float,
                         accum: int) -> torch.Tensor:  # fmt: skip
         """After the last backward (the strategy has reduced the gradients): rescale them to the mean
-        over the good micro-steps (accum / good; x1.0 when none was skipped, which changes no bit), clip
+        over the good micro-steps (accum / good; x1.0 when none was skipped, which changes no bit), with
+        replica groups average them over the groups taking part (torchft's all-reduce), clip
         their global L2 norm to `max_norm` (inf: no clipping) and return the pre-clip norm, a plain
         tensor on the device (not read here)."""
         grads = [p.grad for p in params if p.grad is not None]
@@ -177,6 +185,7 @@ class Parallelism:
         scale = accum / tally.good_count().clamp(min=1)
         for g in grads:
             (g.to_local() if is_dtensor(g) else g).mul_(scale.to(g.dtype))
+        self.replicas.average(grads)  # replica groups: the mean over the groups of the step's quorum
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         # over DTensor gradients the norm is a DTensor too (its shards' partial sums): the global value
         return norm.full_tensor() if is_dtensor(norm) else norm
