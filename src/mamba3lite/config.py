@@ -85,7 +85,9 @@ class FaultToleranceConfig:
     global batch, on every group; a step that does not commit moves nothing. Each step's participants are
     in metrics.jsonl ("quorum" events) and in the checkpoint, so the run can be replayed exactly."""
 
-    enabled: bool = _f(False, "train as one replica group of a fault-tolerant job (needs torchft: mamba3lite[ft])")
+    enabled: bool = _f(
+        False, "train as one replica group of a fault-tolerant job (needs torchft: mamba3lite[ft])"
+    )
     lighthouse: str = _f(
         "",
         "address of the torchft lighthouse that forms the quorums, e.g. http://node0:29510 (start it with "
@@ -99,7 +101,8 @@ class FaultToleranceConfig:
         1, "groups that must take part in a step for it to commit (1 = go on with any single healthy group)"
     )
     timeout_s: float = _f(
-        60.0, "seconds a cross-group collective, the commit vote or a heal's transfer may take before it fails"
+        60.0,
+        "seconds a cross-group collective, the commit vote or a heal's transfer may take before it fails",
     )
     quorum_timeout_s: float = _f(120.0, "seconds to wait for a quorum of at least min_replica_size groups")
     connect_timeout_s: float = _f(10.0, "seconds to reach the lighthouse and the peers' managers at start-up")
@@ -115,8 +118,8 @@ class FaultToleranceConfig:
             )
         if self.min_replica_size > self.replica_groups:
             raise ConfigError(
-                f"{s}.min_replica_size is {self.min_replica_size} but the job has {self.replica_groups} replica "
-                f"group(s): no step could ever commit; set min_replica_size <= {self.replica_groups}"
+                f"{s}.min_replica_size is {self.min_replica_size} but the job has {self.replica_groups} "
+                f"replica group(s): no step could ever commit; set min_replica_size <= {self.replica_groups}"
             )
         if self.enabled and not self.lighthouse.strip():
             raise ConfigError(
@@ -873,7 +876,10 @@ def config_reference_markdown() -> str:
                 default = "(required)"
             if dataclasses.is_dataclass(default):  # a nested section: its row, then one per key of it
                 help_text = f.metadata.get("help", "")
-                lines += [f"| `{f.name}` | {type(default).__name__} | | {help_text} |", *_nested_rows(f.name, default)]
+                lines += [
+                    f"| `{f.name}` | {type(default).__name__} | | {help_text} |",
+                    *_nested_rows(f.name, default),
+                ]
                 continue
             default = _plain(default)
             meaning = f.metadata.get("help", "").replace("|", "\\|")

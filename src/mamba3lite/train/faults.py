@@ -1,4 +1,4 @@
-"""Fault injection for tests: make chosen micro-steps' losses NaN.
+"""Fault injection for tests: make chosen micro-steps' losses NaN (and hold a replica group at a step).
 
 The environment variable MAMBA3LITE_INJECT_NONFINITE, read when the Pretrainer is built, names the
 micro-steps. They are counted per process from 0 in execution order (not restored by resume or
@@ -10,6 +10,7 @@ only (`r1@3` = micro-step 3 on rank 1).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -60,3 +61,33 @@ class FaultInjector:
         # torch.where, and the model's backward then sees an exact zero (loss * nan would send NaN
         # back into it: d(loss * nan)/d loss = nan, and 0 * nan = nan)
         return loss + (float("nan") - loss.detach()) if spoil else loss
+
+
+# Fault-tolerance tests and benchmarks/bench_fault_tolerance.py: "STEP:PATH" holds this process before it
+# starts step STEP + 1 until the file PATH exists, so that a healthy replica group is still training
+# when a killed peer comes back (the caller creates PATH once the peer has restarted: an event, not a
+# sleep). Unset: nothing is held.
+HOLD_ENV = "MAMBA3LITE_FT_HOLD"
+
+
+class StepHold:
+    """The hold of HOLD_ENV (see above); `before(step)` once per step."""
+
+    def __init__(self, spec: str) -> None:
+        self.step, self.path = -1, None
+        if spec:
+            step, sep, path = spec.partition(":")
+            if not sep or not step.isdigit() or not path:
+                raise ConfigError(f"{HOLD_ENV}: expected STEP:PATH, got {spec!r}")
+            self.step, self.path = int(step), path
+
+    @classmethod
+    def from_env(cls) -> StepHold:
+        return cls(os.environ.get(HOLD_ENV, ""))
+
+    def before(self, step: int) -> None:
+        """Wait (polling) for the file when `step` steps are done and it is the held step."""
+        if step == self.step and self.path is not None:
+            while not os.path.exists(self.path):
+                time.sleep(0.01)
+            self.step = -1  # once: a heal that moves the step back past it does not hold again

@@ -64,7 +64,7 @@ from mamba3lite.train.data import (
     check_data_matches,
     check_fits_global_batch,
 )
-from mamba3lite.train.faults import INJECT_ENV, FaultInjector, parse_injection
+from mamba3lite.train.faults import INJECT_ENV, FaultInjector, StepHold, parse_injection
 from mamba3lite.train.loading import agreed_resume_plan, resume_facts
 from mamba3lite.train.metrics import TrainingLogger, run_logger
 from mamba3lite.train.model_setup import build_model
@@ -139,6 +139,7 @@ class Pretrainer:
             keep_freed_memory()  # ~25% faster CPU steps: see mamba3lite/malloc.py
         check_not_a_dataset(tc.checkpoint_dir)
         self.faults = FaultInjector.from_env(self.dist.rank)
+        self.hold = StepHold.from_env()
         _seed_everything(tc.seed)
         self.data = self._build_data(train_data, val_data)
         self.raw_model, self.model = build_model(self.cfg, self.dist, self.par, model)
@@ -472,6 +473,7 @@ class Pretrainer:
         """One optimizer step (accumulation, reduction, clip, one agreement, the non-finite guard,
         the optimizer). Returns False when the step was abandoned (every micro-step skipped, a
         non-finite gradient norm, or a rollback)."""
+        self.hold.before(self.step)
         if (news := self.par.replicas.begin_step(self.step)) is not None:  # the quorum; a heal lands here
             self._quorum_news(news)
         lr = self.schedule.lr(self.step)
@@ -551,14 +553,23 @@ class Pretrainer:
         if news.healed_from_step is not None:
             self.logger.restart_window(self.step)
             self.logger.event(
-                self.step, "heal",
-                f"healed from a live peer in {news.heal_s:.2f} s: step {news.healed_from_step} -> {self.step} "
-                "(model, optimizer, schedule, data position, RNG)", tokens_total=self.tokens_seen,
-                from_step=news.healed_from_step, heal_s=news.heal_s, state_digest=news.heal_digest,
-            )  # fmt: skip
+                self.step,
+                "heal",
+                f"healed from a live peer in {news.heal_s:.2f} s: step {news.healed_from_step} -> "
+                f"{self.step} (model, optimizer, schedule, data position, RNG)",
+                tokens_total=self.tokens_seen,
+                from_step=news.healed_from_step,
+                heal_s=news.heal_s,
+                state_digest=news.heal_digest,
+            )
         if news.sent_digest:
-            self.logger.event(self.step, "heal_sent", f"sent the state of step {self.step} to a joining replica "
-                              "group", tokens_total=self.tokens_seen, state_digest=news.sent_digest)  # fmt: skip
+            self.logger.event(
+                self.step,
+                "heal_sent",
+                f"sent the state of step {self.step} to a joining replica group",
+                tokens_total=self.tokens_seen,
+                state_digest=news.sent_digest,
+            )
         if news.participants is not None:
             self.logger.event(
                 self.step, "quorum",

@@ -103,14 +103,18 @@ def check_fault_tolerance(tc, layout: Layout) -> None:
     replace the replicate dimension, and inside a group the model is the plain module or DDP."""
     if not tc.fault_tolerance.enabled:
         return
-    fix = "run each replica group as one process or with parallelism ddp, or turn training.fault_tolerance off"
+    fix = (
+        "run each replica group as one process or with parallelism ddp, or turn training.fault_tolerance off"
+    )
     if layout.strategy not in ("local", "ddp"):
         raise ConfigError(
             f"training.fault_tolerance is not supported with parallelism {layout.strategy} inside a replica "
             f"group (the groups are the replicas; sharding inside a group is not carried yet); {fix}"
         )
     if layout.cp > 1:
-        raise ConfigError(f"training.fault_tolerance is not supported with training.context_parallel > 1; {fix}")
+        raise ConfigError(
+            f"training.fault_tolerance is not supported with training.context_parallel > 1; {fix}"
+        )
     if tc.time_budget_minutes:
         raise ConfigError(
             "training.fault_tolerance with training.time_budget_minutes: each group would end by its own "

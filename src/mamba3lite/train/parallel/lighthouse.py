@@ -3,6 +3,7 @@ printed, served until SIGINT/SIGTERM. Tests start one in-process with `start_lig
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -14,6 +15,7 @@ def start_lighthouse(bind: str = "[::]", port: int = 0, min_replicas: int = 1, j
                      heartbeat_timeout_ms: int = 5000):  # fmt: skip
     """A running `LighthouseServer` (`.address()`, `.shutdown()`); ConfigError for bad settings or a port
     in use."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO
     try:
         from torchft._torchft import LighthouseServer
     except ImportError as e:
@@ -21,13 +23,21 @@ def start_lighthouse(bind: str = "[::]", port: int = 0, min_replicas: int = 1, j
     if min_replicas < 1:
         raise ConfigError(f"--min-replicas must be >= 1, got {min_replicas}")
     try:
-        return LighthouseServer(bind=f"{bind}:{port}", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                                heartbeat_timeout_ms=heartbeat_timeout_ms)  # fmt: skip
+        return LighthouseServer(
+            bind=f"{bind}:{port}",
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
     except Exception as e:  # the Rust server's bind error
-        raise ConfigError(f"cannot start the lighthouse on {bind}:{port}: {e}; choose another --port") from None
+        raise ConfigError(
+            f"cannot start the lighthouse on {bind}:{port}: {e}; choose another --port"
+        ) from None
 
 
-def serve_lighthouse(bind: str, port: int, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> int:
+def serve_lighthouse(
+    bind: str, port: int, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int
+) -> int:
     """Run a lighthouse until SIGINT/SIGTERM; prints its address (what training.fault_tolerance.lighthouse
     takes)."""
     server = start_lighthouse(bind, port, min_replicas, join_timeout_ms, heartbeat_timeout_ms)

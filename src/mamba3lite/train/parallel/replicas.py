@@ -117,6 +117,8 @@ class ReplicaGroups:
     enabled = True
 
     def __init__(self, ft, group_rank: int, group_size: int) -> None:
+        # torchft's Rust side logs every quorum and commit at INFO; the run's own events say what matters
+        os.environ.setdefault("RUST_LOG", "warn")
         try:
             from torchft import Manager, ProcessGroupGloo
             from torchft._torchft import LighthouseClient
@@ -176,9 +178,9 @@ class ReplicaGroups:
         if received["fingerprint"] != self.fingerprint:
             raise ConfigError(
                 f"replica group {self.group_id}'s configuration differs from the quorum's (fingerprint "
-                f"{self.fingerprint[:12]} here, {received['fingerprint'][:12]} in the healthy groups): the model, "
-                "optimizer, global batch, processes per group, seed and data must be the same in every group; "
-                "start this group with the others' config"
+                f"{self.fingerprint[:12]} here, {received['fingerprint'][:12]} in the healthy groups): the "
+                "model, optimizer, global batch, processes per group, seed and data must be the same in "
+                "every group; start this group with the others' config"
             )
         self._user_load(received["state"])
         self._received_digest = state_digest(self._user_state()) if self._user_state else ""
@@ -223,7 +225,8 @@ class ReplicaGroups:
                 f"the replica groups of this quorum disagree on their configuration (this is group "
                 f"{self.group_id}, fingerprint {self.fingerprint[:12]}): the model, optimizer, global batch, "
                 "processes per group, seed and data must be the same in every group; start every group with "
-                "the same config (only training.fault_tolerance.replica_group_id and the run directory differ)"
+                "the same config (only training.fault_tolerance.replica_group_id and the run directory "
+                "differ)"
             )
         return [g for g in range(self.groups) if t[g].item() > 0]
 

@@ -1,0 +1,113 @@
+"""Two-group fault-tolerant runs driven from outside, as a user launches them (tests and
+benchmarks/bench_fault_tolerance.py): a lighthouse started here, each replica group its own `torchrun`
+(`--max-restarts` restarts a killed worker), a SIGKILL at a step chosen by an event, and the oracle that
+replays a run's recorded participation in one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chaos_harness as H
+import torch
+import yaml
+
+from mamba3lite.config import Config
+from mamba3lite.data import WindowSampler
+from mamba3lite.train.faults import HOLD_ENV
+from mamba3lite.train.optim import set_lr
+from mamba3lite.train.trainer import Pretrainer
+
+STEPS = 30
+GLOBAL_WINDOWS = 8  # 2 groups x micro batch 2 x 2 micro-steps
+
+
+def group_config(data: Path, work: Path, group: int, groups: int, lighthouse: str, **training) -> Path:
+    """The chaos config as replica group `group` of `groups` (its own run directory `work/g{group}`)."""
+    ft = {"enabled": True, "lighthouse": lighthouse, "replica_groups": groups, "replica_group_id": group,
+          "timeout_s": 10, "connect_timeout_s": 5, **training.pop("fault_tolerance", {})}  # fmt: skip
+    tc = {"max_steps": STEPS, "save_every": STEPS, "eval_every": 0, "gradient_accumulation_steps": None,
+          "global_batch_size": GLOBAL_WINDOWS, "fault_tolerance": ft, **training}  # fmt: skip
+    path = work / f"g{group}.yaml"
+    path.write_text(yaml.safe_dump(H.config_dict(data, work / f"g{group}", **tc)), encoding="utf-8")
+    return path
+
+
+def start_group(config: Path, log: Path, *, hold: str | None = None, restarts: int = 1) -> subprocess.Popen:
+    """`torchrun --standalone --nproc_per_node 1 --max-restarts N -m mamba3lite train --config CONFIG`."""
+    env = {**os.environ, **H.BASE_ENV}
+    if hold:
+        env[HOLD_ENV] = hold
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    argv = [*torchrun, "--max-restarts", str(restarts), "-m", "mamba3lite", "train", "--config", str(config)]
+    out = open(log, "w", encoding="utf-8")  # noqa: SIM115 (the child holds it; closed with the process)
+    p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    p.log = log  # type: ignore[attr-defined]
+    return p
+
+
+def worker_pid(torchrun: subprocess.Popen) -> int:
+    """The training process torchrun's agent started (its one child)."""
+    children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def kill_worker(torchrun: subprocess.Popen) -> float:
+    """SIGKILL the group's training process; the time of the kill."""
+    os.kill(worker_pid(torchrun), signal.SIGKILL)
+    return time.time()
+
+
+def rows(run_dir: Path, kind: str, event: str | None = None) -> list[dict]:
+    """Live (not superseded) rows of one kind (and event name) of a run's metrics.jsonl."""
+    return [r for r in H.metrics_rows(run_dir) if r.get("kind") == kind and not r.get("superseded")
+            and (event is None or r.get("event") == event)]  # fmt: skip
+
+
+def started_after(run_dir: Path, t: float) -> bool:
+    return any(r["time"] > t for r in rows(run_dir, "event", "start"))
+
+
+def participation_at(runs: list[list], step: int) -> list[int]:
+    return next(g for first, last, g in runs if first <= step <= last)
+
+
+def oracle_weights(config: Path, runs: list[list], steps: int = STEPS) -> dict:
+    """The weights one process reaches by replaying `runs` (the recorded participation): at each step
+    the mean over the groups that took part of each group's gradient over its slot of the global batch,
+    clipped, one optimizer step; the data position moves one global batch per step."""
+    raw = yaml.safe_load(config.read_text())
+    groups = raw["training"]["fault_tolerance"]["replica_groups"]
+    raw["training"]["fault_tolerance"] = {}
+    raw["training"]["checkpoint_dir"] = str(config.parent / "oracle")
+    trainer = Pretrainer(Config.from_dict(raw), resume="none")
+    tc, model, opt = trainer.tc, trainer.raw_model, trainer.optimizer
+    samplers = [WindowSampler(len(trainer.train_data), tc.global_windows, rank=g, world_size=groups,
+                              seed=tc.seed, shuffle=True) for g in range(groups)]  # fmt: skip
+    mb, accum = tc.micro_batch_size, tc.accumulation(groups)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step in range(steps):
+        set_lr(opt, trainer.schedule.lr(step))
+        grads = {}
+        for g, sampler in enumerate(samplers):
+            indices = sampler.next_batch()
+            if g not in participation_at(runs, step + 1):
+                continue
+            for i in range(accum):
+                x, y = trainer.train_data.get_batch(indices[i * mb : (i + 1) * mb])
+                (model(x, y) / accum).backward()
+            grads[g] = [p.grad.clone() for p in params]
+            opt.zero_grad(set_to_none=True)
+        mean = [sum(gs[k] for gs in grads.values()) / len(grads) for k in range(len(params))]
+        for p, m in zip(params, mean, strict=True):
+            p.grad = m
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    trainer.prefetcher.close()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

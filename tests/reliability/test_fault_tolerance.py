@@ -1,0 +1,166 @@
+"""Live fault tolerance (training.fault_tolerance, torchft): two replica groups, each its own torchrun,
+one killed mid-run; the healthy one keeps committing, the restarted one heals from it by live transfer,
+and the end is bit-equal to one process replaying the recorded participation. Plus the bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+
+import chaos_harness as H
+import ft_harness as F
+import pytest
+import torch
+
+from mamba3lite.checkpoint.run_dir import RunDir
+from mamba3lite.cli import main
+from mamba3lite.config import Config, load_config
+from mamba3lite.errors import ConfigError
+from mamba3lite.train.parallel import DistInfo, Parallelism
+from mamba3lite.train.parallel.lighthouse import start_lighthouse
+
+pytest.importorskip("torchft")
+
+KILL_AT = 10  # group 1's worker dies once it has committed this step
+HOLD_AT = 20  # group 0 waits here for the restarted worker's start (an event), so the heal is in the run
+
+
+@pytest.fixture
+def lighthouse():
+    # heartbeat timeout 0.5 s: a dead group leaves the next quorum quickly; join timeout 20 s: a group that
+    # heartbeats (restarted, building) is waited for
+    server = start_lighthouse("127.0.0.1", 0, min_replicas=1, join_timeout_ms=20000, heartbeat_timeout_ms=500)
+    yield server.address()
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_a_killed_group_heals_live_and_the_run_equals_the_replayed_oracle(tmp_path, chaos_data, lighthouse):
+    configs = [F.group_config(chaos_data, tmp_path, g, 2, lighthouse) for g in (0, 1)]
+    release = tmp_path / "release"
+    g0 = F.start_group(configs[0], tmp_path / "g0.log", hold=f"{HOLD_AT}:{release}")
+    g1 = F.start_group(configs[1], tmp_path / "g1.log")
+    try:
+        assert H.wait_until(lambda: H.trained_step_since(tmp_path / "g1", 0) >= KILL_AT, g1), (
+            g1.log.read_text()
+        )
+        killed_at = F.kill_worker(g1)
+        # the healthy group commits alone, up to the hold, within a bound (no sleep)
+        assert H.wait_until(lambda: H.trained_step_since(tmp_path / "g0", killed_at) >= HOLD_AT, g0, 120)
+        assert H.wait_until(lambda: F.started_after(tmp_path / "g1", killed_at), g1, 120), g1.log.read_text()
+        release.write_text("")
+        assert g0.wait(timeout=H.PATIENCE_S) == 0, g0.log.read_text()[-3000:]
+        assert g1.wait(timeout=H.PATIENCE_S) == 0, g1.log.read_text()[-3000:]
+    finally:
+        for p in (g0, g1):
+            p.kill()
+    run0, run1 = tmp_path / "g0", tmp_path / "g1"
+    # committed steps 1..30 on the healthy group, each once
+    assert [r["step"] for r in F.rows(run0, "train")] == list(range(1, F.STEPS + 1))
+    participation = RunDir(run0).run_state(F.STEPS).replicas["participation"]
+    assert RunDir(run1).run_state(F.STEPS).replicas["participation"] == participation
+    alone = [s for s in range(1, F.STEPS + 1) if F.participation_at(participation, s) == [0]]
+    assert alone and min(alone) <= KILL_AT + 3 and max(alone) == HOLD_AT, participation
+    assert F.participation_at(participation, 1) == [0, 1] or F.participation_at(participation, KILL_AT) == [
+        0,
+        1,
+    ]
+    assert F.participation_at(participation, F.STEPS) == [0, 1]
+    quorums = F.rows(run0, "event", "quorum")
+    assert [q["quorum"] for q in quorums][-2:] == [1, 2], quorums
+    # the joiner healed at the hold, from the live peer: what it holds equals what was sent, bit for bit
+    (heal,) = F.rows(run1, "event", "heal")
+    (sent,) = [r for r in F.rows(run0, "event", "heal_sent") if r["step"] == heal["step"]]
+    assert heal["step"] == HOLD_AT and heal["state_digest"] == sent["state_digest"] and heal["heal_s"] >= 0
+    # the end: both groups, and one process replaying the participation, bit for bit
+    w0, w1 = H.final_weights(run0, F.STEPS), H.final_weights(run1, F.STEPS)
+    oracle = F.oracle_weights(configs[0], participation)
+    assert H.weights_identical(w0, w1)
+    assert all(torch.equal(w0[k], oracle[k]) for k in w0), [
+        k for k in w0 if not torch.equal(w0[k], oracle[k])
+    ]
+
+
+@pytest.fixture
+def saved_run(tmp_path, chaos_data):
+    """A run directory holding a checkpoint (2 plain steps), and the hash of its files."""
+    config = H.write_config(tmp_path / "plain.yaml", chaos_data, tmp_path / "run", max_steps=2, eval_every=0)
+    assert main(["train", "--config", str(config)]) == 0
+    return config, H.tree_hash(tmp_path / "run")
+
+
+def _ft_args(config, *sets: str) -> list[str]:
+    return ["train", "--config", str(config), "--set", "training.fault_tolerance.enabled=true", *[
+        a for s in sets for a in ("--set", s)]]  # fmt: skip
+
+
+def test_an_unreachable_lighthouse_is_one_error_and_the_checkpoints_are_untouched(saved_run, capsys):
+    config, before = saved_run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    args = _ft_args(config, f"training.fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+                    "training.fault_tolerance.connect_timeout_s=1", "training.max_steps=4")  # fmt: skip
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert "cannot reach the torchft lighthouse" in err and "mamba3lite lighthouse" in err
+    assert "Traceback" not in err
+    assert H.tree_hash(config.parent / "run") == before
+
+
+def test_min_replica_size_above_the_groups_and_an_unsupported_strategy_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="min_replica_size is 3 but the job has 2 replica"):
+        load_config("tiny", ["training.fault_tolerance.replica_groups=2",
+                             "training.fault_tolerance.min_replica_size=3"])  # fmt: skip
+    with pytest.raises(ConfigError, match="lighthouse is empty"):
+        load_config("tiny", ["training.fault_tolerance.enabled=true"])
+    on = ["training.fault_tolerance.enabled=true", "training.fault_tolerance.lighthouse=http://127.0.0.1:1",
+          f"training.checkpoint_dir={tmp_path / 'run'}"]  # fmt: skip
+    for extra, message in ((["training.parallelism=fsdp"], "not supported with parallelism fsdp"),
+                           (["training.time_budget_minutes=5"], "time_budget_minutes")):  # fmt: skip
+        cfg = load_config("tiny", [*on, *extra])
+        with pytest.raises(ConfigError, match=message):
+            Parallelism.from_config(cfg, DistInfo(rank=0, world_size=2))  # refused before any mesh or peer
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_groups_whose_configs_differ_stop_with_one_error_before_any_step(tmp_path, chaos_data):
+    server = start_lighthouse("127.0.0.1", 0, min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=500)
+    try:
+        configs = [
+            F.group_config(chaos_data, tmp_path, g, 2, server.address(), lr=3e-3 * (g + 1)) for g in (0, 1)
+        ]
+        env = {**os.environ, **H.BASE_ENV}
+        procs = [
+            subprocess.Popen(
+                H.train_argv(c), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+            for c in configs
+        ]
+        outs = [p.communicate(timeout=H.PATIENCE_S) for p in procs]
+    finally:
+        server.shutdown()
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode != 0
+        assert "disagree on their configuration" in err or "differs from the quorum" in err, err[-2000:]
+        assert "Traceback" not in err
+    for g in (0, 1):
+        assert not list((tmp_path / f"g{g}").glob("meta_step_*.json"))  # no checkpoint written
+        assert not [r for r in H.metrics_rows(tmp_path / f"g{g}") if r.get("kind") == "train"]
+
+
+def test_participation_is_recorded_run_length_encoded():
+    from mamba3lite.train.parallel.replicas import Participation
+
+    p = Participation()
+    for step, groups in [(1, [0, 1]), (2, [0, 1]), (3, [0]), (4, [0, 1])]:
+        p.add(step, groups)
+    assert p.runs == [[1, 2, [0, 1]], [3, 3, [0]], [4, 4, [0, 1]]]
+    assert p.at(3) == [0] and p.at(5) is None
+    p.truncate(3)
+    assert p.runs == [[1, 2, [0, 1]], [3, 3, [0]]]
+    assert json.loads(json.dumps(p.runs)) == p.runs
+    assert Config.from_dict({}).training.fault_tolerance.enabled is False
