@@ -11,6 +11,12 @@ how the model is spread over the processes and everything in a step that depends
     norm = par.reduce_and_clip(params, tally, max_norm)   # rescale for skipped micro-steps, clip
     outcome = tally.settle(norm, stop, damaged)    # one all-reduce, one host read
 
+With `training.fault_tolerance` the job is one of several torchft replica groups (replicas.py,
+`par.replicas`): the sampler's data-parallel size and rank span all groups (each reads its slot of the
+global batch), `reduce_and_clip` averages the gradients over the groups of the step's quorum, and the loop
+asks `par.replicas` for the quorum before a step and the commit before the optimizer step (one group alone:
+`SingleReplica`, which does nothing and always commits).
+
 The loop never asks which strategy runs. What the checkpoint code needs is here too: `mesh`,
 `is_sharded` (DTensor parameters), `dp_size`/`dp_rank` (the sampler's: all cp ranks of a group read
 the same windows). Under context parallelism (`training.context_parallel` C > 1) `wrap` sets the model's
