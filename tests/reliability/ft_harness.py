@@ -37,12 +37,14 @@ def group_config(data: Path, work: Path, group: int, groups: int, lighthouse: st
     return path
 
 
-def start_group(config: Path, log: Path, *, hold: str | None = None, restarts: int = 1) -> subprocess.Popen:
-    """`torchrun --standalone --nproc_per_node 1 --max-restarts N -m mamba3lite train --config CONFIG`."""
+def start_group(
+    config: Path, log: Path, *, hold: str | None = None, restarts: int = 1, ranks: int = 1
+) -> subprocess.Popen:
+    """`torchrun --standalone --nproc_per_node RANKS --max-restarts N -m mamba3lite train --config CONFIG`."""
     env = {**os.environ, **H.BASE_ENV}
     if hold:
         env[HOLD_ENV] = hold
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     argv = [*torchrun, "--max-restarts", str(restarts), "-m", "mamba3lite", "train", "--config", str(config)]
     out = open(log, "w", encoding="utf-8")  # noqa: SIM115 (the child holds it; closed with the process)
     p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -50,16 +52,17 @@ def start_group(config: Path, log: Path, *, hold: str | None = None, restarts: i
     return p
 
 
-def worker_pid(torchrun: subprocess.Popen) -> int:
-    """The training process torchrun's agent started (its one child)."""
-    children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
+def worker_pids(torchrun: subprocess.Popen) -> list[int]:
+    """The training processes torchrun's agent started (its children), in the order it started them."""
+    return sorted(
+        int(p) for p in Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
+    )
 
 
 def kill_worker(torchrun: subprocess.Popen) -> float:
-    """SIGKILL the group's training process; the time of the kill."""
-    os.kill(worker_pid(torchrun), signal.SIGKILL)
+    """SIGKILL the group's last-started training process (its one process, or its highest rank); the time
+    of the kill."""
+    os.kill(worker_pids(torchrun)[-1], signal.SIGKILL)
     return time.time()
 
 
@@ -77,31 +80,36 @@ def participation_at(runs: list[list], step: int) -> list[int]:
     return next(g for first, last, g in runs if first <= step <= last)
 
 
-def oracle_weights(config: Path, runs: list[list], steps: int = STEPS) -> dict:
+def oracle_weights(config: Path, runs: list[list], steps: int = STEPS, ranks: int = 1) -> dict:
     """The weights one process reaches by replaying `runs` (the recorded participation): at each step
-    the mean over the groups that took part of each group's gradient over its slot of the global batch,
-    clipped, one optimizer step; the data position moves one global batch per step."""
+    the mean over the groups that took part of each group's gradient over its slot of the global batch
+    (itself the mean over the group's `ranks` DDP processes of theirs), clipped, one optimizer step; the
+    data position moves one global batch per step."""
     raw = yaml.safe_load(config.read_text())
     groups = raw["training"]["fault_tolerance"]["replica_groups"]
     raw["training"]["fault_tolerance"] = {}
     raw["training"]["checkpoint_dir"] = str(config.parent / "oracle")
     trainer = Pretrainer(Config.from_dict(raw), resume="none")
     tc, model, opt = trainer.tc, trainer.raw_model, trainer.optimizer
-    samplers = [WindowSampler(len(trainer.train_data), tc.global_windows, rank=g, world_size=groups,
-                              seed=tc.seed, shuffle=True) for g in range(groups)]  # fmt: skip
-    mb, accum = tc.micro_batch_size, tc.accumulation(groups)
+    world = groups * ranks  # sampler rank g * ranks + r: rank r of group g
+    samplers = [WindowSampler(len(trainer.train_data), tc.global_windows, rank=i, world_size=world,
+                              seed=tc.seed, shuffle=True) for i in range(world)]  # fmt: skip
+    mb, accum = tc.micro_batch_size, tc.accumulation(world)
     params = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
         set_lr(opt, trainer.schedule.lr(step))
-        grads = {}
-        for g, sampler in enumerate(samplers):
+        grads: dict[int, list[torch.Tensor]] = {}
+        for i, sampler in enumerate(samplers):
             indices = sampler.next_batch()
+            g = i // ranks
             if g not in participation_at(runs, step + 1):
                 continue
-            for i in range(accum):
-                x, y = trainer.train_data.get_batch(indices[i * mb : (i + 1) * mb])
+            for j in range(accum):
+                x, y = trainer.train_data.get_batch(indices[j * mb : (j + 1) * mb])
                 (model(x, y) / accum).backward()
-            grads[g] = [p.grad.clone() for p in params]
+            # DDP inside the group: each rank's gradient / ranks, summed (a power of two: exact scaling)
+            mine = [p.grad / ranks for p in params]
+            grads[g] = mine if g not in grads else [a + b for a, b in zip(grads[g], mine, strict=True)]
             opt.zero_grad(set_to_none=True)
         mean = [sum(gs[k] for gs in grads.values()) / len(grads) for k in range(len(params))]
         for p, m in zip(params, mean, strict=True):
