@@ -85,6 +85,15 @@ def oracle_weights(config: Path, runs: list[list], steps: int = STEPS, ranks: in
     the mean over the groups that took part of each group's gradient over its slot of the global batch
     (itself the mean over the group's `ranks` DDP processes of theirs), clipped, one optimizer step; the
     data position moves one global batch per step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the groups run (H.BASE_ENV): Muon's matmuls round by the thread count
+    try:
+        return _replay(config, runs, steps, ranks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(config: Path, runs: list[list], steps: int, ranks: int) -> dict:
     raw = yaml.safe_load(config.read_text())
     groups = raw["training"]["fault_tolerance"]["replica_groups"]
     raw["training"]["fault_tolerance"] = {}

@@ -38,15 +38,16 @@ def lighthouse():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process-groups", "2-process-ddp-groups"])
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process-groups", "2-process-ddp-muon-groups"])
 def test_a_killed_group_heals_live_and_the_run_equals_the_replayed_oracle(
     tmp_path, chaos_data, lighthouse, ranks
 ):
-    """2 groups of `ranks` processes (DDP inside a group of 2); the last rank of group 1 is killed. A group
-    of one process is restarted by its torchrun (--max-restarts); a group of two is started again from
-    outside: torchrun's in-place restart of a 2-process gloo group sometimes fails its first connect on a
+    """2 groups of `ranks` processes (DDP and Muon inside a group of 2); the last rank of group 1 is
+    killed. A group of one process is restarted by its torchrun (--max-restarts); a group of two is started
+    again from outside: torchrun's in-place restart of a 2-process gloo group sometimes fails its first connect on a
     loaded machine ("Connection refused" to the previous round's address), which is torch's, not ours."""
-    extra = {"parallelism": "ddp"} if ranks > 1 else {}
+    # the 2-process groups train with Muon (+ AdamW): its state is healed too
+    extra = {"parallelism": "ddp", "optimizer": "muon"} if ranks > 1 else {}
     configs = [F.group_config(chaos_data, tmp_path, g, 2, lighthouse, **extra) for g in (0, 1)]
     release = tmp_path / "release"
     restarts = 1 if ranks == 1 else 0
