@@ -44,8 +44,8 @@ def test_a_killed_group_heals_live_and_the_run_equals_the_replayed_oracle(
 ):
     """2 groups of `ranks` processes (DDP and Muon inside a group of 2); the last rank of group 1 is
     killed. A group of one process is restarted by its torchrun (--max-restarts); a group of two is started
-    again from outside: torchrun's in-place restart of a 2-process gloo group sometimes fails its first connect on a
-    loaded machine ("Connection refused" to the previous round's address), which is torch's, not ours."""
+    again from outside: torchrun's in-place restart of a 2-process gloo group sometimes fails its first
+    connect on a loaded machine ("Connection refused" to the previous round's address): torch's, not ours."""
     # the 2-process groups train with Muon (+ AdamW): its state is healed too
     extra = {"parallelism": "ddp", "optimizer": "muon"} if ranks > 1 else {}
     configs = [F.group_config(chaos_data, tmp_path, g, 2, lighthouse, **extra) for g in (0, 1)]
