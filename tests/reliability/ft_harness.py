@@ -16,8 +16,10 @@ import chaos_harness as H
 import torch
 import yaml
 
+from mamba3lite.checkpoint import CheckpointManager
 from mamba3lite.config import Config
 from mamba3lite.data import WindowSampler
+from mamba3lite.model import Mamba3Transformer
 from mamba3lite.train.faults import HOLD_ENV
 from mamba3lite.train.optim import set_lr
 from mamba3lite.train.trainer import Pretrainer
@@ -123,8 +125,16 @@ def _replay(config: Path, runs: list[list], steps: int, ranks: int) -> dict:
         mean = [sum(gs[k] for gs in grads.values()) / len(grads) for k in range(len(params))]
         for p, m in zip(params, mean, strict=True):
             p.grad = m
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or float("inf"), foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
     trainer.prefetcher.close()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def checkpoint_weights(run_dir: Path, step: int, config: Path) -> dict:
+    """A run's weights at `step` read in one process, whatever wrote them (three files or sharded DCP)."""
+    raw = yaml.safe_load(config.read_text())
+    model = Mamba3Transformer(Config.from_dict(raw).model)
+    CheckpointManager(run_dir).load(step, model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -582,8 +582,7 @@ class Pretrainer:
         """What a joining replica group receives from this one (replicas.py): the model, the optimizer (its
         lr included), the counters, the data position, the RNG, the guard and the participation so far."""
         return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.par.live_state(self.optimizer),  # "model", "optimizer": whole, or this rank's shards
             "run": {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(),
                     "rng": self.record.rng.state_dict(), "guard": self.guard.state_dict(),
                     "replicas": self.par.replicas.state_dict()},
@@ -592,8 +591,7 @@ class Pretrainer:
     def _load_live_state(self, state: dict) -> None:
         """Take a healthy peer's live state (`_live_state`'s) in place of this group's."""
         run = state["run"]
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.par.load_live_state(self.optimizer, state)
         self.progress.step, self.progress.tokens_seen = int(run["step"]), int(run["tokens_seen"])
         self.sampler.load_state_dict(run["sampler"])
         self.record.rng.load_state_dict(run["rng"])

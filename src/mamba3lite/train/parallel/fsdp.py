@@ -7,11 +7,19 @@ sharded layout, so one process and DDP never pay for it.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
+from mamba3lite.checkpoint.state import (
+    local_model_state,
+    local_optimizer_state,
+    set_local_state,
+    torch_optimizers,
+)
 from mamba3lite.train.parallel.layout import Layout
 
 
@@ -57,3 +65,47 @@ class Sharded:
         if self.layout.dp_replicate > 1:
             self.root.set_requires_all_reduce(last)
         return contextlib.nullcontext()
+
+    def live_state(self, model: torch.nn.Module, optimizer) -> dict:
+        """This rank's shards of the model and optimizer state (by parameter name), as plain tensors: a
+        DTensor carries its device mesh, which is this group's and means nothing to another."""
+        local = local_optimizer_state(model, optimizer)
+        return {"model": _to_local(local_model_state(model)), "optimizer": _to_local(local)}
+
+    def load_live_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+        """The shards a peer's rank of the same place sent, made DTensors again on this group's mesh
+        (laid out as this rank's own state, which `local_optimizer_state` creates when it is fresh)."""
+        model_like = local_model_state(model)
+        optim_like = local_optimizer_state(model, optimizer)
+        set_local_state(
+            model, optimizer, _like(state["model"], model_like), _like(state["optimizer"], optim_like)
+        )
+        # the settings of every group as sent, the empty ones too (their lr, which set_local_state keeps as
+        # built: it is the schedule's, the same a step later, but the state must equal the sender's now)
+        for name, part in torch_optimizers(optimizer).items():
+            sent = state["optimizer"][name] if name else state["optimizer"]
+            for group, theirs in zip(part.param_groups, sent["param_groups"], strict=True):
+                group.update({k: v for k, v in theirs.items() if k != "params"})
+
+
+def _to_local(x: Any) -> Any:
+    """`x` with every DTensor replaced by its local shard (dicts and lists walked)."""
+    if isinstance(x, DTensor):
+        return x.to_local()
+    if isinstance(x, dict):
+        return {k: _to_local(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_local(v) for v in x)
+    return x
+
+
+def _like(x: Any, like: Any) -> Any:
+    """`x` (from `_to_local`) with a DTensor wherever `like` has one, on its mesh and placements."""
+    if isinstance(like, DTensor):
+        return DTensor.from_local(x.to(like.device), like.device_mesh, like.placements, shape=like.shape,
+                                  stride=like.stride())  # fmt: skip
+    if isinstance(like, dict):
+        return {k: _like(v, like[k]) if k in like else v for k, v in x.items()}
+    if isinstance(like, (list, tuple)) and isinstance(x, (list, tuple)) and len(like) == len(x):
+        return type(x)(_like(v, w) for v, w in zip(x, like, strict=True))
+    return x

@@ -106,10 +106,10 @@ def check_fault_tolerance(tc, layout: Layout) -> None:
     fix = (
         "run each replica group as one process or with parallelism ddp, or turn training.fault_tolerance off"
     )
-    if layout.strategy not in ("local", "ddp"):
+    if layout.strategy not in ("local", "ddp", "fsdp"):
         raise ConfigError(
             f"training.fault_tolerance is not supported with parallelism {layout.strategy} inside a replica "
-            f"group (the groups are the replicas; sharding inside a group is not carried yet); {fix}"
+            f"group: the replica groups are the replicate dimension; use fsdp inside each group; {fix}"
         )
     if layout.cp > 1:
         raise ConfigError(

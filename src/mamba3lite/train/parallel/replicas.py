@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
+from mamba3lite.checkpoint.dtensor import is_dtensor
 from mamba3lite.errors import ConfigError, TrainingError
 
 INSTALL_HINT = "pip install 'mamba3lite[ft]' (torchft==0.2.0)"
@@ -171,7 +172,8 @@ class ReplicaGroups:
         assert self._user_state is not None, "attach first"
         state = self._user_state()
         self._sent_digest = state_digest(state)
-        return {"fingerprint": self.fingerprint, "digest": self._sent_digest, "state": state}
+        parts = {k: state_digest(v) for k, v in state.items()}
+        return {"fingerprint": self.fingerprint, "digest": self._sent_digest, "parts": parts, "state": state}
 
     def _load(self, received: dict) -> None:
         assert self._user_load is not None, "attach first"
@@ -183,11 +185,15 @@ class ReplicaGroups:
                 "every group; start this group with the others' config"
             )
         self._user_load(received["state"])
-        self._received_digest = state_digest(self._user_state()) if self._user_state else ""
+        assert self._user_state is not None
+        mine = self._user_state()
+        self._received_digest = state_digest(mine)
         if self._received_digest != received["digest"]:
+            differ = [k for k, v in mine.items() if state_digest(v) != received["parts"].get(k)]
             raise TrainingError(
-                f"replica group {self.group_id} healed, but its state differs from the sender's "
-                f"({self._received_digest[:12]} != {received['digest'][:12]})"
+                f"replica group {self.group_id} healed, but its state differs from the sender's in "
+                f"{', '.join(differ) or 'its layout'} ({self._received_digest[:12]} != "
+                f"{received['digest'][:12]})"
             )
 
     # -------------------------------------------------------------------------------- the step
@@ -235,6 +241,8 @@ class ReplicaGroups:
         one flat buffer (sum, then / participants: for two groups (a + b) / 2 exactly, in either order)."""
         if not grads:
             return
+        # FSDP2 inside the group: each rank's shards, averaged with the same rank's of the other groups
+        grads = [g.to_local() if is_dtensor(g) else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.manager.allreduce(flat).wait()
         offset = 0

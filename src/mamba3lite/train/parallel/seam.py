@@ -166,6 +166,15 @@ class Parallelism:
         finally:
             self.raw_model.set_context_parallel(self.mesh["cp"].get_group())
 
+    def live_state(self, optimizer) -> dict:
+        """This process's model and optimizer state as plain tensors (what a healthy replica group sends a
+        joining one): the strategy's (whole state dicts, or this rank's shards)."""
+        return self.strategy.live_state(self.raw_model, optimizer)
+
+    def load_live_state(self, optimizer, state: dict) -> None:
+        """Inverse of `live_state`, on the joiner's process of the same rank."""
+        self.strategy.load_live_state(self.raw_model, optimizer, state)
+
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         """The context of one micro-step's forward AND backward; `last`: its backward completes the
         step's gradient reduction."""

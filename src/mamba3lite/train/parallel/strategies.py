@@ -5,6 +5,10 @@
                            finishes the step's gradient reduction (`last`) or only accumulates
     is_sharded             whether the parameters are DTensors (the checkpoint code saves those with
                            torch.distributed.checkpoint)
+    live_state(model, opt) / load_live_state(model, opt, state)
+                           this process's model and optimizer state as plain tensors, and its inverse:
+                           what a healthy replica group sends to a joining one (replicas.py); the joiner's
+                           process of the same rank has the same layout
 
 Local: one process, the plain module. Replicated: DDP with PyTorch's reducer, which all-reduces the
 gradients in buckets DURING the backward of the last micro-step (no_sync on the others), into the
@@ -24,7 +28,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-class Local:
+class WholeState:
+    """The live state of a model whose parameters are whole on every process (Local, Replicated): the
+    module's and the optimizer's own state_dicts."""
+
+    def live_state(self, model: torch.nn.Module, optimizer) -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_live_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+
+class Local(WholeState):
     """One process: the plain module (compiled whole when asked)."""
 
     is_sharded = False
@@ -36,7 +52,7 @@ class Local:
         return contextlib.nullcontext()
 
 
-class Replicated:
+class Replicated(WholeState):
     """DDP over the mesh's `dp_replicate` dimension (flattened with `cp` under context parallelism: every
     rank's piece gradient is averaged): rank 0's weights broadcast at wrap, gradients averaged by the
     reducer's hooks while the last micro-step's backward runs."""
