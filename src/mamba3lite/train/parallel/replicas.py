@@ -258,8 +258,7 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether the step commits (every group of the quorum voted yes, enough of them took part)."""
-        ok = self.manager.should_commit()
-        return ok
+        return self.manager.should_commit()
 
     def record_commit(self, step: int) -> None:
         self.participation.add(step, self.participants)
