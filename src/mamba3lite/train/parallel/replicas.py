@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -251,10 +252,13 @@ class ReplicaGroups:
             offset += g.numel()
 
     def mean_loss(self, loss: float) -> float:
-        """The mean of the groups' step losses (each the mean over its own windows)."""
-        t = torch.tensor([loss], dtype=torch.float64)
-        self.manager.allreduce(t).wait()
-        return float(t.item())
+        """The mean of the groups' step losses (each the mean over its own windows), over the groups whose
+        loss is finite (a group whose every micro-step was skipped has none: nan when no group has one)."""
+        finite = math.isfinite(loss)
+        t = torch.tensor([loss if finite else 0.0, float(finite)], dtype=torch.float64)
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        total, count = t.tolist()
+        return total / count if count > 0 else float("nan")
 
     def commit(self) -> bool:
         """Whether the step commits (every group of the quorum voted yes, enough of them took part)."""
