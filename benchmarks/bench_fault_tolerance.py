@@ -102,13 +102,16 @@ def torchft(work: Path, data: Path, groups: int, steps: int, fault_at: int) -> d
         server.shutdown()
     run0 = work / "g0"
     runs = RunDir(run0).run_state(steps).replicas["participation"]
-    partial = sum(groups - len(F.participation_at(runs, s)) for s in range(1, steps + 1))
-    uncommitted = len(F.rows(run0, "event", "uncommitted"))
     trains = F.rows(run0, "train")
     interrupted = max((r["step"] for r in trains if r["time"] < killed), default=0)
-    full = [s for s in range(interrupted + 1, steps + 1) if len(F.participation_at(runs, s)) == groups]
+    after = range(interrupted + 1, steps + 1)  # counted from the fault (a group that joined late at the
+    # start, after the others' first steps, is the start's business, not the fault's)
+    partial = sum(groups - len(F.participation_at(runs, s)) for s in after)
+    uncommitted = len([r for r in F.rows(run0, "event", "uncommitted") if r["time"] >= killed])
+    short = [s for s in after if len(F.participation_at(runs, s)) < groups]
+    full = [s for s in after if s > max(short, default=interrupted)]
     back = None
-    if full:
+    if short and full:  # back when every group commits again after the last step without one
         back = next(r["time"] for r in trains if r["step"] == full[0]) - killed
     return {"lost": partial + uncommitted * groups, "back": back, "wall": wall}
 
@@ -116,7 +119,7 @@ def torchft(work: Path, data: Path, groups: int, steps: int, fault_at: int) -> d
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", default="2,4", help="replica counts to compare (comma-separated)")
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=300, help="long enough for a restarted group to return")
     ap.add_argument("--fault-at", type=int, default=30, help="the fault comes once this step is logged")
     ap.add_argument("--save-every", type=int, default=20, help="restart-all's checkpoint interval")
     args = ap.parse_args(argv)
