@@ -217,6 +217,20 @@ class TrainingConfig:
     dist_timeout_s: float = _f(
         1800.0, "seconds a collective may wait for the other processes before the job fails (torchrun jobs)"
     )
+    dist_init_timeout_s: float = _f(
+        600.0,
+        "torchrun jobs: seconds the processes of a generation (the first, or one torchrun restarted) may "
+        "take to meet at the rendezvous store, form their process group and pass its first barrier; past "
+        "it a rank stops with an error naming what it waited for, and torchrun restarts the job if "
+        "restarts remain",
+    )
+    watchdog_s: float = _f(
+        1200.0,
+        "torchrun jobs: seconds a rank may go without progress (the build and resume before the first step, "
+        "then each training step, evaluation and checkpoint save) before it prints the Python stack of each "
+        "of its threads and exits non-zero, so a stuck job becomes a torchrun restart instead of a stall; "
+        "0 = off",
+    )
     prefetch_batches: int = _f(
         2,
         "optimizer steps of input prepared ahead on a background thread (pinned memory, non-blocking "
@@ -247,6 +261,7 @@ class TrainingConfig:
                 "dp_replicate",
                 "context_parallel",
                 "dist_timeout_s",
+                "dist_init_timeout_s",
             ),
         )
         _positive(
@@ -265,6 +280,7 @@ class TrainingConfig:
                 "peak_tflops",
                 "global_batch_size",
                 "prefetch_batches",
+                "watchdog_s",
             ),
             allow_zero=True,
         )

@@ -295,6 +295,7 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
     from mamba3lite.train.parallel import process_group as D
     from mamba3lite.train.stop import StopFlag
     from mamba3lite.train.trainer import Pretrainer
+    from mamba3lite.train.watchdog import watchdog_for
 
     if isinstance(cfg, PreparedRun):
         assert opts == TrainOptions(), "a PreparedRun carries its own options"
@@ -302,14 +303,18 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
     else:
         prepared = prepare_run(cfg, opts)
     cfg, opts, init_model = prepared.cfg, prepared.opts, prepared.init_model
-    info = D.init_distributed(cfg.training.device, cfg.training.dist_timeout_s)
+    tc = cfg.training
+    info = D.init_distributed(tc.device, tc.dist_timeout_s, tc.dist_init_timeout_s)
+    watchdog = watchdog_for(tc.watchdog_s, info.rank, info.distributed)
     stop = stop or StopFlag(announce=info.is_main)
     after = signal.SIG_IGN if opts.own_process else None
     resume = "none" if opts.dry_run else opts.resume
     trainer, finished = None, False
     with stop.installed(signal.SIGTERM, on_exit=after):
         try:
-            trainer = Pretrainer(cfg, resume=resume, dist=info, model=init_model, stop=stop)
+            trainer = Pretrainer(
+                cfg, resume=resume, dist=info, model=init_model, stop=stop, watchdog=watchdog
+            )
             yield trainer
             finished = True
         except (RuntimeError, MemoryError) as e:
@@ -318,6 +323,7 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
             raise actionable from None
         finally:
             D.teardown(after_error=not finished)
+            watchdog.stop()
 
 
 def _actionable(e: BaseException, cfg, info, building: bool) -> BaseException:

@@ -86,6 +86,7 @@ from mamba3lite.train.step_input import StepInput
 from mamba3lite.train.stop import AgreedStop, StopFlag
 from mamba3lite.train.threads import NoThreadWatch, thread_watch
 from mamba3lite.train.validation import nonfinite_note, validate
+from mamba3lite.train.watchdog import NoWatchdog, Watchdog
 
 __all__ = ["INJECT_ENV", "Pretrainer", "TrainResult", "code_version", "parse_injection"]
 
@@ -103,6 +104,7 @@ class Pretrainer:
         stop: the run's stop flag (`mamba3lite train` installs it before building); default: a new
             one, whose signal handlers `train()` installs for its duration.
         now: the clock of a run with `training.time_budget_minutes` (schedule.py; tests inject one).
+        watchdog: a torchrun rank's (watchdog.py), told of each step, evaluation and save; default none.
     """
 
     def __init__(
@@ -117,10 +119,12 @@ class Pretrainer:
         stop: StopFlag | None = None,
         parallelism: Parallelism | None = None,
         now: Callable[[], float] = time.monotonic,
+        watchdog: Watchdog | NoWatchdog | None = None,
     ) -> None:
         if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
             raise ConfigError(f"resume must be 'latest', 'none' or a step number >= 0, got {resume!r}")
         self.cfg, self.record = config, RunRecord(resume)
+        self.watchdog = watchdog or NoWatchdog()  # a torchrun rank's: pet at each step, eval and save
         self.dist = dist or D.DistInfo(device=D.pick_device(config.training.device))
         flag = stop or StopFlag(announce=self.dist.is_main)
         # the stop flags agreed on by every rank (stop.py); one process: its own flag
@@ -246,6 +250,7 @@ class Pretrainer:
         try:
             while not self.schedule.done(self.step) and not stopped:
                 if self.train_step():
+                    self.watchdog.pet(f"step {self.step}")
                     self._periodic()
                 stopped = self.stopping.now()
             self.logger.flush()
@@ -276,10 +281,12 @@ class Pretrainer:
         # last_eval, what `inspect` and a resume report).
         if tc.eval_every and self.step % tc.eval_every == 0:
             self.evaluate()
+            self.watchdog.pet(f"the evaluation at step {self.step}")
         # every rank scores its share of the benchmarks' items; rank 0 writes the row
         self.downstream.maybe_evaluate(self.step, self.raw_model, self.logger, self.tokens_seen)
         if self.step % tc.save_every == 0:
             self.save_checkpoint()
+            self.watchdog.pet(f"the checkpoint of step {self.step}")
         self.logger.exclude_time(time.time() - t0)
 
     def _start(self, target: int, until_step: int | None) -> None:
