@@ -105,8 +105,12 @@ def test_the_site_builds_strict(tmp_path):
     assert MKDOCS.is_file(), "pip install -e '.[docs]' (the dev extra has mkdocs and mkdocs-material)"
     r = _build(ROOT, tmp_path / "site")
     assert r.returncode == 0, r.stdout + r.stderr
+    # the results page holds RESULTS.md's current tables, included (not copied), one per area
     results = (tmp_path / "site" / "results" / "index.html").read_text()
-    assert "Data" in results and "--8&lt;--" not in results  # RESULTS.md's current tables, included
+    assert "--8&lt;--" not in results and results.count("<table>") >= 8
+    for area in ("Data", "Training speed", "Quality per time", "Serving", "Scale-out", "Context parallelism"):
+        assert f">{area}<" in results, area
+    assert "not measured" in results  # the GPU figures say so
 
 
 def test_a_page_outside_the_nav_or_a_broken_link_fails_the_build(tmp_path):
@@ -119,3 +123,39 @@ def test_a_page_outside_the_nav_or_a_broken_link_fails_the_build(tmp_path):
     r = _build(copy, tmp_path / "site")
     assert r.returncode != 0
     assert "orphan.md" in r.stdout + r.stderr and "missing.md" in r.stdout + r.stderr
+
+
+AREAS = (
+    "Data",
+    "Training speed",
+    "Quality per time",
+    "Serving",
+    "Scale-out",
+    "Context parallelism",
+    "Hybrids",
+    "GPU",
+)
+HEADER = "| measured | result | target | machine | date | commit | command |"
+
+
+def test_results_open_with_one_current_table_per_area():
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    start, end = text.index("[start:current]"), text.index("[end:current]")
+    assert start < 1500, "RESULTS.md opens with the current tables"
+    current = text[start:end]
+    sections = re.split(r"^### ", current, flags=re.M)[1:]
+    assert [s.splitlines()[0] for s in sections] == list(AREAS)
+    for section in sections:
+        rows = [line for line in section.splitlines() if line.startswith("|")]
+        assert rows[0] == HEADER, section[:40]
+        for row in rows[2:]:
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert len(cells) == 7, row
+            if cells[1].startswith("not measured"):
+                continue  # a number nobody measured says so, and has no date or commit
+            assert cells[3] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells[4]), row
+            assert cells[5] and "`" in cells[6], row  # a commit (or "not recorded") and the command
+    gpu = sections[-1]
+    assert "not measured" in gpu
+    archive = re.search(r"\]\((results-archive/[^)]+)\)", text[:start])
+    assert archive and (ROOT / "benchmarks" / archive.group(1)).is_file()
