@@ -17,9 +17,12 @@ def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
-def code_blocks(text: str, langs: tuple[str, ...] = ("", "bash")) -> list[str]:
-    """The blocks fenced as one of `langs` (by default the shell ones: ```bash or a bare fence), each
-    fence pair matched as a pair (a python block's closing fence is not the opening of one)."""
+SHELL = ("", "bash", "sh", "shell", "console")  # a bare fence is a shell block here; `text` is not
+
+
+def code_blocks(text: str, langs: tuple[str, ...] = SHELL) -> list[str]:
+    """The blocks fenced as one of `langs` (by default the shell ones), each fence pair matched as a pair
+    (a python block's closing fence is not the opening of one)."""
     return [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S) if lang in langs]
 
 
@@ -29,6 +32,7 @@ def command_lines(text: str) -> list[list[str]]:
     out = []
     for block in code_blocks(text):
         for line in block.replace("\\\n", " ").splitlines():
+            line = line.removeprefix("$ ")  # a console block's prompt
             words = (
                 shlex.split(line, comments=True)
                 if re.match(r"\s*(\w+=\S+\s+)*(mamba3lite|torchrun)\b", line)

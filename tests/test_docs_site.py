@@ -39,7 +39,7 @@ def test_every_command_line_on_every_page_parses():
             config = getattr(args, "config", None)
             if config not in (None, "auto"):
                 resolve_preset(config)  # a named preset must exist
-    assert count >= 40, count  # the pages were read and their commands found
+    assert count >= 30, count  # the pages were read and their commands found
     assert set(COMMANDS) - {"import"} <= seen, set(COMMANDS) - seen
 
 
@@ -74,7 +74,7 @@ def test_python_blocks_parse_and_their_mamba3lite_imports_exist():
 def test_the_reference_pages_are_the_generated_ones():
     assert reference_pages.stale_pages(ROOT) == [], "run: python -m mamba3lite.report.reference_pages"
     cli = (DOCS / "reference" / "cli.md").read_text()
-    assert all(f"## `mamba3lite {name}`" in cli for name in COMMANDS)
+    assert all(f"\n## mamba3lite {name}\n" in cli for name in COMMANDS)
     assert "--checkpoint-dir" in cli and "--max-new-tokens" in cli
     config = (DOCS / "reference" / "config.md").read_text()
     assert "| `max_seq_len` |" in config and "| `train_data_path` |" in config
