@@ -7,9 +7,9 @@ A config file has three sections, in the seed's layout, and a fourth of its own:
     data:      DataConfig: where the token shards are (`train_data_path`, as in the seed)
     logging:   LoggingConfig: where the metrics rows go (train/metrics/: one sink each)
 
-Every field carries `metadata={"help": ...}` (meaning and unit); `config_reference_markdown()` renders
-them for the README. Values are validated on creation (`__post_init__`) with a `ConfigError` that names
-the field ("training.lr must be > 0, got -1"). Unknown keys, in YAML or in `--set section.key=value`
+Every field carries `metadata={"help": ...}` (meaning and unit); `mamba3lite.report.config_reference`
+renders them for the docs. Values are validated on creation (`__post_init__`) with a `ConfigError` that
+names the field ("training.lr must be > 0, got -1"). Unknown keys, in YAML or in `--set section.key=value`
 overrides, are errors with a did-you-mean suggestion. A preset is named by path or by bare name
 ("tiny" -> the packaged `mamba3lite/configs/tiny.yaml`).
 
@@ -796,34 +796,3 @@ def write_resolved_config(cfg: Config, path: str | Path) -> None:
     from mamba3lite.atomicfile import atomic_write_bytes
 
     atomic_write_bytes(Path(path), (RESOLVED_HEADER + cfg.to_yaml()).encode("utf-8"))
-
-
-def _type_name(type_: Any) -> str:
-    text = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
-    return str(text).replace("typing.", "")
-
-
-def config_reference_markdown() -> str:
-    """Markdown tables of every field of every section (name, type, default, meaning) for the README."""
-    lines: list[str] = []
-    for section, section_cls in Config.section_classes().items():
-        lines += [f"### `{section}:`", ""]
-        doc = (section_cls.__doc__ or "").strip().splitlines()
-        if doc and not doc[0].startswith(section_cls.__name__ + "("):
-            lines += [doc[0], ""]
-        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(section_cls):
-            if not f.init:
-                continue
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = "(required)"
-            default = _plain(default)
-            meaning = f.metadata.get("help", "").replace("|", "\\|")
-            type_text = _type_name(f.type).replace("|", "\\|")
-            lines.append(f"| `{f.name}` | {type_text} | `{default}` | {meaning} |")
-        lines.append("")
-    return "\n".join(lines)
