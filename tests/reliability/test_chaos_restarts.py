@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+import chaos_harness as H
 import pytest
 
-import chaos_harness as H
 from mamba3lite.checkpoint.run_dir import RunDir
 
 pytestmark = pytest.mark.slow
