@@ -62,7 +62,6 @@ __all__ = [
     "LoggingConfig",
     "TrainingConfig",
     "available_presets",
-    "build_section",
     "load_config",
     "resolve_preset",
     "write_resolved_config",
