@@ -151,13 +151,7 @@ class Pretrainer:
             self.raw_model, tc.ema_decay, self.par.name if self.par.is_sharded else None
         )
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
-        # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
-        manifest = getattr(self.data.train, "manifest", None)
-        tok_name = (manifest.tokenizer or {}).get("name") if manifest is not None else None
-        self.downstream = in_loop_evaluator(
-            config, tok_name, bf16=self.autocast_dtype is not None, rank=self.dist.rank,
-            world_size=self.dist.world_size,
-        )  # fmt: skip
+        self.downstream = self._build_downstream()
         # The windows of the steps, produced ahead on a thread; its sampler is the position of the batches
         # consumed, what checkpoints record (step_input.py).
         self.input = StepInput(self.data.train, tc, self.par, accum, self.device)
@@ -195,6 +189,16 @@ class Pretrainer:
         val, why = (val_data, "") if val_data is not None else build_val_data(self.cfg, train)
         check_data_matches(self.cfg, train, val)
         return TrainData(train, val, why)
+
+    def _build_downstream(self) -> Any:
+        """The in-loop downstream benchmarks (training.eval_tasks): all they need is checked now, not at
+        step 4,000."""
+        manifest = getattr(self.data.train, "manifest", None)
+        tok_name = (manifest.tokenizer or {}).get("name") if manifest is not None else None
+        return in_loop_evaluator(
+            self.cfg, tok_name, bf16=self.autocast_dtype is not None, rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )  # fmt: skip
 
     def _build_train_data(self) -> Any:  # its own method: a test signals the process while data builds
         return build_train_data(self.cfg)
