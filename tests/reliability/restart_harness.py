@@ -141,6 +141,7 @@ def kill_times(work: Path) -> list[float]:
 def train_run(work: Path, data: Path, parallelism: str, plan, timeout_s: float, **training) -> RestartRun:
     """`mamba3lite train` of the chaos config under the kill plan; recovery: from each kill to the first
     training row of the next generation."""
+    work.mkdir(parents=True, exist_ok=True)
     config = H.write_config(work / "config.yaml", data, work / "run", parallelism=parallelism, **training)
     hook = work / "hook"
     hook.mkdir(parents=True, exist_ok=True)
