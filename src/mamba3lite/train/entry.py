@@ -16,8 +16,11 @@ What happens, in order, before anything is written:
        holds its lock
     4. the data's tokenizer loads here and fits the model (`check_data_tokenizer`), by the rule
        `generate` and `eval` apply later; the sinks of `logging.sinks` can be built
-    5. init_distributed (training.dist_timeout_s); the parallelism seam is built once, in the trainer
-       (train/parallel/: the layout is checked before the model is built); SIGTERM sets the run's
+    5. init_distributed (a store namespace per torchrun generation, group creation bounded by
+       training.dist_init_timeout_s, collectives by dist_timeout_s) and a rank's watchdog
+       (training.watchdog_s: no progress -> its stacks, a non-zero exit); the parallelism seam is
+       built once, in the trainer (train/parallel/: the layout is checked before the model is built);
+       SIGTERM sets the run's
        stop flag from here on (the run stops after a step, with a checkpoint); the model is refused
        before it is built when it cannot fit the device (model.memory.check_model_fits, in the
        trainer's build)
