@@ -11,6 +11,9 @@ A source spec is one of
                         once); matching directories are walked as above
     stdlib              the running interpreter's standard-library .py files (see `stdlib_files`)
     hf:NAME[:CONFIG]    a Hugging Face dataset's "train" split, streamed (needs the `datasets` package)
+    s3://bucket/prefix/ an object-store URL (s3://, gs://, hf://, file://; data/store.py): every object below
+                        the prefix, read as the files of a directory are (by name; hidden names, __pycache__
+                        and prepared datasets skipped), listed once, each read checked against its listing
 
 A source is a deterministic sequence of *units*, one per document: a text file is one unit, a JSONL line
 one unit (blank lines are not units), a Parquet row or a streamed dataset row one unit. Files are taken in
@@ -44,6 +47,7 @@ from pathlib import Path
 
 from mamba3lite import intake
 from mamba3lite.data.shards import MANIFEST_NAME
+from mamba3lite.data.store import ObjectInfo, Store, is_url
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError, Mamba3LiteError, TransientError
 
 KIND_TEXT_BYTES = 0
@@ -283,6 +287,38 @@ def _match_parts(pattern: list[str], comps: tuple[str, ...]) -> bool:
     return bool(comps) and fnmatch.fnmatchcase(comps[0], pattern[0]) and _match_parts(pattern[1:], comps[1:])
 
 
+def _listed_objects(store: Store, skipped: list[str]) -> list[ObjectInfo]:
+    """The objects of a URL source, as `_walk_dir` takes a directory's files: sorted by key, names that
+    start with a dot and __pycache__ directories skipped, and so are prepared datasets below the root
+    (their URLs appended to `skipped`); DataError when the root itself is one."""
+    objects = [
+        o
+        for o in store.list()
+        if not any(c.startswith(".") for c in o.key.split("/")) and "__pycache__" not in o.key.split("/")[:-1]
+    ]
+    datasets = set()
+    for o in objects:
+        parts = o.key.split("/")
+        if parts[-1] != MANIFEST_NAME:
+            continue
+        manifest, problem = intake.json_problem(
+            decode_bytes(store.read(o, limit=intake.MANIFEST.max_bytes)), intake.MANIFEST
+        )
+        if (
+            problem is None
+            and isinstance(manifest, dict)
+            and {"format_version", "vocab_size", "shards"} <= manifest.keys()
+        ):
+            datasets.add("/".join(parts[:-1]))
+    if "" in datasets:
+        raise DataError(
+            f"source {store.url} is a dataset `prepare` wrote (its {MANIFEST_NAME}), not text; pass the "
+            "text it was prepared from, or train on it (data.train_data_path)"
+        )
+    skipped.extend(store.url_of(d) for d in sorted(datasets))
+    return [o for o in objects if not any(o.key.startswith(d + "/") for d in datasets)]
+
+
 def _is_glob(spec: str) -> bool:
     return any(c in spec for c in "*?[")
 
@@ -299,6 +335,8 @@ class Source:
         self.max_docs = max_docs
         self.files: list[Path] = []
         self.hf: tuple[str, str | None] | None = None
+        self.store: Store | None = None  # a URL source: its objects, listed once, are read through it
+        self.objects: list[ObjectInfo] = []
         self.skipped_datasets: list[Path] = []  # prepared datasets found below the source, not read
         if not spec.strip():
             # Path("") is the current directory: an unset shell variable (`--source "$CORPUS"`) would
@@ -309,6 +347,12 @@ class Source:
             )
         if spec == "stdlib":
             self.files = stdlib_files()
+        elif is_url(spec):
+            self.store = Store(spec)
+            self.objects = _listed_objects(self.store, self.skipped_datasets)
+            if not self.objects:
+                raise DataError(f"source {spec!r} holds no objects (only hidden names or datasets)")
+            return
         elif spec.startswith("hf:"):
             parts = spec[3:].split(":")
             if not parts[0] or len(parts) > 2:
@@ -361,6 +405,8 @@ class Source:
         if self.hf is not None:
             return None
         h = hashlib.sha256()
+        for o in self.objects:  # a URL source: what its listing recorded (key, size, etag or mtime)
+            h.update(f"{o.url}\0{o.size}\0{o.etag or o.mtime}\n".encode())
         for p in self.files:
             st = p.stat()
             h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
@@ -372,31 +418,46 @@ class Source:
         Parquet is taken pro rata by its row count). None for hf: sources (unknown)."""
         if self.hf is not None:
             return None
+        entries = self.objects or self.files
         if self.max_docs is None:
-            return sum(p.stat().st_size for p in self.files)
+            return sum(self._size(e) for e in entries)
         total, left = 0, self.max_docs
-        for p in self.files:
+        for p in entries:
             if left <= 0:
                 break
-            name = p.name.lower()
+            name = self._name(p).lower()
             if name.endswith((".jsonl", ".jsonl.gz")):
                 n, used = self._jsonl_prefix(p, left)
             elif name.endswith(".parquet"):
                 n = self._open_parquet(p).metadata.num_rows
-                used = p.stat().st_size * min(1.0, left / n) if n else 0
+                used = self._size(p) * min(1.0, left / n) if n else 0
             else:
-                n, used = 1, p.stat().st_size
+                n, used = 1, self._size(p)
             total += int(used)
             left -= n
         return total
 
+    # A file of a path source or an object of a URL source: the few things the readers below ask of one.
     @staticmethod
-    def _jsonl_prefix(path: Path, n: int) -> tuple[int, int]:
+    def _name(entry: Path | ObjectInfo) -> str:
+        return entry.name if isinstance(entry, Path) else entry.url.rsplit("/", 1)[-1]
+
+    @staticmethod
+    def _size(entry: Path | ObjectInfo) -> int:
+        return entry.stat().st_size if isinstance(entry, Path) else entry.size
+
+    def _open(self, entry: Path | ObjectInfo, kind: intake.FileKind):
+        if isinstance(entry, Path):
+            return intake.open_regular(entry, kind)
+        assert self.store is not None
+        return self.store.open(entry)
+
+    def _jsonl_prefix(self, path: Path | ObjectInfo, n: int) -> tuple[int, int]:
         """(units, bytes on disk) of the first `n` units of a JSONL file (all of it if it has fewer)."""
-        gz = path.name.lower().endswith(".gz")
+        gz = self._name(path).lower().endswith(".gz")
         try:
             with (
-                intake.open_regular(path, intake.SOURCE_JSONL) as raw,
+                self._open(path, intake.SOURCE_JSONL) as raw,
                 gzip.GzipFile(fileobj=raw) if gz else contextlib.nullcontext(raw) as f,
             ):
                 count = sum(1 for _ in itertools.islice((line for line in f if line.strip()), n))
@@ -406,8 +467,7 @@ class Source:
         except (OSError, EOFError, zlib.error) as e:
             raise intake.SOURCE_JSONL.fail(f"cannot read {path}: {e}") from e
 
-    @staticmethod
-    def _open_parquet(path: Path):
+    def _open_parquet(self, path: Path | ObjectInfo):
         """A pyarrow ParquetFile (its footer read), or one clear error: pyarrow missing, file unreadable."""
         try:
             import pyarrow.parquet as pq
@@ -416,13 +476,18 @@ class Source:
                 f"reading {path} needs the `pyarrow` package; fix: pip install 'mamba3lite[parquet]'"
             ) from e
         try:
-            return pq.ParquetFile(path)
+            return pq.ParquetFile(path if isinstance(path, Path) else self._open(path, intake.SOURCE_JSONL))
+        except Mamba3LiteError:
+            raise
         except Exception as e:
             raise DataError(f"cannot read parquet file {path}: {e}") from e
 
     def units(self, start: int = 0) -> Iterator[Unit]:
         """The units from index `start` (0-based), at most `max_docs` in all; see the module docstring."""
-        gen = self._iter_hf() if self.hf is not None else self._iter_files(start)
+        if self.hf is not None:
+            gen = self._iter_hf()
+        else:
+            gen = self._iter_objects(start) if self.store is not None else self._iter_files(start)
         if self.max_docs is not None:  # stop before the next unit is read, not after
             gen = itertools.islice(gen, self.max_docs)
         for index, unit in enumerate(gen):
@@ -465,7 +530,43 @@ class Source:
                     yield None
                 index += 1
 
-    def _parquet_texts(self, path: Path) -> Iterator[str | None]:
+    def _iter_objects(self, start: int) -> Iterator[Unit | None]:
+        """`_iter_files` for a URL source: the same units from the same bytes, read through the store
+        (each object checked against its listing); locations are the objects' URLs."""
+        assert self.store is not None
+        index = 0
+        cap = intake.MAX_SOURCE_LINE_BYTES
+        for obj in self.objects:
+            name = self._name(obj).lower()
+            if name.endswith((".jsonl", ".jsonl.gz")):
+                with self.store.open(obj) as f:
+                    for lineno, line in intake.iter_stream_lines(
+                        f, obj.url, intake.SOURCE_JSONL, max_line_bytes=cap
+                    ):
+                        if line is None:
+                            raise DataError(
+                                f"{obj.url} line {lineno} is longer than {cap // intake.MiB} MiB, more "
+                                "than one document may be; split that document, or fix the file if it is "
+                                "not JSON lines"
+                            )
+                        yield None if index < start else ((obj.url, lineno), KIND_JSONL, line)
+                        index += 1
+            elif name.endswith(".parquet"):
+                for row, text in enumerate(self._parquet_texts(obj), 1):
+                    yield None if index < start else ((obj.url, row), KIND_STR, text)
+                    index += 1
+            else:
+                if index >= start:
+                    yield (
+                        obj.url,
+                        KIND_TEXT_BYTES,
+                        self.store.read(obj, limit=intake.SOURCE_DOCUMENT.max_bytes),
+                    )
+                else:
+                    yield None
+                index += 1
+
+    def _parquet_texts(self, path: Path | ObjectInfo) -> Iterator[str | None]:
         pf = self._open_parquet(path)
         names = pf.schema_arrow.names
         if self.text_field not in names:
