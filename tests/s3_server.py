@@ -42,7 +42,10 @@ class S3Server:
         and is allowed only what that user's policies allow) or off (its default)."""
         body = b"0" if on else b"inf"
         req = urllib.request.Request(
-            f"{self.endpoint}/moto-api/reset-auth", data=body, method="POST", headers={"Content-Type": "text/plain"}
+            f"{self.endpoint}/moto-api/reset-auth",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "text/plain"},
         )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200

@@ -109,7 +109,7 @@ def test_errors_are_one_line_and_name_the_url(s3, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-    with pytest.raises(StorageUnreachableError, match=rf"cannot reach the object store \(AWS_ENDPOINT_URL="):
+    with pytest.raises(StorageUnreachableError, match=r"cannot reach the object store \(AWS_ENDPOINT_URL="):
         Store(f"s3://{bucket}/p/").list()
     for e in (DataNotFoundError, ObjectChangedError, StorageUnreachableError):
         assert "\n" not in str(e)
@@ -166,7 +166,9 @@ def test_prepare_from_a_bucket_equals_prepare_from_a_local_copy(s3, tmp_path):
     assert a.manifest.shards and shard_bytes(tmp_path / "local") == shard_bytes(tmp_path / "remote")
     # the manifests differ only in the source spec they record (the arguments and the per-source stats)
     url = f"s3://{bucket}/corpus/"
-    local_manifest, remote_manifest = ((tmp_path / d / MANIFEST_NAME).read_text() for d in ("local", "remote"))
+    local_manifest, remote_manifest = (
+        (tmp_path / d / MANIFEST_NAME).read_text() for d in ("local", "remote")
+    )
     assert remote_manifest.count(json.dumps(url)) == 2 and json.dumps(str(local)) not in remote_manifest
     assert remote_manifest.replace(json.dumps(url), json.dumps(str(local))) == local_manifest
     assert b.manifest.n_tokens("train") == a.manifest.n_tokens("train") > 0

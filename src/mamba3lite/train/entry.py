@@ -9,6 +9,7 @@ check added here reaches every command that trains.
                                                     # in place of (cfg, opts) (the quickstart's runs)
 
 What happens, in order, before anything is written:
+    0. a dataset given as a URL (s3://...) is fetched into the verified local cache and read from there
     1. `--init-from` (training.init_from): the source's model config and weights, or, once the run has
        checkpoints of its own, their recorded model config and no source at all (`resolve_init`)
     2. a dry run is a fresh 2-step run: a directory with checkpoints is refused
@@ -253,6 +254,8 @@ class PreparedRun:
     cfg: Any
     opts: TrainOptions
     init_model: Any = None
+    # datasets given as URLs, fetched into the local cache and held there for the run (train/data.py)
+    data_leases: tuple = ()
 
     def with_training(self, **fields: Any) -> PreparedRun:
         """The same run with some of ADJUSTABLE_TRAINING_FIELDS changed (validated as --set values are)."""
@@ -279,13 +282,15 @@ class PreparedRun:
 
 def prepare_run(cfg, opts: TrainOptions = TrainOptions()) -> PreparedRun:
     """`cfg` run with `opts` after every check that needs no process group (points 1-4 above)."""
+    from mamba3lite.train.data import localize_data
     from mamba3lite.train.metrics import resolve_sinks
 
+    cfg, leases = localize_data(cfg)  # a dataset URL becomes its verified local copy, before any check
     cfg, init_model = resolve_init(cfg, opts)
     check_run_directory(cfg, opts)
     check_data_tokenizer(cfg)
     resolve_sinks(cfg.logging)  # a named sink whose package is missing: refused now, not at the start
-    return PreparedRun(cfg, opts, init_model)
+    return PreparedRun(cfg, opts, init_model, leases)
 
 
 @contextlib.contextmanager

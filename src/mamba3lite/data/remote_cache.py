@@ -1,0 +1,196 @@
+"""A dataset in object storage, trained on through a verified local cache.
+
+    held = fetch_dataset("s3://bucket/ds/", cache_dir, max_bytes)   # a local copy, verified
+    PretrainDataset(held.path, ...)                                   # memory-mapped from the cache
+    held.close()                                                      # (or at process exit)
+
+`fetch_dataset` reads the dataset's manifest.json from the store, then fetches each shard the run
+reads into CACHE/<hash of the URL>/, hashing it on the way: a shard whose sha256 is not the manifest's
+is a DataError naming its URL (never a silent substitute, and nothing is left in the cache for it); a
+shard missing from the store is a DataNotFoundError naming it. A copy already in the cache is hashed
+again before it is used, and fetched again if it no longer matches. The manifest is written to the
+cache last, as `prepare` writes it: a cache entry without one is an unfinished fetch.
+
+Which shards a rank reads: every shard of the splits it reads. The window sampler spreads each global
+batch over the whole dataset (its order is the same at any world size), so every rank's windows touch
+every shard of a split within an epoch; a rank that fetched only part of them would fetch the rest
+mid-run. Ranks on one node share the cache: a lock lets one fetch while the others wait, then each
+checks the copy.
+
+Size limit and eviction: the cache holds at most `max_bytes`. "No rank reads it any more" is decided
+by leases: a process that uses an entry holds a shared `flock` on the entry's lease file for as long
+as it trains on it (the kernel drops it when the process exits, however it exits). Before a fetch, the
+entries no process holds are evicted, least recently used first, until the new shards fit, and so are
+files of the held entry that its current manifest no longer names (an older upload to the same URL).
+Entries in use are never evicted; when the data in use alone exceeds the limit, the fetch is refused
+with a ConfigError naming data.cache_max_gb.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mamba3lite.atomicfile import HASH_CHUNK_BYTES, atomic_write_bytes
+from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+from mamba3lite.data.store import Store
+from mamba3lite.data_identity import is_tokenizer_file
+from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+from mamba3lite.rundir import TOKENIZER_NAME
+
+_LEASE = ".lease"  # shared flock: a process trains on this entry
+_LOCK = ".lock"  # exclusive flock: a process is fetching into this entry
+_USED = ".last_used"  # mtime: when a process last took this entry (eviction order)
+_SOURCE = ".source"  # the URL the entry holds, for people looking at the cache
+
+
+@dataclass
+class CachedDataset:
+    """A dataset fetched into the cache and held (its lease) until `close` or the process's exit."""
+
+    url: str
+    path: Path  # the local dataset directory: manifest.json + shards, as `prepare` writes them
+    fetched: list[str] = field(default_factory=list)  # shard paths downloaded by this call
+    reused: list[str] = field(default_factory=list)  # shard paths found in the cache, verified
+    _lease: Any = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Release the lease: the entry may be evicted from now on."""
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
+
+
+def entry_dir(cache_dir: str | Path, url: str) -> Path:
+    """The cache directory of the dataset at `url`."""
+    return Path(cache_dir).expanduser() / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _take_lease(entry: Path) -> Any:
+    """A shared flock on the entry's lease file, on the file that is at that path now (an evictor may
+    have removed the entry while this process waited: then the lock is taken again on the new file)."""
+    while True:
+        entry.mkdir(parents=True, exist_ok=True)
+        f = open(entry / _LEASE, "a+b")  # noqa: SIM115 (held for the life of the lease)
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            if os.fstat(f.fileno()).st_ino == os.stat(entry / _LEASE).st_ino:
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()
+
+
+def _entry_bytes(entry: Path) -> int:
+    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+
+
+def _evict(cache: Path, keep: Path, need: int, max_bytes: int) -> None:
+    """Remove the entries no process holds, least recently used first, until `need` more bytes fit in
+    `max_bytes`; ConfigError when the entries in use leave no room."""
+    entries = sorted(
+        (e for e in cache.iterdir() if e.is_dir() and e != keep),
+        key=lambda e: (e / _USED).stat().st_mtime if (e / _USED).exists() else 0.0,
+    )
+    total = _entry_bytes(keep) + sum(_entry_bytes(e) for e in entries)
+    for e in entries:
+        if total + need <= max_bytes:
+            return
+        try:
+            f = open(e / _LEASE, "a+b")  # noqa: SIM115
+        except OSError:
+            continue
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a process trains on it
+            size = _entry_bytes(e)
+            shutil.rmtree(e, ignore_errors=True)
+            total -= size
+    if total + need > max_bytes:
+        raise ConfigError(
+            f"the dataset cache {cache} holds {total / 2**30:.2f} GB in use and needs {need / 2**30:.2f} GB "
+            f"more, over its limit of {max_bytes / 2**30:.2f} GB (data.cache_max_gb); raise the limit, or "
+            "stop the runs that hold the other cached datasets"
+        )
+
+
+def fetch_dataset(
+    url: str, cache_dir: str | Path, max_bytes: int, splits: tuple[str, ...] = ("train", "val")
+) -> CachedDataset:
+    """The dataset at `url` in the local cache, its shards of `splits` verified against the manifest's
+    sha256 and held (see the module docstring). Raises the store's one-line errors, DataError for a
+    corrupt shard, ConfigError when the cache limit leaves no room."""
+    store = Store(url)
+    cache = Path(cache_dir).expanduser()
+    entry = entry_dir(cache, url)
+    if not store.exists(MANIFEST_NAME):
+        raise DataNotFoundError(
+            f"{store.url_of(MANIFEST_NAME)} does not exist: {url} is not a prepared dataset, or its upload "
+            "did not finish (the manifest is uploaded last); upload it again"
+        )
+    raw = store.read(store.stat(MANIFEST_NAME), limit=256 << 20)
+    try:
+        manifest = Manifest.from_dict(json.loads(raw), where=store.url_of(MANIFEST_NAME))
+    except ValueError as e:
+        raise DataError(f"{store.url_of(MANIFEST_NAME)} is not a valid dataset manifest ({e})") from None
+    wanted = [s for s in manifest.shards if s.split in splits]
+    extra = [TOKENIZER_NAME] if is_tokenizer_file(manifest.tokenizer.get("name", "")) else []
+    lease = _take_lease(entry)
+    held = CachedDataset(url, entry, _lease=lease)
+    try:
+        with open(entry / _LOCK, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one fetcher per entry; the others wait, then verify
+            cached = entry / MANIFEST_NAME
+            if not (cached.is_file() and cached.read_bytes() == raw):
+                # Another upload at this URL (or a first fetch): the entry is unfinished until the end,
+                # and the files the older manifest named are no longer read.
+                cached.unlink(missing_ok=True)
+                keep = {s.path for s in manifest.shards} | set(extra)
+                for p in entry.rglob("*"):
+                    rel = p.relative_to(entry).as_posix()
+                    if p.is_file() and not rel.startswith(".") and rel not in keep:
+                        p.unlink()
+            todo = []
+            for s in wanted:
+                local = entry / s.path
+                if local.is_file() and _sha256(local) == s.sha256:
+                    held.reused.append(s.path)
+                else:
+                    local.unlink(missing_ok=True)
+                    todo.append(s)
+            objects = {s.path: store.stat(s.path) for s in todo}  # a missing shard fails before any fetch
+            tok_obj = store.stat(extra[0]) if extra else None
+            need = sum(o.size for o in objects.values()) + (tok_obj.size if tok_obj else 0)
+            _evict(cache, entry, need, max_bytes)
+            for s in todo:
+                store.get_file(objects[s.path], entry / s.path, sha256=s.sha256)
+                held.fetched.append(s.path)
+            if tok_obj is not None:  # its hash is the manifest's vocab_hash, checked where it is loaded
+                store.get_file(tok_obj, entry / TOKENIZER_NAME)
+            atomic_write_bytes(entry / _SOURCE, url.encode())
+            if not (cached.is_file() and cached.read_bytes() == raw):
+                atomic_write_bytes(cached, raw)  # last: the entry is complete
+            (entry / _USED).touch()
+            now = time.time()
+            os.utime(entry / _USED, (now, now))
+    except BaseException:
+        held.close()
+        raise
+    return held
