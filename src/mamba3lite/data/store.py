@@ -97,6 +97,11 @@ class ObjectInfo:
     def __str__(self) -> str:  # messages name the object by its URL
         return self.url
 
+    def record(self) -> dict:
+        """What a plan stores of a listing (JSON-able), so that a resumed run reads the same objects, held
+        to the same sizes and etags, without listing again (`Store.object_from_record`)."""
+        return {"key": self.key, "size": self.size, "etag": self.etag, "mtime": self.mtime}
+
 
 def _filesystem(url: str) -> tuple[Any, str]:
     """(fsspec filesystem, root path in its own terms) for a URL or a plain path; ConfigError naming
@@ -104,13 +109,11 @@ def _filesystem(url: str) -> tuple[Any, str]:
     scheme = url_scheme(url)
     package = _SCHEME_PACKAGES.get(scheme, "fsspec")
     try:
-        import fsspec
         from fsspec.core import url_to_fs
     except ImportError as e:
         raise ConfigError(
             f"{url}: reading URLs needs the `fsspec` package; fix: pip install 'mamba3lite[s3]'"
         ) from e
-    del fsspec
     try:
         # A fresh instance: the environment (credentials, endpoint) is read now, and no listing cached by
         # an earlier instance is trusted.
@@ -236,6 +239,11 @@ class Store:
                 raise DataNotFoundError(f"{self.url}: no objects there; check the URL (bucket and prefix)")
             out = [self._info("", raw)]
         return sorted(out, key=lambda o: o.key)
+
+    def object_from_record(self, record: dict) -> ObjectInfo:
+        """The `ObjectInfo` that `ObjectInfo.record` wrote, for this store's root."""
+        key = str(record["key"])
+        return ObjectInfo(key, self.url_of(key), int(record["size"]), record.get("etag"), record.get("mtime"))
 
     def stat(self, key: str) -> ObjectInfo:
         """The object `key` as the store has it now (no cached listing)."""
