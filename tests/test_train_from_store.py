@@ -95,3 +95,29 @@ def test_the_cache_evicts_what_no_process_holds_under_its_size_limit(s3, tmp_pat
     assert again.fetched == [shard] and len(again.reused) == len(Manifest.load(b_local).shards) - 1
     assert (again.path / shard).read_bytes() == (b_local / shard).read_bytes()
     again.close()
+
+
+def test_a_dataset_with_its_own_tokenizer_is_fetched_with_it(s3, tmp_path):
+    """`prepare --train-tokenizer` writes tokenizer.json into the dataset: the cache fetches it too,
+    held to the manifest's vocab_hash (its sha256), so the cached copy loads as the local one does."""
+    pytest.importorskip("tokenizers")
+    from mamba3lite.data.prepare import prepare
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "some words to fit merges on, " * (20 + i))
+    prepare([str(corpus)], tmp_path / "ds", workers=0, val_fraction=0, train_tokenizer=270)
+    url = f"s3://{s3.bucket()}/ds/"
+    upload_dataset(tmp_path / "ds", url)
+    held = fetch_dataset(url, tmp_path / "cache", 1 << 30)
+    try:
+        assert "tokenizer.json" in held.fetched
+        assert (held.path / "tokenizer.json").read_bytes() == (
+            tmp_path / "ds" / "tokenizer.json"
+        ).read_bytes()
+        assert (
+            Manifest.load(held.path).identity.vocab_hash == Manifest.load(tmp_path / "ds").identity.vocab_hash
+        )
+    finally:
+        held.close()

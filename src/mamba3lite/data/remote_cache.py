@@ -57,8 +57,8 @@ class CachedDataset:
 
     url: str
     path: Path  # the local dataset directory: manifest.json + shards, as `prepare` writes them
-    fetched: list[str] = field(default_factory=list)  # shard paths downloaded by this call
-    reused: list[str] = field(default_factory=list)  # shard paths found in the cache, verified
+    fetched: list[str] = field(default_factory=list)  # files (shards, tokenizer.json) downloaded by this call
+    reused: list[str] = field(default_factory=list)  # files found in the cache, verified
     _lease: Any = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -147,11 +147,15 @@ def fetch_dataset(
         )
     raw = store.read(store.stat(MANIFEST_NAME), limit=256 << 20)
     try:
-        manifest = Manifest.from_dict(json.loads(raw), where=store.url_of(MANIFEST_NAME))
+        d = json.loads(raw)
     except ValueError as e:
         raise DataError(f"{store.url_of(MANIFEST_NAME)} is not a valid dataset manifest ({e})") from None
-    wanted = [s for s in manifest.shards if s.split in splits]
-    extra = [TOKENIZER_NAME] if is_tokenizer_file(manifest.tokenizer.get("name", "")) else []
+    manifest = Manifest.from_dict(d, where=store.url_of(MANIFEST_NAME))
+    # (path, sha256) of every file fetched: the shards of `splits`, and the dataset's own tokenizer.json
+    # (the manifest's vocab_hash is that file's sha256)
+    wanted = [(s.path, s.sha256) for s in manifest.shards if s.split in splits]
+    if is_tokenizer_file(manifest.tokenizer.get("name", "")):
+        wanted.append((TOKENIZER_NAME, manifest.tokenizer["vocab_hash"]))
     lease = _take_lease(entry)
     held = CachedDataset(url, entry, _lease=lease)
     try:
@@ -162,28 +166,24 @@ def fetch_dataset(
                 # Another upload at this URL (or a first fetch): the entry is unfinished until the end,
                 # and the files the older manifest named are no longer read.
                 cached.unlink(missing_ok=True)
-                keep = {s.path for s in manifest.shards} | set(extra)
+                keep = {s.path for s in manifest.shards} | {path for path, _ in wanted}
                 for p in entry.rglob("*"):
                     rel = p.relative_to(entry).as_posix()
                     if p.is_file() and not rel.startswith(".") and rel not in keep:
                         p.unlink()
             todo = []
-            for s in wanted:
-                local = entry / s.path
-                if local.is_file() and _sha256(local) == s.sha256:
-                    held.reused.append(s.path)
+            for path, sha in wanted:
+                local = entry / path
+                if local.is_file() and _sha256(local) == sha:
+                    held.reused.append(path)
                 else:
                     local.unlink(missing_ok=True)
-                    todo.append(s)
-            objects = {s.path: store.stat(s.path) for s in todo}  # a missing shard fails before any fetch
-            tok_obj = store.stat(extra[0]) if extra else None
-            need = sum(o.size for o in objects.values()) + (tok_obj.size if tok_obj else 0)
-            _evict(cache, entry, need, max_bytes)
-            for s in todo:
-                store.get_file(objects[s.path], entry / s.path, sha256=s.sha256)
-                held.fetched.append(s.path)
-            if tok_obj is not None:  # its hash is the manifest's vocab_hash, checked where it is loaded
-                store.get_file(tok_obj, entry / TOKENIZER_NAME)
+                    todo.append((path, sha))
+            objects = {path: store.stat(path) for path, _ in todo}  # a missing one fails before any fetch
+            _evict(cache, entry, sum(o.size for o in objects.values()), max_bytes)
+            for path, sha in todo:
+                store.get_file(objects[path], entry / path, sha256=sha)
+                held.fetched.append(path)
             atomic_write_bytes(entry / _SOURCE, url.encode())
             if not (cached.is_file() and cached.read_bytes() == raw):
                 atomic_write_bytes(cached, raw)  # last: the entry is complete

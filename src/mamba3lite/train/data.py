@@ -41,7 +41,7 @@ def localize_data(cfg: Config) -> tuple[Config, tuple[CachedDataset, ...]]:
                 paths[name] = str(held[-1].path)
                 got = held[-1]
                 print(
-                    f"data: {url} -> {got.path} ({len(got.fetched)} shard(s) fetched, "
+                    f"data: {url} -> {got.path} ({len(got.fetched)} file(s) fetched, "
                     f"{len(got.reused)} verified in the cache)"
                 )
     except BaseException:
