@@ -164,6 +164,32 @@ def test_bucket_without_permission(s3, monkeypatch):
         s3.enforce_auth(False)
 
 
+def test_a_url_source_gives_the_units_of_its_local_copy(s3, tmp_path):
+    """The same units (kind and payload) in the same order, from any start (a resumed run's cursor),
+    with the objects' URLs for locations; text objects are read ahead, handed out in order."""
+    from mamba3lite.data.sources import Source
+
+    local = tmp_path / "corpus"
+    files = make_corpus(local)
+    bucket = s3.bucket()
+    upload(s3, bucket, "c/", files)
+    url = f"s3://{bucket}/c/"
+
+    def units(src: Source, start: int) -> list:
+        out = []
+        for loc, kind, payload in src.units(start):
+            where = loc if isinstance(loc, str) else loc[0]
+            out.append((where.replace(url, "").replace(f"{local}/", ""), kind, payload))
+        return out
+
+    remote, here = Source(url), Source(str(local))
+    assert [o.key for o in remote.objects] == [p.relative_to(local).as_posix() for p in here.files]
+    assert remote.fingerprint() != here.fingerprint() and remote.size_bytes() == here.size_bytes()
+    for start in (0, 2, 5, 20):
+        assert units(remote, start) == units(here, start), start
+    assert len(units(remote, 0)) == 3 + 12 + 6 + 9 + 1
+
+
 def test_prepare_from_a_bucket_equals_prepare_from_a_local_copy(s3, tmp_path):
     local = tmp_path / "corpus"
     files = make_corpus(local)

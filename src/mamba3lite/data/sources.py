@@ -43,6 +43,7 @@ import re
 import sysconfig
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from mamba3lite import intake
@@ -76,6 +77,11 @@ _NON_TEXT_BYTES = bytes([*range(0, 7), 8, *range(14, 27), *range(28, 32), 127])
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 _IMPLAUSIBLE_RE = re.compile("[\x00-\x08\x0e-\x1f\ud800-\udfff\ue000-\uf8ff]")
 _WIDE_PROBE_CHARS = 4096
+# A URL source's small text objects are read ahead by a few threads (each read is one round trip to the
+# store): at most this many objects and bytes in flight.
+_READ_AHEAD_THREADS = 16
+_READ_AHEAD_OBJECTS = 64
+_READ_AHEAD_BYTES = 64 << 20
 
 Location = str | tuple[str, int]
 Unit = tuple[Location, int, "bytes | str | None"]
@@ -533,10 +539,20 @@ class Source:
     def _iter_objects(self, start: int) -> Iterator[Unit | None]:
         """`_iter_files` for a URL source: the same units from the same bytes, read through the store
         (each object checked against its listing); locations are the objects' URLs."""
+        pool = ThreadPoolExecutor(_READ_AHEAD_THREADS, thread_name_prefix="mamba3lite-read")
+        ahead: dict[int, Future] = {}  # object position -> its bytes, being read
+        try:
+            yield from self._object_units(start, pool, ahead)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _object_units(
+        self, start: int, pool: ThreadPoolExecutor, ahead: dict[int, Future]
+    ) -> Iterator[Unit | None]:
         assert self.store is not None
         index = 0
         cap = intake.MAX_SOURCE_LINE_BYTES
-        for obj in self.objects:
+        for pos, obj in enumerate(self.objects):
             name = self._name(obj).lower()
             if name.endswith((".jsonl", ".jsonl.gz")):
                 with self.store.open(obj) as f:
@@ -557,14 +573,29 @@ class Source:
                     index += 1
             else:
                 if index >= start:
-                    yield (
-                        obj.url,
-                        KIND_TEXT_BYTES,
-                        self.store.read(obj, limit=intake.SOURCE_DOCUMENT.max_bytes),
-                    )
+                    self._read_ahead(pool, ahead, pos)
+                    yield obj.url, KIND_TEXT_BYTES, ahead.pop(pos).result()
                 else:
                     yield None
                 index += 1
+
+    def _read_ahead(self, pool: ThreadPoolExecutor, ahead: dict[int, Future], pos: int) -> None:
+        """Start reading the text objects from position `pos` on, up to the next object of another kind,
+        at most _READ_AHEAD_OBJECTS of them and _READ_AHEAD_BYTES in flight (at least the one at `pos`):
+        one small object costs a round trip, so reading them one at a time is bound by latency. Their
+        bytes are handed out in order, and an error is raised when its object's turn comes."""
+        assert self.store is not None
+        in_flight = sum(self.objects[p].size for p in ahead)
+        for p in range(pos, min(pos + _READ_AHEAD_OBJECTS, len(self.objects))):
+            obj = self.objects[p]
+            if self._name(obj).lower().endswith((".jsonl", ".jsonl.gz", ".parquet")):
+                return
+            if p in ahead:
+                continue
+            if p > pos and in_flight + obj.size > _READ_AHEAD_BYTES:
+                return
+            ahead[p] = pool.submit(self.store.read, obj, limit=intake.SOURCE_DOCUMENT.max_bytes)
+            in_flight += obj.size
 
     def _parquet_texts(self, path: Path | ObjectInfo) -> Iterator[str | None]:
         pf = self._open_parquet(path)
