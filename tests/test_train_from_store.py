@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mamba3lite.data import remote_cache
 from mamba3lite.data.remote_cache import entry_dir, fetch_dataset
 from mamba3lite.data.shards import MANIFEST_NAME, Manifest
 from mamba3lite.data.store import upload_dataset
@@ -70,7 +71,7 @@ def test_a_corrupt_or_missing_shard_object_is_one_clear_error(s3, tmp_path, cli)
         fetch_dataset(url, cache, 1 << 30)
 
 
-def test_the_cache_evicts_what_no_process_holds_under_its_size_limit(s3, tmp_path):
+def test_the_cache_evicts_what_no_process_holds_under_its_size_limit(s3, tmp_path, monkeypatch):
     a_local, a_url = uploaded(s3, tmp_path, "a", seed=1)
     b_local, b_url = uploaded(s3, tmp_path, "b", seed=2)
     size = {
@@ -95,6 +96,20 @@ def test_the_cache_evicts_what_no_process_holds_under_its_size_limit(s3, tmp_pat
     assert again.fetched == [shard] and len(again.reused) == len(Manifest.load(b_local).shards) - 1
     assert (again.path / shard).read_bytes() == (b_local / shard).read_bytes()
     again.close()
+    # files verified since they last changed are not hashed again (one hash per download, not per start)
+    monkeypatch.setattr(remote_cache, "_sha256", lambda path: pytest.fail(f"{path} hashed again"))
+    last = fetch_dataset(b_url, cache, limit)
+    assert not last.fetched and len(last.reused) == len(Manifest.load(b_local).shards)
+    last.close()
+
+
+def test_the_cache_limit_is_a_positive_number_of_gb():
+    from mamba3lite.config import Config
+
+    assert Config().data.cache_max_gb > 0
+    for bad in (0, -1.0, True):
+        with pytest.raises(ConfigError, match=r"data\.cache_max_gb must be"):
+            Config().replace("data", cache_max_gb=bad)
 
 
 def test_a_dataset_with_its_own_tokenizer_is_fetched_with_it(s3, tmp_path):

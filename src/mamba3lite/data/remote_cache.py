@@ -7,8 +7,9 @@
 `fetch_dataset` reads the dataset's manifest.json from the store, then fetches each shard the run
 reads into CACHE/<hash of the URL>/, hashing it on the way: a shard whose sha256 is not the manifest's
 is a DataError naming its URL (never a silent substitute, and nothing is left in the cache for it); a
-shard missing from the store is a DataNotFoundError naming it. A copy already in the cache is hashed
-again before it is used, and fetched again if it no longer matches. The manifest is written to the
+shard missing from the store is a DataNotFoundError naming it. A copy already in the cache is used
+when it is the file that was verified (the same size and mtime as then, `.verified.json`), else hashed
+again, and fetched again if it no longer matches. The manifest is written to the
 cache last, as `prepare` writes it: a cache entry without one is an unfinished fetch.
 
 Which shards a rank reads: every shard of the splits it reads. The window sampler spreads each global
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mamba3lite.atomicfile import HASH_CHUNK_BYTES, atomic_write_bytes
+from mamba3lite.atomicfile import HASH_CHUNK_BYTES, atomic_write_bytes, atomic_write_json
 from mamba3lite.data.shards import MANIFEST_NAME, Manifest
 from mamba3lite.data.store import Store
 from mamba3lite.data_identity import is_tokenizer_file
@@ -49,6 +50,7 @@ _LEASE = ".lease"  # shared flock: a process trains on this entry
 _LOCK = ".lock"  # exclusive flock: a process is fetching into this entry
 _USED = ".last_used"  # mtime: when a process last took this entry (eviction order)
 _SOURCE = ".source"  # the URL the entry holds, for people looking at the cache
+_VERIFIED = ".verified.json"  # {path: [sha256, size, mtime_ns]} of the files verified since they changed
 
 
 @dataclass
@@ -79,6 +81,22 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(HASH_CHUNK_BYTES):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _stamp(path: Path, sha256: str) -> list:
+    st = path.stat()
+    return [sha256, st.st_size, st.st_mtime_ns]
+
+
+def _read_stamps(entry: Path) -> dict:
+    """The entry's verification record: a file whose size and mtime are those it had when its sha256 was
+    checked is not hashed again (one hash per download, not one per start and rank; a file changed in
+    the cache since is hashed again). A missing or unreadable record means: hash everything."""
+    try:
+        d = json.loads((entry / _VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
 
 
 def _take_lease(entry: Path) -> Any:
@@ -171,19 +189,24 @@ def fetch_dataset(
                     rel = p.relative_to(entry).as_posix()
                     if p.is_file() and not rel.startswith(".") and rel not in keep:
                         p.unlink()
+            stamps = _read_stamps(entry)
             todo = []
             for path, sha in wanted:
                 local = entry / path
-                if local.is_file() and _sha256(local) == sha:
+                if local.is_file() and (stamps.get(path) == _stamp(local, sha) or _sha256(local) == sha):
                     held.reused.append(path)
+                    stamps[path] = _stamp(local, sha)
                 else:
                     local.unlink(missing_ok=True)
+                    stamps.pop(path, None)
                     todo.append((path, sha))
             objects = {path: store.stat(path) for path, _ in todo}  # a missing one fails before any fetch
             _evict(cache, entry, sum(o.size for o in objects.values()), max_bytes)
             for path, sha in todo:
                 store.get_file(objects[path], entry / path, sha256=sha)
                 held.fetched.append(path)
+                stamps[path] = _stamp(entry / path, sha)
+            atomic_write_json(entry / _VERIFIED, {p: stamps[p] for p, _ in wanted})
             atomic_write_bytes(entry / _SOURCE, url.encode())
             if not (cached.is_file() and cached.read_bytes() == raw):
                 atomic_write_bytes(cached, raw)  # last: the entry is complete
