@@ -136,3 +136,21 @@ def test_a_dataset_with_its_own_tokenizer_is_fetched_with_it(s3, tmp_path):
         )
     finally:
         held.close()
+
+
+def test_ranks_on_one_node_share_one_fetch(s3, tmp_path):
+    """Two fetchers of one URL at once (the ranks of a node): the cache lock lets one download while
+    the other waits, then finds every shard verified; both get the same, complete copy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    local, url = uploaded(s3, tmp_path)
+    n = len(Manifest.load(local).shards)
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda _: fetch_dataset(url, tmp_path / "cache", 1 << 30), range(2))
+    try:
+        assert a.path == b.path and sorted([len(a.fetched), len(b.fetched)]) == [0, n]
+        assert sorted([len(a.reused), len(b.reused)]) == [0, n]
+        assert Manifest.load(a.path).shards == Manifest.load(local).shards
+    finally:
+        a.close()
+        b.close()

@@ -36,15 +36,13 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mamba3lite.atomicfile import HASH_CHUNK_BYTES, atomic_write_bytes, atomic_write_json
-from mamba3lite.data.shards import MANIFEST_NAME, Manifest
+from mamba3lite.data.shards import MANIFEST_NAME, Manifest, is_own_tokenizer
 from mamba3lite.data.store import Store
-from mamba3lite.data_identity import is_tokenizer_file
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
-from mamba3lite.rundir import TOKENIZER_NAME
 
 _LEASE = ".lease"  # shared flock: a process trains on this entry
 _LOCK = ".lock"  # exclusive flock: a process is fetching into this entry
@@ -172,8 +170,10 @@ def fetch_dataset(
     # (path, sha256) of every file fetched: the shards of `splits`, and the dataset's own tokenizer.json
     # (the manifest's vocab_hash is that file's sha256)
     wanted = [(s.path, s.sha256) for s in manifest.shards if s.split in splits]
-    if is_tokenizer_file(manifest.tokenizer.get("name", "")):
-        wanted.append((TOKENIZER_NAME, manifest.tokenizer["vocab_hash"]))
+    if is_own_tokenizer(name := manifest.tokenizer["name"]):  # a file inside the dataset
+        if ".." in PurePosixPath(name).parts:
+            raise DataError(f"{store.url_of(MANIFEST_NAME)}: its tokenizer {name!r} is outside the dataset")
+        wanted.append((PurePosixPath(name).as_posix(), manifest.tokenizer["vocab_hash"]))
     lease = _take_lease(entry)
     held = CachedDataset(url, entry, _lease=lease)
     try:
