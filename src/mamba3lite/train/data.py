@@ -10,6 +10,7 @@ a window (`data/splits.py`: the rule `eval` and the quickstart use too), else no
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,11 @@ def localize_data(cfg: Config) -> tuple[Config, tuple[CachedDataset, ...]]:
                 held.append(fetch_dataset(url, dc.cache_dir, max_bytes))
                 paths[name] = str(held[-1].path)
                 got = held[-1]
-                print(
-                    f"data: {url} -> {got.path} ({len(got.fetched)} file(s) fetched, "
-                    f"{len(got.reused)} verified in the cache)"
-                )
+                if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fetches; one line says so
+                    print(
+                        f"data: {url} -> {got.path} ({len(got.fetched)} file(s) fetched, "
+                        f"{len(got.reused)} verified in the cache)"
+                    )
     except BaseException:
         for h in held:
             h.close()
