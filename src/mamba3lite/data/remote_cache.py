@@ -147,6 +147,37 @@ def _evict(cache: Path, keep: Path, need: int, max_bytes: int) -> None:
         )
 
 
+def _remote_manifest(store: Store, splits: tuple[str, ...]) -> tuple[bytes, Manifest, list[tuple[str, str]]]:
+    """(the manifest's bytes, the manifest, (path, sha256) of every file a run of `splits` reads: their
+    shards, and the dataset's own tokenizer.json, whose sha256 is the manifest's vocab_hash)."""
+    where = store.url_of(MANIFEST_NAME)
+    if not store.exists(MANIFEST_NAME):
+        raise DataNotFoundError(
+            f"{where} does not exist: {store.url} is not a prepared dataset, or its upload did not finish "
+            "(the manifest is uploaded last); upload it again"
+        )
+    raw = store.read(store.stat(MANIFEST_NAME), limit=256 << 20)
+    try:
+        d = json.loads(raw)
+    except ValueError as e:
+        raise DataError(f"{where} is not a valid dataset manifest ({e})") from None
+    manifest = Manifest.from_dict(d, where=where)
+    wanted = [(s.path, s.sha256) for s in manifest.shards if s.split in splits]
+    if is_own_tokenizer(name := manifest.tokenizer["name"]):  # a file inside the dataset
+        if ".." in PurePosixPath(name).parts:
+            raise DataError(f"{where}: its tokenizer {name!r} is outside the dataset")
+        wanted.append((PurePosixPath(name).as_posix(), manifest.tokenizer["vocab_hash"]))
+    return raw, manifest, wanted
+
+
+def _drop_unlisted(entry: Path, keep: set[str]) -> None:
+    """Remove the entry's files that the current manifest does not name (an older upload's)."""
+    for p in entry.rglob("*"):
+        rel = p.relative_to(entry).as_posix()
+        if p.is_file() and not rel.startswith(".") and rel not in keep:
+            p.unlink()
+
+
 def fetch_dataset(
     url: str, cache_dir: str | Path, max_bytes: int, splits: tuple[str, ...] = ("train", "val")
 ) -> CachedDataset:
@@ -156,39 +187,16 @@ def fetch_dataset(
     store = Store(url)
     cache = Path(cache_dir).expanduser()
     entry = entry_dir(cache, url)
-    if not store.exists(MANIFEST_NAME):
-        raise DataNotFoundError(
-            f"{store.url_of(MANIFEST_NAME)} does not exist: {url} is not a prepared dataset, or its upload "
-            "did not finish (the manifest is uploaded last); upload it again"
-        )
-    raw = store.read(store.stat(MANIFEST_NAME), limit=256 << 20)
-    try:
-        d = json.loads(raw)
-    except ValueError as e:
-        raise DataError(f"{store.url_of(MANIFEST_NAME)} is not a valid dataset manifest ({e})") from None
-    manifest = Manifest.from_dict(d, where=store.url_of(MANIFEST_NAME))
-    # (path, sha256) of every file fetched: the shards of `splits`, and the dataset's own tokenizer.json
-    # (the manifest's vocab_hash is that file's sha256)
-    wanted = [(s.path, s.sha256) for s in manifest.shards if s.split in splits]
-    if is_own_tokenizer(name := manifest.tokenizer["name"]):  # a file inside the dataset
-        if ".." in PurePosixPath(name).parts:
-            raise DataError(f"{store.url_of(MANIFEST_NAME)}: its tokenizer {name!r} is outside the dataset")
-        wanted.append((PurePosixPath(name).as_posix(), manifest.tokenizer["vocab_hash"]))
-    lease = _take_lease(entry)
-    held = CachedDataset(url, entry, _lease=lease)
+    raw, manifest, wanted = _remote_manifest(store, splits)
+    held = CachedDataset(url, entry, _lease=_take_lease(entry))
     try:
         with open(entry / _LOCK, "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one fetcher per entry; the others wait, then verify
             cached = entry / MANIFEST_NAME
             if not (cached.is_file() and cached.read_bytes() == raw):
-                # Another upload at this URL (or a first fetch): the entry is unfinished until the end,
-                # and the files the older manifest named are no longer read.
+                # Another upload at this URL (or a first fetch): the entry is unfinished until the end.
                 cached.unlink(missing_ok=True)
-                keep = {s.path for s in manifest.shards} | {path for path, _ in wanted}
-                for p in entry.rglob("*"):
-                    rel = p.relative_to(entry).as_posix()
-                    if p.is_file() and not rel.startswith(".") and rel not in keep:
-                        p.unlink()
+                _drop_unlisted(entry, {s.path for s in manifest.shards} | {path for path, _ in wanted})
             stamps = _read_stamps(entry)
             todo = []
             for path, sha in wanted:
@@ -198,7 +206,6 @@ def fetch_dataset(
                     stamps[path] = _stamp(local, sha)
                 else:
                     local.unlink(missing_ok=True)
-                    stamps.pop(path, None)
                     todo.append((path, sha))
             objects = {path: store.stat(path) for path, _ in todo}  # a missing one fails before any fetch
             _evict(cache, entry, sum(o.size for o in objects.values()), max_bytes)
@@ -210,8 +217,8 @@ def fetch_dataset(
             atomic_write_bytes(entry / _SOURCE, url.encode())
             if not (cached.is_file() and cached.read_bytes() == raw):
                 atomic_write_bytes(cached, raw)  # last: the entry is complete
-            (entry / _USED).touch()
             now = time.time()
+            (entry / _USED).touch()
             os.utime(entry / _USED, (now, now))
     except BaseException:
         held.close()

@@ -284,6 +284,26 @@ def _glob(spec: str, skipped: list[Path] | None = None) -> list[Path]:
     return list(out.values())
 
 
+def _glob_files(spec: str, skipped: list[Path]) -> list[Path]:
+    """The files of a glob source: those it matches and those below the directories it matches (walked
+    as a directory source is), each once, in order; the prepared datasets it skips appended to
+    `skipped` (each once)."""
+    matches = _glob(spec, skipped)
+    if not matches:
+        raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
+    files: list[Path] = []
+    for m in matches:
+        p = Path(m)
+        if p.is_dir() and is_prepared_dataset(p):
+            skipped.append(p)
+        elif p.is_dir():
+            files.extend(_walk_dir(p, skipped))
+        elif p.is_file():
+            files.append(p)
+    skipped[:] = list(dict.fromkeys(skipped))
+    return list(dict.fromkeys(files))  # `dir/**` matches dir and its files: once each
+
+
 def _match_parts(pattern: list[str], comps: tuple[str, ...]) -> bool:
     """Glob match of path components: `**` matches any number of components, others one (fnmatch)."""
     if not pattern:
@@ -353,12 +373,9 @@ class Source:
             )
         if spec == "stdlib":
             self.files = stdlib_files()
-        elif is_url(spec):
+        elif is_url(spec):  # listed once: every read is checked against this listing
             self.store = Store(spec)
             self.objects = _listed_objects(self.store, self.skipped_datasets)
-            if not self.objects:
-                raise DataError(f"source {spec!r} holds no objects (only hidden names or datasets)")
-            return
         elif spec.startswith("hf:"):
             parts = spec[3:].split(":")
             if not parts[0] or len(parts) > 2:
@@ -366,19 +383,7 @@ class Source:
             self.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
             _import_datasets()  # fail now, not after the other sources were read
         elif _is_glob(spec) and not Path(spec).exists():  # a name with [ or ? that exists is that file
-            matches = _glob(spec, self.skipped_datasets)
-            if not matches:
-                raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
-            for m in matches:
-                p = Path(m)
-                if p.is_dir() and is_prepared_dataset(p):
-                    self.skipped_datasets.append(p)
-                elif p.is_dir():
-                    self.files.extend(_walk_dir(p, self.skipped_datasets))
-                elif p.is_file():
-                    self.files.append(p)
-            self.files = list(dict.fromkeys(self.files))  # `dir/**` matches dir and its files: once each
-            self.skipped_datasets = list(dict.fromkeys(self.skipped_datasets))
+            self.files = _glob_files(spec, self.skipped_datasets)
         else:
             p = Path(spec)
             if p.is_dir():
@@ -394,7 +399,7 @@ class Source:
                 raise DataNotFoundError(
                     f"source not found: {spec}; fix: check the path, or use `stdlib` or hf:NAME"
                 )
-        if self.hf is None and not self.files:
+        if self.hf is None and not self.files and not self.objects:
             raise DataError(f"source {spec!r} holds no files")
         if unreadable := [p for p in self.files if not os.access(p, os.R_OK)]:  # now, not mid-run
             more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
