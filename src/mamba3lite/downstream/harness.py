@@ -12,7 +12,11 @@ standard errors) are computed by lm-eval itself from the answers:
                                            lm-eval's TemplateLM splits the pair: trailing spaces of the
                                            context move to the continuation, the continuation's tokens
                                            are those of encode(context + continuation) after
-                                           encode(context); an empty context becomes EOS.
+                                           encode(context). Encoding starts a document, as `generate`
+                                           and an export's tokenizer do: [start] + ids (`tok_encode`;
+                                           the start is the tokenizer's `bos_id`, the EOS for a run
+                                           trained here), so lm-eval's `hf` model scores an export alike;
+                                           an empty context is the start alone.
     loglikelihood_rolling(text)            Σ log p of the whole text, in windows of the run's
                                            max_seq_len (lm-eval's rolling windows, first token after EOS)
     generate_until(context, until)         greedy decoding until a stop string, EOS or max_gen_toks
@@ -170,8 +174,15 @@ class Mamba3LiteLM(TemplateLM):
 
             dist.barrier()
 
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer.encode(string)
+        """[start] + ids, as an export's tokenizer encodes by default (lm-eval's `hf` model calls it so);
+        bare ids with add_special_tokens=False."""
+        ids = self.tokenizer.encode(string)
+        return ids if add_special_tokens is False else [self.tokenizer.bos_id, *ids]
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
@@ -202,7 +213,10 @@ class Mamba3LiteLM(TemplateLM):
             windows = [
                 make_disjoint_window(w)
                 for w in get_rolling_token_windows(
-                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1
+                    self.tok_encode(text, add_special_tokens=False),
+                    self.prefix_token_id,
+                    self.max_length,
+                    context_len=1,
                 )
             ]
             scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows])
@@ -231,7 +245,7 @@ class Mamba3LiteLM(TemplateLM):
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(gen_kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
         temperature = float(gen_kwargs.pop("temperature", 0.0)) if gen_kwargs.pop("do_sample", False) else 0.0
-        ids = self.tok_encode(context) or [self.prefix_token_id]
+        ids = self.tok_encode(context)
         x_1T = torch.tensor([ids], dtype=torch.long, device=self.device)
         new: list[int] = []
         text = ""
