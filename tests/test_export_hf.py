@@ -32,6 +32,7 @@ from mamba3lite.interop.hf_export import export_hf
 from mamba3lite.interop.hf_modeling import MODEL_MODULES, modeling_source
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.pretrained import load_pretrained
+from mamba3lite.serve.chat import ChatRenderer
 from mamba3lite.tokenizer import load_tokenizer
 from test_tokenizer_train import python_docs
 from tiny_shapes import TINY_MODEL_SHAPE
@@ -281,10 +282,16 @@ def test_export_files_tokenizer_config_and_chat_template(runs, tmp_path):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_mamba3lite.Mamba3LiteForCausalLM"
     assert config["mamba3lite"]["vocab_size"] == 300 and config["eos_token_id"] == 0
     tok_cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
-    assert (
-        tok_cfg["eos_token"] == tok_cfg["bos_token"] == "<|endoftext|>"
-        and tok_cfg["chat_template"] == template
-    )
+    assert tok_cfg["eos_token"] == tok_cfg["bos_token"] == "<|endoftext|>"
+    # The template writes the start once, then the run's template as `serve` renders it (bos_token "").
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ours = ChatRenderer(template, "<|endoftext|>")(messages)[0]
+    exported = env.from_string(tok_cfg["chat_template"]).render(messages=messages, bos_token="<|endoftext|>")
+    assert exported == "<|endoftext|>" + ours
+    assert "prepend" not in (tmp_path / "hf" / "README.md").read_text()  # the card's old workaround
     assert not tok_cfg["split_special_tokens"]  # this BPE's EOS is an added token: the text is the id
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 0
@@ -553,6 +560,84 @@ def test_every_path_continues_a_text_as_generate_does(path_runs, path, kind, cap
         assert r.side["pipeline"] == texts
     else:
         _lm_eval(r, kind)
+
+
+def _bos_run(root: Path) -> Path:
+    """A random tiny model over a word-level tokenizer.json whose post-processor starts a text with a BOS
+    ("<s>", id 1) other than its EOS ("<|endoftext|>", id 0): as a Llama-style checkpoint imported here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<|endoftext|>", "<s>", "<unk>", "def", "add", "return", "x", "=", "+", "a", "b"]
+    hf = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["<|endoftext|>", "<s>"])
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    run = root / "run"
+    run.mkdir(parents=True)
+    hf.save(str(run / "tokenizer.json"))
+    cfg = Config().replace("model", vocab_size=len(words), eos_id=0, **TINY_MODEL_SHAPE)
+    cfg = cfg.replace("training", checkpoint_dir=str(run), device="cpu", dtype="fp32")
+    torch.manual_seed(0)
+    tok = load_tokenizer(str(run / "tokenizer.json"))
+    data = {
+        "tokenizer": "tokenizer.json",
+        "vocab_hash": tok.vocab_hash,
+        "vocab_size": len(words),
+        "eos_id": 0,
+    }
+    CheckpointManager(run).save(
+        1, Mamba3Transformer(cfg.model), None, RunState(step=1, config=cfg.to_dict(), data=data)
+    )
+    return run
+
+
+def test_a_tokenizer_with_its_own_bos_starts_documents_with_it_everywhere(tmp_path, capsys, monkeypatch):
+    """generate and serve feed [BOS] + ids where the run's tokenizer.json adds a BOS; inspect says so; the
+    HF export keeps that BOS as its start, and import reads it back from the checkpoint's tokenizer."""
+    from mamba3lite.serve.protocol import Limits, parse_completion
+
+    run = _bos_run(tmp_path)
+    loaded = load_pretrained(run, device="cpu")
+    tok = loaded.load_tokenizer()
+    assert (tok.bos_id, tok.eos_id) == (1, 0)
+    fed = []
+    prefill = type(loaded.model).prefill
+    monkeypatch.setattr(
+        type(loaded.model),
+        "prefill",
+        lambda m, ids, cache: fed.append(ids.tolist()) or prefill(m, ids, cache),
+    )
+    generate_text(loaded.model, tok, "def add", max_new_tokens=2, temperature=0.0, token_healing=False)
+    assert fed == [[[1, 3, 4]]]
+    request = parse_completion({"prompt": "def add", "max_tokens": 2}, Limits(), tok, 11)
+    assert request.prompts[0].ids == [1, 3, 4]
+    capsys.readouterr()
+    assert main(["inspect", str(run)]) == 0
+    assert "doc start      id 1, a BOS '<s>' (id 1)" in capsys.readouterr().out
+
+    export_hf(run, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    tok_cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tok_cfg["bos_token"] == "<s>" and tok_cfg["eos_token"] == "<|endoftext|>"
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    back = load_pretrained(tmp_path / "back").load_tokenizer()
+    assert (back.bos_id, back.vocab_hash) == (1, tok.vocab_hash)
+
+
+def test_import_of_an_export_gives_the_runs_own_tokenizer_back(runs, tmp_path):
+    """The export puts the EOS start into the run's tokenizer.json (the only change: its post-processor);
+    import takes it out, so the imported run records the run's vocabulary hash and data prepared with
+    the run's tokenizer stays its own."""
+    from mamba3lite.tokenizer import document_start
+
+    run = runs("bpe")
+    export_hf(run, tmp_path / "hf")
+    exported = (tmp_path / "hf" / "tokenizer.json").read_bytes()
+    assert exported != (run / "tokenizer.json").read_bytes()
+    assert document_start(json.loads(exported)) == ("<|endoftext|>", 0)
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    assert load_pretrained(tmp_path / "back").vocab_hash == load_pretrained(run).vocab_hash
 
 
 def test_a_wrapped_out_proj_runs_its_own_forward_and_computes_the_same():
