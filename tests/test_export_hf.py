@@ -619,6 +619,9 @@ def test_a_tokenizer_with_its_own_bos_starts_documents_with_it_everywhere(tmp_pa
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
     tok_cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert tok_cfg["bos_token"] == "<s>" and tok_cfg["eos_token"] == "<|endoftext|>"
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((tmp_path / "hf" / name).read_text())
+        assert (ids["bos_token_id"], ids["eos_token_id"]) == (1, 0), name
     assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
     back = load_pretrained(tmp_path / "back").load_tokenizer()
     assert (back.bos_id, back.vocab_hash) == (1, tok.vocab_hash)

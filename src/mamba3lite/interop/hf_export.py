@@ -130,8 +130,9 @@ def write_hf_weights(directory: Path, state: dict[str, torch.Tensor], max_shard_
     return [*files, INDEX_NAME]
 
 
-def hf_config(cfg, dtype: torch.dtype) -> dict:
-    """config.json of the export of a model of ModelConfig `cfg` stored in `dtype`."""
+def hf_config(cfg, dtype: torch.dtype, bos_id: int | None = None) -> dict:
+    """config.json of the export of a model of ModelConfig `cfg` stored in `dtype`; `bos_id`: the
+    document start (default: the EOS)."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
@@ -144,7 +145,7 @@ def hf_config(cfg, dtype: torch.dtype) -> dict:
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
         "layer_types": [HF_LAYER_TYPES[cfg.layer_kind(i)] for i in range(cfg.n_layers)],
-        "bos_token_id": cfg.eos_id,
+        "bos_token_id": cfg.eos_id if bos_id is None else bos_id,
         "eos_token_id": cfg.eos_id,
         "pad_token_id": cfg.eos_id,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -226,6 +227,7 @@ def export_hf(
     tok_name = recorded_tokenizer((meta.get("data") or {}).get("tokenizer"), p)
     template = find_chat_template(p, tok_name)
     tok_bytes, tok_config = tokenizer_files(tok_bytes, cfg.eos_id, tok_name == "gpt2", template)
+    bos_id = document_start(json.loads(tok_bytes))[1]  # the EOS, or the run's tokenizer's own BOS
     state = hf_state(checkpoint_state(got), cfg.tie_embeddings)
     dtype = next(iter(state.values())).dtype
     n_params = count_parameters(cfg)
@@ -233,8 +235,8 @@ def export_hf(
     with staged_dir(out) as tmp:
         files = write_hf_weights(tmp, state, max_shard_bytes)
         texts = {
-            CONFIG_NAME: json.dumps(hf_config(cfg, dtype), indent=2) + "\n",
-            GENERATION_CONFIG_NAME: json.dumps(_generation_config(cfg), indent=2) + "\n",
+            CONFIG_NAME: json.dumps(hf_config(cfg, dtype, bos_id), indent=2) + "\n",
+            GENERATION_CONFIG_NAME: json.dumps(_generation_config(cfg, bos_id), indent=2) + "\n",
             TOKENIZER_CONFIG_NAME: json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n",
             CONFIGURATION_NAME: configuration_source(),
             MODELING_NAME: modeling_source(),
@@ -246,8 +248,8 @@ def export_hf(
     return HFExportResult(out, step, n_params, sorted([*files, *texts, TOKENIZER_NAME]), notes)
 
 
-def _generation_config(cfg) -> dict:
-    ids = {"bos_token_id": cfg.eos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.eos_id}
+def _generation_config(cfg, bos_id: int) -> dict:
+    ids = {"bos_token_id": bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.eos_id}
     return {**ids, **GENERATE_DEFAULTS}
 
 
