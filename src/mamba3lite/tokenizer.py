@@ -99,13 +99,20 @@ def start_template(token: str, token_id: int) -> dict:
 
 
 def with_document_start(raw: bytes, token: str, token_id: int) -> bytes:
-    """tokenizer.json `raw` whose post-processor adds nothing (null) with `start_template` in its place,
-    the rest byte for byte: `without_document_start` gives `raw` back (so its vocabulary hash)."""
+    """tokenizer.json `raw` (whose post-processor adds nothing before a text) made to start a text with
+    `token`: a null post-processor is replaced by `start_template`, the rest byte for byte, so that
+    `without_document_start` gives `raw` back (and its vocabulary hash); any other is followed by it (a
+    `Sequence`), the file written anew."""
     text = raw.decode("utf-8")
     span = _post_processor_span(text)
-    assert span is not None and span[2] is None, "only a tokenizer.json that adds nothing is given a start"
-    new = json.dumps(start_template(token, token_id), ensure_ascii=False, separators=(",", ":"))
-    return (text[: span[0]] + new + text[span[1] :]).encode("utf-8")
+    template = start_template(token, token_id)
+    if span is not None and span[2] is None:
+        new = json.dumps(template, ensure_ascii=False, separators=(",", ":"))
+        return (text[: span[0]] + new + text[span[1] :]).encode("utf-8")
+    spec = json.loads(text)
+    old = spec.get("post_processor")
+    spec["post_processor"] = template if old is None else {"type": "Sequence", "processors": [old, template]}
+    return json.dumps(spec, ensure_ascii=False).encode("utf-8")
 
 
 def without_document_start(raw: bytes, eos_id: int) -> bytes:

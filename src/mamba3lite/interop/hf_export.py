@@ -62,7 +62,7 @@ from mamba3lite.interop.source import CONFIG_NAME
 from mamba3lite.interop.weights import INDEX_NAME, SAFETENSORS_NAME
 from mamba3lite.model.config import ATTENTION_KIND, MAMBA3_KIND
 from mamba3lite.rundir import TOKENIZER_NAME
-from mamba3lite.tokenizer import document_start, start_template, with_document_start
+from mamba3lite.tokenizer import document_start, with_document_start
 
 MODEL_TYPE = "mamba3lite"
 ARCHITECTURE = "Mamba3LiteForCausalLM"
@@ -160,8 +160,7 @@ def tokenizer_files(
     """(tokenizer.json, tokenizer_config.json) for the run's tokenizer.json `tok_bytes` whose EOS is
     `eos_id`. The document start (`bos_token`) is the BOS that the file's post-processor adds (an
     imported model's: `tokenizer.document_start`), else the EOS, which the post-processor is then made
-    to add: in place of a null one byte for byte (`with_document_start`, undone by `import`), else after
-    the one the file has."""
+    to add (`tokenizer.with_document_start`: byte for byte in place of a null one, undone by `import`)."""
     spec = json.loads(tok_bytes)
     eos = next((t["content"] for t in spec.get("added_tokens") or [] if t.get("id") == eos_id), None)
     if eos is None:
@@ -169,12 +168,8 @@ def tokenizer_files(
     if eos is None:
         raise CheckpointError(f"the run's tokenizer.json has no token of the EOS id {eos_id}")
     start = document_start(spec)
-    if start is None and spec.get("post_processor") is None:
+    if start is None:
         tok_bytes = with_document_start(tok_bytes, eos, eos_id)
-    elif start is None:
-        procs = [spec["post_processor"], start_template(eos, eos_id)]
-        spec["post_processor"] = {"type": "Sequence", "processors": procs}
-        tok_bytes = json.dumps(spec, ensure_ascii=False).encode("utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": eos if start is None else start[0],
