@@ -4,15 +4,12 @@ transformers, tokenizers (and peft) are there.
 
     python tests/hf_side.py EXPORT_DIR JOB.json RESULT.json
 
-JOB: {"texts": [...], "ids": [[...]], "prompt": "...", "short_prompt": "...", "new_tokens": N, "peft": bool}
+JOB: {"texts": [...], "ids": [[...]], "prompt": "...", "short_prompt": "...", "new_tokens": N, "peft": bool,
+      "prompts": [...], "path_tokens": M}
 RESULT: {"blocked": true, "encodings": [[...]], "logits": [[[...]]], "generated": [...],
-         "fed_per_forward": [...], "batched": [[...], [...]], "short_alone": [...], "peft": {...}}
-
-or, the ordinary ways to continue a text (the path table of tests/test_export_hf.py):
-
-JOB: {"prompts": [...], "new_tokens": N}
-RESULT: {"blocked": true, "start": [[...]], "bare": [[...]], "decoded": [...],
-         "transformers": [[...]], "pipeline": [...]}
+         "fed_per_forward": [...], "batched": [[...], [...]], "short_alone": [...], "peft": {...},
+         the ordinary ways to continue each of `prompts` (the path table of tests/test_export_hf.py):
+         "start": [[...]], "bare": [[...]], "decoded": [...], "transformers": [[...]], "pipeline": [...]}
 """
 
 from __future__ import annotations
@@ -50,11 +47,8 @@ def main(export_dir: str, job_path: str, result_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True).eval()
     tok = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=True)
     result = {"blocked": _blocked(), "eos": [tok.eos_token_id, tok.bos_token_id, tok.pad_token_id]}
-    if "prompts" in job:
-        result |= _ordinary_paths(model, tok, job["prompts"], job["new_tokens"])
-        with open(result_path, "w", encoding="utf-8") as f:
-            json.dump(result, f)
-        return
+    # first: the LoRA step at the end wraps the model's layers
+    result |= _ordinary_paths(model, tok, job["prompts"], job["path_tokens"])
     result["encodings"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
     result["defaults"] = [tok(t)["input_ids"] for t in job["texts"]]
     with torch.no_grad():

@@ -162,14 +162,45 @@ def _until_eos(ids: list[int], eos_id: int) -> list[int]:
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
+# Empty (the model writes a document from scratch), one token, long: the path table's prompts (below).
+PATH_PROMPTS = ["", "def", PROMPT + "    x = a + b\n" * 6 + "    return x\n\n\nclass Point:\n"]
+PATH_TOKENS = 8
+
+
+def _side_ids(tok) -> list[list[int]]:
+    return [
+        [tok.eos_id, *tok.encode(PROMPT + "    x = a + b\n"), tok.eos_id, *tok.encode("for i in range(3):")]
+    ]
+
+
+@pytest.fixture(scope="module")
+def exported(runs, tmp_path_factory):
+    """name -> SimpleNamespace(run, out: its `export --format hf`, side: what transformers did with it in a
+    process without mamba3lite: tests/hf_side.py's one job for both tests below), made once per run."""
+    from types import SimpleNamespace
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            run, tmp = runs(name), tmp_path_factory.mktemp(f"exported-{name}")
+            # GPT-2 with a tiny shard limit: the weights come in several files and an index.
+            shard = ["--max-shard-size", "1MB"] if name == "gpt2" else []
+            assert main(["export", str(run), "--format", "hf", "--out", str(tmp / "hf"), *shard]) == 0
+            tok = load_pretrained(run, device="cpu").load_tokenizer()
+            job = dict(texts=TEXTS, ids=_side_ids(tok), prompt=PROMPT, short_prompt=SHORT_PROMPT)
+            job |= dict(new_tokens=NEW_TOKENS, peft=True, prompts=PATH_PROMPTS, path_tokens=PATH_TOKENS)
+            made[name] = SimpleNamespace(run=run, out=tmp / "hf", side=_run_side(tmp / "hf", job, tmp))
+        return made[name]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "bpe", "mimo", "hybrid"])
-def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, capsys):
-    run = runs(name)
-    out = tmp_path / "hf"
-    # GPT-2 with a tiny shard limit: the weights come in several files and an index.
-    shard = ["--max-shard-size", "1MB"] if name == "gpt2" else []
-    assert main(["export", str(run), "--format", "hf", "--out", str(out), *shard]) == 0
+def test_export_runs_in_transformers_without_mamba3lite(exported, name, capsys):
+    e = exported(name)
+    run, out, got = e.run, e.out, e.side
     if name == "gpt2":
         assert (
             len(list(out.glob("model-*-of-*.safetensors"))) > 1
@@ -177,12 +208,7 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
         )
     loaded = load_pretrained(run, device="cpu")
     model, tok = loaded.model.eval(), loaded.load_tokenizer()
-    ids = [
-        [tok.eos_id, *tok.encode(PROMPT + "    x = a + b\n"), tok.eos_id, *tok.encode("for i in range(3):")]
-    ]
-    job = dict(texts=TEXTS, ids=ids, prompt=PROMPT, short_prompt=SHORT_PROMPT, new_tokens=NEW_TOKENS)
-    job["peft"] = True
-    got = _run_side(out, job, tmp_path)
+    ids = _side_ids(tok)
 
     assert got["blocked"], "the subprocess could import mamba3lite"
     assert got["eos"] == [tok.eos_id] * 3
@@ -443,9 +469,6 @@ def test_push_to_hub_failure_is_one_error_and_the_export_stays(runs, tmp_path, c
 # One prompt, one continuation on every path that takes text (a pure and a hybrid export, greedy)
 # ---------------------------------------------------------------------------------------------------
 
-# Empty (the model writes a document from scratch), one token, long.
-PATH_PROMPTS = ["", "def", PROMPT + "    x = a + b\n" * 6 + "    return x\n\n\nclass Point:\n"]
-PATH_TOKENS = 8
 # Renders a user message as its text alone, and writes the start where a tokenizer can: the chat prompt is
 # the completion prompt, so chat gives the same tokens; serve renders bos_token as "" (no second start).
 CONTENT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -453,7 +476,7 @@ LM_EVAL_LIMIT = {"gpt2": 40, "hybrid": 16}
 
 
 @pytest.fixture(scope="module")
-def path_runs(runs, tmp_path_factory):
+def path_runs(exported):
     """kind -> SimpleNamespace(run, export, loaded, tok, want: the reference continuations, side: what
     transformers did with the export in a process without mamba3lite), made once per kind."""
     from types import SimpleNamespace
@@ -462,19 +485,16 @@ def path_runs(runs, tmp_path_factory):
 
     def get(kind: str):
         if kind not in made:
-            tmp = tmp_path_factory.mktemp(f"paths-{kind}")
-            run = runs(kind)
-            export_hf(run, tmp / "hf")
-            loaded = load_pretrained(run, device="cpu")
+            e = exported(kind)
+            loaded = load_pretrained(e.run, device="cpu")
             tok = loaded.load_tokenizer()
             want = [
                 generate_text(loaded.model.eval(), tok, p, max_new_tokens=PATH_TOKENS, temperature=0.0,
                               token_healing=False)
                 for p in PATH_PROMPTS
             ]  # fmt: skip
-            side = _run_side(tmp / "hf", {"prompts": PATH_PROMPTS, "new_tokens": PATH_TOKENS}, tmp)
             made[kind] = SimpleNamespace(
-                run=run, export=tmp / "hf", loaded=loaded, tok=tok, want=want, side=side
+                run=e.run, export=e.out, loaded=loaded, tok=tok, want=want, side=e.side
             )
         return made[kind]
 
