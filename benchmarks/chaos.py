@@ -3,6 +3,7 @@
 
     python benchmarks/chaos.py                       # 20 kill -9 trials, 8 SIGTERM trials, the rest
     python benchmarks/chaos.py --kill-trials 100 --sigterm-trials 0 --no-corruption --no-lock
+    python benchmarks/chaos.py --restart-trials 20   # killed workers under torchrun --max-restarts only
 
 A kill -9 trial "survives" when the run directory still resumes from a verified checkpoint (never a
 damaged one); "data lost" counts trials after which the newest verified checkpoint went backwards, plus
@@ -10,6 +11,15 @@ one if the campaign's final weights differ from an uninterrupted run (torch.equa
 A SIGTERM trial survives when the process exits 0 with a verified checkpoint of the last step it trained.
 A damaged-checkpoint trial survives when the damage is detected and the newest good step is chosen with
 a warning naming the file. Everything uses the harness of tests/reliability (the same code the tests run).
+
+--restart-trials N runs the restart campaign instead: 2 workers under `torchrun --max-restarts K` with K
+planned SIGKILLs (rank 1, then rank 0, at seeded steps), N times each for the plain torch script whose
+groups come from mamba3lite's init_distributed, and for `mamba3lite train` under fsdp and under ddp; and
+--control-trials times for the same plain script on torch's own init_process_group (the reproduction of
+the hang). Each run ends ok, lost (torchrun gave up: a restart went to a generation that could not form
+its group) or hung (nothing ended within --restart-timeout); the table counts them, the seconds from each
+kill to the next generation's first work, and (train) the runs whose final weights equal the
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -97,6 +107,53 @@ def _lock(work: Path, data: Path, reference: dict) -> tuple[int, int, int]:
     return 1, int(step is not None and refused and untouched and unharmed), int(not unharmed)
 
 
+def _restart_campaign(work: Path, data: Path, args) -> str:
+    """The restart table (see the module docstring)."""
+    import statistics
+
+    import restart_harness as R
+
+    train = {
+        "max_steps": 18,
+        "save_every": 3,
+        "eval_every": 6,
+        "dist_init_timeout_s": 60.0,
+        "watchdog_s": 60.0,
+    }
+    references = {}
+    for par in ("fsdp", "ddp"):
+        R.train_run(work / f"ref-{par}", data, par, [], args.restart_timeout, **train)
+        references[par] = R.final_state(work / f"ref-{par}" / "run", 18)
+    scenarios = [("plain torch script, torch's init_process_group", "torch", args.control_trials),
+                 ("plain torch script, mamba3lite's init_distributed", "mamba3lite", args.restart_trials),
+                 ("mamba3lite train, fsdp", "fsdp", args.restart_trials),
+                 ("mamba3lite train, ddp", "ddp", args.restart_trials)]  # fmt: skip
+    head = "| scenario | runs | kills per run | ok | lost | hung | recover s median (max) | final bit-equal |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for name, kind, n in scenarios:
+        plain = kind in ("torch", "mamba3lite")
+        kills = 3 if plain else 2
+        runs, equal = [], 0
+        for i in range(n):
+            where = work / f"{kind}-{i}"
+            plan = R.kill_plan(args.seed + i, kills, most=10 if plain else 6)
+            if plain:
+                run = R.plain_run(where, kind, plan, args.restart_timeout)
+            else:
+                run = R.train_run(where, data, kind, plan, args.restart_timeout, **train)
+                if run.outcome == "ok":
+                    w, losses = R.final_state(where / "run", 18)
+                    equal += H.weights_identical(w, references[kind][0]) and losses == references[kind][1]
+            print(f"  {name} #{i}: {run.outcome} in {run.seconds:.0f} s, kills {plan}", flush=True)
+            runs.append(run)
+        rec = [s for r in runs for s in r.recover_s]
+        recover = f"{statistics.median(rec):.1f} ({max(rec):.1f})" if rec else "-"
+        ok, lost, hung = (sum(r.outcome == o for r in runs) for o in ("ok", "lost", "hung"))
+        bit = "-" if plain else f"{equal}/{n}"
+        lines.append(f"| {name} | {n} | {kills} | {ok} | {lost} | {hung} | {recover} | {bit} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kill-trials", type=int, default=20, help="kill -9 / resume trials (default 20)")
@@ -109,6 +166,9 @@ def main() -> int:
     )
     ap.add_argument("--no-corruption", action="store_true", help="skip the damaged-checkpoint scenario")
     ap.add_argument("--no-lock", action="store_true", help="skip the two-trainers scenario")
+    ap.add_argument("--restart-trials", type=int, default=0, help="run the restart campaign, N runs each")
+    ap.add_argument("--control-trials", type=int, default=5, help="restart campaign: torch's own init runs")
+    ap.add_argument("--restart-timeout", type=float, default=120.0, help="restart campaign: seconds per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", help="keep everything here (default: a temporary directory, removed)")
     args = ap.parse_args()
@@ -118,6 +178,10 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     data = H.write_dataset(work / "data")
+    if args.restart_trials:
+        print(_restart_campaign(work, data, args))
+        print(f"total {time.time() - t0:.0f} s")
+        return 0
     config = H.write_config(work / "reference.yaml", data, work / "reference")
     r = H.run_train(config)
     if r.returncode != 0:

@@ -4,9 +4,12 @@ transformers, tokenizers (and peft) are there.
 
     python tests/hf_side.py EXPORT_DIR JOB.json RESULT.json
 
-JOB: {"texts": [...], "ids": [[...]], "prompt": "...", "short_prompt": "...", "new_tokens": N, "peft": bool}
+JOB: {"texts": [...], "ids": [[...]], "prompt": "...", "short_prompt": "...", "new_tokens": N, "peft": bool,
+      "prompts": [...], "path_tokens": M}
 RESULT: {"blocked": true, "encodings": [[...]], "logits": [[[...]]], "generated": [...],
-         "fed_per_forward": [...], "batched": [[...], [...]], "short_alone": [...], "peft": {...}}
+         "fed_per_forward": [...], "batched": [[...], [...]], "short_alone": [...], "peft": {...},
+         the ordinary ways to continue each of `prompts` (the path table of tests/test_export_hf.py):
+         "start": [[...]], "bare": [[...]], "decoded": [...], "transformers": [[...]], "pipeline": [...]}
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def main(export_dir: str, job_path: str, result_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True).eval()
     tok = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=True)
     result = {"blocked": _blocked(), "eos": [tok.eos_token_id, tok.bos_token_id, tok.pad_token_id]}
+    # first: the LoRA step at the end wraps the model's layers
+    result |= _ordinary_paths(model, tok, job["prompts"], job["path_tokens"])
     result["encodings"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
     result["defaults"] = [tok(t)["input_ids"] for t in job["texts"]]
     with torch.no_grad():
@@ -66,6 +71,26 @@ def main(export_dir: str, job_path: str, result_path: str) -> None:
         result["peft"] = _peft_step(model, job["ids"])
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(result, f)
+
+
+def _ordinary_paths(model, tok, prompts: list[str], new_tokens: int) -> dict:
+    """Each prompt as a user of the export continues it, greedy: `tok(prompt)` + generate(), and
+    pipeline("text-generation"); with what the tokenizer does to it (its ids, bare ids, the ids decoded
+    with skip_special_tokens)."""
+    from transformers import pipeline
+
+    out: dict = {"start": [], "bare": [], "decoded": [], "transformers": [], "pipeline": []}
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    for prompt in prompts:
+        enc = tok(prompt, return_tensors="pt")
+        out["start"].append(enc.input_ids[0].tolist())
+        out["bare"].append(tok(prompt, add_special_tokens=False).input_ids)
+        out["decoded"].append(tok.decode(enc.input_ids[0], skip_special_tokens=True))
+        gen = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False)
+        out["transformers"].append(gen[0, enc.input_ids.shape[1] :].tolist())
+        text = pipe(prompt, max_new_tokens=new_tokens, do_sample=False, return_full_text=False)
+        out["pipeline"].append(text[0]["generated_text"])
+    return out
 
 
 def _greedy(model, tok, rows: list[list[int]], new_tokens: int) -> list[list[int]]:

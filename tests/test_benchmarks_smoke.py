@@ -613,3 +613,12 @@ def test_mqar_hybrid_with_attention_after_a_mamba3_layer_learns_recall_at_the_be
     x_BT, y_BT = hybrid_compare.mqar_batch(vocab, 256, 32, 4, torch.Generator().manual_seed(2))
     acc = hybrid_compare.accuracy(model, x_BT, y_BT)
     assert acc >= 0.9 > hybrid_compare.elimination_accuracy(4) + 0.3, acc
+
+
+@pytest.mark.slow
+def test_bench_object_store_prints_its_table():
+    pytest.importorskip("moto.server", reason="needs moto[server]: make venv")
+    out = run_script("bench_object_store.py", "--objects", "40")
+    for case in ("list once (s3)", "prepare from local copy", "prepare from s3://"):
+        assert re.search(rf"^{re.escape(case)}\s+[\d.]+\s+[\d,]+$", out, re.M), out
+    assert "shards byte-identical: True; manifests identical but for the source spec: True" in out

@@ -25,6 +25,7 @@ from mamba3lite.checkpoint import (
     param_names,
     restore_rng_state,
 )
+from mamba3lite.checkpoint.reader import load_optimizer_file
 from mamba3lite.errors import CheckpointError
 from mamba3lite.rundir import checkpoint_files
 
@@ -330,7 +331,7 @@ def test_older_meta_without_digest_with_a_badly_typed_field_is_not_loadable(tmp_
 
 def test_move_aside_keeps_every_abandoned_timeline(tmp_path, monkeypatch):
     # Resuming step 1 twice abandons two different step-2 checkpoints: both must survive.
-    import mamba3lite.checkpoint.manager as ckpt_module
+    import mamba3lite.checkpoint.retention as ckpt_module
 
     frozen = time.gmtime(1_700_000_000)
     monkeypatch.setattr(ckpt_module.time, "gmtime", lambda *a: frozen)  # both moves in the same second
@@ -458,4 +459,4 @@ def test_checkpoint_files_that_are_pipes_are_problems_not_hangs(tmp_path):
     with pytest.raises(CheckpointError, match="named pipe"):
         read_header(checkpoint_files(tmp_path, 1)["model"])
     with pytest.raises(CheckpointError, match="named pipe"):
-        CheckpointManager._load_optimizer(opt, model, {}, checkpoint_files(tmp_path, 1)["optim"], "cpu")
+        load_optimizer_file(opt, model, {}, checkpoint_files(tmp_path, 1)["optim"], "cpu")

@@ -20,7 +20,6 @@ from mamba3lite.config import (
     DataConfig,
     TrainingConfig,
     available_presets,
-    config_reference_markdown,
     load_config,
     resolve_preset,
     write_resolved_config,
@@ -28,6 +27,7 @@ from mamba3lite.config import (
 from mamba3lite.errors import ConfigError
 from mamba3lite.model import ModelConfig
 from mamba3lite.quickstart.recipe import MICRO_BATCH, recipe_overrides
+from mamba3lite.report.config_reference import config_reference_markdown
 from mamba3lite.train.distributed import pick_device
 from mamba3lite.train.trainer import Pretrainer
 

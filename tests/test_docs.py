@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # Spelled in pieces, so this file does not name them itself.
 OUTSIDE_DOCS = [stem + ".md" for stem in ("MAMBA3", "STYLE", "DESIGN")]
-SKIPPED_DIRS = {"__pycache__", "node_modules"}
+SKIPPED_DIRS = {"__pycache__", "node_modules", "site"}  # site: `make docs` output
 
 
 def repository_files() -> list[Path]:

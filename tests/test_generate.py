@@ -78,7 +78,7 @@ class _Scripted(torch.nn.Module):
 def test_streaming_holds_split_characters_back_and_decodes_each_token_once(tok):
     ids = tok.encode("café 👍🏽 ok 中文") * 12  # emoji and CJK characters split across byte tokens
     decoded = []
-    counting = type("Tok", (), {"eos_id": tok.eos_id, "encode": tok.encode})()
+    counting = type("Tok", (), {"eos_id": tok.eos_id, "bos_id": tok.bos_id, "encode": tok.encode})()
     counting.decode = lambda xs: decoded.append(len(xs)) or tok.decode(xs)
     pieces: list[str] = []
     r = generate_text(_Scripted(ids), counting, "", max_new_tokens=len(ids), on_text=pieces.append)

@@ -701,6 +701,31 @@ def test_init_from_an_official_directory_translates_it_as_import_does(tmp_path):
         load_init_source(str(tmp_path))
 
 
+def test_import_and_init_from_read_the_document_start_from_the_checkpoints_tokenizer(tmp_path, capsys):
+    """An official directory whose tokenizer.json starts a text with a BOS ("<s>", id 1) other than its EOS:
+    the imported run, and a run started with --init-from it on data tokenized by that tokenizer, feed
+    [BOS] + ids to generate and serve (the tokenizer's `bos_id`), and inspect says which start it is."""
+    from mamba3lite.pretrained import load_pretrained
+    from mamba3lite.tokenizer import start_template
+
+    src = write_official(
+        tmp_path / "official", BASE, official_state_dict(BASE, dtype=torch.float32), tokenizer=False
+    )
+    path = word_tokenizer(src / "tokenizer.json", ["<|endoftext|>", "<s>", *WORDS[2:]])
+    spec = json.loads(path.read_text())
+    spec["post_processor"] = start_template("<s>", 1)
+    path.write_text(json.dumps(spec))
+    import_official(str(src), tmp_path / "imported")
+    assert load_pretrained(tmp_path / "imported").load_tokenizer().bos_id == 1
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "imported")]) == 0
+    assert "doc start      id 1, a BOS '<s>' (id 1)" in capsys.readouterr().out
+
+    data = _word_dataset(tmp_path / "data", path)
+    assert main([*_train_args(data, tmp_path / "new", src), "--max-steps", "1"]) == 0
+    assert load_pretrained(tmp_path / "new").load_tokenizer().bos_id == 1
+
+
 def test_bf16_weights_keep_their_dtype_and_load_widened(tmp_path):
     from mamba3lite.pretrained import load_pretrained
 

@@ -5,6 +5,8 @@ checkpoints give the errors they always gave, and the model holds exactly the sa
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -125,3 +127,58 @@ def test_a_meta_whose_config_no_longer_validates_is_a_checkpoint_error(tmp_path)
     path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"the config saved with step 3 does not validate: .*d_modle"):
         RunDir(run).load()
+
+
+def test_serve_verifies_and_hashes_the_step_it_serves_once(tmp_path, verifications, monkeypatch, capsys):
+    """The walk from `mamba3lite serve` to a served model, run as the command runs (port 0, stopped once
+    it has answered one request): each step it looks at is verified once and each of its files hashed
+    once, a damaged newer step included, and the step that verified is the one served."""
+    pytest.importorskip("fastapi")
+    import httpx
+
+    import mamba3lite.checkpoint.verify as verify
+    import mamba3lite.serve.server as server_module
+
+    run = _two_steps(tmp_path)
+    _corrupt(checkpoint_files(run, 6)["model"])
+    hashed: Counter = Counter()
+    sha256_file = verify.sha256_file
+    monkeypatch.setattr(verify, "sha256_file", lambda path: hashed.update([path.name]) or sha256_file(path))
+    servers, answers = [], []
+    make_server = server_module.make_server
+
+    def keep(app, sock, grace_s=10.0):
+        servers.append(make_server(app, sock, grace_s))
+        return servers[-1]
+
+    def ask_then_stop():
+        deadline = time.monotonic() + 60
+        while not (servers and servers[0].started) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            port = servers[0].bound_socket.getsockname()[1] if servers else 0
+            answers.append(httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=20).json())
+        finally:
+            if servers:
+                servers[0].should_exit = True
+
+    monkeypatch.setattr(server_module, "make_server", keep)
+    watcher = threading.Thread(target=ask_then_stop, daemon=True)
+    watcher.start()
+    argv = [
+        "serve",
+        "--checkpoint-dir",
+        str(run),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--shutdown-timeout",
+        "1",
+    ]
+    assert main(argv) == 0
+    watcher.join(30)
+    assert verifications == {6: 1, 3: 1}, verifications  # the damaged newer step, then the one served
+    assert hashed == {"model_step_6.safetensors": 1, "model_step_3.safetensors": 1}, hashed
+    assert f"serving {run} step 3 on http://127.0.0.1:" in capsys.readouterr().out
+    assert answers and answers[0]["data"][0]["id"] == "run", answers

@@ -1,5 +1,6 @@
-"""The README's "Long context" table (report/memory_table.py `longest_context_markdown`): the longest
-window that fits by model/memory.py's per-rank estimate, for each context-parallel size C."""
+"""The "Long context" table of docs/guides/context-parallelism.md (report/memory_table.py
+`longest_context_markdown`): the longest window that fits by model/memory.py's per-rank estimate, for
+each context-parallel size C."""
 
 from __future__ import annotations
 

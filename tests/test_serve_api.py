@@ -169,7 +169,6 @@ BAD = [
     (b"[1, 2]", 400, "invalid_json"),
     (b'{"prompt": "x", "max_tokens": NaN}', 400, "invalid_json"),
     (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), 400, "invalid_type"),
-    (json.dumps({"prompt": ""}).encode(), 400, "invalid_value"),
     (json.dumps({"prompt": []}).encode(), 400, "invalid_value"),
     (json.dumps({"prompt": [1, "a"]}).encode(), 400, "invalid_value"),
     (json.dumps({"prompt": [10**9]}).encode(), 400, "invalid_value"),
@@ -317,7 +316,14 @@ def test_the_runs_chat_template_renders_the_messages(tmp_path, loaded, tok):
         r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert r.usage.prompt_tokens == len(tok.encode("<user>hi<assistant>"))
         info = httpx.get(s.url + "/tokenizer_info", timeout=10).json()
-        assert info["chat_template"] == template and info["eos_token"] == "<|endoftext|>"
+        assert info["chat_template"] == template and info["eos_token"] == info["bos_token"] == "<|endoftext|>"
+        # /tokenize starts a document by default, as vLLM's does for an export; bare ids on request
+        for body, want in (
+            ({}, [tok.eos_id, *tok.encode("hi")]),
+            ({"add_special_tokens": False}, tok.encode("hi")),
+        ):
+            got = httpx.post(s.url + "/tokenize", json={"prompt": "hi", **body}, timeout=10).json()["tokens"]
+            assert got == want, body
     plain = ChatRenderer(None, "<|endoftext|>")
     assert plain([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == (
         "System: s\nUser: u\nAssistant:",

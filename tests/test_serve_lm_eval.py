@@ -1,7 +1,8 @@
 """lm-evaluation-harness's own `local-completions` model, pointed at a live `serve`, scores PIQA with
-exactly the in-process accuracy of `mamba3lite eval --tasks piqa` on the same run. It tokenizes through
-the server's vLLM-style /tokenizer_info and /tokenize endpoints (auto-detected), so it needs no tokenizer
-files and no network."""
+exactly the in-process accuracy of `mamba3lite eval --tasks piqa` on the same run, scoring bare contexts
+as lm-eval's API models send them (`add_bos_token=False`: their remote tokenizer adds no start). It
+tokenizes through the server's vLLM-style /tokenizer_info and /tokenize endpoints (auto-detected), so it
+needs no tokenizer files and no network."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_local_completions_scores_piqa_like_the_in_process_eval(tmp_path):
     from mamba3lite.downstream.harness import Mamba3LiteLM, run_tasks
 
     run_dir = save_tiny_checkpoint(tmp_path / "run")
-    want = run_tasks(Mamba3LiteLM.from_run(str(run_dir), device="cpu", batch_size=8), ["piqa"], limit=LIMIT)
+    lm = Mamba3LiteLM.from_run(str(run_dir), device="cpu", batch_size=8, add_bos_token=False)
+    want = run_tasks(lm, ["piqa"], limit=LIMIT)
     loaded = load_pretrained(run_dir, device="cpu")
     with live_server(loaded, loaded.load_tokenizer()) as s:
         lm = LocalCompletionsAPI(

@@ -91,3 +91,47 @@ def test_a_recorded_tokenizer_is_loaded_by_one_rule(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot be loaded here: cannot read tokenizer file"):
         load_recorded_tokenizer(str(tmp_path / "tokenizer.json"), None, None, **kw)
+
+
+def _word_tokenizer_json(post_processor=None) -> bytes:
+    """A word-level tokenizer.json as `tokenizers` writes it (EOS id 0), with `post_processor`."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<|endoftext|>", "<s>", "<unk>", "def", "add"]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>", "<s>"])
+    if post_processor is not None:
+        tok.post_processor = post_processor
+    return tok.to_str().encode("utf-8")
+
+
+def test_the_document_start_is_put_in_and_taken_out_byte_for_byte():
+    """An export's tokenizer.json starts a text with the EOS; import gets the run's bytes back (so the
+    vocabulary hash); a file that adds a start of its own is read as it is and left alone."""
+    import json
+
+    from tokenizers import Tokenizer, processors
+
+    from mamba3lite.tokenizer import document_start, with_document_start, without_document_start
+
+    raw = _word_tokenizer_json()
+    assert document_start(json.loads(raw)) is None
+    started = with_document_start(raw, "<|endoftext|>", 0)
+    assert Tokenizer.from_str(started.decode()).encode("def add").ids == [0, 3, 4]
+    assert Tokenizer.from_str(started.decode()).encode("def add", add_special_tokens=False).ids == [3, 4]
+    assert document_start(json.loads(started)) == ("<|endoftext|>", 0)
+    assert without_document_start(started, 0) == raw
+    assert without_document_start(raw, 0) == raw
+    # a post-processor that adds nothing before the text (byte-level offsets) keeps its work, then the start
+    byte_level = _word_tokenizer_json(processors.ByteLevel(trim_offsets=False))
+    sequenced = with_document_start(byte_level, "<|endoftext|>", 0)
+    assert Tokenizer.from_str(sequenced.decode()).encode("def").ids == [0, 3]
+    assert document_start(json.loads(sequenced)) == ("<|endoftext|>", 0)
+    # a BOS of the tokenizer's own ("<s> $A"): that is the start, and no file of that kind is rewritten
+    bos = _word_tokenizer_json(processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)]))
+    assert document_start(json.loads(bos)) == ("<s>", 1)
+    assert without_document_start(bos, 0) == bos
+    roberta = _word_tokenizer_json(processors.RobertaProcessing(("</s>", 0), ("<s>", 1)))
+    assert document_start(json.loads(roberta)) == ("<s>", 1)

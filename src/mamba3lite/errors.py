@@ -40,6 +40,20 @@ class TransientError(Mamba3LiteError, RuntimeError):
     exit_code = 1
 
 
+class StorageAccessError(Mamba3LiteError, PermissionError):
+    """An object store refused the request (no permission on the bucket, wrong or missing credentials).
+    The message names the URL and where the credentials come from."""
+
+
+class StorageUnreachableError(TransientError):
+    """The object store's endpoint cannot be reached (network down, a wrong endpoint URL): the same
+    command may work later; the message names the URL and the endpoint setting."""
+
+
+class ObjectChangedError(DataError):
+    """An object changed (size or etag) between the listing that planned the work and the read."""
+
+
 class TrainingError(Mamba3LiteError, RuntimeError):
     """Training cannot continue (e.g. non-finite losses with no checkpoint to roll back to)."""
 

@@ -7,7 +7,8 @@ draws, `mamba3lite.token_healing`); this module turns tokens into text as they c
 
 Context: training windows are cut from documents joined by EOS, so a document's first token follows an
 EOS. The prompt is therefore fed as [EOS] + encode(prompt): the model sees "a new document starts
-with <prompt>", and an empty prompt is allowed (the model writes a document from scratch).
+with <prompt>", and an empty prompt is allowed (the model writes a document from scratch). A model
+imported with a tokenizer that starts a text with its own BOS is fed that instead (`tokenizer.bos_id`).
 
 Streaming: GPT-2 tokens are byte sequences, so a UTF-8 character can be split across two tokens; text
 is emitted only up to the last complete character (a trailing U+FFFD from a partial byte sequence is
@@ -100,7 +101,7 @@ def generate_text(
     only what follows the prompt.
     """
     check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed)
-    prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+    prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
     if max(prompt_ids) >= (vocab := model.cfg.vocab_size):
         raise ConfigError(f"the prompt encodes to token ids >= the model's vocab_size {vocab}")
     table = token_table(tokenizer) if token_healing else None

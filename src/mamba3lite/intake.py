@@ -321,28 +321,36 @@ def iter_lines(
     a small .gz that inflates without end), a damaged or truncated .gz, or a read error: the kind's
     error naming the file."""
     with open_regular(path, kind) as raw:
-        f = gzip.GzipFile(fileobj=raw) if str(path).lower().endswith(".gz") else raw
-        total = 0
-        try:
-            for lineno, line in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), 1):
+        yield from iter_stream_lines(raw, str(path), kind, max_line_bytes=max_line_bytes)
+
+
+def iter_stream_lines(
+    raw: BinaryIO, path: str, kind: FileKind, *, max_line_bytes: int
+) -> Iterator[tuple[int, bytes | None]]:
+    """`iter_lines` over a binary file already open (an object in a store, data/store.py), named `path`
+    in messages and gunzipped when that name ends in `.gz`: the same lines, numbers and errors."""
+    f = gzip.GzipFile(fileobj=raw) if path.lower().endswith(".gz") else raw
+    total = 0
+    try:
+        for lineno, line in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), 1):
+            total += len(line)
+            too_long = len(line) > max_line_bytes
+            # skip the rest of a long line, bounded per read and by the cap (a .gz of no newlines)
+            while too_long and line and not line.endswith(b"\n") and total <= kind.max_bytes:
+                line = f.readline(max_line_bytes + 1)
                 total += len(line)
-                too_long = len(line) > max_line_bytes
-                # skip the rest of a long line, bounded per read and by the cap (a .gz of no newlines)
-                while too_long and line and not line.endswith(b"\n") and total <= kind.max_bytes:
-                    line = f.readline(max_line_bytes + 1)
-                    total += len(line)
-                if total > kind.max_bytes:  # checked before the line is handed out: cut, not followed
-                    raise kind.fail(
-                        f"{path} holds more than the {kind.max_bytes / MiB:,.0f} MiB a {kind.what} can be"
-                    )
-                if too_long:
-                    yield lineno, None
-                elif line.strip():
-                    yield lineno, line
-        except Mamba3LiteError:
-            raise
-        except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz, an I/O error
-            raise kind.fail(f"cannot read {path}: {e or type(e).__name__}") from None
+            if total > kind.max_bytes:  # checked before the line is handed out: cut, not followed
+                raise kind.fail(
+                    f"{path} holds more than the {kind.max_bytes / MiB:,.0f} MiB a {kind.what} can be"
+                )
+            if too_long:
+                yield lineno, None
+            elif line.strip():
+                yield lineno, line
+    except Mamba3LiteError:
+        raise
+    except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz, an I/O error
+        raise kind.fail(f"cannot read {path}: {e or type(e).__name__}") from None
 
 
 def iter_jsonl(path: str | os.PathLike, kind: FileKind) -> Iterator[JsonlLine]:

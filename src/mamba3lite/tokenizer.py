@@ -9,6 +9,12 @@ Alternatively, any Hugging Face `tokenizer.json` by path (needs the `tokenizers`
 (`tokenizer_train`) and saves in the dataset; such a BPE encodes through a tiktoken twin with the same
 merges (`tokenizer_train.tiktoken_twin`: the same ids, ~14x faster), other files through `tokenizers`.
 
+Document start: `bos_id` is the id a text prompt is fed after (`generate`, `serve`, `eval --tasks`). A
+model trained here saw every document start right after an EOS, so it is the EOS, unless a
+tokenizer.json says otherwise: a post-processor that puts a special token before the text (a
+`TemplateProcessing` "<s> $A", as Llama-style tokenizers add their BOS) makes that token the start
+(`document_start`). `bos_rule` says which, in words (`inspect`).
+
 `load_tokenizer(name)` is the one entry point; `name` is "gpt2" or a path to a tokenizer.json, so a
 worker process can rebuild the same tokenizer from it. Both kinds give their tokens as bytes
 (`token_bytes`, for token healing) when they are byte-level.
@@ -19,7 +25,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import os
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -34,12 +42,101 @@ _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 _GPT2_KNOWN = {"Hello world": [15496, 995], " the": [262], "def main():": [4299, 1388, 33529]}
 
 KNOWN_TOKENIZERS = ("gpt2",)
+EOS_RULE = "the EOS (a document starts after it, as in training)"
+
+
+def document_start(spec: dict) -> tuple[str, int] | None:
+    """(token, id) that tokenizer.json `spec`'s post-processor puts before a single text, or None when it
+    adds nothing there. Read: `TemplateProcessing` (its `single` template starting with a special token),
+    `RobertaProcessing` / `BertProcessing` (their `cls`), and those inside a `Sequence`."""
+    proc = spec.get("post_processor")
+    is_sequence = isinstance(proc, dict) and proc.get("type") == "Sequence"
+    procs = (proc.get("processors") or []) if is_sequence else [proc]
+    for p in procs:
+        if not isinstance(p, dict):
+            continue
+        if p.get("type") == "TemplateProcessing":
+            first = (p.get("single") or [None])[0]
+            token = first.get("SpecialToken", {}).get("id") if isinstance(first, dict) else None
+            ids = ((p.get("special_tokens") or {}).get(token) or {}).get("ids") if token else None
+            if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int):
+                return token, ids[0]
+        elif p.get("type") in ("RobertaProcessing", "BertProcessing"):
+            cls = p.get("cls")
+            if isinstance(cls, list) and len(cls) == 2 and isinstance(cls[1], int):
+                return str(cls[0]), cls[1]
+    return None
+
+
+_POST_PROCESSOR_KEY = re.compile(r'"post_processor"\s*:\s*')
+
+
+def _post_processor_span(text: str) -> tuple[int, int, object] | None:
+    """(start, end, value) of the top-level post_processor's value in tokenizer.json `text` (the first
+    key of that name whose value is null or an object: a vocabulary entry of that spelling maps to an
+    int)."""
+    for m in _POST_PROCESSOR_KEY.finditer(text):
+        try:
+            value, end = json.JSONDecoder().raw_decode(text, m.end())
+        except ValueError:
+            continue
+        if value is None or isinstance(value, dict):
+            return m.end(), end, value
+    return None
+
+
+def start_template(token: str, token_id: int) -> dict:
+    """The post-processor "[token] $A" (pair: "[token] $A [token]:1 $B:1", as transformers builds it
+    for add_bos_token): the one that makes `tokenizer(text)` start a document."""
+    special = {"SpecialToken": {"id": token, "type_id": 0}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [special, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": token, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {token: {"id": token, "ids": [token_id], "tokens": [token]}},
+    }  # fmt: skip
+
+
+def with_document_start(raw: bytes, token: str, token_id: int) -> bytes:
+    """tokenizer.json `raw` (whose post-processor adds nothing before a text) made to start a text with
+    `token`: a null post-processor is replaced by `start_template`, the rest byte for byte, so that
+    `without_document_start` gives `raw` back (and its vocabulary hash); any other is followed by it (a
+    `Sequence`), the file written anew."""
+    text = raw.decode("utf-8")
+    span = _post_processor_span(text)
+    template = start_template(token, token_id)
+    if span is not None and span[2] is None:
+        new = json.dumps(template, ensure_ascii=False, separators=(",", ":"))
+        return (text[: span[0]] + new + text[span[1] :]).encode("utf-8")
+    spec = json.loads(text)
+    old = spec.get("post_processor")
+    spec["post_processor"] = template if old is None else {"type": "Sequence", "processors": [old, template]}
+    return json.dumps(spec, ensure_ascii=False).encode("utf-8")
+
+
+def without_document_start(raw: bytes, eos_id: int) -> bytes:
+    """`raw` as it was before `with_document_start` put the EOS start in it (an export's tokenizer.json
+    back to the run's file); any other file unchanged."""
+    text = raw.decode("utf-8")
+    span = _post_processor_span(text)
+    if span is None or not isinstance(span[2], dict):
+        return raw
+    start = document_start({"post_processor": span[2]})
+    if start is None or start[1] != eos_id or span[2] != start_template(*start):
+        return raw
+    new = json.dumps(span[2], ensure_ascii=False, separators=(",", ":"))
+    if text[span[0] : span[1]] != new:
+        return raw  # not written by with_document_start: the bytes are not ours to undo
+    return (text[: span[0]] + "null" + text[span[1] :]).encode("utf-8")
 
 
 class Tokenizer(Protocol):
     name: str  # what the manifest records; load_tokenizer(name) rebuilds it
     vocab_size: int
     eos_id: int
+    bos_id: int  # the id a text prompt is fed after: the EOS, or the BOS its tokenizer.json adds
+    bos_rule: str  # where bos_id comes from, one phrase for `inspect`
     vocab_hash: str  # sha256 of the vocabulary, so datasets and models can be matched
 
     def encode(self, text: str) -> list[int]: ...
@@ -88,6 +185,8 @@ class GPT2Tokenizer:
     name = "gpt2"
     vocab_size = GPT2_VOCAB_SIZE
     eos_id = GPT2_EOS_ID
+    bos_id = GPT2_EOS_ID
+    bos_rule = EOS_RULE
 
     def __init__(self) -> None:
         import tiktoken
@@ -181,6 +280,8 @@ class HFTokenizer:
                 "add one to its added_tokens"
             )
         self.eos_id = eos
+        start = document_start(json.loads(raw))
+        self.bos_id, self.bos_rule = (eos, EOS_RULE) if start is None else (start[1], _bos_rule(*start, eos))
         self.vocab_hash = vocab_hash_of(raw)
         self._specials = [t.content for t in self._tok.get_added_tokens_decoder().values()]
         self._fast = self._tiktoken_twin(raw)
@@ -189,8 +290,6 @@ class HFTokenizer:
     def _tiktoken_twin(raw: bytes):
         """The same encoding through tiktoken, for the BPEs `prepare --train-tokenizer` makes (14x faster:
         `tokenizer_train.tiktoken_twin`); None for other tokenizers."""
-        import json
-
         from mamba3lite.tokenizer_train import tiktoken_twin
 
         byte_of = {u: b for b, u in _bytes_to_unicode().items()}
@@ -232,6 +331,11 @@ class HFTokenizer:
             if text not in special and all(c in u2b for c in text):
                 out[i] = bytes(u2b[c] for c in text)
         return out
+
+
+def _bos_rule(token: str, token_id: int, eos_id: int) -> str:
+    what = "the EOS" if token_id == eos_id else "a BOS"
+    return f"{what} {token!r} (id {token_id}) that the tokenizer.json's post-processor adds"
 
 
 @functools.lru_cache(maxsize=1)

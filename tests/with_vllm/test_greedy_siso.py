@@ -7,11 +7,14 @@ import pytest
 from vllm_helpers import (
     NEW_TOKENS,
     NO_VLLM,
+    TEXT_PROMPTS,
     prompts,
     reference_greedy,
     served_engine,
+    text_prompt_ids,
     tiny_model,
     vllm_greedy,
+    vllm_text_greedy,
 )
 
 pytest.importorskip("vllm", reason=NO_VLLM)
@@ -43,3 +46,12 @@ def test_prefix_caching_is_off_and_a_repeat_is_exact(served):
     first = vllm_greedy(llm, rows, NEW_TOKENS)
     assert vllm_greedy(llm, rows, NEW_TOKENS) == first
     assert first == [reference_greedy(model, r, NEW_TOKENS) for r in rows]
+
+
+def test_text_prompts_start_a_document_as_generate_does(served):
+    """LLM.generate with text: vLLM tokenizes through the export's tokenizer, which adds the EOS before
+    the text, so the continuation is `mamba3lite generate`'s (empty, one-token and long prompts)."""
+    model, llm, _ = served
+    for text, (prompt_ids, tokens) in zip(TEXT_PROMPTS, vllm_text_greedy(llm, TEXT_PROMPTS, NEW_TOKENS)):
+        assert prompt_ids == text_prompt_ids(text), repr(text)
+        assert tokens == reference_greedy(model, prompt_ids, NEW_TOKENS), repr(text)

@@ -15,7 +15,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from vllm_helpers import ENGINE_ENV, EOS, NO_VLLM, export, prompts, reference_greedy, tiny_model
+from vllm_helpers import (
+    ENGINE_ENV,
+    EOS,
+    NO_VLLM,
+    TEXT_PROMPTS,
+    export,
+    prompts,
+    reference_greedy,
+    text_prompt_ids,
+    tiny_model,
+)
 
 pytest.importorskip("vllm", reason=NO_VLLM)
 
@@ -111,3 +121,23 @@ def test_chat_is_the_models_greedy_tokens_after_the_template(server):
     assert prompt_ids[-3:] != [EOS] * 3 and len(prompt_ids) > 3  # the template's text, tokenized
     assert r.choices[0].token_ids == reference_greedy(model, prompt_ids, 8)
     assert isinstance(r.choices[0].message.content, str)
+
+
+def test_text_completions_start_a_document_as_generate_does(server):
+    """`vllm serve` with text prompts (one token, long) continues them as `mamba3lite generate` and
+    `serve` do: the export's tokenizer puts the EOS before the text. (An empty text vLLM's API refuses
+    before tokenizing it, whatever the tokenizer adds; `LLM.generate` takes it: test_greedy_*.py.)"""
+    model, out, url = server
+    kw = dict(
+        model=str(out),
+        max_tokens=10,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    with pytest.raises(openai.BadRequestError, match="non-empty"):
+        client(url).completions.create(prompt="", **kw)
+    for text in [t for t in TEXT_PROMPTS if t]:
+        r = client(url).completions.create(prompt=text, **kw)
+        choice = r.choices[0]
+        assert choice.prompt_token_ids == text_prompt_ids(text), repr(text)
+        assert choice.token_ids == reference_greedy(model, choice.prompt_token_ids, 10), repr(text)

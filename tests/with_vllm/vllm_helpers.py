@@ -70,6 +70,25 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[EOS, *torch.randint(0, EOS, (n - 1,), generator=g).tolist()] for n in lengths]
 
 
+# Text prompts (the path table of tests/test_export_hf.py): empty, one token, long.
+TEXT_PROMPTS = ["", "def", "def add(a, b):\n" + "    x = a + b\n" * 6 + "    return x\n\n\nclass Point:\n"]
+
+
+def text_prompt_ids(text: str) -> list[int]:
+    """The ids `mamba3lite generate` and `serve` feed for a text: [EOS] + encode(text)."""
+    return [EOS, *load_tokenizer("gpt2").encode(text)]
+
+
+def vllm_text_greedy(llm, texts: list[str], new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy continuation) of each text prompt, tokenized by vLLM itself (the export's
+    tokenizer), all submitted at once."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate(texts, params, use_tqdm=False)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+
 def reference_greedy(model: Mamba3Transformer, prompt: list[int], new_tokens: int) -> list[int]:
     """The model's own greedy continuation (prefill, then the O(1) step), no stop at EOS."""
     ids = torch.tensor([prompt])

@@ -33,7 +33,15 @@ name under a run directory (`checkpoint_files`, `steps_in`, `finished_save`). Th
 this order:
 
     run_state.py    RunState: what a meta records of the run, one field per meta key (its schema)
-    manager.py      CheckpointManager: save, verify (status), find, load, prune, move aside
+    manager.py      CheckpointManager: the one face of saving, verifying, finding, loading and
+                    pruning a run's steps; each concept is a module of its own, below it:
+    writer.py       writing a step's files (weights, optimizer state, the meta last), atomically
+    verify.py       CheckpointStatus: a step's files against its meta, each file hashed once
+    reader.py       a verified step's weights and optimizer state into a model and an optimizer
+    retention.py    which steps are kept; deleting, pruning, moving aside, stale temp files
+    sharded_save.py every rank's shards, the meta by rank 0 once they are written (async)
+    collective.py   the save's collectives (rank, barrier, gather), no-ops in one process
+    lazy.py         the sharded format's modules, imported where first needed (start-up)
     state.py        model/optimizer state of plain, DDP and FSDP2 models: local shards or whole tensors
                     (torch.distributed.checkpoint: imported by the manager for sharded models only)
     sharded.py      the sharded step format: DCP write (sync or async), read, checks against the meta
@@ -62,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__getattr__` below)
     from mamba3lite.checkpoint.dtensor import is_sharded
     from mamba3lite.checkpoint.lock import RunLock
-    from mamba3lite.checkpoint.manager import SLOW_SAVE_ENV, CheckpointManager, CheckpointStatus
+    from mamba3lite.checkpoint.manager import CheckpointManager
     from mamba3lite.checkpoint.meta import META_FORMAT
     from mamba3lite.checkpoint.meta import meta_digest as _meta_digest
     from mamba3lite.checkpoint.optim_state import (
@@ -81,17 +89,19 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (at run time: `__g
         set_full_model_state,
         set_full_optimizer_state,
     )
+    from mamba3lite.checkpoint.verify import CheckpointStatus
     from mamba3lite.checkpoint.weights import load_model_file, split_tied, write_safetensors
+    from mamba3lite.checkpoint.writer import SLOW_SAVE_ENV
 
 _WHERE = {
     "CheckpointManager": "mamba3lite.checkpoint.manager",
-    "CheckpointStatus": "mamba3lite.checkpoint.manager",
+    "CheckpointStatus": "mamba3lite.checkpoint.verify",
     "META_FORMAT": "mamba3lite.checkpoint.meta",
     "OPTIM_FORMAT": "mamba3lite.checkpoint.optim_state",
     "ResumePlan": "mamba3lite.checkpoint.resume",
     "RunDir": "mamba3lite.checkpoint.run_dir",
     "RunLock": "mamba3lite.checkpoint.lock",
-    "SLOW_SAVE_ENV": "mamba3lite.checkpoint.manager",
+    "SLOW_SAVE_ENV": "mamba3lite.checkpoint.writer",
     "StepPick": "mamba3lite.checkpoint.run_dir",
     "capture_rng_state": "mamba3lite.checkpoint.rng",
     "full_model_state": "mamba3lite.checkpoint.state",

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from mamba3lite.checkpoint.manager import CheckpointManager, CheckpointStatus, has_average
+from mamba3lite.checkpoint.manager import CheckpointManager
+from mamba3lite.checkpoint.verify import CheckpointStatus, has_average
 from mamba3lite.config import Config
 from mamba3lite.errors import CheckpointError, ConfigError
 from mamba3lite.model import Mamba3Transformer

@@ -46,9 +46,10 @@ if TYPE_CHECKING:  # torch-importing modules, loaded on first use (see the modul
     import torch
 
     from mamba3lite.checkpoint.loaded import LoadedStep
-    from mamba3lite.checkpoint.manager import CheckpointManager, CheckpointStatus
+    from mamba3lite.checkpoint.manager import CheckpointManager
     from mamba3lite.checkpoint.resume import ResumePlan
     from mamba3lite.checkpoint.run_state import RunState
+    from mamba3lite.checkpoint.verify import CheckpointStatus
 
 # What an error says a run directory holds when it holds none (the pattern of mamba3lite/rundir.py).
 _NO_CHECKPOINTS = "no model_step_N.safetensors / meta_step_N.json"

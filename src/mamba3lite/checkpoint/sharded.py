@@ -12,7 +12,7 @@
 What is saved is {"model": model state, "optim": optimizer state}, both keyed by parameter name (state.py),
 so DCP reshards on load: a step saved by 4 processes loads into 2, into one process without a process
 group, or into a DDP or plain model. This module does the DCP I/O and the checks of the files against the
-meta; the manager (manager.py) decides when, and writes the meta.
+meta; sharded_save.py decides when, and writes the meta.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _ONE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitiali
 
 
 class _PausableWriter(FileSystemWriter):
-    """DCP's file writer, with the test-only pause of manager.SLOW_SAVE_ENV before each rank's data is
+    """DCP's file writer, with the test-only pause of writer.SLOW_SAVE_ENV before each rank's data is
     written (in the background thread for an async save): a test can prove the save call returned first,
     or kill the process mid-save."""
 

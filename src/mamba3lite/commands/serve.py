@@ -33,10 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the model id clients send (default: the run dir's name)",
     )
-    _add_limits(parser)
+    _add_request_limits(parser)
+    _add_memory(parser)
+    _add_access(parser)
 
 
-def _add_limits(parser: argparse.ArgumentParser) -> None:
+def _add_request_limits(parser: argparse.ArgumentParser) -> None:
+    """What one request may ask, and how many run and wait together."""
     a = parser.add_argument
     a("--max-batch-size", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
     a(
@@ -60,6 +63,11 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the longest prompt, in tokens (default 32768)",
     )
+
+
+def _add_memory(parser: argparse.ArgumentParser) -> None:
+    """What the server holds in memory: cached prefix states and the running requests' decode state."""
+    a = parser.add_argument
     a(
         "--prefix-cache-mb",
         type=float,
@@ -83,6 +91,11 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         metavar="T",
         help="cache the state every T prompt tokens (default 256)",
     )
+
+
+def _add_access(parser: argparse.ArgumentParser) -> None:
+    """Who may call the server, and how it stops."""
+    a = parser.add_argument
     a(
         "--api-key-file",
         default=None,

@@ -11,6 +11,9 @@ A source spec is one of
                         once); matching directories are walked as above
     stdlib              the running interpreter's standard-library .py files (see `stdlib_files`)
     hf:NAME[:CONFIG]    a Hugging Face dataset's "train" split, streamed (needs the `datasets` package)
+    s3://bucket/prefix/ an object-store URL (s3://, gs://, hf://, file://; data/store.py): every object below
+                        the prefix, read as the files of a directory are (by name; hidden names, __pycache__
+                        and prepared datasets skipped), listed once, each read checked against its listing
 
 A source is a deterministic sequence of *units*, one per document: a text file is one unit, a JSONL line
 one unit (blank lines are not units), a Parquet row or a streamed dataset row one unit. Files are taken in
@@ -40,10 +43,12 @@ import re
 import sysconfig
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from mamba3lite import intake
 from mamba3lite.data.shards import MANIFEST_NAME
+from mamba3lite.data.store import ObjectInfo, Store, is_url
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError, Mamba3LiteError, TransientError
 
 KIND_TEXT_BYTES = 0
@@ -72,6 +77,11 @@ _NON_TEXT_BYTES = bytes([*range(0, 7), 8, *range(14, 27), *range(28, 32), 127])
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 _IMPLAUSIBLE_RE = re.compile("[\x00-\x08\x0e-\x1f\ud800-\udfff\ue000-\uf8ff]")
 _WIDE_PROBE_CHARS = 4096
+# A URL source's small text objects are read ahead by a few threads (each read is one round trip to the
+# store): at most this many objects and bytes in flight.
+_READ_AHEAD_THREADS = 16
+_READ_AHEAD_OBJECTS = 64
+_READ_AHEAD_BYTES = 64 << 20
 
 Location = str | tuple[str, int]
 Unit = tuple[Location, int, "bytes | str | None"]
@@ -274,6 +284,26 @@ def _glob(spec: str, skipped: list[Path] | None = None) -> list[Path]:
     return list(out.values())
 
 
+def _glob_files(spec: str, skipped: list[Path]) -> list[Path]:
+    """The files of a glob source: those it matches and those below the directories it matches (walked
+    as a directory source is), each once, in order; the prepared datasets it skips appended to
+    `skipped` (each once)."""
+    matches = _glob(spec, skipped)
+    if not matches:
+        raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
+    files: list[Path] = []
+    for m in matches:
+        p = Path(m)
+        if p.is_dir() and is_prepared_dataset(p):
+            skipped.append(p)
+        elif p.is_dir():
+            files.extend(_walk_dir(p, skipped))
+        elif p.is_file():
+            files.append(p)
+    skipped[:] = list(dict.fromkeys(skipped))
+    return list(dict.fromkeys(files))  # `dir/**` matches dir and its files: once each
+
+
 def _match_parts(pattern: list[str], comps: tuple[str, ...]) -> bool:
     """Glob match of path components: `**` matches any number of components, others one (fnmatch)."""
     if not pattern:
@@ -281,6 +311,38 @@ def _match_parts(pattern: list[str], comps: tuple[str, ...]) -> bool:
     if pattern[0] == "**":
         return any(_match_parts(pattern[1:], comps[k:]) for k in range(len(comps) + 1))
     return bool(comps) and fnmatch.fnmatchcase(comps[0], pattern[0]) and _match_parts(pattern[1:], comps[1:])
+
+
+def _listed_objects(store: Store, skipped: list[str]) -> list[ObjectInfo]:
+    """The objects of a URL source, as `_walk_dir` takes a directory's files: sorted by key, names that
+    start with a dot and __pycache__ directories skipped, and so are prepared datasets below the root
+    (their URLs appended to `skipped`); DataError when the root itself is one."""
+    objects = [
+        o
+        for o in store.list()
+        if not any(c.startswith(".") for c in o.key.split("/")) and "__pycache__" not in o.key.split("/")[:-1]
+    ]
+    datasets = set()
+    for o in objects:
+        parts = o.key.split("/")
+        if parts[-1] != MANIFEST_NAME:
+            continue
+        manifest, problem = intake.json_problem(
+            decode_bytes(store.read(o, limit=intake.MANIFEST.max_bytes)), intake.MANIFEST
+        )
+        if (
+            problem is None
+            and isinstance(manifest, dict)
+            and {"format_version", "vocab_size", "shards"} <= manifest.keys()
+        ):
+            datasets.add("/".join(parts[:-1]))
+    if "" in datasets:
+        raise DataError(
+            f"source {store.url} is a dataset `prepare` wrote (its {MANIFEST_NAME}), not text; pass the "
+            "text it was prepared from, or train on it (data.train_data_path)"
+        )
+    skipped.extend(store.url_of(d) for d in sorted(datasets))
+    return [o for o in objects if not any(o.key.startswith(d + "/") for d in datasets)]
 
 
 def _is_glob(spec: str) -> bool:
@@ -299,6 +361,8 @@ class Source:
         self.max_docs = max_docs
         self.files: list[Path] = []
         self.hf: tuple[str, str | None] | None = None
+        self.store: Store | None = None  # a URL source: its objects, listed once, are read through it
+        self.objects: list[ObjectInfo] = []
         self.skipped_datasets: list[Path] = []  # prepared datasets found below the source, not read
         if not spec.strip():
             # Path("") is the current directory: an unset shell variable (`--source "$CORPUS"`) would
@@ -309,6 +373,9 @@ class Source:
             )
         if spec == "stdlib":
             self.files = stdlib_files()
+        elif is_url(spec):  # listed once: every read is checked against this listing
+            self.store = Store(spec)
+            self.objects = _listed_objects(self.store, self.skipped_datasets)
         elif spec.startswith("hf:"):
             parts = spec[3:].split(":")
             if not parts[0] or len(parts) > 2:
@@ -316,19 +383,7 @@ class Source:
             self.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
             _import_datasets()  # fail now, not after the other sources were read
         elif _is_glob(spec) and not Path(spec).exists():  # a name with [ or ? that exists is that file
-            matches = _glob(spec, self.skipped_datasets)
-            if not matches:
-                raise DataNotFoundError(f"source {spec!r}: the glob matches no files; check the pattern")
-            for m in matches:
-                p = Path(m)
-                if p.is_dir() and is_prepared_dataset(p):
-                    self.skipped_datasets.append(p)
-                elif p.is_dir():
-                    self.files.extend(_walk_dir(p, self.skipped_datasets))
-                elif p.is_file():
-                    self.files.append(p)
-            self.files = list(dict.fromkeys(self.files))  # `dir/**` matches dir and its files: once each
-            self.skipped_datasets = list(dict.fromkeys(self.skipped_datasets))
+            self.files = _glob_files(spec, self.skipped_datasets)
         else:
             p = Path(spec)
             if p.is_dir():
@@ -344,7 +399,7 @@ class Source:
                 raise DataNotFoundError(
                     f"source not found: {spec}; fix: check the path, or use `stdlib` or hf:NAME"
                 )
-        if self.hf is None and not self.files:
+        if self.hf is None and not self.files and not self.objects:
             raise DataError(f"source {spec!r} holds no files")
         if unreadable := [p for p in self.files if not os.access(p, os.R_OK)]:  # now, not mid-run
             more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
@@ -361,6 +416,8 @@ class Source:
         if self.hf is not None:
             return None
         h = hashlib.sha256()
+        for o in self.objects:  # a URL source: what its listing recorded (key, size, etag or mtime)
+            h.update(f"{o.url}\0{o.size}\0{o.etag or o.mtime}\n".encode())
         for p in self.files:
             st = p.stat()
             h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
@@ -372,31 +429,46 @@ class Source:
         Parquet is taken pro rata by its row count). None for hf: sources (unknown)."""
         if self.hf is not None:
             return None
+        entries = self.objects or self.files
         if self.max_docs is None:
-            return sum(p.stat().st_size for p in self.files)
+            return sum(self._size(e) for e in entries)
         total, left = 0, self.max_docs
-        for p in self.files:
+        for p in entries:
             if left <= 0:
                 break
-            name = p.name.lower()
+            name = self._name(p).lower()
             if name.endswith((".jsonl", ".jsonl.gz")):
                 n, used = self._jsonl_prefix(p, left)
             elif name.endswith(".parquet"):
                 n = self._open_parquet(p).metadata.num_rows
-                used = p.stat().st_size * min(1.0, left / n) if n else 0
+                used = self._size(p) * min(1.0, left / n) if n else 0
             else:
-                n, used = 1, p.stat().st_size
+                n, used = 1, self._size(p)
             total += int(used)
             left -= n
         return total
 
+    # A file of a path source or an object of a URL source: the few things the readers below ask of one.
     @staticmethod
-    def _jsonl_prefix(path: Path, n: int) -> tuple[int, int]:
+    def _name(entry: Path | ObjectInfo) -> str:
+        return entry.name if isinstance(entry, Path) else entry.url.rsplit("/", 1)[-1]
+
+    @staticmethod
+    def _size(entry: Path | ObjectInfo) -> int:
+        return entry.stat().st_size if isinstance(entry, Path) else entry.size
+
+    def _open(self, entry: Path | ObjectInfo, kind: intake.FileKind):
+        if isinstance(entry, Path):
+            return intake.open_regular(entry, kind)
+        assert self.store is not None
+        return self.store.open(entry)
+
+    def _jsonl_prefix(self, path: Path | ObjectInfo, n: int) -> tuple[int, int]:
         """(units, bytes on disk) of the first `n` units of a JSONL file (all of it if it has fewer)."""
-        gz = path.name.lower().endswith(".gz")
+        gz = self._name(path).lower().endswith(".gz")
         try:
             with (
-                intake.open_regular(path, intake.SOURCE_JSONL) as raw,
+                self._open(path, intake.SOURCE_JSONL) as raw,
                 gzip.GzipFile(fileobj=raw) if gz else contextlib.nullcontext(raw) as f,
             ):
                 count = sum(1 for _ in itertools.islice((line for line in f if line.strip()), n))
@@ -406,8 +478,7 @@ class Source:
         except (OSError, EOFError, zlib.error) as e:
             raise intake.SOURCE_JSONL.fail(f"cannot read {path}: {e}") from e
 
-    @staticmethod
-    def _open_parquet(path: Path):
+    def _open_parquet(self, path: Path | ObjectInfo):
         """A pyarrow ParquetFile (its footer read), or one clear error: pyarrow missing, file unreadable."""
         try:
             import pyarrow.parquet as pq
@@ -416,13 +487,18 @@ class Source:
                 f"reading {path} needs the `pyarrow` package; fix: pip install 'mamba3lite[parquet]'"
             ) from e
         try:
-            return pq.ParquetFile(path)
+            return pq.ParquetFile(path if isinstance(path, Path) else self._open(path, intake.SOURCE_JSONL))
+        except Mamba3LiteError:
+            raise
         except Exception as e:
             raise DataError(f"cannot read parquet file {path}: {e}") from e
 
     def units(self, start: int = 0) -> Iterator[Unit]:
         """The units from index `start` (0-based), at most `max_docs` in all; see the module docstring."""
-        gen = self._iter_hf() if self.hf is not None else self._iter_files(start)
+        if self.hf is not None:
+            gen = self._iter_hf()
+        else:
+            gen = self._iter_objects(start) if self.store is not None else self._iter_files(start)
         if self.max_docs is not None:  # stop before the next unit is read, not after
             gen = itertools.islice(gen, self.max_docs)
         for index, unit in enumerate(gen):
@@ -465,7 +541,68 @@ class Source:
                     yield None
                 index += 1
 
-    def _parquet_texts(self, path: Path) -> Iterator[str | None]:
+    def _iter_objects(self, start: int) -> Iterator[Unit | None]:
+        """`_iter_files` for a URL source: the same units from the same bytes, read through the store
+        (each object checked against its listing); locations are the objects' URLs."""
+        pool = ThreadPoolExecutor(_READ_AHEAD_THREADS, thread_name_prefix="mamba3lite-read")
+        ahead: dict[int, Future] = {}  # object position -> its bytes, being read
+        try:
+            yield from self._object_units(start, pool, ahead)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _object_units(
+        self, start: int, pool: ThreadPoolExecutor, ahead: dict[int, Future]
+    ) -> Iterator[Unit | None]:
+        assert self.store is not None
+        index = 0
+        cap = intake.MAX_SOURCE_LINE_BYTES
+        for pos, obj in enumerate(self.objects):
+            name = self._name(obj).lower()
+            if name.endswith((".jsonl", ".jsonl.gz")):
+                with self.store.open(obj) as f:
+                    for lineno, line in intake.iter_stream_lines(
+                        f, obj.url, intake.SOURCE_JSONL, max_line_bytes=cap
+                    ):
+                        if line is None:
+                            raise DataError(
+                                f"{obj.url} line {lineno} is longer than {cap // intake.MiB} MiB, more "
+                                "than one document may be; split that document, or fix the file if it is "
+                                "not JSON lines"
+                            )
+                        yield None if index < start else ((obj.url, lineno), KIND_JSONL, line)
+                        index += 1
+            elif name.endswith(".parquet"):
+                for row, text in enumerate(self._parquet_texts(obj), 1):
+                    yield None if index < start else ((obj.url, row), KIND_STR, text)
+                    index += 1
+            else:
+                if index >= start:
+                    self._read_ahead(pool, ahead, pos)
+                    yield obj.url, KIND_TEXT_BYTES, ahead.pop(pos).result()
+                else:
+                    yield None
+                index += 1
+
+    def _read_ahead(self, pool: ThreadPoolExecutor, ahead: dict[int, Future], pos: int) -> None:
+        """Start reading the text objects from position `pos` on, up to the next object of another kind,
+        at most _READ_AHEAD_OBJECTS of them and _READ_AHEAD_BYTES in flight (at least the one at `pos`):
+        one small object costs a round trip, so reading them one at a time is bound by latency. Their
+        bytes are handed out in order, and an error is raised when its object's turn comes."""
+        assert self.store is not None
+        in_flight = sum(self.objects[p].size for p in ahead)
+        for p in range(pos, min(pos + _READ_AHEAD_OBJECTS, len(self.objects))):
+            obj = self.objects[p]
+            if self._name(obj).lower().endswith((".jsonl", ".jsonl.gz", ".parquet")):
+                return
+            if p in ahead:
+                continue
+            if p > pos and in_flight + obj.size > _READ_AHEAD_BYTES:
+                return
+            ahead[p] = pool.submit(self.store.read, obj, limit=intake.SOURCE_DOCUMENT.max_bytes)
+            in_flight += obj.size
+
+    def _parquet_texts(self, path: Path | ObjectInfo) -> Iterator[str | None]:
         pf = self._open_parquet(path)
         names = pf.schema_arrow.names
         if self.text_field not in names:

@@ -12,7 +12,11 @@ standard errors) are computed by lm-eval itself from the answers:
                                            lm-eval's TemplateLM splits the pair: trailing spaces of the
                                            context move to the continuation, the continuation's tokens
                                            are those of encode(context + continuation) after
-                                           encode(context); an empty context becomes EOS.
+                                           encode(context). Encoding starts a document, as `generate`
+                                           and an export's tokenizer do: [start] + ids (`tok_encode`;
+                                           the start is the tokenizer's `bos_id`, the EOS for a run
+                                           trained here), so lm-eval's `hf` model scores an export alike;
+                                           an empty context is the start alone.
     loglikelihood_rolling(text)            Σ log p of the whole text, in windows of the run's
                                            max_seq_len (lm-eval's rolling windows, first token after EOS)
     generate_until(context, until)         greedy decoding until a stop string, EOS or max_gen_toks
@@ -53,6 +57,10 @@ class Mamba3LiteLM(TemplateLM):
     distributed: this process is one rank of the initialized torch.distributed job (the in-loop
     evaluator under torchrun): lm-eval then gives each rank every world_size-th item and gathers the
     per-item metrics on rank 0 through `all_gather` / `gather_object` / `barrier` below.
+    add_bos_token: contexts start a document ([start] + ids), as lm-eval's `hf` model reads them through
+    an export's tokenizer (its own `add_bos_token` argument, of the same meaning); False: bare ids, as
+    lm-eval's API models (`local-completions` against `serve` or `vllm serve`) send them, whose remote
+    tokenizer never adds special tokens.
     """
 
     backend = "causal"
@@ -67,6 +75,7 @@ class Mamba3LiteLM(TemplateLM):
         bf16: bool = False,
         state_reuse: bool = True,
         distributed: bool = False,
+        add_bos_token: bool = True,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -81,6 +90,7 @@ class Mamba3LiteLM(TemplateLM):
         self.max_length = max_length
         self.bf16 = bf16
         self.state_reuse = state_reuse
+        self.add_bos_token = add_bos_token
         self.loaded = None  # the `Pretrained` it came from (`from_run`), for the report
 
     @classmethod
@@ -170,8 +180,16 @@ class Mamba3LiteLM(TemplateLM):
 
             dist.barrier()
 
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer.encode(string)
+        """[start] + ids, as an export's tokenizer encodes by default (lm-eval's `hf` model calls it so);
+        bare ids with add_special_tokens=False, or always when the model was made with add_bos_token=False."""
+        ids = self.tokenizer.encode(string)
+        start = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        return [self.tokenizer.bos_id, *ids] if start else ids
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
@@ -202,7 +220,10 @@ class Mamba3LiteLM(TemplateLM):
             windows = [
                 make_disjoint_window(w)
                 for w in get_rolling_token_windows(
-                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1
+                    self.tok_encode(text, add_special_tokens=False),
+                    self.prefix_token_id,
+                    self.max_length,
+                    context_len=1,
                 )
             ]
             scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from mamba3lite import intake
-from mamba3lite.tokenizer import GPT2_EOS_ID, gpt2_encoder, gpt2_vocab_dir
+from mamba3lite.tokenizer import GPT2_EOS_ID, gpt2_encoder, gpt2_vocab_dir, without_document_start
 
 
 def gpt2_tokenizer_json() -> str:
@@ -39,9 +39,10 @@ def gpt2_tokenizer_json() -> str:
 
 def is_gpt2_tokenizer_json(text: str) -> bool:
     """Whether a tokenizer.json encodes as our GPT-2: the same vocabulary and merges, the byte-level
-    pre-tokenizer, no normalizer and no added tokens (which would match text that ours does not)."""
+    pre-tokenizer, no normalizer and no added tokens (which would match text that ours does not); its
+    post-processor adds nothing, or the EOS before a text (an export's: `tokenizer.with_document_start`)."""
     try:
-        got = json.loads(text)
+        got = json.loads(without_document_start(text.encode("utf-8"), GPT2_EOS_ID))
         want = json.loads(gpt2_tokenizer_json())
     except (ValueError, RecursionError, ImportError):  # not JSON, too deep, or no `tokenizers`: not ours
         return False

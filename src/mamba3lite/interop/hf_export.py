@@ -18,15 +18,26 @@ The directory holds:
     generation_config.json         the special ids and `mamba3lite generate`'s default sampling
     tokenizer.json                 GPT-2 built offline, or the run's own file (its sha256 checked
                                    against the one the checkpoint records)
-    tokenizer_config.json          eos/bos/pad (all the EOS token: a document starts after it), the
-                                   run's chat template when it has one
+    tokenizer_config.json          eos/bos/pad (all the EOS token: a document starts after it),
+                                   add_bos_token, the run's chat template when it has one
     README.md                      the model card
 
-Token ids: AutoTokenizer encodes as the run's tokenizer does and adds nothing: `mamba3lite generate`
-feeds [EOS] + encode(prompt), so prepend `tokenizer.bos_token_id` (the EOS) to reproduce it. GPT-2's
-"<|endoftext|>" in text is ordinary text to our tokenizer, so the export sets `split_special_tokens`
-(the text is split and merged, never turned into the EOS id); a trained BPE's EOS is an added token,
-which the text does become in both.
+Token ids: a text starts a document, as `mamba3lite generate` and `serve` read a prompt: `tokenizer(text)`
+gives [EOS] + the run's ids (tokenizer.json's post-processor "[EOS] $A", which transformers 5 reads,
+and vLLM tokenizes text prompts through transformers; `add_bos_token` says so too), so
+`model.generate`, `pipeline("text-generation")`, lm-eval's `hf` model and vLLM condition a prompt as
+mamba3lite does. `add_special_tokens=False` gives the bare ids; `skip_special_tokens=True` drops the
+start when decoding. tokenizer.json is the run's file with that post-processor in place of its null
+one, the rest byte for byte (`tokenizer.with_document_start`; `import` takes it out again, so the run's
+vocabulary hash comes back). GPT-2's "<|endoftext|>" in text is ordinary text to our tokenizer, so the
+export sets `split_special_tokens` (the text is split and merged, never turned into the EOS id); a
+trained BPE's EOS is an added token, which the text does become in both.
+
+Chat: `apply_chat_template` tokenizes without special tokens (the template is meant to write them), so
+the exported template starts with `{{ bos_token }}` and then renders the run's template with an empty
+`bos_token`, as `serve` renders it before it adds the start: one start, never two. Where the EOS text
+is ordinary text (GPT-2) the template cannot write the start, and renders without it:
+`tokenizer(apply_chat_template(..., tokenize=False))` then adds it.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from mamba3lite.interop.source import CONFIG_NAME
 from mamba3lite.interop.weights import INDEX_NAME, SAFETENSORS_NAME
 from mamba3lite.model.config import ATTENTION_KIND, MAMBA3_KIND
 from mamba3lite.rundir import TOKENIZER_NAME
+from mamba3lite.tokenizer import document_start, with_document_start
 
 MODEL_TYPE = "mamba3lite"
 ARCHITECTURE = "Mamba3LiteForCausalLM"
@@ -118,8 +130,9 @@ def write_hf_weights(directory: Path, state: dict[str, torch.Tensor], max_shard_
     return [*files, INDEX_NAME]
 
 
-def hf_config(cfg, dtype: torch.dtype) -> dict:
-    """config.json of the export of a model of ModelConfig `cfg` stored in `dtype`."""
+def hf_config(cfg, dtype: torch.dtype, bos_id: int | None = None) -> dict:
+    """config.json of the export of a model of ModelConfig `cfg` stored in `dtype`; `bos_id`: the
+    document start (default: the EOS)."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
@@ -132,7 +145,7 @@ def hf_config(cfg, dtype: torch.dtype) -> dict:
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
         "layer_types": [HF_LAYER_TYPES[cfg.layer_kind(i)] for i in range(cfg.n_layers)],
-        "bos_token_id": cfg.eos_id,
+        "bos_token_id": cfg.eos_id if bos_id is None else bos_id,
         "eos_token_id": cfg.eos_id,
         "pad_token_id": cfg.eos_id,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -141,28 +154,48 @@ def hf_config(cfg, dtype: torch.dtype) -> dict:
     }
 
 
-def tokenizer_files(tok_bytes: bytes, eos_id: int, is_gpt2: bool, chat_template: str | None) -> dict:
-    """tokenizer_config.json for tokenizer.json `tok_bytes` whose EOS is `eos_id`."""
+def tokenizer_files(
+    tok_bytes: bytes, eos_id: int, is_gpt2: bool, chat_template: str | None
+) -> tuple[bytes, dict]:
+    """(tokenizer.json, tokenizer_config.json) for the run's tokenizer.json `tok_bytes` whose EOS is
+    `eos_id`. The document start (`bos_token`) is the BOS that the file's post-processor adds (an
+    imported model's: `tokenizer.document_start`), else the EOS, which the post-processor is then made
+    to add (`tokenizer.with_document_start`: byte for byte in place of a null one, undone by `import`)."""
     spec = json.loads(tok_bytes)
     eos = next((t["content"] for t in spec.get("added_tokens") or [] if t.get("id") == eos_id), None)
     if eos is None:
         eos = next((s for s, i in (spec.get("model") or {}).get("vocab", {}).items() if i == eos_id), None)
     if eos is None:
         raise CheckpointError(f"the run's tokenizer.json has no token of the EOS id {eos_id}")
+    start = document_start(spec)
+    if start is None:
+        tok_bytes = with_document_start(tok_bytes, eos, eos_id)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": eos,
+        "bos_token": eos if start is None else start[0],
         "eos_token": eos,
         "pad_token": eos,
-        "add_bos_token": False,
+        "add_bos_token": True,  # [EOS] + ids: a prompt starts a document (module docstring)
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1_000_000_000,  # recurrent: no context limit of its own
         "split_special_tokens": is_gpt2,
     }
     if chat_template is not None:
-        config["chat_template"] = chat_template
-    return config
+        config["chat_template"] = export_chat_template(chat_template, writes_start=not is_gpt2)
+    return tok_bytes, config
+
+
+# Jinja: `bos_token` is "" from here on, as `serve` renders the run's template (`+%}`: the run's
+# template keeps its first newline, which trim_blocks would otherwise eat).
+_EMPTY_BOS = '{% set bos_token = "" +%}'
+
+
+def export_chat_template(template: str, *, writes_start: bool) -> str:
+    """The run's chat template as the export ships it: the document start written once (when the
+    tokenizer reads the EOS text as the EOS id: `writes_start`), then the run's own template with an
+    empty `bos_token`."""
+    return ("{{ bos_token }}" if writes_start else "") + _EMPTY_BOS + template
 
 
 def export_hf(
@@ -187,7 +220,9 @@ def export_hf(
     p, step, meta, cfg = run.path, got.step, got.meta, got.config.model
     tok_bytes, tok_desc = tokenizer_json(p, meta, cfg.vocab_size)
     tok_name = recorded_tokenizer((meta.get("data") or {}).get("tokenizer"), p)
-    tok_config = tokenizer_files(tok_bytes, cfg.eos_id, tok_name == "gpt2", find_chat_template(p, tok_name))
+    template = find_chat_template(p, tok_name)
+    tok_bytes, tok_config = tokenizer_files(tok_bytes, cfg.eos_id, tok_name == "gpt2", template)
+    bos_id = document_start(json.loads(tok_bytes))[1]  # the EOS, or the run's tokenizer's own BOS
     state = hf_state(checkpoint_state(got), cfg.tie_embeddings)
     dtype = next(iter(state.values())).dtype
     n_params = count_parameters(cfg)
@@ -195,8 +230,8 @@ def export_hf(
     with staged_dir(out) as tmp:
         files = write_hf_weights(tmp, state, max_shard_bytes)
         texts = {
-            CONFIG_NAME: json.dumps(hf_config(cfg, dtype), indent=2) + "\n",
-            GENERATION_CONFIG_NAME: json.dumps(_generation_config(cfg), indent=2) + "\n",
+            CONFIG_NAME: json.dumps(hf_config(cfg, dtype, bos_id), indent=2) + "\n",
+            GENERATION_CONFIG_NAME: json.dumps(_generation_config(cfg, bos_id), indent=2) + "\n",
             TOKENIZER_CONFIG_NAME: json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n",
             CONFIGURATION_NAME: configuration_source(),
             MODELING_NAME: modeling_source(),
@@ -208,8 +243,8 @@ def export_hf(
     return HFExportResult(out, step, n_params, sorted([*files, *texts, TOKENIZER_NAME]), notes)
 
 
-def _generation_config(cfg) -> dict:
-    ids = {"bos_token_id": cfg.eos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.eos_id}
+def _generation_config(cfg, bos_id: int) -> dict:
+    ids = {"bos_token_id": bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.eos_id}
     return {**ids, **GENERATE_DEFAULTS}
 
 
@@ -239,9 +274,8 @@ def _card(p: Path, step: int, meta: dict, cfg, n_params: int, tok_desc: str, not
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)',
         'tok = AutoTokenizer.from_pretrained("PATH")',
-        "# a document starts after the EOS token, as in training: prepend it",
-        'ids = [[tok.bos_token_id, *tok.encode("Once upon a time")]]',
-        "out = model.generate(torch.tensor(ids), max_new_tokens=50, do_sample=False)",
+        'ids = tok("Once upon a time", return_tensors="pt").input_ids  # [EOS] + the text: a document starts',
+        "out = model.generate(ids, max_new_tokens=50, do_sample=False)",
         "```",
         "",
         "The modeling file is generated from mamba3lite's model source: pure PyTorch (the chunked scan and "

@@ -11,6 +11,7 @@ CheckpointError naming it, and no run directory appears. export -> import gives 
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from mamba3lite.interop.source import HF_PREFIX as HUB_PREFIX
 from mamba3lite.interop.weights import read_official_weights
 from mamba3lite.model.config import ModelConfig
 from mamba3lite.rundir import TOKENIZER_NAME
+from mamba3lite.tokenizer import without_document_start
 
 
 def is_hf_export(root: str | Path) -> bool:
@@ -94,9 +96,7 @@ def _our_state(raw: dict[str, Tensor], cfg: ModelConfig, files: str) -> dict[str
 def import_hf(src: str | Path, out: str | Path, *, tokenizer: str | None = None) -> ImportResult:
     """Write the run directory `out` (absent or empty) for the HF export `src` (a directory or
     hf:NAME). `tokenizer`: "gpt2" or a tokenizer.json; default SRC/tokenizer.json."""
-    from mamba3lite.checkpoint import RunState
     from mamba3lite.interop.outdir import check_out_dir
-    from mamba3lite.model import Mamba3Transformer
 
     out = Path(out)
     check_out_dir(out)
@@ -109,6 +109,27 @@ def import_hf(src: str | Path, out: str | Path, *, tokenizer: str | None = None)
         if not (root / TOKENIZER_NAME).is_file():
             raise CheckpointError(f"{root} has no {TOKENIZER_NAME}; pass --tokenizer PATH (or gpt2)")
         tokenizer = str(root / TOKENIZER_NAME)
+    with tempfile.TemporaryDirectory() as tmp:
+        return _import(src, out, cfg, state, _run_tokenizer(tokenizer, cfg.eos_id, Path(tmp)))
+
+
+def _run_tokenizer(tokenizer: str, eos_id: int, tmp: Path) -> str:
+    """`tokenizer` as the run records it: an export's tokenizer.json less the EOS start the export put
+    in (`tokenizer.without_document_start`: the run's own file again, its vocabulary hash with it; the
+    start is the EOS either way), in `tmp`; a file that adds another start, or nothing, as it is."""
+    if tokenizer == "gpt2" or not Path(tokenizer).is_file():
+        return tokenizer  # (tokenizer_identity names a missing file)
+    raw = intake.read_bytes_capped(Path(tokenizer), intake.TOKENIZER)
+    if (restored := without_document_start(raw, eos_id)) == raw:
+        return tokenizer
+    (tmp / TOKENIZER_NAME).write_bytes(restored)
+    return str(tmp / TOKENIZER_NAME)
+
+
+def _import(src, out: Path, cfg: ModelConfig, state: dict, tokenizer: str) -> ImportResult:
+    from mamba3lite.checkpoint import RunState
+    from mamba3lite.model import Mamba3Transformer
+
     tok = tokenizer_identity(tokenizer)
     if tok.vocab_size != cfg.vocab_size or tok.eos_id != cfg.eos_id:
         raise CheckpointError(

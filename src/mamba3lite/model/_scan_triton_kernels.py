@@ -240,7 +240,15 @@ def chunk_bwd_kernel(
     HAS_RESET: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The gradients of one chunk, one program per (batch row·head, chunk), all chunks at once given the
-    state at their start and the gradient g of the state at their end (module docstring)."""
+    state at their start and the gradient g of the state at their end (module docstring).
+
+    It stays one long body (over the 60 lines the rest of the package keeps to) on purpose: its tiles
+    (Q, K, V, dY and the (L·R, L·R) weights built from them) are loaded once and held in registers while
+    the gradients of all six inputs are formed from them. Split into several kernels, each would store
+    and reload those tiles through global memory, which is the cost this kernel exists to avoid (the
+    same backward as a sequence of PyTorch ops pays). The pieces that are shared with the other
+    kernels are already @triton.jit helpers (`_tile_offsets`, `_row_weights`, inlined by the compiler);
+    what remains is one pass over one chunk's tiles, read top to bottom."""
     prog = tl.program_id(0).to(tl.int64)  # (b·H + h)·nc + c: one axis, which has room for 2³¹ − 1
     pid = prog // nc
     c = prog % nc

@@ -1,6 +1,7 @@
 """ModelConfig: the shape and switches of a Mamba-3 language model (docs/model.md §1, §5).
 
-Every field documents itself in `metadata["help"]` (the README's config reference is generated from it).
+Every field documents itself in `metadata["help"]` (the config reference, docs/reference/config.md, is
+generated from it).
 Values are validated on creation; a bad value raises `ConfigError` naming the field (`model.<name>`).
 Derived sizes (d_inner, nheads, n_angles, ...) are properties, never stored.
 
@@ -177,7 +178,8 @@ class ModelConfig:
         metadata={
             "help": "scan backend, all computing the same function: 'chunked' (pure PyTorch, any "
             "device), 'sequential' (the reference recurrence, slow), 'triton' (fused kernels: CUDA, "
-            "or CPU under TRITON_INTERPRET=1), 'auto' (today 'chunked' everywhere, see the README)"
+            "or CPU under TRITON_INTERPRET=1), 'auto' (today 'chunked' everywhere, see "
+            "docs/guides/gpus-and-scan-backends.md)"
         },
     )
     tie_embeddings: bool = field(
@@ -405,5 +407,5 @@ class ModelConfig:
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
-        """Field name -> its documentation (used to generate the README's config reference)."""
+        """Field name -> its documentation (the config reference, docs/reference/config.md, is made of it)."""
         return {f.name: f.metadata["help"] for f in fields(cls)}

@@ -328,8 +328,20 @@ class Mamba3(nn.Module):
         self.is_mimo, self.mimo_rank, self.chunk_size = is_mimo, cfg.rank, chunk_size
         self.is_outproj_norm, self.A_floor = is_outproj_norm, A_floor
         self.trapezoid, self.rope = trapezoid, rope
-        E, H, N, G, R, S = self.d_inner, self.nheads, d_state, ngroups, self.mimo_rank, self.num_rope_angles
-        P = headdim
+        self._make_parameters(fk)
+        self._init_dt_bias(dt_min, dt_max, dt_init_floor)
+
+        self._f_A = heavy_tail if a_activation == "heavy_tail" else F.softplus
+        self.set_scan_impl(scan_impl)
+        self.context_parallel: ContextParallel | None = None
+
+    def _make_parameters(self, fk: dict) -> None:
+        """The parameters, with the official layer's names, shapes and order (the order nn.Linear draws
+        its initial weights in: an official state_dict loads with strict=True, and a seed gives the same
+        model); `fk`: their device and dtype."""
+        E, H, N, G, R = self.d_inner, self.nheads, self.d_state, self.ngroups, self.mimo_rank
+        S, P, d_model = self.num_rope_angles, self.headdim, self.d_model
+        trapezoid, rope = self.trapezoid, self.rope
 
         # Official split order z, x, B, C, Δ, A, λ, θ; the ablations drop the columns they do not use.
         self._split = [E, E, N * G * R, N * G * R, H, H] + ([H] if trapezoid else []) + ([S] if rope else [])
@@ -341,20 +353,15 @@ class Mamba3(nn.Module):
         self.C_bias = nn.Parameter(torch.ones(H, R, N, **fk))
         self.B_norm = RMSNorm(N, eps=1e-5, **fk)
         self.C_norm = RMSNorm(N, eps=1e-5, **fk)
-        if is_mimo:
+        if self.is_mimo:
             self.mimo_x = nn.Parameter(torch.full((H, R, P), 1.0 / R, **fk))
             self.mimo_z = nn.Parameter(torch.ones(H, R, P, **fk))
             self.mimo_o = nn.Parameter(torch.full((H, R, P), 1.0 / R, **fk))
         self.D = nn.Parameter(torch.ones(H, **fk))
         self.D._no_weight_decay = True
-        if is_outproj_norm:
+        if self.is_outproj_norm:
             self.norm = RMSNorm(E, eps=1e-5, **fk)
         self.out_proj = nn.Linear(E, d_model, bias=False, **fk)
-        self._init_dt_bias(dt_min, dt_max, dt_init_floor)
-
-        self._f_A = heavy_tail if a_activation == "heavy_tail" else F.softplus
-        self.set_scan_impl(scan_impl)
-        self.context_parallel: ContextParallel | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, device=None, dtype=None) -> Mamba3:

@@ -410,52 +410,63 @@ def chunked_scan(
         return sequential_scan(q_BHTRN, k_BHTRN, v_BHTRP, adt_BHT, dt_BHT, lam_BHT, reset_BT=reset_BT, **init)
     L = max(1, min(chunk_size, T))
     nc = -(-T // L)
-    pad = nc * L - T
     sd = _state_dtype(adt_BHT.dtype)
     dev = q_BHTRN.device
     gamma, boa, boa_next = token_weights(dt_BHT, lam_BHT, reset_BT, sd)
-    scale = gamma + boa_next
-
-    def chunks(x: Tensor, *inner: int) -> Tensor:
-        # (B, H, T, *inner) -> (B, H, nc, L, *inner); a free view when T = nc·L and x is contiguous.
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0) * len(inner) + (0, pad))
-        return x.reshape(Bsz, H, nc, L, *inner)
-
-    cs_BHcL = torch.cumsum(chunks(adt_BHT.to(sd)), dim=-1)
-    scale_BHcL = chunks(scale)
-    boa_next_BHcL = chunks(boa_next)
-    q_c = chunks(q_BHTRN, R, N).reshape(Bsz, H, nc, L * R, N)
-    k_c = chunks(k_BHTRN, R, N).reshape(Bsz, H, nc, L * R, N)
-    v_c = chunks(v_BHTRP, R, P).reshape(Bsz, H, nc, L * R, P)
-
-    # Masks: causal (s ≤ t) and, with resets, same segment. seg_t = number of resets in the chunk up to t.
-    if reset_BT is not None:
-        seg_B1cL = chunk_segments(reset_BT, nc, L)[:, None]
-        mask = torch.ones(L, L, dtype=torch.bool, device=dev).tril() & (
-            seg_B1cL[..., :, None] == seg_B1cL[..., None, :]
-        )
-        from_start_B1cL = seg_B1cL == 0  # no reset between the chunk start and t (inclusive)
-        to_end_B1cL = seg_B1cL == seg_B1cL[..., -1:]  # no reset in (s, chunk end]
-    else:
-        mask = None  # causal only: lower-triangular
+    cs_BHcL = torch.cumsum(split_chunks(adt_BHT.to(sd), nc, L), dim=-1)
+    scale_BHcL = split_chunks(gamma + boa_next, nc, L)
+    boa_next_BHcL = split_chunks(boa_next, nc, L)
+    q_c = split_chunks(q_BHTRN, nc, L, R, N).reshape(Bsz, H, nc, L * R, N)
+    k_c = split_chunks(k_BHTRN, nc, L, R, N).reshape(Bsz, H, nc, L * R, N)
+    v_c = split_chunks(v_BHTRP, nc, L, R, P).reshape(Bsz, H, nc, L * R, P)
+    segments = None if reset_BT is None else segment_masks(reset_BT, nc, L)
     mm_dtype = matmul_dtype(dev.type, q_BHTRN.dtype, v_BHTRP.dtype, sd)
     decay_weights = eager_or_traced(_DecayWeights, _decay_weights_autograd)
+    mask = None if segments is None else segments[0]  # None: causal only (lower-triangular)
     W_BHcLL = decay_weights(cs_BHcL, scale_BHcL, boa_next_BHcL, mask, mm_dtype)
-
-    # State passing. dS_c = Σ_s e^{cs_last − cs_s} scale_s v_s k_sᵀ (the chunk's own contribution), kept
-    # transposed, (N, P): Kᵀ·V writes it and q·S reads it without a transpose. The per-token weight goes
-    # on v (P wide), not on k (N wide).
-    to_end_BHcL = _exp_nonpos(cs_BHcL[..., -1:] - cs_BHcL)
-    chunk_decay_BHc = _exp_nonpos(cs_BHcL[..., -1])
-    from_start = _exp_nonpos(cs_BHcL)
-    if reset_BT is not None:
-        to_end_BHcL = to_end_BHcL * to_end_B1cL
-        chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
-        from_start = from_start * from_start_B1cL
+    to_end_BHcL, chunk_decay_BHc, from_start = carry_decays(cs_BHcL, segments)
     S = start_state(h0_BHPN, k_prev_BRHN, v_prev_BRHP, boa, N, P)
     core = eager_or_traced(_ChunkCore, _chunk_core_autograd)
     q_c, k_c, v_c = (x.to(mm_dtype) for x in (q_c, k_c, v_c))
     # Under autocast y stays in the autocast dtype (the mixer's gate and out_proj would cast it there).
     y, h_T = core(q_c, k_c, v_c, W_BHcLL, scale_BHcL * to_end_BHcL, chunk_decay_BHc, S, from_start)
     return y.view(Bsz, H, nc * L, R, P)[:, :, :T], h_T.mT.contiguous()
+
+
+def split_chunks(x: Tensor, nc: int, L: int, *inner: int) -> Tensor:
+    """(B, H, T, *inner) -> (B, H, nc, L, *inner), the last chunk zero-padded past T (a free view when
+    T = nc·L and x is contiguous)."""
+    pad = nc * L - x.shape[2]
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0) * len(inner) + (0, pad))
+    return x.reshape(*x.shape[:2], nc, L, *inner)
+
+
+def segment_masks(reset_BT: Tensor, nc: int, L: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The masks of a scan with resets, from seg_t (the number of resets in the chunk up to t):
+    (mask (B, 1, nc, L, L): s ≤ t in the same segment; from_start (B, 1, nc, L): no reset between the
+    chunk start and t, inclusive; to_end (B, 1, nc, L): no reset in (s, chunk end])."""
+    seg_B1cL = chunk_segments(reset_BT, nc, L)[:, None]
+    causal = torch.ones(L, L, dtype=torch.bool, device=reset_BT.device).tril()
+    mask = causal & (seg_B1cL[..., :, None] == seg_B1cL[..., None, :])
+    return mask, seg_B1cL == 0, seg_B1cL == seg_B1cL[..., -1:]
+
+
+def carry_decays(
+    cs_BHcL: Tensor, segments: tuple[Tensor, Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The decays of state passing, from the chunk-local cumulative log-decay cs: (to_end (B, H, nc, L):
+    e^{cs_last − cs_s}, each token's weight in its chunk's contribution dS_c = Σ_s e^{cs_last − cs_s}
+    scale_s v_s k_sᵀ; chunk_decay (B, H, nc): e^{cs_last}, the carry's decay over a chunk; from_start
+    (B, H, nc, L): e^{cs_t}, the carry's decay up to t). With resets (`segment_masks`), a decay across a
+    reset is 0. dS_c is kept transposed, (N, P): Kᵀ·V writes it and q·S reads it without a transpose,
+    and the per-token weight goes on v (P wide), not on k (N wide)."""
+    to_end_BHcL = _exp_nonpos(cs_BHcL[..., -1:] - cs_BHcL)
+    chunk_decay_BHc = _exp_nonpos(cs_BHcL[..., -1])
+    from_start = _exp_nonpos(cs_BHcL)
+    if segments is not None:
+        _, from_start_B1cL, to_end_B1cL = segments
+        to_end_BHcL = to_end_BHcL * to_end_B1cL
+        chunk_decay_BHc = chunk_decay_BHc * from_start_B1cL[..., -1]
+        from_start = from_start * from_start_B1cL
+    return to_end_BHcL, chunk_decay_BHc, from_start

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mamba3lite.checkpoint.run_dir import RunDir
-from mamba3lite.errors import CheckpointError, ConfigError, DataError
+from mamba3lite.errors import CheckpointError, ConfigError, DataError, Mamba3LiteError
 from mamba3lite.rundir import SUPERSEDED_DIRNAME, sharded_dir
 from mamba3lite.train.metrics.console import val_windows_label
 
@@ -94,6 +94,7 @@ def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
     data = state.data_identity(run_dir)
     if data is not None:
         lines.append(f"tokenizer      {data.describe()}")
+        lines.append(f"doc start      {_document_start(data.tokenizer)}")
     row = state.metrics
     if isinstance(row, dict):
         parts = [f"step {row.get('step')}"]
@@ -107,6 +108,17 @@ def _describe_meta(meta: dict, run_dir: Path) -> list[str]:
         on = f" ({windows})" if (windows := val_windows_label(ev)) else ""
         lines.append(f"last eval      step {ev.get('step')}: val loss {ev['val_loss']:.4f}{bpb}{on}")
     return lines
+
+
+def _document_start(tokenizer_name: str) -> str:
+    """Which id a text prompt is fed after (`generate`, `serve`, `eval --tasks`), and why."""
+    from mamba3lite.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(tokenizer_name)
+    except Mamba3LiteError as e:
+        return f"unknown: the tokenizer does not load ({e})"
+    return f"id {tok.bos_id}, {tok.bos_rule}: a text prompt is fed as [{tok.bos_id}] + its ids"
 
 
 def _describe_config(raw: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""The presets' memory per rank as a markdown table for the README: for each preset its parameters, its
+"""The presets' memory per rank as a markdown table for the docs: for each preset its parameters, its
 micro batch, and model/memory.py's estimate per rank on N processes replicated (ddp) and sharded
 (fsdp), against a device of G GiB (of which USABLE_FRACTION may be planned for).
 
@@ -6,10 +6,11 @@ micro batch, and model/memory.py's estimate per rank on N processes replicated (
     python -m mamba3lite.report.memory_table --nproc 4 mamba3_1_5b mamba3_3b
     python -m mamba3lite.report.memory_table --long-context  # the longest trainable window per C
 
-`longest_context_markdown` is the README's "Long context" table: per preset, the longest window (a power
-of two) that trains by the estimate at micro batch 1 on N processes of G GiB with the model sharded (fsdp
-over all N ranks, the data-parallel x context-parallel mesh flattened, as training shards it) and each
-window split over C = 1, 2, 4, 8 of them (activations per rank: T / C tokens of one window).
+`longest_context_markdown` is the "Long context" table of docs/guides/context-parallelism.md: per preset,
+the longest window (a power of two) that trains by the estimate at micro batch 1 on N processes of G GiB
+with the model sharded (fsdp over all N ranks, the data-parallel x context-parallel mesh flattened, as
+training shards it) and each window split over C = 1, 2, 4, 8 of them (activations per rank: T / C
+tokens of one window).
 
 The estimate measures each preset's layer on the CPU once (a few seconds; a minute for 7B), at the
 compute dtype its `training.dtype` gives on such an accelerator, one with native bf16
@@ -111,7 +112,8 @@ def longest_context_markdown(
     device_gib: float = 80.0,
     context_parallel: tuple[int, ...] = (1, 2, 4, 8),
 ) -> str:
-    """The README's "Long context" table (the module docstring) of `names` (default: every preset)."""
+    """The "Long context" table of docs/guides/context-parallelism.md (the module docstring) of `names`
+    (default: every preset)."""
     cps = [c for c in context_parallel if world_size % c == 0]
 
     def cell(seq_len: int | None) -> str:

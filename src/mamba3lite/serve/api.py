@@ -260,13 +260,15 @@ def _openai_routes(app, engine, tokenizer, model_name: str, limits: Limits, chat
 
 def _tokenizer_routes(app, tokenizer, limits: Limits, chat_template: str | None) -> None:
     """vLLM's tokenizer endpoints, as lm-eval's RemoteTokenizer calls them. The EOS token's own text
-    tokenizes to the EOS id (lm-eval finds the EOS id that way)."""
+    tokenizes to the EOS id (lm-eval finds the EOS id that way). /tokenize starts a document unless
+    `add_special_tokens` is false, as vLLM's does for an export (whose tokenizer adds the start)."""
     eos_text = tokenizer.decode([tokenizer.eos_id]) or "<|endoftext|>"
+    bos_text = eos_text if tokenizer.bos_id == tokenizer.eos_id else tokenizer.decode([tokenizer.bos_id])
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return {
-            "eos_token": eos_text, "bos_token": None, "pad_token": None, "chat_template": chat_template,
+            "eos_token": eos_text, "bos_token": bos_text, "pad_token": None, "chat_template": chat_template,
             "tokenizer_class": type(tokenizer).__name__, "model_max_length": limits.max_prompt_tokens,
         }  # fmt: skip
 
@@ -277,6 +279,8 @@ def _tokenizer_routes(app, tokenizer, limits: Limits, chat_template: str | None)
         if not isinstance(text, str):
             raise APIError(400, "prompt must be a string", param="prompt", code="invalid_type")
         ids = [tokenizer.eos_id] if text == eos_text else tokenizer.encode(text)
+        if body.get("add_special_tokens", True) is not False:
+            ids = [tokenizer.bos_id, *ids]
         return {"tokens": ids, "count": len(ids), "max_model_len": limits.max_prompt_tokens}
 
     @app.post("/detokenize")

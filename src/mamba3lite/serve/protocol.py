@@ -263,10 +263,8 @@ def _prompt_list(v: Any) -> list:
 
 
 def _prompt(p: Any, tokenizer, vocab_size: int, limits: Limits) -> Prompt:
-    if isinstance(p, str):
-        if not p:
-            raise bad("prompt", "the prompt is empty; send at least one character or one token id")
-        prompt = Prompt([tokenizer.eos_id, *tokenizer.encode(p)], 1, p)
+    if isinstance(p, str):  # "" is the document start alone: the model writes a document from scratch
+        prompt = Prompt([tokenizer.bos_id, *tokenizer.encode(p)], 1, p)
     else:
         if not p:
             raise bad("prompt", "a prompt of token ids is empty; send at least one id")

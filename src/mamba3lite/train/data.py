@@ -1,5 +1,8 @@
 """The data a run trains and validates on, built from the config and checked before any step.
 
+Datasets given as URLs (s3://, gs://, hf://, file://) are fetched into the verified local cache first
+(`localize_data`, data/remote_cache.py): the rest of the run reads the cached copy by its local path.
+
 Validation data: `data.val_data_path` when set (its val split when it has one, else its train split,
 but never the training data's own train split), else the training dataset's val split when it holds
 a window (`data/splits.py`: the rule `eval` and the quickstart use too), else none, with the reason.
@@ -7,14 +10,47 @@ a window (`data/splits.py`: the rule `eval` and the quickstart use too), else no
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from mamba3lite.config import Config
+from mamba3lite.data.remote_cache import CachedDataset, fetch_dataset
 from mamba3lite.data.shards import dataset_dir
 from mamba3lite.data.splits import short_val_split, val_split_holds_window
+from mamba3lite.data.store import is_url
 from mamba3lite.data_identity import DataIdentity
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
+
+
+def localize_data(cfg: Config) -> tuple[Config, tuple[CachedDataset, ...]]:
+    """`cfg` with each dataset URL (data.train_data_path, data.val_data_path) replaced by the path of its
+    verified copy in data.cache_dir, and the cached datasets, held until they are closed (or the process
+    exits): the one place a URL becomes a path, before anything reads the data. A config of local
+    paths comes back as it is."""
+    dc = cfg.data
+    if dc.dummy:
+        return cfg, ()
+    held: list[CachedDataset] = []
+    paths = {}
+    max_bytes = int(dc.cache_max_gb * 2**30)
+    try:
+        for name in ("train_data_path", "val_data_path"):
+            url = getattr(dc, name)
+            if url and is_url(url):
+                held.append(fetch_dataset(url, dc.cache_dir, max_bytes))
+                paths[name] = str(held[-1].path)
+                got = held[-1]
+                if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fetches; one line says so
+                    print(
+                        f"data: {url} -> {got.path} ({len(got.fetched)} file(s) fetched, "
+                        f"{len(got.reused)} verified in the cache)"
+                    )
+    except BaseException:
+        for h in held:
+            h.close()
+        raise
+    return (cfg.replace("data", **paths) if paths else cfg), tuple(held)
 
 
 def build_train_data(cfg: Config) -> Any:

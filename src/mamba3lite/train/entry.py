@@ -9,6 +9,7 @@ check added here reaches every command that trains.
                                                     # in place of (cfg, opts) (the quickstart's runs)
 
 What happens, in order, before anything is written:
+    0. a dataset given as a URL (s3://...) is fetched into the verified local cache and read from there
     1. `--init-from` (training.init_from): the source's model config and weights, or, once the run has
        checkpoints of its own, their recorded model config and no source at all (`resolve_init`)
     2. a dry run is a fresh 2-step run: a directory with checkpoints is refused
@@ -16,8 +17,11 @@ What happens, in order, before anything is written:
        holds its lock
     4. the data's tokenizer loads here and fits the model (`check_data_tokenizer`), by the rule
        `generate` and `eval` apply later; the sinks of `logging.sinks` can be built
-    5. init_distributed (training.dist_timeout_s); the parallelism seam is built once, in the trainer
-       (train/parallel/: the layout is checked before the model is built); SIGTERM sets the run's
+    5. init_distributed (a store namespace per torchrun generation, group creation bounded by
+       training.dist_init_timeout_s, collectives by dist_timeout_s) and a rank's watchdog
+       (training.watchdog_s: no progress -> its stacks, a non-zero exit); the parallelism seam is
+       built once, in the trainer (train/parallel/: the layout is checked before the model is built);
+       SIGTERM sets the run's
        stop flag from here on (the run stops after a step, with a checkpoint); the model is refused
        before it is built when it cannot fit the device (model.memory.check_model_fits, in the
        trainer's build)
@@ -250,6 +254,8 @@ class PreparedRun:
     cfg: Any
     opts: TrainOptions
     init_model: Any = None
+    # datasets given as URLs, fetched into the local cache and held there for the run (train/data.py)
+    data_leases: tuple = ()
 
     def with_training(self, **fields: Any) -> PreparedRun:
         """The same run with some of ADJUSTABLE_TRAINING_FIELDS changed (validated as --set values are)."""
@@ -276,13 +282,15 @@ class PreparedRun:
 
 def prepare_run(cfg, opts: TrainOptions = TrainOptions()) -> PreparedRun:
     """`cfg` run with `opts` after every check that needs no process group (points 1-4 above)."""
+    from mamba3lite.train.data import localize_data
     from mamba3lite.train.metrics import resolve_sinks
 
+    cfg, leases = localize_data(cfg)  # a dataset URL becomes its verified local copy, before any check
     cfg, init_model = resolve_init(cfg, opts)
     check_run_directory(cfg, opts)
     check_data_tokenizer(cfg)
     resolve_sinks(cfg.logging)  # a named sink whose package is missing: refused now, not at the start
-    return PreparedRun(cfg, opts, init_model)
+    return PreparedRun(cfg, opts, init_model, leases)
 
 
 @contextlib.contextmanager
@@ -295,6 +303,7 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
     from mamba3lite.train.parallel import process_group as D
     from mamba3lite.train.stop import StopFlag
     from mamba3lite.train.trainer import Pretrainer
+    from mamba3lite.train.watchdog import watchdog_for
 
     if isinstance(cfg, PreparedRun):
         assert opts == TrainOptions(), "a PreparedRun carries its own options"
@@ -302,14 +311,18 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
     else:
         prepared = prepare_run(cfg, opts)
     cfg, opts, init_model = prepared.cfg, prepared.opts, prepared.init_model
-    info = D.init_distributed(cfg.training.device, cfg.training.dist_timeout_s)
+    tc = cfg.training
+    info = D.init_distributed(tc.device, tc.dist_timeout_s, tc.dist_init_timeout_s)
+    watchdog = watchdog_for(tc.watchdog_s, info.rank, info.distributed)
     stop = stop or StopFlag(announce=info.is_main)
     after = signal.SIG_IGN if opts.own_process else None
     resume = "none" if opts.dry_run else opts.resume
     trainer, finished = None, False
     with stop.installed(signal.SIGTERM, on_exit=after):
         try:
-            trainer = Pretrainer(cfg, resume=resume, dist=info, model=init_model, stop=stop)
+            trainer = Pretrainer(
+                cfg, resume=resume, dist=info, model=init_model, stop=stop, watchdog=watchdog
+            )
             yield trainer
             finished = True
         except (RuntimeError, MemoryError) as e:
@@ -318,6 +331,7 @@ def training_session(cfg, opts: TrainOptions = TrainOptions(), stop: Any = None)
             raise actionable from None
         finally:
             D.teardown(after_error=not finished)
+            watchdog.stop()
 
 
 def _actionable(e: BaseException, cfg, info, building: bool) -> BaseException:

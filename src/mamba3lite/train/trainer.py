@@ -87,6 +87,7 @@ from mamba3lite.train.step_input import StepInput
 from mamba3lite.train.stop import AgreedStop, StopFlag
 from mamba3lite.train.threads import NoThreadWatch, thread_watch
 from mamba3lite.train.validation import nonfinite_note, validate
+from mamba3lite.train.watchdog import NoWatchdog, Watchdog
 
 __all__ = ["INJECT_ENV", "Pretrainer", "TrainResult", "code_version", "parse_injection"]
 
@@ -104,6 +105,7 @@ class Pretrainer:
         stop: the run's stop flag (`mamba3lite train` installs it before building); default: a new
             one, whose signal handlers `train()` installs for its duration.
         now: the clock of a run with `training.time_budget_minutes` (schedule.py; tests inject one).
+        watchdog: a torchrun rank's (watchdog.py), told of each step, evaluation and save; default none.
     """
 
     def __init__(
@@ -118,10 +120,12 @@ class Pretrainer:
         stop: StopFlag | None = None,
         parallelism: Parallelism | None = None,
         now: Callable[[], float] = time.monotonic,
+        watchdog: Watchdog | NoWatchdog | None = None,
     ) -> None:
         if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
             raise ConfigError(f"resume must be 'latest', 'none' or a step number >= 0, got {resume!r}")
         self.cfg, self.record = config, RunRecord(resume)
+        self.watchdog = watchdog or NoWatchdog()  # a torchrun rank's: pet at each step, eval and save
         self.dist = dist or D.DistInfo(device=D.pick_device(config.training.device))
         flag = stop or StopFlag(announce=self.dist.is_main)
         # the stop flags agreed on by every rank (stop.py); one process: its own flag
@@ -149,13 +153,7 @@ class Pretrainer:
             self.raw_model, tc.ema_decay, self.par.name if self.par.is_sharded else None
         )
         check_fits_global_batch(len(self.data.train), self.global_windows, tc.max_seq_len)
-        # Downstream benchmarks (training.eval_tasks): all they need is checked now, not at step 4,000.
-        manifest = getattr(self.data.train, "manifest", None)
-        tok_name = (manifest.tokenizer or {}).get("name") if manifest is not None else None
-        self.downstream = in_loop_evaluator(
-            config, tok_name, bf16=self.autocast_dtype is not None, rank=self.dist.rank,
-            world_size=self.dist.world_size,
-        )  # fmt: skip
+        self.downstream = self._build_downstream()
         # The windows of the steps, produced ahead on a thread; its sampler is the position of the batches
         # consumed, what checkpoints record (step_input.py).
         self.input = StepInput(self.data.train, tc, self.par, accum, self.device)
@@ -196,6 +194,16 @@ class Pretrainer:
         val, why = (val_data, "") if val_data is not None else build_val_data(self.cfg, train)
         check_data_matches(self.cfg, train, val)
         return TrainData(train, val, why)
+
+    def _build_downstream(self) -> Any:
+        """The in-loop downstream benchmarks (training.eval_tasks): all they need is checked now, not at
+        step 4,000."""
+        manifest = getattr(self.data.train, "manifest", None)
+        tok_name = (manifest.tokenizer or {}).get("name") if manifest is not None else None
+        return in_loop_evaluator(
+            self.cfg, tok_name, bf16=self.autocast_dtype is not None, rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )  # fmt: skip
 
     def _build_train_data(self) -> Any:  # its own method: a test signals the process while data builds
         return build_train_data(self.cfg)
@@ -252,6 +260,7 @@ class Pretrainer:
         try:
             while not self.schedule.done(self.step) and not stopped:
                 if self.train_step():
+                    self.watchdog.pet(f"step {self.step}")
                     self._periodic()
                 stopped = self.stopping.now()
             self.logger.flush()
@@ -282,10 +291,12 @@ class Pretrainer:
         # last_eval, what `inspect` and a resume report).
         if tc.eval_every and self.step % tc.eval_every == 0:
             self.evaluate()
+            self.watchdog.pet(f"the evaluation at step {self.step}")
         # every rank scores its share of the benchmarks' items; rank 0 writes the row
         self.downstream.maybe_evaluate(self.step, self.raw_model, self.logger, self.tokens_seen)
         if self.step % tc.save_every == 0:
             self.save_checkpoint()
+            self.watchdog.pet(f"the checkpoint of step {self.step}")
         self.logger.exclude_time(time.time() - t0)
 
     def _start(self, target: int, until_step: int | None) -> None:
@@ -518,16 +529,22 @@ class Pretrainer:
         if not self.par.replicas.commit():  # the quorum did not agree: the step never happened
             self._uncommitted(tokens)
             return False
+        self._apply_step(lr, loss_mean, grad_norm, tokens, skipped)
+        return True
+
+    def _apply_step(self, lr: float, loss: float, grad_norm: float, tokens: int, skipped: int) -> None:
+        """The optimizer step of a step that counts, and its row: `loss` the step's mean loss, `tokens`
+        the tokens it trained on, `skipped` its skipped micro-steps."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.average.update(self.raw_model)
         self.progress.step += 1
         self.par.replicas.record_commit(self.step)
-        self.progress.history.append((self.step, loss_mean))
+        self.progress.history.append((self.step, loss))
         pending_skipped, pending_tokens = self.guard.take_pending()
         row = self.logger.log_step(
             self.step,
-            loss=loss_mean,
+            loss=loss,
             lr=lr,
             grad_norm=grad_norm,
             tokens_processed=tokens + pending_tokens,
@@ -536,7 +553,6 @@ class Pretrainer:
             data_wait_s=self.input.take_wait(),
         )
         self.threads.after_window(row, self.logger)  # the next window's thread count (None: no window closed)
-        return True
 
     def _uncommitted(self, tokens: int) -> None:
         """A step the replica groups did not commit (a peer failed during it, or too few took part):

@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mamba3lite.errors import CheckpointError, ConfigError
+from mamba3lite.errors import CheckpointError, ConfigError, TrainingError
+from mamba3lite.train.parallel.generation import Deadline, generation_store
+
+# torch's default for a gloo group's waits, used when no timeout is given
+_DEFAULT_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -59,21 +63,45 @@ def pick_device(preference: str, local_rank: int = 0) -> torch.device:
     return torch.device(f"cuda:{index}")
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
+def init_distributed(
+    device_preference: str = "auto", timeout_s: float | None = None, init_timeout_s: float | None = None
+) -> DistInfo:
     """Initialise from torchrun's environment; a single process when WORLD_SIZE is unset or 1.
     `timeout_s` (training.dist_timeout_s): how long a collective waits for the others before failing
-    (None: torch's default)."""
-    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    (None: torch's default). `init_timeout_s` (training.dist_init_timeout_s): how long forming the group
+    may take, its first barrier included (None: `timeout_s`).
+
+    The group is made in a namespace of the rendezvous store that only this generation of the job writes
+    (generation.py: after torchrun restarts killed workers, the keys of the dead generation are still in
+    its store, and a rank that reads a dead peer's address hangs or fails). Its first barrier is bounded by
+    `init_timeout_s`; then the collectives get `timeout_s`. Either wait running out is a TrainingError
+    naming what this rank waited for."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_preference, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device, timeout=timeout)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
+        deadline = Deadline(init_timeout_s or timeout_s or _DEFAULT_TIMEOUT_S)
+        store = generation_store(rank, world_size, deadline)
+        init = datetime.timedelta(seconds=max(deadline.left(), 1.0))
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                dist.init_process_group(
+                    "nccl", store=store, rank=rank, world_size=world_size, device_id=device, timeout=init
+                )
+            else:
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=init)
+            dist.barrier()  # the first collective of the generation, under the same deadline
+        except RuntimeError as e:
+            raise TrainingError(
+                f"rank {rank} could not form the process group of this generation within "
+                f"{deadline.limit_s:g} s (training.dist_init_timeout_s): {str(e).splitlines()[0]}; torchrun "
+                "restarts the job if restarts remain"
+            ) from None
+        # the collectives' own bound from now on (torch has no public setter for a live group's timeout)
+        collective = timeout_s if timeout_s is not None else _DEFAULT_TIMEOUT_S
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective))
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

@@ -1,0 +1,51 @@
+"""A real S3 API for the object-storage tests: moto's server on 127.0.0.1, on a free port, one per test
+session (the `s3` fixture in conftest.py), stopped at its end.
+
+The tests talk to it the way users talk to S3: through the environment botocore and s3fs read
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), so the code under test configures nothing of its own.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from dataclasses import dataclass
+
+# Credentials moto accepts while it does not enforce authentication (its default).
+TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # one attempt: an unreachable endpoint is reported at once, not after botocore's retries
+    "AWS_MAX_ATTEMPTS": "1",
+}
+
+
+@dataclass
+class S3Server:
+    """The running server: its endpoint, a boto3 client for setting up buckets, and helpers."""
+
+    endpoint: str
+    client: object
+
+    def bucket(self, prefix: str = "b") -> str:
+        """A new, empty bucket with a unique name."""
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=bucket, Key=key, Body=data)
+
+    def enforce_auth(self, on: bool) -> None:
+        """Turn moto's IAM enforcement on (every request from now on must be signed by a user it knows,
+        and is allowed only what that user's policies allow) or off (its default)."""
+        body = b"0" if on else b"inf"
+        req = urllib.request.Request(
+            f"{self.endpoint}/moto-api/reset-auth",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
