@@ -622,3 +622,13 @@ def test_bench_object_store_prints_its_table():
     for case in ("list once (s3)", "prepare from local copy", "prepare from s3://"):
         assert re.search(rf"^{re.escape(case)}\s+[\d.]+\s+[\d,]+$", out, re.M), out
     assert "shards byte-identical: True; manifests identical but for the source spec: True" in out
+
+
+@pytest.mark.slow
+def test_bench_fault_tolerance_prints_restart_all_beside_torchft():
+    pytest.importorskip("torchft")
+    out = run_script("bench_fault_tolerance.py", "--groups", "2", "--steps", "24", "--fault-at", "6",
+                     "--save-every", "4")  # fmt: skip
+    assert "| replicas | mode | replica-steps lost | back to full speed (s) | wall (s) |" in out
+    for mode in ("restart-all", "torchft"):
+        assert re.search(rf"^\| 2 \| {mode} \| \d+ \| ([\d.]+|never .*) \| [\d.]+ \|$", out, re.M), out
