@@ -352,6 +352,21 @@ class Source:
                 f"cannot read {unreadable[0]}{more}: permission denied; fix the permissions or leave it out"
             )
 
+    @classmethod
+    def from_listing(
+        cls, spec: str, files: list[Path], *, text_field: str = "text", max_docs: int | None = None
+    ) -> Source:
+        """The source `spec` with the files a recorded plan listed (`data.plan`): nothing is listed again,
+        so a resume, or a worker reading one unit of the plan, costs no directory walk."""
+        src = cls.__new__(cls)
+        src.spec, src.text_field, src.max_docs = spec, text_field, max_docs
+        src.files, src.skipped_datasets = list(files), []
+        src.hf = None
+        if spec.startswith("hf:"):
+            parts = spec[3:].split(":")
+            src.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
+        return src
+
     def __repr__(self) -> str:
         return f"Source({self.spec!r})"
 

@@ -1,0 +1,233 @@
+"""One work unit of `prepare`, computed by a worker on its own: `run_unit(job, unit)`.
+
+A pure function of (plan, unit): the worker reads the unit's files from their paths (checking each
+against the size and modification time the plan recorded), decodes, cleans, hashes, splits and
+tokenizes every document (`clean.process_batch`), and writes into the staging directory
+
+    units/KEY.tok    the kept documents' tokens, EOS after each, raw little-endian in the dataset's dtype
+    units/KEY.idx    one INDEX_DTYPE row per document read, in order: outcome, split, counts, digest
+    units/KEY.json   the completion record, last: the plan hash, counts, both files' sha256, the bad
+                     JSONL lines (position, location, problem), who computed it and in how long
+
+The driver reads only the index (38 bytes a document) and the record; it opens a unit's token file
+only to copy kept documents into a shard. A unit whose record exists, names this plan and whose two
+files verify is never computed again (`stored_record`): a resumed run, or a task Ray re-runs after a
+node was lost, returns it as it is.
+
+A read error in the middle of a unit (a damaged Parquet page, a truncated archive) ends it: the
+documents before it are written, and the record, returned but not saved (a re-run would meet the same
+error), carries the error, which the driver raises when it reaches that position (a run that reaches its
+target first does not fail).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mamba3lite import intake
+from mamba3lite.atomicfile import HashingAtomicFile, atomic_write_bytes, atomic_write_json, sha256_file
+from mamba3lite.data import clean
+from mamba3lite.data.clean import BAD_LINE, KEPT, WorkerConfig
+from mamba3lite.data.plan import WorkUnit
+from mamba3lite.data.sources import Source, format_location
+from mamba3lite.errors import Mamba3LiteError, TransientError
+
+UNITS_DIRNAME = "units"
+_SPLIT_CODES = {"train": 0, "val": 1}
+SPLIT_NAMES = ("train", "val")
+INDEX_DTYPE = np.dtype(
+    [
+        ("status", "u1"),  # clean.KEPT, EMPTY, ...
+        ("split", "u1"),  # 0 train, 1 val
+        ("n_replaced", "<u4"),
+        ("n_special", "<u4"),
+        ("n_tokens", "<u8"),  # EOS included; 0 unless kept
+        ("n_bytes", "<u8"),  # of the cleaned text, UTF-8
+        ("digest", "u1", (clean.DIGEST_BYTES,)),
+    ]
+)
+# Units are read and tokenized in batches of at most this many documents or bytes (as the pool's were).
+_BATCH_UNITS = 512
+_BATCH_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """What every task of a run shares: the worker settings, the staging directory, the plan's hash."""
+
+    cfg: WorkerConfig  # tokenizer and the settings that change a document's outcome
+    stage_dir: str  # OUT/.prepare, on storage every worker sees
+    plan_hash: str  # `Plan.hash`; a record of another plan is never reused
+    max_docs: int | None  # no unit needs more documents than its source may give
+
+
+@dataclass
+class UnitRecord:
+    """A computed unit (the completion record, `units/KEY.json`)."""
+
+    key: str
+    plan_hash: str
+    n_docs: int  # documents read (index rows)
+    n_tokens: int  # tokens in the token file
+    n_bytes_read: int  # raw bytes of the unit's files
+    tok_sha256: str
+    idx_sha256: str
+    problems: list = field(default_factory=list)  # [doc position, location, problem] of bad JSONL lines
+    error: str | None = None  # a read error after the n_docs documents (never in a saved record)
+    transient: bool = False  # the error is a network's: the staged work is kept for a re-run
+    node: str = ""  # where it was computed
+    seconds: float = 0.0  # how long it took there
+    reused: bool = False  # found complete and verified instead of computed
+
+
+def units_dir(stage_dir: str | Path) -> Path:
+    return Path(stage_dir) / UNITS_DIRNAME
+
+
+def _paths(stage_dir: str | Path, key: str) -> tuple[Path, Path, Path]:
+    d = units_dir(stage_dir)
+    return d / f"{key}.tok", d / f"{key}.idx", d / f"{key}.json"
+
+
+def stored_record(job: UnitJob, unit: WorkUnit) -> UnitRecord | None:
+    """The unit's saved record if it names this plan and both its files verify, else None."""
+    tok, idx, rec = _paths(job.stage_dir, unit.key)
+    try:
+        record = UnitRecord(**intake.read_json(rec, intake.STAGE_STATE))
+    except (Mamba3LiteError, OSError, TypeError):
+        return None
+    if record.plan_hash != job.plan_hash or record.key != unit.key or record.error is not None:
+        return None
+    try:
+        for path in (tok, idx):  # through the border first: a pipe put there would block the hash
+            intake.regular_file_size(path, intake.STAGE_DATA)
+        if sha256_file(tok) != record.tok_sha256 or sha256_file(idx) != record.idx_sha256:
+            return None
+    except (Mamba3LiteError, OSError):
+        return None
+    record.reused = True
+    return record
+
+
+def node_name() -> str:
+    return socket.gethostname()
+
+
+def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecord:
+    """Compute `unit` (see the module docstring), or return its stored record. Runs in a worker whose
+    tokenizer `clean.init_worker(job.cfg)` built."""
+    if (stored := stored_record(job, unit)) is not None:
+        return stored
+    t0 = time.perf_counter()
+    tok_path, idx_path, rec_path = _paths(job.stage_dir, unit.key)
+    tok_path.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple] = []
+    problems: list = []
+    error, transient = None, False
+    out = HashingAtomicFile(tok_path)
+    n_tokens = 0
+    try:
+        try:
+            for locs, results in _batches(job, unit):
+                for loc, r in zip(locs, results):
+                    if r.status == BAD_LINE:
+                        problems.append([len(rows), format_location(loc), r.problem])
+                    if r.status == KEPT:
+                        out.write(memoryview(r.tokens).cast("B"))
+                        n_tokens += int(r.tokens.size)
+                        digest = np.frombuffer(r.digest, dtype=np.uint8)
+                        rows.append(
+                            (
+                                KEPT,
+                                _SPLIT_CODES[r.split],
+                                r.n_replaced,
+                                r.n_special,
+                                r.tokens.size,
+                                r.n_bytes,
+                                digest,
+                            )
+                        )
+                    else:
+                        rows.append(
+                            (r.status, 0, r.n_replaced, 0, 0, 0, np.zeros(clean.DIGEST_BYTES, np.uint8))
+                        )
+        except TransientError as e:
+            error, transient = str(e), True
+        except Mamba3LiteError as e:
+            error = f"{unit.describe()}: {e}"
+        tok_sha = out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    index = np.array(rows, dtype=INDEX_DTYPE)
+    atomic_write_bytes(idx_path, index)
+    record = UnitRecord(
+        key=unit.key,
+        plan_hash=job.plan_hash,
+        n_docs=len(rows),
+        n_tokens=n_tokens,
+        n_bytes_read=unit.n_bytes,
+        tok_sha256=tok_sha,
+        idx_sha256=sha256_file(idx_path),
+        problems=problems,
+        error=error,
+        transient=transient,
+        node=node or node_name(),
+        seconds=time.perf_counter() - t0,
+    )
+    if error is None:
+        atomic_write_json(rec_path, asdict(record))  # last: the unit is complete
+    return record
+
+
+def _batches(job: UnitJob, unit: WorkUnit):
+    """(locations, results) of the unit's documents, a batch at a time, each file checked against the
+    plan first (a file that changed between listing and reading is an error naming it)."""
+    for path, size, mtime in unit.files:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise intake.SOURCE_DOCUMENT.fail(f"cannot read {path}: {e.strerror}") from e
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise intake.SOURCE_DOCUMENT.fail(
+                f"{path} changed since this run listed it (size or modification time); "
+                "re-run the same command to list the sources again"
+            )
+    src = Source.from_listing(
+        unit.spec, [Path(f[0]) for f in unit.files], text_field=job.cfg.text_field, max_docs=job.max_docs
+    )
+    locs, items, n_bytes = [], [], 0
+    for loc, kind, payload in src.units(0):
+        locs.append(loc)
+        items.append((kind, payload))
+        n_bytes += len(payload) if payload is not None else 0
+        if len(items) >= _BATCH_UNITS or n_bytes >= _BATCH_BYTES:
+            yield locs, clean.process_batch(items)
+            locs, items, n_bytes = [], [], 0
+    if items:
+        yield locs, clean.process_batch(items)
+
+
+def load_index(stage_dir: str | Path, record: UnitRecord) -> np.ndarray:
+    """The unit's index rows (INDEX_DTYPE), checked against the record's count."""
+    _, idx, _ = _paths(stage_dir, record.key)
+    intake.regular_file_size(idx, intake.STAGE_DATA)
+    index = np.fromfile(idx, dtype=INDEX_DTYPE)
+    assert index.size == record.n_docs, (record.key, index.size, record.n_docs)
+    return index
+
+
+def open_tokens(stage_dir: str | Path, record: UnitRecord, dtype: np.dtype) -> np.ndarray:
+    """The unit's token file, memory-mapped (read only as shards are written)."""
+    tok, _, _ = _paths(stage_dir, record.key)
+    if record.n_tokens == 0:
+        return np.empty(0, dtype=dtype)
+    tokens = np.memmap(tok, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    assert tokens.size == record.n_tokens, (record.key, tokens.size, record.n_tokens)
+    return tokens
