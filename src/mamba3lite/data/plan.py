@@ -45,6 +45,7 @@ class WorkUnit:
     index: int  # position of the unit in its source (units are consumed in this order)
     spec: str  # the source's spec (hf:NAME units read the stream of that name)
     files: tuple[FileEntry, ...]  # in source order; () for an hf: source
+    part: tuple[int, int] | None = None  # of its one large file: bytes (.jsonl) or row groups (.parquet)
 
     @property
     def key(self) -> str:
@@ -53,6 +54,11 @@ class WorkUnit:
 
     @property
     def n_bytes(self) -> int:
+        """Bytes of its files (of its part for a .jsonl part; row groups share their file's size)."""
+        if self.part is not None:
+            if self.files[0][0].lower().endswith(".parquet"):
+                return 0
+            return self.part[1] - self.part[0]
         return sum(size for _, size, _ in self.files)
 
     def describe(self) -> str:
@@ -60,7 +66,8 @@ class WorkUnit:
         if not self.files:
             return f"unit {self.key} ({self.spec})"
         more = f" and {len(self.files) - 1} more file(s)" if len(self.files) > 1 else ""
-        return f"unit {self.key} ({self.files[0][0]}{more})"
+        part = "" if self.part is None else f" part {self.part[0]}:{self.part[1]}"
+        return f"unit {self.key} ({self.files[0][0]}{part}{more})"
 
 
 def _stat(path: Path) -> FileEntry:
@@ -68,8 +75,10 @@ def _stat(path: Path) -> FileEntry:
     return str(path), st.st_size, st.st_mtime_ns
 
 
-def list_units(sources: list[Source], unit_bytes: int = UNIT_BYTES) -> list[list[WorkUnit]]:
-    """Each source's work units, in order: consecutive files grouped until they reach `unit_bytes`."""
+def list_units(sources: list[Source], unit_bytes: int | None = None) -> list[list[WorkUnit]]:
+    """Each source's work units, in order: consecutive files grouped until they reach `unit_bytes`
+    (default UNIT_BYTES)."""
+    unit_bytes = UNIT_BYTES if unit_bytes is None else unit_bytes
     out = []
     for i, src in enumerate(sources):
         if src.hf is not None:
@@ -80,6 +89,14 @@ def list_units(sources: list[Source], unit_bytes: int = UNIT_BYTES) -> list[list
         size = 0
         for p in src.files:
             entry = _stat(p)
+            parts = _parts(src, p, entry[1], unit_bytes)
+            if parts:  # a large file that can be cut: its parts are units of their own
+                if group:
+                    units.append(WorkUnit(i, len(units), src.spec, tuple(group)))
+                    group, size = [], 0
+                first = len(units)
+                units += [WorkUnit(i, first + k, src.spec, (entry,), part) for k, part in enumerate(parts)]
+                continue
             group.append(entry)
             size += entry[1]
             if size >= unit_bytes:
@@ -89,6 +106,29 @@ def list_units(sources: list[Source], unit_bytes: int = UNIT_BYTES) -> list[list
             units.append(WorkUnit(i, len(units), src.spec, tuple(group)))
         out.append(units)
     return out
+
+
+def _parts(src: Source, path: Path, size: int, unit_bytes: int) -> list[tuple[int, int]]:
+    """How a file larger than a unit is cut: a .jsonl file into byte ranges of `unit_bytes` (a line
+    belongs to the range it starts in), a .parquet file into runs of row groups of about `unit_bytes`
+    (its footer read); [] for a file that stays whole (small, compressed, or one row group)."""
+    if size <= unit_bytes:
+        return []
+    name = path.name.lower()
+    if name.endswith(".jsonl"):
+        return [(b, min(b + unit_bytes, size)) for b in range(0, size, unit_bytes)]
+    if not name.endswith(".parquet"):
+        return []
+    meta = src._open_parquet(path).metadata
+    parts, begin, acc = [], 0, 0
+    for g in range(meta.num_row_groups):
+        acc += meta.row_group(g).total_byte_size
+        if acc >= unit_bytes:
+            parts.append((begin, g + 1))
+            begin, acc = g + 1, 0
+    if begin < meta.num_row_groups:
+        parts.append((begin, meta.num_row_groups))
+    return parts if len(parts) > 1 else []
 
 
 @dataclass
@@ -116,7 +156,10 @@ class Plan:
         """The sources with the plan's files (nothing listed again)."""
         return [
             Source.from_listing(
-                spec, [Path(f[0]) for u in units for f in u.files], text_field=text_field, max_docs=max_docs
+                spec,
+                list(dict.fromkeys(Path(f[0]) for u in units for f in u.files)),  # a cut file once
+                text_field=text_field,
+                max_docs=max_docs,
             )
             for spec, units in zip(self.specs, self.units)
         ]
@@ -127,7 +170,7 @@ class Plan:
         if max_docs is not None:
             return [src.size_bytes() for src in sources]
         return [
-            None if src.hf is not None else sum(u.n_bytes for u in units)
+            None if src.hf is not None else sum({f[0]: f[1] for u in units for f in u.files}.values())
             for src, units in zip(sources, self.units)
         ]
 
@@ -149,7 +192,7 @@ class Plan:
             "plan_version": PLAN_VERSION,
             "args": self.args,
             "sources": [
-                {"spec": spec, "units": [[list(f) for f in u.files] for u in units]}
+                {"spec": spec, "units": [[[list(f) for f in u.files], u.part] for u in units]}
                 for spec, units in zip(self.specs, self.units)
             ],
         }
@@ -175,8 +218,9 @@ def read_listing(stage_dir: Path, specs: list[str]) -> list[list[WorkUnit]] | No
         if record.get("plan_version") != PLAN_VERSION or [s["spec"] for s in record["sources"]] != specs:
             return None
         return [
-            [WorkUnit(i, k, s["spec"], tuple((str(p), int(n), int(t)) for p, n, t in files))
-             for k, files in enumerate(s["units"])]
+            [WorkUnit(i, k, s["spec"], tuple((str(p), int(n), int(t)) for p, n, t in files),
+                      None if part is None else (int(part[0]), int(part[1])))
+             for k, (files, part) in enumerate(s["units"])]
             for i, s in enumerate(record["sources"])
         ]  # fmt: skip
     except (Mamba3LiteError, OSError, KeyError, TypeError, ValueError):

@@ -571,11 +571,17 @@ def prepare(
         _start_or_resume(run)
         plan.save(stage.dir)
         cfg = WorkerConfig(tok.stage(stage), opts.min_chars, opts.text_field, opts.seed, opts.val_fraction)
-        _run_pipeline(run, UnitJob(cfg, str(stage.dir), plan.hash, opts.max_docs), out_existed)
+        _run_pipeline(
+            run, UnitJob(cfg, str(stage.dir), plan.hash, opts.max_docs, _test_unit_sleep()), out_existed
+        )
         manifest = _manifest(run, tok)
         stage.finalize(manifest)
         seconds = time.perf_counter() - t_start
         return PrepareSummary(out, manifest, manifest.extra["stats"], seconds, run.resumed_shards, run.work)
+
+
+def _test_unit_sleep() -> float:
+    return float(os.environ.get(units.UNIT_SLEEP_ENV, "0") or 0)
 
 
 def _list_sources(

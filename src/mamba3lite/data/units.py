@@ -55,6 +55,9 @@ INDEX_DTYPE = np.dtype(
 # Units are read and tokenized in batches of at most this many documents or bytes (as the pool's were).
 _BATCH_UNITS = 512
 _BATCH_BYTES = 256 * 1024
+# Test hook, read by the driver into UnitJob.test_sleep_s: a fault test can then lose a node while
+# its units are running.
+UNIT_SLEEP_ENV = "MAMBA3LITE_PREPARE_TEST_UNIT_SLEEP_S"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class UnitJob:
     stage_dir: str  # OUT/.prepare, on storage every worker sees
     plan_hash: str  # `Plan.hash`; a record of another plan is never reused
     max_docs: int | None  # no unit needs more documents than its source may give
+    test_sleep_s: float = 0.0  # test hook (UNIT_SLEEP_ENV): seconds each computed unit sleeps first
 
 
 @dataclass
@@ -125,6 +129,8 @@ def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecor
     if (stored := stored_record(job, unit)) is not None:
         return stored
     t0 = time.perf_counter()
+    if job.test_sleep_s:
+        time.sleep(job.test_sleep_s)
     tok_path, idx_path, rec_path = _paths(job.stage_dir, unit.key)
     tok_path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[tuple] = []
@@ -202,8 +208,9 @@ def _batches(job: UnitJob, unit: WorkUnit):
     src = Source.from_listing(
         unit.spec, [Path(f[0]) for f in unit.files], text_field=job.cfg.text_field, max_docs=job.max_docs
     )
+    docs = src.units(0) if unit.part is None else src.part_units(Path(unit.files[0][0]), unit.part)
     locs, items, n_bytes = [], [], 0
-    for loc, kind, payload in src.units(0):
+    for loc, kind, payload in docs:
         locs.append(loc)
         items.append((kind, payload))
         n_bytes += len(payload) if payload is not None else 0

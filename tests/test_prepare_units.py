@@ -1,0 +1,66 @@
+"""The plan / map / commit split of `prepare`: how the sources are cut into work units changes no byte of
+the output, a recorded unit is never computed again, and the plan is read instead of listing again."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mamba3lite.data import plan as planning
+from mamba3lite.data import prepare as P
+from mamba3lite.data import staging, units
+from mamba3lite.errors import DataError
+from test_prepare_helpers import tree_hashes
+from test_prepare_resume import KW, _corpus, _prepare_interrupted
+
+
+def _with_parquet(tmp_path) -> list:
+    sources = _corpus(tmp_path)
+    rows = [f"gamma {i}: " + "rows " * (2 + i % 6) for i in range(90)]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "c.parquet", row_group_size=7)
+    return [*sources, P.SourceSpec(str(tmp_path / "c.parquet"), 1.0)]
+
+
+def test_cutting_files_into_small_units_changes_no_byte(tmp_path, monkeypatch):
+    sources = _with_parquet(tmp_path)
+    whole = P.prepare(sources, tmp_path / "whole", **KW)
+    assert whole.work.computed == 3  # one unit a file
+    monkeypatch.setattr(planning, "UNIT_BYTES", 500)  # .jsonl cut by bytes, .parquet by row groups
+    cut = P.prepare(sources, tmp_path / "cut", **{**KW, "workers": 2})
+    assert cut.work.computed > 20
+    assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "whole")
+
+
+def test_a_rerun_reads_the_plan_and_reuses_every_recorded_unit_that_verifies(tmp_path, monkeypatch, capsys):
+    sources = _corpus(tmp_path)
+    monkeypatch.setattr(planning, "UNIT_BYTES", 400)
+    ref = P.prepare(sources, tmp_path / "ref", **KW)
+    out = tmp_path / "ds"
+    _prepare_interrupted(monkeypatch, 5, sources, out)
+    stage = out / staging.STAGE_DIRNAME
+    recorded = len(list((stage / units.UNITS_DIRNAME).glob("*.json")))
+    assert 1 < recorded < ref.work.computed
+    (stage / staging.STATE_NAME).unlink()  # as if the driver was killed before its first snapshot
+    tok = sorted((stage / units.UNITS_DIRNAME).glob("*.tok"))[0]
+    tok.write_bytes(tok.read_bytes()[:-2])  # fails its record's sha256: computed again
+    listed = []
+    monkeypatch.setattr(planning, "list_units", lambda *a: listed.append(a) or [])
+    again = P.prepare(sources, out, **KW)
+    assert listed == []  # the recorded plan was read, the sources not listed again
+    assert "not resuming" in capsys.readouterr().err
+    assert (again.work.reused, again.work.computed) == (recorded - 1, ref.work.computed - recorded + 1)
+    assert f"{recorded - 1} reused" in again.table()
+    assert tree_hashes(out) == tree_hashes(tmp_path / "ref")
+
+
+def test_a_bad_line_in_a_cut_jsonl_file_is_located_by_its_byte_offset(tmp_path, monkeypatch):
+    lines = [json.dumps({"text": f"line {i} " + "words " * 5}) for i in range(60)]
+    lines[41] = "{not json"
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    offset = sum(len(x) + 1 for x in lines[:41])
+    monkeypatch.setattr(planning, "UNIT_BYTES", 300)
+    with pytest.raises(DataError, match=rf"d\.jsonl byte {offset}: malformed JSON"):
+        P.prepare([str(tmp_path / "d.jsonl")], tmp_path / "ds", **KW)
