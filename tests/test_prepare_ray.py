@@ -169,3 +169,14 @@ def test_an_unreachable_ray_address_is_one_error_line(cli, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert "--ray 127.0.0.1:9: cannot reach a Ray cluster there" in line and "ray start --head" in line
+    assert not (tmp_path / "ds").exists()  # refused before anything was read or written
+
+
+def test_without_ray_installed_the_error_says_how_to_install_it(tmp_path, monkeypatch):
+    from mamba3lite.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    (tmp_path / "a.txt").write_text("enough text to be a document")
+    with pytest.raises(ConfigError, match=r"--ray needs Ray; fix: pip install 'mamba3lite\[ray\]'"):
+        P.prepare([str(tmp_path / "a.txt")], tmp_path / "ds", ray="auto")
+    assert not (tmp_path / "ds").exists()

@@ -87,7 +87,7 @@ import numpy as np
 
 from mamba3lite.atomicfile import atomic_write_bytes
 from mamba3lite.data import plan as planning
-from mamba3lite.data import shards, staging, units, workers
+from mamba3lite.data import ray_executor, shards, staging, units, workers
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
 from mamba3lite.data.packing import Packer
@@ -548,6 +548,8 @@ def prepare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
+    if opts.ray is not None:
+        ray_executor.check(opts.ray)  # before any source is read or anything written
     resolved, listing = _list_sources(specs, opts, out)
     tok = _DatasetTokenizer.make(resolved, opts)  # fit to the train split before anything is written
     out_existed = out.exists()
@@ -685,9 +687,7 @@ def _executor(opts: PrepareOptions, job: UnitJob) -> Executor:
     """The local pool, or a Ray cluster with --ray (Ray is imported only then)."""
     if opts.ray is None:
         return workers.LocalPool(job, opts.n_workers())
-    from mamba3lite.data.ray_executor import RayExecutor
-
-    return RayExecutor(opts.ray, job)
+    return ray_executor.RayExecutor(opts.ray, job)
 
 
 def _run_pipeline(run: _Run, job: UnitJob, out_existed: bool) -> None:

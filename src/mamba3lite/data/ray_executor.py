@@ -49,6 +49,13 @@ def _run_unit_task(job: UnitJob, unit: WorkUnit) -> UnitRecord:
     return units.run_unit(job, unit, node=f"{ray.util.get_node_ip_address()} {ctx.get_node_id()[:8]}")
 
 
+def check(address: str) -> None:
+    """Before any work: Ray is installed, and a HOST:PORT address has something listening (one clear
+    error each)."""
+    if not _import_ray().is_initialized():
+        _check_reachable(address)
+
+
 def _check_reachable(address: str) -> None:
     """One clear error for a HOST:PORT nothing listens on (Ray itself would retry for a minute)."""
     if address in ("auto", "local") or address.startswith("ray://"):
