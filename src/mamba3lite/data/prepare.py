@@ -22,7 +22,7 @@ them. The pipeline:
    undecodable bytes → U+FFFD, counted), skips binary files, NFC-normalises, turns CRLF/CR into LF,
    drops control characters other than newline and tab, drops empty and `< min_chars` documents, hashes
    the cleaned text (sha256), picks its split from that hash and encodes it, EOS after every document;
-   it writes the unit's tokens, an index of 38 bytes per document (outcome, split, counts, digest) and
+   it writes the unit's tokens, an index of 42 bytes per document (outcome, split, counts, digest) and
    last a completion record with the plan hash and both files' sha256. A unit with a complete, verified
    record is never computed again. The driver submits each source's units in plan order, a few in
    flight, and takes their records in that order, so the result never depends on the executor, the
@@ -43,7 +43,7 @@ them. The pipeline:
 The split is a pure function of a document's cleaned content and `seed` (sha256 → a number in [0, 1),
 below `val_fraction` → val), so it is stable when a source grows.
 
-**What the driver keeps per document.** It reads each unit's index (38 bytes a document) while the unit
+**What the driver keeps per document.** It reads each unit's index (42 bytes a document) while the unit
 is consumed and drops it after; the partly filled shards are slices of the units' memory-mapped token
 files (bounded by `shard_tokens`, not by the corpus). What grows with the corpus is the dedup set: one
 16-byte digest per kept document in a Python set, measured at ~83 bytes a digest (the bytes object, 56,
