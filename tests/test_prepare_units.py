@@ -64,3 +64,35 @@ def test_a_bad_line_in_a_cut_jsonl_file_is_located_by_its_byte_offset(tmp_path, 
     monkeypatch.setattr(planning, "UNIT_BYTES", 300)
     with pytest.raises(DataError, match=rf"d\.jsonl byte {offset}: malformed JSON"):
         P.prepare([str(tmp_path / "d.jsonl")], tmp_path / "ds", **KW)
+
+
+def test_a_worker_that_cannot_see_a_source_or_the_stage_is_one_error_saying_so(tmp_path, monkeypatch):
+    from mamba3lite.data import workers
+
+    sources = _corpus(tmp_path)
+    real_list = planning.list_units
+
+    def list_then_lose(*a, **k):  # the file is listed here, and gone where the unit is computed
+        listing = real_list(*a, **k)
+        (tmp_path / "b.jsonl").rename(tmp_path / "b.moved")
+        return listing
+
+    with monkeypatch.context() as m:
+        m.setattr(planning, "list_units", list_then_lose)
+        with pytest.raises(DataError, match=r"cannot read .*b\.jsonl on .*every worker must see the sources"):
+            P.prepare(sources, tmp_path / "ds", **KW)
+    (tmp_path / "b.moved").rename(tmp_path / "b.jsonl")
+
+    real_run = workers._run_unit
+
+    def computed_elsewhere(job, unit):  # its files written to a disk the driver does not see
+        record = real_run(job, unit)
+        (units.units_dir(job.stage_dir) / f"{unit.key}.idx").unlink()
+        return record
+
+    monkeypatch.setattr(workers, "_run_unit", computed_elsewhere)
+    with pytest.raises(
+        DataError, match=r"unit 000-000000 was computed on .* --out must be on storage every node"
+    ):
+        P.prepare(sources, tmp_path / "ds", **KW)
+    assert not (tmp_path / "ds").exists()

@@ -40,7 +40,7 @@ from mamba3lite.data import clean
 from mamba3lite.data.clean import BAD_LINE, KEPT, WorkerConfig
 from mamba3lite.data.plan import WorkUnit
 from mamba3lite.data.sources import Source, format_location
-from mamba3lite.errors import Mamba3LiteError, TransientError
+from mamba3lite.errors import DataError, Mamba3LiteError, TransientError
 
 UNITS_DIRNAME = "units"
 _SPLIT_CODES = {"train": 0, "val": 1}
@@ -241,7 +241,10 @@ def _batches(job: UnitJob, unit: WorkUnit):
         try:
             st = os.stat(path)
         except OSError as e:
-            raise intake.SOURCE_DOCUMENT.fail(f"cannot read {path}: {e.strerror}") from e
+            raise intake.SOURCE_DOCUMENT.fail(
+                f"cannot read {path} on {node_name()}: {e.strerror}; every worker must see the sources "
+                "at the paths they were listed under (a file system every node mounts at the same path)"
+            ) from e
         if (st.st_size, st.st_mtime_ns) != (size, mtime):
             raise intake.SOURCE_DOCUMENT.fail(
                 f"{path} changed since this run listed it (size or modification time); "
@@ -265,7 +268,12 @@ def _batches(job: UnitJob, unit: WorkUnit):
 
 def load_index(stage_dir: str | Path, record: UnitRecord) -> np.ndarray:
     """The unit's index rows (INDEX_DTYPE), checked against the record's count."""
-    _, idx, _ = _paths(stage_dir, record.key)
+    tok, idx, _ = _paths(stage_dir, record.key)
+    if not (idx.exists() and (tok.exists() or not record.n_tokens)):
+        raise DataError(
+            f"unit {record.key} was computed on {record.node}, but its files are not in {idx.parent} as "
+            f"{node_name()} sees it; --out must be on storage every node mounts at the same path"
+        )
     intake.regular_file_size(idx, intake.STAGE_DATA)
     index = np.fromfile(idx, dtype=INDEX_DTYPE)
     assert index.size == record.n_docs, (record.key, index.size, record.n_docs)
