@@ -86,8 +86,8 @@ from typing import Any
 import numpy as np
 
 from mamba3lite.atomicfile import atomic_write_bytes
+from mamba3lite.data import clean, ray_executor, shards, staging, units, workers
 from mamba3lite.data import plan as planning
-from mamba3lite.data import ray_executor, shards, staging, units, workers
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
 from mamba3lite.data.packing import Packer
@@ -320,6 +320,9 @@ class _Progress:
         self._read.close()
 
 
+_SPLITS = units.SPLIT_NAMES
+
+
 class _SourceDocs:
     """Source i's documents from its cursor on, in plan order, as UnitResults whose tokens are slices of
     the units' memory-mapped token files: the driver reads each unit's index, never its text."""
@@ -337,28 +340,26 @@ class _SourceDocs:
         stage = self._run.stage
         index = units.load_index(stage.dir, record)
         tokens = units.open_tokens(stage.dir, record, stage.dtype)
-        ends = np.cumsum(index["n_tokens"], dtype=np.int64).tolist()
+        first = self._cursor[1]
+        ends = np.cumsum(index["n_tokens"], dtype=np.int64)
+        starts = (ends - index["n_tokens"].astype(np.int64))[first:].tolist()
         problems = {pos: (loc, problem) for pos, loc, problem in record.problems}
+        index = index[first:]
         columns = [index[k].tolist() for k in ("status", "split", "n_replaced", "n_special", "n_bytes")]
         digests = index["digest"].tobytes()
-        width = index["digest"].shape[1] if index.size else 0
-        for pos in range(self._cursor[1], record.n_docs):
-            status, split, n_replaced, n_special, n_bytes = (c[pos] for c in columns)
+        width = clean.DIGEST_BYTES
+        # The hot loop of the driver (one pass a document): plain lists and slices, no numpy scalars.
+        for k, (status, split, n_replaced, n_special, n_bytes, start, end) in enumerate(
+            zip(*columns, starts, ends[first:].tolist())
+        ):
             if status == KEPT:
-                start = ends[pos - 1] if pos else 0
-                digest = digests[pos * width : (pos + 1) * width]
+                digest = digests[k * width : (k + 1) * width]
                 r = UnitResult(
-                    KEPT,
-                    n_replaced,
-                    digest,
-                    units.SPLIT_NAMES[split],
-                    tokens[start : ends[pos]],
-                    n_bytes,
-                    n_special,
+                    KEPT, n_replaced, digest, _SPLITS[split], tokens[start:end], n_bytes, n_special
                 )
                 yield record.key, r
             elif status == BAD_LINE:
-                loc, problem = problems[pos]
+                loc, problem = problems[first + k]
                 yield loc, UnitResult(BAD_LINE, n_replaced, problem=problem)
             else:
                 yield record.key, UnitResult(status, n_replaced)
