@@ -62,9 +62,9 @@ def reference(corpus, tmp_path_factory):
     return tree_hashes(out)
 
 
-def _prepare_ray(corpus, out, address, monkeypatch):
+def _prepare_ray(corpus, out, address, monkeypatch, **kw):
     monkeypatch.setattr(planning, "UNIT_BYTES", UNIT_BYTES)
-    return P.prepare((), out, mixture=corpus / "mix.yaml", ray=address, **OPTS)
+    return P.prepare((), out, mixture=corpus / "mix.yaml", ray=address, **OPTS, **kw)
 
 
 def test_ray_on_one_and_three_nodes_writes_the_local_pools_bytes(
@@ -75,8 +75,10 @@ def test_ray_on_one_and_three_nodes_writes_the_local_pools_bytes(
     assert tree_hashes(tmp_path / "one") == reference
     assert len(one.work.nodes) == 1 and one.work.reused == 0
     ray_nodes.ensure(3)
-    three = _prepare_ray(corpus, tmp_path / "three", ray_nodes.address, monkeypatch)
+    # (with the dedup set partitioned by digest in 2 Ray tasks, too: the same bytes)
+    three = _prepare_ray(corpus, tmp_path / "three", ray_nodes.address, monkeypatch, dedup_partitions=2)
     assert tree_hashes(tmp_path / "three") == reference
+    assert three.work.dedup_partitions == 2 and three.work.dedup_candidates > 0
     assert len(three.work.nodes) >= 2, three.work.nodes  # the units were spread over the nodes
     assert "node" in three.table() and "Ray, 3 node(s)" in three.table()
 

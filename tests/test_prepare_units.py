@@ -96,3 +96,18 @@ def test_a_worker_that_cannot_see_a_source_or_the_stage_is_one_error_saying_so(t
     ):
         P.prepare(sources, tmp_path / "ds", **KW)
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_dedup_partitioned_by_digest_writes_the_same_bytes_and_remembers_only_repeated_digests(
+    tmp_path, monkeypatch
+):
+    sources = _with_parquet(tmp_path)
+    rows = [f"gamma {i}: " + "rows " * (2 + i % 6) for i in range(90)] + ["alpha 3: " + "words " * 7]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "c.parquet", row_group_size=7)  # + a JSONL text
+    monkeypatch.setattr(planning, "UNIT_BYTES", 500)
+    ref = P.prepare(sources, tmp_path / "ref", **KW)
+    s = P.prepare(sources, tmp_path / "ds", **{**KW, "workers": 2, "dedup_partitions": 3})
+    assert tree_hashes(tmp_path / "ds") == tree_hashes(tmp_path / "ref")
+    assert s.work.dedup_partitions == 3 and "partitioned by digest into 3 tasks" in s.table()
+    # 12 texts of a.jsonl repeated in b.jsonl, 1 in c.parquet: all the driver had to remember
+    assert s.work.dedup_candidates == ref.stats["dropped"]["duplicate"] == 13

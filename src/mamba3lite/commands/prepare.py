@@ -150,6 +150,15 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
         help=f"drop documents shorter than N characters after cleaning (default {DEFAULT_MIN_CHARS})",
     )
     parser.add_argument(
+        "--dedup-partitions",
+        type=int,
+        default=0,
+        metavar="P",
+        help="for a corpus whose dedup set would not fit this machine's memory (~90 bytes a kept "
+        "document): first compute every unit, then find the repeated digests in P tasks, so that only "
+        "those are remembered; the output is the same (default 0: one set here)",
+    )
+    parser.add_argument(
         "--no-dedup",
         dest="dedup",
         action="store_false",
@@ -217,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_docs=args.max_docs,
         ray=args.ray,
+        dedup_partitions=args.dedup_partitions,
         progress=sys.stderr.isatty() and not os.environ.get("MAMBA3LITE_NO_PROGRESS"),
     )
     summary = prepare(sources, args.out, options, mixture=args.mixture)

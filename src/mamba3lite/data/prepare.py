@@ -49,11 +49,11 @@ files (bounded by `shard_tokens`, not by the corpus). What grows with the corpus
 16-byte digest per kept document in a Python set, measured at ~83 bytes a digest (the bytes object, 56,
 and its share of the hash table), ~90 with the digests not yet snapshotted. A 64 GB driver, leaving
 8 GB for the rest, therefore dedups ~600M kept documents (~0.6-1.2T tokens at 1-2k tokens a document).
-Beyond that the dedup set must be partitioned by digest, which is not implemented: a pre-pass of P
-tasks, each reading the digests of its 1/P of the digest space from every unit's index, writes the
-digests that occur more than once in the whole corpus; the driver then keeps in its set only those
-(a document whose digest occurs once is never a duplicate), and the decision stays exact and in mixing
-order. `--no-dedup` keeps nothing per document.
+Beyond that, `--dedup-partitions P` partitions the set by digest (`dedup_partition`): after every unit
+is computed, P tasks, each reading the digests of its 1/P of the digest space from every unit's index,
+write the digests that occur more than once in the whole corpus; the driver then keeps in its set only
+those (a document whose digest occurs once is never a duplicate), ~90 bytes per repeated digest, and the
+decisions stay exact and in mixing order: the same bytes out. `--no-dedup` keeps nothing per document.
 
 **Staging and resume.** All work happens in `OUT/.prepare/`; a previous dataset in OUT stays intact
 until the new one is complete, and the manifest is written last. After a shard (at most once a second,
@@ -77,6 +77,7 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ from typing import Any
 import numpy as np
 
 from mamba3lite.atomicfile import atomic_write_bytes
-from mamba3lite.data import clean, ray_executor, shards, staging, units, workers
+from mamba3lite.data import clean, dedup_partition, ray_executor, shards, staging, units, workers
 from mamba3lite.data import plan as planning
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
@@ -136,6 +137,7 @@ class PrepareOptions:
     max_docs: int | None = None  # at most this many documents (units) from each source
     progress: bool = False  # progress bars on stderr
     ray: str | None = None  # a Ray cluster's address ('auto': the one this machine joined) runs the units
+    dedup_partitions: int = 0  # > 0: find the repeated digests in this many tasks first (dedup_partition)
 
     def n_workers(self) -> int:
         return min(4, os.cpu_count() or 1) if self.workers is None else self.workers
@@ -159,6 +161,10 @@ class PrepareOptions:
             raise ConfigError(f"--workers {workers} is more than 4 per CPU of this machine (at most {most})")
         if self.target_tokens is not None and self.target_tokens < 1:
             raise ConfigError(f"--target-tokens must be >= 1, got {self.target_tokens}")
+        if self.dedup_partitions < 0:
+            raise ConfigError(
+                f"--dedup-partitions must be >= 0 (0 = one set in the driver), got {self.dedup_partitions}"
+            )
         if self.max_docs is not None and self.max_docs < 1:
             raise ConfigError(f"--max-docs must be >= 1, got {self.max_docs}")
         if self.train_tokenizer is not None:
@@ -206,6 +212,8 @@ class WorkCounts:
     computed: int = 0
     reused: int = 0
     nodes: dict = dataclasses.field(default_factory=dict)  # node -> [units, documents, tokens, seconds]
+    dedup_partitions: int = 0  # tasks the dedup set was partitioned into (0: not partitioned)
+    dedup_candidates: int = 0  # digests occurring more than once: all the driver's set may hold
 
     def add(self, record: UnitRecord) -> None:
         if record.reused:
@@ -220,6 +228,11 @@ class WorkCounts:
 
     def table(self) -> list[str]:
         lines = [f"units: {self.computed:,} computed, {self.reused:,} reused ({self.executor})"]
+        if self.dedup_partitions:
+            lines.append(
+                f"dedup: partitioned by digest into {self.dedup_partitions} tasks; "
+                f"{self.dedup_candidates:,} digests occur more than once (all the driver remembers)"
+            )
         for node, (n_units, n_docs, n_tokens, secs) in sorted(self.nodes.items()):
             rate = n_tokens / secs if secs > 0 else float("nan")
             lines.append(
@@ -691,6 +704,31 @@ def _executor(opts: PrepareOptions, job: UnitJob) -> Executor:
     return ray_executor.RayExecutor(opts.ray, job)
 
 
+def _partition_dedup(run: _Run, executor: Executor, depth: int) -> Executor:
+    """The pre-pass of a partitioned dedup (`dedup_partition`): compute every unit not yet consumed (up
+    to `depth` in flight), find the digests that occur more than once in `dedup_partitions` tasks, and
+    make them the dedup's candidates. Returns the executor answering from the records computed here."""
+    records: dict[str, UnitRecord] = {}
+    window: deque = deque()
+    for i, unit_list in enumerate(run.plan.units):
+        for unit in unit_list[run.state.cursors[i][0] :]:
+            window.append((unit.key, executor.submit(unit)))
+            if len(window) >= depth:
+                key, handle = window.popleft()
+                records[key] = handle.result()
+    while window:
+        key, handle = window.popleft()
+        records[key] = handle.result()
+    n_parts = run.opts.dedup_partitions
+    stage = str(run.stage.dir)
+    handles = [executor.call(dedup_partition.duplicate_digests, stage, p, n_parts) for p in range(n_parts)]
+    for handle in handles:
+        handle.result()
+    run.state.dedup.candidates = dedup_partition.load_candidates(stage, n_parts)
+    run.work.dedup_partitions, run.work.dedup_candidates = n_parts, len(run.state.dedup.candidates)
+    return workers.Prefetched(executor, records)
+
+
 def _run_pipeline(run: _Run, job: UnitJob, out_existed: bool) -> None:
     """Run the pipeline with its executor. Bad input removes the staging directory (the same arguments
     would fail the same way); an interruption or a lost worker leaves it for the resume."""
@@ -698,6 +736,8 @@ def _run_pipeline(run: _Run, job: UnitJob, out_existed: bool) -> None:
     try:
         executor = _executor(run.opts, job)
         depth = 2 * executor.parallelism + 1 if run.opts.ray is not None or run.opts.n_workers() else 1
+        if run.opts.dedup and run.opts.dedup_partitions:
+            executor = _partition_dedup(run, executor, depth)
         run.run(executor, depth)
     except BrokenProcessPool as e:
         raise Mamba3LiteError(

@@ -73,7 +73,7 @@ def _check_reachable(address: str) -> None:
 
 
 class _Handle:
-    def __init__(self, executor: RayExecutor, ref, unit: WorkUnit) -> None:
+    def __init__(self, executor: RayExecutor, ref, unit: WorkUnit | None) -> None:
         self._executor, self._ref, self._unit = executor, ref, unit
 
     def result(self) -> UnitRecord:
@@ -85,12 +85,15 @@ class _Handle:
             cause = e.as_instanceof_cause()
             if isinstance(cause, Mamba3LiteError):
                 raise cause from None
-            raise DataError(f"{self._unit.describe()}: its Ray task failed: {e.cause!r}") from e
+            raise DataError(f"{self._what()}: its Ray task failed: {e.cause!r}") from e
         except ray.exceptions.RayError as e:  # worker or node lost more than MAX_RETRIES times
             raise TransientError(
-                f"{self._unit.describe()}: its Ray task was lost ({type(e).__name__}); the work done so "
+                f"{self._what()}: its Ray task was lost ({type(e).__name__}); the work done so "
                 "far is kept: re-run the same command to resume"
             ) from e
+
+    def _what(self) -> str:
+        return "a dedup partition" if self._unit is None else self._unit.describe()
 
 
 class RayExecutor:
@@ -119,6 +122,13 @@ class RayExecutor:
         ref = self._task.remote(self._job, unit)
         self.pending.add(ref)
         return _Handle(self, ref, unit)
+
+    def call(self, fn, *args):
+        """Any other task (a module-level function) on the cluster; .result() is fn(*args)."""
+        task = self.ray.remote(fn).options(max_retries=MAX_RETRIES, retry_exceptions=False)
+        ref = task.remote(*args)
+        self.pending.add(ref)
+        return _Handle(self, ref, None)
 
     def close(self) -> None:
         for ref in self.pending:  # units still queued or running when a target was reached

@@ -151,7 +151,7 @@ class _StagedFile:
             os.unlink(self._tmp)
 
 
-def _write_staged(path: Path, data: bytes | memoryview) -> str:
+def write_staged(path: Path, data: bytes | memoryview) -> str:
     f = _StagedFile(path)
     try:
         f.write(data)
@@ -214,7 +214,7 @@ def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecor
         out.abort()
         raise
     index = np.array(rows, dtype=INDEX_DTYPE)
-    idx_sha = _write_staged(idx_path, index.tobytes())
+    idx_sha = write_staged(idx_path, index.tobytes())
     record = UnitRecord(
         key=unit.key,
         plan_hash=job.plan_hash,
@@ -230,7 +230,7 @@ def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecor
         seconds=time.perf_counter() - t0,
     )
     if error is None:
-        _write_staged(rec_path, json.dumps(asdict(record)).encode())  # last: the unit is complete
+        write_staged(rec_path, json.dumps(asdict(record)).encode())  # last: the unit is complete
     return record
 
 

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 from mamba3lite.data import clean, units
 from mamba3lite.data.plan import WorkUnit
@@ -35,6 +35,10 @@ class Executor(Protocol):
     parallelism: int  # units computed at once
 
     def submit(self, unit: WorkUnit) -> Handle: ...
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """Any other task (a module-level function): a handle whose .result() is fn(*args)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -69,13 +73,13 @@ def _run_unit(job: UnitJob, unit: WorkUnit) -> UnitRecord:
 
 
 class _Lazy:
-    """A unit computed in this process when its result is asked for (workers=0): a Future's interface."""
+    """A task run in this process when its result is asked for (workers=0): a Future's interface."""
 
-    def __init__(self, job: UnitJob, unit: WorkUnit) -> None:
-        self._job, self._unit = job, unit
+    def __init__(self, fn: Callable, *args: Any) -> None:
+        self._fn, self._args = fn, args
 
-    def result(self) -> UnitRecord:
-        return _run_unit(self._job, self._unit)
+    def result(self) -> Any:
+        return self._fn(*self._args)
 
 
 class LocalPool:
@@ -101,9 +105,12 @@ class LocalPool:
         self._pool.submit(int).result()  # start the workers now, before any thread of ours exists
 
     def submit(self, unit: WorkUnit) -> Handle:
+        return self.call(_run_unit, self._job, unit)
+
+    def call(self, fn: Callable, *args: Any) -> Any:
         if self._pool is None:
-            return _Lazy(self._job, unit)
-        return self._pool.submit(_run_unit, self._job, unit)
+            return _Lazy(fn, *args)
+        return self._pool.submit(fn, *args)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -147,3 +154,33 @@ class UnitStream:
         self._fill()  # keep the workers busy while this unit is consumed
         self._on_record(record)
         return record
+
+
+class _Done:
+    def __init__(self, record: UnitRecord) -> None:
+        self._record = record
+
+    def result(self) -> UnitRecord:
+        return self._record
+
+
+class Prefetched:
+    """`executor` with the records of units already computed (the pre-pass of a partitioned dedup): a
+    unit submitted again is answered from them (each once), any other goes to the executor."""
+
+    def __init__(self, executor: Executor, records: dict[str, UnitRecord]) -> None:
+        self._executor, self._records = executor, records
+        self.parallelism = executor.parallelism
+
+    def submit(self, unit: WorkUnit) -> Handle:
+        record = self._records.pop(unit.key, None)
+        return _Done(record) if record is not None else self._executor.submit(unit)
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        return self._executor.call(fn, *args)
+
+    def close(self) -> None:
+        self._executor.close()
+
+    def describe(self) -> str:
+        return self._executor.describe()
