@@ -119,15 +119,15 @@ def _parts(src: Source, path: Path, size: int, unit_bytes: int) -> list[tuple[in
         return [(b, min(b + unit_bytes, size)) for b in range(0, size, unit_bytes)]
     if not name.endswith(".parquet"):
         return []
-    meta = src._open_parquet(path).metadata
+    groups = src.parquet_row_group_bytes(path)
     parts, begin, acc = [], 0, 0
-    for g in range(meta.num_row_groups):
-        acc += meta.row_group(g).total_byte_size
+    for g, n_bytes in enumerate(groups):
+        acc += n_bytes
         if acc >= unit_bytes:
             parts.append((begin, g + 1))
             begin, acc = g + 1, 0
-    if begin < meta.num_row_groups:
-        parts.append((begin, meta.num_row_groups))
+    if begin < len(groups):
+        parts.append((begin, len(groups)))
     return parts if len(parts) > 1 else []
 
 

@@ -480,6 +480,12 @@ class Source:
                     yield None
                 index += 1
 
+    def parquet_row_group_bytes(self, path: Path) -> list[int]:
+        """The (uncompressed) size of each row group of a .parquet file, from its footer: how a plan cuts
+        a large one into units."""
+        meta = self._open_parquet(path).metadata
+        return [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+
     def part_units(self, path: Path, part: tuple[int, int]) -> Iterator[Unit]:
         """The units of one part of a large file, as a plan cut it (`data.plan`), at most `max_docs`:
         of a .jsonl file the lines that start in bytes [begin, end) (located as `path byte N`: a line
