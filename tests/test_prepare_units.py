@@ -4,6 +4,7 @@ the output, a recorded unit is never computed again, and the plan is read instea
 from __future__ import annotations
 
 import json
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -85,8 +86,8 @@ def test_a_worker_that_cannot_see_a_source_or_the_stage_is_one_error_saying_so(t
 
     real_run = workers._run_unit
 
-    def computed_elsewhere(job, unit):  # its files written to a disk the driver does not see
-        record = real_run(job, unit)
+    def computed_elsewhere(job, unit, rows=None):  # its files written to a disk the driver does not see
+        record = real_run(job, unit, rows)
         (units.units_dir(job.stage_dir) / f"{unit.key}.idx").unlink()
         return record
 
@@ -111,3 +112,34 @@ def test_a_dedup_partitioned_by_digest_writes_the_same_bytes_and_remembers_only_
     assert s.work.dedup_partitions == 3 and "partitioned by digest into 3 tasks" in s.table()
     # 12 texts of a.jsonl repeated in b.jsonl, 1 in c.parquet: all the driver had to remember
     assert s.work.dedup_candidates == ref.stats["dropped"]["duplicate"] == 13
+
+
+def _fake_datasets(monkeypatch, n_rows: int, fail_after: int | None = None) -> None:
+    import types
+
+    def rows(name):
+        for i in range(n_rows):
+            if i == fail_after:
+                raise ConnectionError("the network went away")
+            yield {"text": f"streamed row {i} of {name}: " + "words " * (1 + i % 5)}
+
+    module = types.ModuleType("datasets")
+    module.load_dataset = lambda name, config=None, split=None, streaming=False: rows(name)
+    monkeypatch.setitem(sys.modules, "datasets", module)
+
+
+def test_an_hf_stream_is_cut_into_units_as_it_is_read_and_changes_no_byte(tmp_path, monkeypatch):
+    from mamba3lite.errors import TransientError
+
+    _fake_datasets(monkeypatch, 40)
+    whole = P.prepare(["hf:org/data"], tmp_path / "whole", **KW)
+    assert whole.work.computed == 1
+    monkeypatch.setattr(planning, "STREAM_UNIT_ROWS", 3)
+    cut = P.prepare(["hf:org/data"], tmp_path / "cut", **{**KW, "workers": 2})
+    assert cut.work.computed == 14 and tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "whole")
+    # A network error mid-stream: the rows before it are consumed, the error names its row, the stage
+    # is kept for the resume.
+    _fake_datasets(monkeypatch, 40, fail_after=20)
+    with pytest.raises(TransientError, match="reading row 21 failed"):
+        P.prepare(["hf:org/data"], tmp_path / "ds", **{**KW, "workers": 2})
+    assert (tmp_path / "ds" / staging.STAGE_DIRNAME).is_dir()

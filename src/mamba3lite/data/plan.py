@@ -1,11 +1,15 @@
 """The plan of a `prepare` run: every source's files listed once, sorted, with sizes and modification
 times, cut into work units, with the arguments and one hash of the two.
 
-A *work unit* is a run of consecutive files of one source (about `UNIT_BYTES` of them; a larger file is a
-unit by itself; an `hf:` source is one unit, its stream). It is what one task computes
-(`units.run_unit`): a pure function of (plan, unit), read by the worker from the unit's own paths, so the
-driver ships no corpus bytes. Units are consumed in plan order, so the output never depends on how many
-workers computed them, or where.
+A *work unit* is a run of consecutive files of one source (about `UNIT_BYTES` of them; a larger .jsonl
+file is cut into byte ranges, a larger .parquet file into runs of row groups). It is what one task
+computes (`units.run_unit`): a pure function of (plan, unit), read by the worker from the unit's own
+paths, so the driver ships no corpus bytes. Units are consumed in plan order, so the output never
+depends on how many workers computed them, or where.
+
+An `hf:` source is a stream that cannot be read from a position: its units are not listed (its list is
+empty) but cut while it is read, by the driver, every `STREAM_UNIT_ROWS` rows (`stream_units`), and
+shipped to the workers with their rows; a resume reads the stream again up to its cursor.
 
 The plan is written once into the staging directory (`plan.json`); a re-run of the same sources reads the
 listing from there instead of walking the sources again (listing millions of files or objects is slow),
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +38,8 @@ PLAN_NAME = "plan.json"
 # cost more in scheduling and records than in tokenizing; 1 MiB is ~0.5 s of one core's tokenizing.
 UNIT_BYTES = 1 << 20
 PLAN_VERSION = 1
+# An hf: stream is cut into units of this many rows (~0.5 MB of typical web text).
+STREAM_UNIT_ROWS = 1024
 
 FileEntry = tuple[str, int, int]  # (path, size in bytes, modification time in ns)
 
@@ -44,8 +51,9 @@ class WorkUnit:
     source: int  # index of the source in the plan
     index: int  # position of the unit in its source (units are consumed in this order)
     spec: str  # the source's spec (hf:NAME units read the stream of that name)
-    files: tuple[FileEntry, ...]  # in source order; () for an hf: source
-    part: tuple[int, int] | None = None  # of its one large file: bytes (.jsonl) or row groups (.parquet)
+    files: tuple[FileEntry, ...]  # in source order; () for an hf: stream's unit
+    part: tuple[int, int] | None = None  # of its one large file: bytes (.jsonl) or row groups (.parquet);
+    # of an hf: stream: its rows [begin, end)
 
     @property
     def key(self) -> str:
@@ -56,7 +64,7 @@ class WorkUnit:
     def n_bytes(self) -> int:
         """Bytes of its files (of its part for a .jsonl part; row groups share their file's size)."""
         if self.part is not None:
-            if self.files[0][0].lower().endswith(".parquet"):
+            if not self.files or self.files[0][0].lower().endswith(".parquet"):  # a stream's; row groups
                 return 0
             return self.part[1] - self.part[0]
         return sum(size for _, size, _ in self.files)
@@ -64,7 +72,8 @@ class WorkUnit:
     def describe(self) -> str:
         """The unit for a message: its source and first file (and how many more)."""
         if not self.files:
-            return f"unit {self.key} ({self.spec})"
+            rows = "" if self.part is None else f" rows {self.part[0] + 1}-{self.part[1]}"
+            return f"unit {self.key} ({self.spec}{rows})"
         more = f" and {len(self.files) - 1} more file(s)" if len(self.files) > 1 else ""
         part = "" if self.part is None else f" part {self.part[0]}:{self.part[1]}"
         return f"unit {self.key} ({self.files[0][0]}{part}{more})"
@@ -82,7 +91,7 @@ def list_units(sources: list[Source], unit_bytes: int | None = None) -> list[lis
     out = []
     for i, src in enumerate(sources):
         if src.hf is not None:
-            out.append([WorkUnit(i, 0, src.spec, ())])
+            out.append([])  # a stream: cut while read (`stream_units`)
             continue
         units: list[WorkUnit] = []
         group: list[FileEntry] = []
@@ -106,6 +115,31 @@ def list_units(sources: list[Source], unit_bytes: int | None = None) -> list[lis
             units.append(WorkUnit(i, len(units), src.spec, tuple(group)))
         out.append(units)
     return out
+
+
+def stream_units(src: Source, i: int, start: int) -> Iterator[tuple[WorkUnit, list]]:
+    """(unit, its rows) of source i, an hf: stream, from its `start`-th unit on: every STREAM_UNIT_ROWS
+    rows (`Source.units`: (location, kind, text)) in order. A read error ends it after a unit of the
+    rows read before it, raised where the consumer reaches it."""
+    rows = src.units(start * STREAM_UNIT_ROWS)
+    k, batch = start, []
+
+    def unit() -> tuple[WorkUnit, list]:
+        begin = k * STREAM_UNIT_ROWS
+        return WorkUnit(i, k, src.spec, (), (begin, begin + len(batch))), batch
+
+    try:
+        for row in rows:
+            batch.append(row)
+            if len(batch) == STREAM_UNIT_ROWS:
+                yield unit()
+                k, batch = k + 1, []
+    except Exception:
+        if batch:
+            yield unit()
+        raise
+    if batch:
+        yield unit()
 
 
 def _parts(src: Source, path: Path, size: int, unit_bytes: int) -> list[tuple[int, int]]:

@@ -15,7 +15,9 @@ them. The pipeline:
 
 1. **Plan** (driver): each source's files are listed once, sorted, with sizes and modification times,
    and cut into work units of about a MiB (`plan`); the plan, with the arguments and its hash, is
-   written to `OUT/.prepare/plan.json`, and a re-run reads it instead of listing again.
+   written to `OUT/.prepare/plan.json`, and a re-run reads it instead of listing again. (An `hf:` stream
+   cannot be read from a position: the driver reads it and cuts it into units of 1,024 rows, shipped
+   with their rows.)
 2. **Map** (the executor: `--workers` processes of this machine, or Ray tasks with `--ray`): each unit
    is a pure function of (plan, unit), computed by a worker on its own (`units.run_unit`): it reads the
    unit's files itself, decodes (UTF-8 without its byte-order mark, or UTF-16/32 after theirs;
@@ -78,7 +80,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
@@ -404,12 +406,14 @@ class _Run:
         self,
         stage: Stage,
         plan: Plan,
+        sources: list[Source],
         mixer: Mixer,
         stats: PrepareStats,
         opts: PrepareOptions,
     ):
         self.stage = stage
         self.plan = plan
+        self.sources = sources
         self.opts = opts
         self.mixer = mixer
         self.state = PipelineState.fresh(stats)
@@ -417,6 +421,13 @@ class _Run:
         self.work = WorkCounts()
         self._sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
         self._last_snapshot = time.monotonic()
+
+    def unit_items(self, i: int) -> Iterator[tuple[planning.WorkUnit, list | None]]:
+        """Source i's units from its cursor on, each with its rows when it is a stream's (hf:)."""
+        start = self.state.cursors[i][0]
+        if self.sources[i].hf is not None:
+            return planning.stream_units(self.sources[i], i, start)
+        return ((unit, None) for unit in self.plan.units[i][start:])
 
     def try_resume(self) -> str | None:
         """Restore the staged snapshot; None when resumed, else why not (the caller starts afresh)."""
@@ -489,9 +500,7 @@ class _Run:
             progress.on_read(record.n_docs, record.n_bytes_read)
 
         streams = [
-            _SourceDocs(
-                self, i, UnitStream(self.plan.units[i], self.state.cursors[i][0], executor, depth, on_record)
-            )
+            _SourceDocs(self, i, UnitStream(self.unit_items(i), executor, depth, on_record))
             for i in range(len(self.plan.units))
         ]
         per_source = self.state.stats.sources
@@ -575,7 +584,7 @@ def prepare(
                 [s.weight for s in specs], plan.size_bytes(opts.max_docs, resolved), opts.target_tokens
             )
             stage = Stage(out, record, [plan.listing_hash], shards.dtype_for_vocab(tok.vocab_size))
-            run = _Run(stage, plan, mixer, PrepareStats.new(specs), opts)
+            run = _Run(stage, plan, resolved, mixer, PrepareStats.new(specs), opts)
         except Mamba3LiteError:  # a source that cannot be read: leave no empty `out` behind
             if not out_existed:
                 shutil.rmtree(out, ignore_errors=True)
@@ -710,12 +719,15 @@ def _partition_dedup(run: _Run, executor: Executor, depth: int) -> Executor:
     make them the dedup's candidates. Returns the executor answering from the records computed here."""
     records: dict[str, UnitRecord] = {}
     window: deque = deque()
-    for i, unit_list in enumerate(run.plan.units):
-        for unit in unit_list[run.state.cursors[i][0] :]:
-            window.append((unit.key, executor.submit(unit)))
-            if len(window) >= depth:
-                key, handle = window.popleft()
-                records[key] = handle.result()
+    for i in range(len(run.plan.units)):
+        try:
+            for unit, rows in run.unit_items(i):
+                window.append((unit.key, executor.submit(unit, rows)))
+                if len(window) >= depth:
+                    key, handle = window.popleft()
+                    records[key] = handle.result()
+        except Mamba3LiteError:
+            pass  # a stream's read error: raised again where the driver reaches it (it reads it again)
     while window:
         key, handle = window.popleft()
         records[key] = handle.result()

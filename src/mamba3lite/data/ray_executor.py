@@ -40,13 +40,13 @@ def _import_ray():
     return ray
 
 
-def _run_unit_task(job: UnitJob, unit: WorkUnit) -> UnitRecord:
+def _run_unit_task(job: UnitJob, unit: WorkUnit, rows: list | None) -> UnitRecord:
     """The task body, in a Ray worker process: build the tokenizer once per process, then the unit."""
     import ray
 
     clean.ensure_worker(job.cfg)
     ctx = ray.get_runtime_context()
-    return units.run_unit(job, unit, node=f"{ray.util.get_node_ip_address()} {ctx.get_node_id()[:8]}")
+    return units.run_unit(job, unit, rows, node=f"{ray.util.get_node_ip_address()} {ctx.get_node_id()[:8]}")
 
 
 def check(address: str) -> None:
@@ -118,8 +118,8 @@ class RayExecutor:
         self._nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.pending: set = set()
 
-    def submit(self, unit: WorkUnit) -> _Handle:
-        ref = self._task.remote(self._job, unit)
+    def submit(self, unit: WorkUnit, rows: list | None = None) -> _Handle:
+        ref = self._task.remote(self._job, unit, rows)  # rows: an hf: stream's, shipped with its unit
         self.pending.add(ref)
         return _Handle(self, ref, unit)
 

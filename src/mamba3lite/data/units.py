@@ -165,9 +165,10 @@ def node_name() -> str:
     return socket.gethostname()
 
 
-def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecord:
+def run_unit(job: UnitJob, unit: WorkUnit, rows: list | None = None, node: str | None = None) -> UnitRecord:
     """Compute `unit` (see the module docstring), or return its stored record. Runs in a worker whose
-    tokenizer `clean.init_worker(job.cfg)` built."""
+    tokenizer `clean.init_worker(job.cfg)` built. `rows`: an hf: stream's unit comes with its rows
+    (`plan.stream_units`); any other is read from its files."""
     if (stored := stored_record(job, unit)) is not None:
         return stored
     t0 = time.perf_counter()
@@ -175,22 +176,22 @@ def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecor
         time.sleep(job.test_sleep_s)
     tok_path, idx_path, rec_path = _paths(job.stage_dir, unit.key)
     tok_path.parent.mkdir(parents=True, exist_ok=True)
-    rows: list[tuple] = []
+    index_rows: list[tuple] = []
     problems: list = []
     error, transient = None, False
     out = _StagedFile(tok_path)
     n_tokens = 0
     try:
         try:
-            for locs, results in _batches(job, unit):
+            for locs, results in _batches(job, unit, rows):
                 for loc, r in zip(locs, results):
                     if r.status == BAD_LINE:
-                        problems.append([len(rows), format_location(loc), r.problem])
+                        problems.append([len(index_rows), format_location(loc), r.problem])
                     if r.status == KEPT:
                         out.write(memoryview(r.tokens).cast("B"))
                         n_tokens += int(r.tokens.size)
                         digest = np.frombuffer(r.digest, dtype=np.uint8)
-                        rows.append(
+                        index_rows.append(
                             (
                                 KEPT,
                                 _SPLIT_CODES[r.split],
@@ -202,7 +203,7 @@ def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecor
                             )
                         )
                     else:
-                        rows.append(
+                        index_rows.append(
                             (r.status, 0, r.n_replaced, 0, 0, 0, np.zeros(clean.DIGEST_BYTES, np.uint8))
                         )
         except TransientError as e:
@@ -213,12 +214,12 @@ def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecor
     except BaseException:
         out.abort()
         raise
-    index = np.array(rows, dtype=INDEX_DTYPE)
+    index = np.array(index_rows, dtype=INDEX_DTYPE)
     idx_sha = write_staged(idx_path, index.tobytes())
     record = UnitRecord(
         key=unit.key,
         plan_hash=job.plan_hash,
-        n_docs=len(rows),
+        n_docs=len(index_rows),
         n_tokens=n_tokens,
         n_bytes_read=unit.n_bytes,
         tok_sha256=tok_sha,
@@ -234,9 +235,14 @@ def run_unit(job: UnitJob, unit: WorkUnit, node: str | None = None) -> UnitRecor
     return record
 
 
-def _batches(job: UnitJob, unit: WorkUnit):
+def _batches(job: UnitJob, unit: WorkUnit, rows: list | None):
     """(locations, results) of the unit's documents, a batch at a time, each file checked against the
     plan first (a file that changed between listing and reading is an error naming it)."""
+    if rows is not None:
+        for b in range(0, len(rows), _BATCH_UNITS):
+            batch = rows[b : b + _BATCH_UNITS]
+            yield [loc for loc, _, _ in batch], clean.process_batch([(kind, text) for _, kind, text in batch])
+        return
     for path, size, mtime in unit.files:
         try:
             st = os.stat(path)

@@ -34,7 +34,7 @@ class Executor(Protocol):
 
     parallelism: int  # units computed at once
 
-    def submit(self, unit: WorkUnit) -> Handle: ...
+    def submit(self, unit: WorkUnit, rows: list | None = None) -> Handle: ...
 
     def call(self, fn: Callable, *args: Any) -> Any:
         """Any other task (a module-level function): a handle whose .result() is fn(*args)."""
@@ -68,8 +68,8 @@ def _start_method():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _run_unit(job: UnitJob, unit: WorkUnit) -> UnitRecord:
-    return units.run_unit(job, unit)  # looked up at call time, so a test can replace the worker function
+def _run_unit(job: UnitJob, unit: WorkUnit, rows: list | None = None) -> UnitRecord:
+    return units.run_unit(job, unit, rows)  # looked up at call time: a test can replace the worker function
 
 
 class _Lazy:
@@ -104,8 +104,8 @@ class LocalPool:
         )
         self._pool.submit(int).result()  # start the workers now, before any thread of ours exists
 
-    def submit(self, unit: WorkUnit) -> Handle:
-        return self.call(_run_unit, self._job, unit)
+    def submit(self, unit: WorkUnit, rows: list | None = None) -> Handle:
+        return self.call(_run_unit, self._job, unit, rows)
 
     def call(self, fn: Callable, *args: Any) -> Any:
         if self._pool is None:
@@ -121,34 +121,41 @@ class LocalPool:
 
 
 class UnitStream:
-    """One source's units from `start` on, computed by `executor` with up to `depth` in flight, their
-    records yielded in plan order; `on_record` is called with each as it is taken."""
+    """One source's units, (unit, rows or None) in plan order, computed by `executor` with up to `depth`
+    in flight, their records yielded in that order; `on_record` is called with each as it is taken. An
+    error reading the units (an hf: stream's) is raised once the units before it were taken."""
 
     def __init__(
         self,
-        unit_list: list[WorkUnit],
-        start: int,
+        unit_items: Iterator[tuple[WorkUnit, list | None]],
         executor: Executor,
         depth: int,
         on_record: Callable[[UnitRecord], None],
     ) -> None:
-        self._units: Iterator[WorkUnit] = iter(unit_list[start:])
+        self._units = unit_items
         self._executor = executor
         self._depth = depth
         self._on_record = on_record
         self._pending: deque = deque()
+        self._error: Exception | None = None
 
     def _fill(self) -> None:
-        while len(self._pending) < self._depth:
-            unit = next(self._units, None)
-            if unit is None:
+        while self._error is None and len(self._pending) < self._depth:
+            try:
+                item = next(self._units, None)
+            except Exception as e:  # raised by next() at this position
+                self._error = e
                 return
-            self._pending.append(self._executor.submit(unit))
+            if item is None:
+                return
+            self._pending.append(self._executor.submit(*item))
 
     def next(self) -> UnitRecord | None:
         """The next unit's record, or None when the source has no more units."""
         self._fill()
         if not self._pending:
+            if self._error is not None:
+                raise self._error
             return None
         record = self._pending.popleft().result()
         self._fill()  # keep the workers busy while this unit is consumed
@@ -172,9 +179,9 @@ class Prefetched:
         self._executor, self._records = executor, records
         self.parallelism = executor.parallelism
 
-    def submit(self, unit: WorkUnit) -> Handle:
+    def submit(self, unit: WorkUnit, rows: list | None = None) -> Handle:
         record = self._records.pop(unit.key, None)
-        return _Done(record) if record is not None else self._executor.submit(unit)
+        return _Done(record) if record is not None else self._executor.submit(unit, rows)
 
     def call(self, fn: Callable, *args: Any) -> Any:
         return self._executor.call(fn, *args)
