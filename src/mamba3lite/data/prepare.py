@@ -89,7 +89,7 @@ from typing import Any
 import numpy as np
 
 from mamba3lite.atomicfile import atomic_write_bytes
-from mamba3lite.data import clean, dedup_partition, ray_executor, shards, staging, units, workers
+from mamba3lite.data import dedup_partition, ray_executor, shards, staging, units, workers
 from mamba3lite.data import plan as planning
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
@@ -98,7 +98,7 @@ from mamba3lite.data.plan import Plan
 from mamba3lite.data.shards import SPLITS, Manifest
 from mamba3lite.data.sources import Source, format_location
 from mamba3lite.data.staging import LOCK_NAME, STAGE_DIRNAME, PipelineState, Stage
-from mamba3lite.data.stats import PrepareStats
+from mamba3lite.data.stats import PrepareStats, WorkCounts
 from mamba3lite.data.units import UnitJob, UnitRecord
 from mamba3lite.data.workers import Executor, UnitStream
 from mamba3lite.data_identity import TOKENIZER_NAME, vocab_hash_of
@@ -205,46 +205,6 @@ class PrepareOptions:
 
 
 @dataclass
-class WorkCounts:
-    """The work units of a run: how many were computed and how many reused (a complete, verified record
-    from an interrupted run, or one Ray re-ran after a node was lost), and per node: units, documents,
-    tokens and the seconds its tasks took (throughput = tokens / task seconds: per worker, not per node)."""
-
-    executor: str = ""
-    computed: int = 0
-    reused: int = 0
-    nodes: dict = dataclasses.field(default_factory=dict)  # node -> [units, documents, tokens, seconds]
-    dedup_partitions: int = 0  # tasks the dedup set was partitioned into (0: not partitioned)
-    dedup_candidates: int = 0  # digests occurring more than once: all the driver's set may hold
-
-    def add(self, record: UnitRecord) -> None:
-        if record.reused:
-            self.reused += 1
-            return
-        self.computed += 1
-        n = self.nodes.setdefault(record.node, [0, 0, 0, 0.0])
-        n[0] += 1
-        n[1] += record.n_docs
-        n[2] += record.n_tokens
-        n[3] += record.seconds
-
-    def table(self) -> list[str]:
-        lines = [f"units: {self.computed:,} computed, {self.reused:,} reused ({self.executor})"]
-        if self.dedup_partitions:
-            lines.append(
-                f"dedup: partitioned by digest into {self.dedup_partitions} tasks; "
-                f"{self.dedup_candidates:,} digests occur more than once (all the driver remembers)"
-            )
-        for node, (n_units, n_docs, n_tokens, secs) in sorted(self.nodes.items()):
-            rate = n_tokens / secs if secs > 0 else float("nan")
-            lines.append(
-                f"  node {node}: {n_units:,} units, {n_docs:,} documents, {n_tokens:,} tokens, "
-                f"{rate:,.0f} tokens/s per task"
-            )
-        return lines
-
-
-@dataclass
 class PrepareSummary:
     """What `prepare` did. `stats` is the manifest's `extra["stats"]`; timings live only here."""
 
@@ -333,70 +293,6 @@ class _Progress:
     def close(self) -> None:
         self._tok.close()
         self._read.close()
-
-
-_SPLITS = units.SPLIT_NAMES
-
-
-class _SourceDocs:
-    """Source i's documents from its cursor on, in plan order, as UnitResults whose tokens are slices of
-    the units' memory-mapped token files: the driver reads each unit's index, never its text."""
-
-    def __init__(self, run: _Run, i: int, stream: UnitStream) -> None:
-        self._run, self._i, self._stream = run, i, stream
-        self._cursor = run.state.cursors[i]  # [unit index, documents of it consumed], advanced in place
-        max_docs = run.opts.max_docs
-        self._left = None if max_docs is None else max_docs - run.state.stats.sources[i].documents_in
-        self._docs: Any = iter(())
-        self._record: UnitRecord | None = None
-
-    def _open(self, record: UnitRecord) -> Any:
-        """The generator of the unit's documents from the cursor's position on."""
-        stage = self._run.stage
-        index = units.load_index(stage.dir, record)
-        tokens = units.open_tokens(stage.dir, record, stage.dtype)
-        first = self._cursor[1]
-        ends = np.cumsum(index["n_tokens"], dtype=np.int64)
-        starts = (ends - index["n_tokens"].astype(np.int64))[first:].tolist()
-        problems = {pos: (loc, problem) for pos, loc, problem in record.problems}
-        index = index[first:]
-        columns = [index[k].tolist() for k in ("status", "split", "n_replaced", "n_special", "n_bytes")]
-        digests = index["digest"].tobytes()
-        width = clean.DIGEST_BYTES
-        # The hot loop of the driver (one pass a document): plain lists and slices, no numpy scalars.
-        for k, (status, split, n_replaced, n_special, n_bytes, start, end) in enumerate(
-            zip(*columns, starts, ends[first:].tolist())
-        ):
-            if status == KEPT:
-                digest = digests[k * width : (k + 1) * width]
-                r = UnitResult(
-                    KEPT, n_replaced, digest, _SPLITS[split], tokens[start:end], n_bytes, n_special
-                )
-                yield record.key, r
-            elif status == BAD_LINE:
-                loc, problem = problems[first + k]
-                yield loc, UnitResult(BAD_LINE, n_replaced, problem=problem)
-            else:
-                yield record.key, UnitResult(status, n_replaced)
-        if record.error is not None:
-            raise (TransientError if record.transient else DataError)(record.error)
-
-    def next(self) -> tuple[Any, UnitResult] | None:
-        """The next (location, result), or None when the source is exhausted."""
-        if self._left is not None and self._left <= 0:
-            return None
-        while True:
-            item = next(self._docs, None)
-            if item is not None:
-                if self._left is not None:
-                    self._left -= 1
-                return item
-            if self._record is not None:  # every document of the current unit was consumed
-                self._cursor[:] = [self._cursor[0] + 1, 0]
-            self._record = self._stream.next()
-            if self._record is None:
-                return None
-            self._docs = self._open(self._record)
 
 
 class _Run:
@@ -499,11 +395,17 @@ class _Run:
             self.work.add(record)
             progress.on_read(record.n_docs, record.n_bytes_read)
 
+        max_docs, per_source = self.opts.max_docs, self.state.stats.sources
         streams = [
-            _SourceDocs(self, i, UnitStream(self.unit_items(i), executor, depth, on_record))
+            units.SourceDocs(
+                self.stage.dir,
+                self.stage.dtype,
+                UnitStream(self.unit_items(i), executor, depth, on_record).next,
+                self.state.cursors[i],
+                None if max_docs is None else max_docs - per_source[i].documents_in,
+            )
             for i in range(len(self.plan.units))
         ]
-        per_source = self.state.stats.sources
         active = [i for i in range(len(streams)) if not per_source[i].exhausted]
         try:
             while (i := self.mixer.pick(self.state.taken, active)) is not None:

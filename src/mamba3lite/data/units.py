@@ -29,15 +29,17 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from mamba3lite import intake
 from mamba3lite.atomicfile import sha256_file
 from mamba3lite.data import clean
-from mamba3lite.data.clean import BAD_LINE, KEPT, WorkerConfig
+from mamba3lite.data.clean import BAD_LINE, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.plan import WorkUnit
 from mamba3lite.data.sources import Source, format_location
 from mamba3lite.errors import DataError, Mamba3LiteError, TransientError
@@ -296,3 +298,72 @@ def open_tokens(stage_dir: str | Path, record: UnitRecord, dtype: np.dtype) -> n
     # A plain ndarray over the map (it keeps the map open): slicing a memmap costs ~4 us a document in
     # numpy's memmap bookkeeping, the driver's largest cost per document.
     return tokens.view(np.ndarray)
+
+
+class SourceDocs:
+    """The driver's side of one source: its documents from `cursor` on, in plan order, as (location,
+    UnitResult) whose tokens are slices of the units' memory-mapped token files (the driver reads each
+    unit's index, never its text). `next_record` gives the source's next unit record (None: no more);
+    `cursor` ([unit index, documents of it consumed], the snapshot's) is advanced in place as the
+    caller consumes documents (its second number) and as units are finished (here); at most `left`
+    more documents (None: all)."""
+
+    def __init__(
+        self,
+        stage_dir: Path,
+        dtype: np.dtype,
+        next_record: Callable[[], UnitRecord | None],
+        cursor: list[int],
+        left: int | None,
+    ) -> None:
+        self._stage_dir, self._dtype, self._next_record = stage_dir, dtype, next_record
+        self._cursor, self._left = cursor, left
+        self._docs: Iterator = iter(())
+        self._record: UnitRecord | None = None
+
+    def _open(self, record: UnitRecord) -> Iterator[tuple[Any, UnitResult]]:
+        """The unit's documents from the cursor's position on."""
+        index = load_index(self._stage_dir, record)
+        tokens = open_tokens(self._stage_dir, record, self._dtype)
+        first = self._cursor[1]
+        ends = np.cumsum(index["n_tokens"], dtype=np.int64)
+        starts = (ends - index["n_tokens"].astype(np.int64))[first:].tolist()
+        problems = {pos: (loc, problem) for pos, loc, problem in record.problems}
+        index = index[first:]
+        columns = [index[k].tolist() for k in ("status", "split", "n_replaced", "n_special", "n_bytes")]
+        digests = index["digest"].tobytes()
+        width = clean.DIGEST_BYTES
+        # The hot loop of the driver (one pass a document): plain lists and slices, no numpy scalars.
+        for k, (status, split, n_replaced, n_special, n_bytes, start, end) in enumerate(
+            zip(*columns, starts, ends[first:].tolist())
+        ):
+            if status == KEPT:
+                digest = digests[k * width : (k + 1) * width]
+                r = UnitResult(
+                    KEPT, n_replaced, digest, SPLIT_NAMES[split], tokens[start:end], n_bytes, n_special
+                )
+                yield record.key, r
+            elif status == BAD_LINE:
+                loc, problem = problems[first + k]
+                yield loc, UnitResult(BAD_LINE, n_replaced, problem=problem)
+            else:
+                yield record.key, UnitResult(status, n_replaced)
+        if record.error is not None:
+            raise (TransientError if record.transient else DataError)(record.error)
+
+    def next(self) -> tuple[Any, UnitResult] | None:
+        """The next (location, result), or None when the source is exhausted."""
+        if self._left is not None and self._left <= 0:
+            return None
+        while True:
+            item = next(self._docs, None)
+            if item is not None:
+                if self._left is not None:
+                    self._left -= 1
+                return item
+            if self._record is not None:  # every document of the current unit was consumed
+                self._cursor[:] = [self._cursor[0] + 1, 0]
+            self._record = self._next_record()
+            if self._record is None:
+                return None
+            self._docs = self._open(self._record)
