@@ -2,11 +2,11 @@
 
 `prepare(sources, out, options)` is the library form of `mamba3lite prepare`. Each stage has its own
 module: `fit_tokenizer` (with --train-tokenizer: a BPE fit to the train split, before anything else),
-`plan` (the listing cut into work units), `units` (one unit computed by a worker, the pure function),
-`clean` (what it does to a document), `workers` (the executor seam and the local pool; `ray_executor`
-for --ray), `mixture` (which source is next), `packing` (the dedup set, the shard being filled), `stats`
-(the counters) and `staging` (snapshots, resume, the final move); this module is the driver that joins
-them. The pipeline:
+`plan` (the listing cut into work units), `units` (one unit computed by a worker, the pure function,
+and the driver's reading of it), `clean` (what it does to a document), `workers` (the executor seam and
+the local pool; `ray_executor` for --ray), `mixture` (which source is next), `packing` (the dedup set,
+the shard being filled), `dedup_partition` (--dedup-partitions), `stats` (the counters) and `staging`
+(snapshots, resume, the final move); this module is the driver that joins them. The pipeline:
 
 0. **Fit the tokenizer** (`--train-tokenizer N` only): the sources are read once for the first 16 MB of
    train documents (the split is a hash of the cleaned text, so it is known before any token is), a
