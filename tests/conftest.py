@@ -34,11 +34,11 @@ def cli():
 
 class RayNodes:
     """A Ray cluster on this machine (`ray.cluster_utils.Cluster`): a head and added nodes of 1 CPU each,
-    dashboard off; this process is its driver. `ensure(n)` adds or removes worker nodes so that n
-    nodes (the head included) are alive."""
+    dashboard off. `ensure(n)` adds or removes worker nodes so that n nodes (the head included) are
+    alive; `connect()` makes this process its driver until `disconnect()` (a test module's span: tests
+    after it fork worker pools, which should not inherit a live Ray driver's threads)."""
 
     def __init__(self) -> None:
-        import ray
         from ray.cluster_utils import Cluster
 
         self.cluster = Cluster(
@@ -46,7 +46,16 @@ class RayNodes:
         )
         self.address = self.cluster.address
         self.added: list = []
+
+    def connect(self) -> None:
+        import ray
+
         ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
+
+    def disconnect(self) -> None:
+        import ray
+
+        ray.shutdown()
 
     def ensure(self, n: int) -> None:
         while len(self.added) + 1 < n:
@@ -62,7 +71,7 @@ class RayNodes:
     def shutdown(self) -> None:
         import ray
 
-        ray.shutdown()
+        ray.shutdown()  # a test that failed while connected
         self.cluster.shutdown()
 
 

@@ -27,6 +27,16 @@ OPTS = {"shard_tokens": 400, "val_fraction": 0.2, "min_chars": 1, "train_tokeniz
 
 
 @pytest.fixture(scope="module")
+def ray_cluster(ray_nodes):
+    """The session's Ray cluster with this process as its driver, for this module's tests."""
+    ray_nodes.connect()
+    try:
+        yield ray_nodes
+    finally:
+        ray_nodes.disconnect()
+
+
+@pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Three kinds of source (a directory of .txt/.md files, JSONL, Parquet) with duplicates inside and
     across them, in a mixture with a target that stops the sources before their end."""
@@ -68,15 +78,15 @@ def _prepare_ray(corpus, out, address, monkeypatch, **kw):
 
 
 def test_ray_on_one_and_three_nodes_writes_the_local_pools_bytes(
-    ray_nodes, corpus, reference, tmp_path, monkeypatch
+    ray_cluster, corpus, reference, tmp_path, monkeypatch
 ):
-    ray_nodes.ensure(1)
-    one = _prepare_ray(corpus, tmp_path / "one", ray_nodes.address, monkeypatch)
+    ray_cluster.ensure(1)
+    one = _prepare_ray(corpus, tmp_path / "one", ray_cluster.address, monkeypatch)
     assert tree_hashes(tmp_path / "one") == reference
     assert len(one.work.nodes) == 1 and one.work.reused == 0
-    ray_nodes.ensure(3)
+    ray_cluster.ensure(3)
     # (with the dedup set partitioned by digest in 2 Ray tasks, too: the same bytes)
-    three = _prepare_ray(corpus, tmp_path / "three", ray_nodes.address, monkeypatch, dedup_partitions=2)
+    three = _prepare_ray(corpus, tmp_path / "three", ray_cluster.address, monkeypatch, dedup_partitions=2)
     assert tree_hashes(tmp_path / "three") == reference
     assert three.work.dedup_partitions == 2 and three.work.dedup_candidates > 0
     assert len(three.work.nodes) >= 2, three.work.nodes  # the units were spread over the nodes
@@ -84,9 +94,9 @@ def test_ray_on_one_and_three_nodes_writes_the_local_pools_bytes(
 
 
 def test_a_node_lost_mid_run_changes_nothing_and_recomputes_only_its_unfinished_unit(
-    ray_nodes, corpus, reference, tmp_path, monkeypatch
+    ray_cluster, corpus, reference, tmp_path, monkeypatch
 ):
-    ray_nodes.ensure(3)
+    ray_cluster.ensure(3)
     monkeypatch.setenv(units.UNIT_SLEEP_ENV, "0.15")  # units still running when the node goes
     out = tmp_path / "ds"
     done = out / staging.STAGE_DIRNAME / units.UNITS_DIRNAME
@@ -94,7 +104,7 @@ def test_a_node_lost_mid_run_changes_nothing_and_recomputes_only_its_unfinished_
 
     def run() -> None:
         try:
-            result["summary"] = _prepare_ray(corpus, out, ray_nodes.address, monkeypatch)
+            result["summary"] = _prepare_ray(corpus, out, ray_cluster.address, monkeypatch)
         except BaseException as e:  # re-raised below, on the test's thread
             result["error"] = e
 
@@ -104,7 +114,7 @@ def test_a_node_lost_mid_run_changes_nothing_and_recomputes_only_its_unfinished_
     while time.monotonic() < deadline and len(list(done.glob("*.json"))) < 4 and t.is_alive():
         time.sleep(0.05)
     assert t.is_alive(), result
-    ray_nodes.remove_one()
+    ray_cluster.remove_one()
     t.join(120)
     assert "error" not in result, result.get("error")
     s = result["summary"]
@@ -116,16 +126,16 @@ def test_a_node_lost_mid_run_changes_nothing_and_recomputes_only_its_unfinished_
 
 
 def test_the_driver_killed_then_rerun_recomputes_no_recorded_unit(
-    ray_nodes, corpus, reference, tmp_path, monkeypatch
+    ray_cluster, corpus, reference, tmp_path, monkeypatch
 ):
-    ray_nodes.ensure(3)
+    ray_cluster.ensure(3)
     out = tmp_path / "ds"
     driver = (
         "import sys; from mamba3lite.data import plan, prepare as P; plan.UNIT_BYTES = int(sys.argv[1]); "
         "P.prepare((), sys.argv[2], mixture=sys.argv[3], ray=sys.argv[4], **eval(sys.argv[5]))"
     )
     env = {**os.environ, units.UNIT_SLEEP_ENV: "0.15"}
-    args = [str(UNIT_BYTES), str(out), str(corpus / "mix.yaml"), ray_nodes.address, repr(OPTS)]
+    args = [str(UNIT_BYTES), str(out), str(corpus / "mix.yaml"), ray_cluster.address, repr(OPTS)]
     proc = subprocess.Popen([sys.executable, "-c", driver, *args], env=env, stderr=subprocess.PIPE)
     done = out / staging.STAGE_DIRNAME / units.UNITS_DIRNAME
     try:
@@ -146,19 +156,19 @@ def test_the_driver_killed_then_rerun_recomputes_no_recorded_unit(
         finalize(self, manifest)
 
     monkeypatch.setattr(staging.Stage, "finalize", look_then_finalize)
-    s = _prepare_ray(corpus, out, ray_nodes.address, monkeypatch)
+    s = _prepare_ray(corpus, out, ray_cluster.address, monkeypatch)
     assert tree_hashes(out) == reference
     assert all(seen[name] == mtime for name, mtime in recorded.items()), "a recorded unit was computed again"
     assert s.work.reused + s.resumed_shards > 0 and f"{s.work.reused:,} reused" in s.table()
 
 
-def test_a_malformed_parquet_file_is_one_error_naming_its_unit(ray_nodes, tmp_path):
-    ray_nodes.ensure(3)
+def test_a_malformed_parquet_file_is_one_error_naming_its_unit(ray_cluster, tmp_path):
+    ray_cluster.ensure(3)
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"PAR1" + b"\x00not a parquet file" * 20)
     t0 = time.monotonic()
     with pytest.raises(DataError, match=r"unit 000-000000 \(.*bad\.parquet\): cannot read parquet file"):
-        P.prepare([str(bad)], tmp_path / "ds", ray=ray_nodes.address, min_chars=1)
+        P.prepare([str(bad)], tmp_path / "ds", ray=ray_cluster.address, min_chars=1)
     assert time.monotonic() - t0 < 30  # not retried
     assert not (tmp_path / "ds").exists()  # bad input: the run's directory is removed
 
