@@ -69,6 +69,8 @@ def s3(s3_server, monkeypatch):
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(k, raising=False)
     return s3_server
+
+
 class RayNodes:
     """A Ray cluster on this machine (`ray.cluster_utils.Cluster`): a head and added nodes of 1 CPU each,
     dashboard off. `ensure(n)` adds or removes worker nodes so that n nodes (the head included) are
