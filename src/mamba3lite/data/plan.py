@@ -31,6 +31,7 @@ from pathlib import Path
 from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_json
 from mamba3lite.data.sources import Source
+from mamba3lite.data.store import ObjectInfo, Store, is_url
 from mamba3lite.errors import Mamba3LiteError
 
 PLAN_NAME = "plan.json"
@@ -41,7 +42,9 @@ PLAN_VERSION = 1
 # An hf: stream is cut into units of this many rows (~0.5 MB of typical web text).
 STREAM_UNIT_ROWS = 1024
 
-FileEntry = tuple[str, int, int]  # (path, size in bytes, modification time in ns)
+# (path, size in bytes, modification time in ns); an object of a URL source: (URL, size, "etag:E" or
+# "mtime:T"), what every read of it is checked against (data/store.py)
+FileEntry = tuple[str, int, int | str]
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,32 @@ def _stat(path: Path) -> FileEntry:
     return str(path), st.st_size, st.st_mtime_ns
 
 
+def _object_entry(o: ObjectInfo) -> FileEntry:
+    return o.url, o.size, f"etag:{o.etag}" if o.etag is not None else f"mtime:{o.mtime}"
+
+
+def is_object(entry: FileEntry) -> bool:
+    """Whether a plan's entry is an object of a URL source (not a file this machine stats)."""
+    return isinstance(entry[2], str)
+
+
+def listed_source(spec: str, entries: list[FileEntry], text_field: str, max_docs: int | None) -> Source:
+    """The source `spec` with a plan's `entries` (each file or object once), nothing listed again."""
+    if not is_url(spec):
+        return Source.from_listing(
+            spec, [Path(e[0]) for e in entries], text_field=text_field, max_docs=max_docs
+        )
+    store = Store(spec)
+    root = store.url_of("")
+    objects = []
+    for url, size, tag in entries:
+        what, _, value = str(tag).partition(":")
+        key = "" if url == root else url[len(root.rstrip("/")) + 1 :]
+        objects.append(ObjectInfo(key, url, size, value if what == "etag" else None,
+                                  float(value) if what == "mtime" and value != "None" else None))  # fmt: skip
+    return Source.from_listing(spec, [], text_field=text_field, max_docs=max_docs, objects=objects)
+
+
 def list_units(sources: list[Source], unit_bytes: int | None = None) -> list[list[WorkUnit]]:
     """Each source's work units, in order: consecutive files grouped until they reach `unit_bytes`
     (default UNIT_BYTES)."""
@@ -96,9 +125,9 @@ def list_units(sources: list[Source], unit_bytes: int | None = None) -> list[lis
         units: list[WorkUnit] = []
         group: list[FileEntry] = []
         size = 0
-        for p in src.files:
-            entry = _stat(p)
-            parts = _parts(src, p, entry[1], unit_bytes)
+        listed = [(_object_entry(o), None) for o in src.objects] or [(_stat(p), p) for p in src.files]
+        for entry, p in listed:
+            parts = [] if p is None else _parts(src, p, entry[1], unit_bytes)
             if parts:  # a large file that can be cut: its parts are units of their own
                 if group:
                     units.append(WorkUnit(i, len(units), src.spec, tuple(group)))
@@ -189,13 +218,8 @@ class Plan:
     def sources(self, text_field: str, max_docs: int | None) -> list[Source]:
         """The sources with the plan's files (nothing listed again)."""
         return [
-            Source.from_listing(
-                spec,
-                list(dict.fromkeys(Path(f[0]) for u in units for f in u.files)),  # a cut file once
-                text_field=text_field,
-                max_docs=max_docs,
-            )
-            for spec, units in zip(self.specs, self.units)
+            listed_source(spec, list(dict.fromkeys(f for u in units for f in u.files)), text_field, max_docs)
+            for spec, units in zip(self.specs, self.units)  # a cut file once
         ]
 
     def size_bytes(self, max_docs: int | None, sources: list[Source]) -> list[int | None]:
@@ -213,6 +237,8 @@ class Plan:
         for units in self.units:
             for unit in units:
                 for path, size, mtime in unit.files:
+                    if is_object((path, size, mtime)):
+                        continue  # each read of an object is checked against its listing (store.py)
                     try:
                         now = _stat(Path(path))
                     except OSError:
@@ -241,6 +267,10 @@ def _sha256_json(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def _entry(path: str, size: int, tag: int | str) -> FileEntry:
+    return str(path), int(size), tag if isinstance(tag, str) else int(tag)
+
+
 def read_listing(stage_dir: Path, specs: list[str]) -> list[list[WorkUnit]] | None:
     """The units of the plan an earlier run of these sources wrote into `stage_dir`, or None (no plan,
     other sources, unreadable: the caller lists the sources)."""
@@ -252,7 +282,7 @@ def read_listing(stage_dir: Path, specs: list[str]) -> list[list[WorkUnit]] | No
         if record.get("plan_version") != PLAN_VERSION or [s["spec"] for s in record["sources"]] != specs:
             return None
         return [
-            [WorkUnit(i, k, s["spec"], tuple((str(p), int(n), int(t)) for p, n, t in files),
+            [WorkUnit(i, k, s["spec"], tuple(_entry(*f) for f in files),
                       None if part is None else (int(part[0]), int(part[1])))
              for k, (files, part) in enumerate(s["units"])]
             for i, s in enumerate(record["sources"])

@@ -409,13 +409,22 @@ class Source:
 
     @classmethod
     def from_listing(
-        cls, spec: str, files: list[Path], *, text_field: str = "text", max_docs: int | None = None
+        cls,
+        spec: str,
+        files: list[Path],
+        *,
+        text_field: str = "text",
+        max_docs: int | None = None,
+        objects: list[ObjectInfo] | None = None,
     ) -> Source:
-        """The source `spec` with the files a recorded plan listed (`data.plan`): nothing is listed again,
-        so a resume, or a worker reading one unit of the plan, costs no directory walk."""
+        """The source `spec` with the files (or, for a URL, the `objects`) a recorded plan listed
+        (`data.plan`): nothing is listed again, so a resume, or a worker reading one unit of the plan,
+        costs no directory walk."""
         src = cls.__new__(cls)
         src.spec, src.text_field, src.max_docs = spec, text_field, max_docs
         src.files, src.skipped_datasets = list(files), []
+        src.store = Store(spec) if objects is not None else None
+        src.objects = list(objects or [])
         src.hf = None
         if spec.startswith("hf:"):
             parts = spec[3:].split(":")

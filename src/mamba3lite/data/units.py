@@ -40,8 +40,8 @@ from mamba3lite import intake
 from mamba3lite.atomicfile import sha256_file
 from mamba3lite.data import clean
 from mamba3lite.data.clean import BAD_LINE, KEPT, UnitResult, WorkerConfig
-from mamba3lite.data.plan import WorkUnit
-from mamba3lite.data.sources import Source, format_location
+from mamba3lite.data.plan import WorkUnit, is_object, listed_source
+from mamba3lite.data.sources import format_location
 from mamba3lite.errors import DataError, Mamba3LiteError, TransientError
 
 UNITS_DIRNAME = "units"
@@ -246,6 +246,8 @@ def _batches(job: UnitJob, unit: WorkUnit, rows: list | None):
             yield [loc for loc, _, _ in batch], clean.process_batch([(kind, text) for _, kind, text in batch])
         return
     for path, size, mtime in unit.files:
+        if is_object((path, size, mtime)):
+            continue  # an object: each read is checked against its listing (data/store.py)
         try:
             st = os.stat(path)
         except OSError as e:
@@ -258,9 +260,7 @@ def _batches(job: UnitJob, unit: WorkUnit, rows: list | None):
                 f"{path} changed since this run listed it (size or modification time); "
                 "re-run the same command to list the sources again"
             )
-    src = Source.from_listing(
-        unit.spec, [Path(f[0]) for f in unit.files], text_field=job.cfg.text_field, max_docs=job.max_docs
-    )
+    src = listed_source(unit.spec, list(unit.files), job.cfg.text_field, job.max_docs)
     docs = src.units(0) if unit.part is None else src.part_units(Path(unit.files[0][0]), unit.part)
     locs, items, n_bytes = [], [], 0
     for loc, kind, payload in docs:
