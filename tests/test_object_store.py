@@ -233,7 +233,8 @@ def test_prepare_refuses_an_object_changed_after_listing(s3, tmp_path, monkeypat
         return objects
 
     monkeypatch.setattr(sources, "_listed_objects", list_then_change)
-    with pytest.raises(ObjectChangedError, match=rf"s3://{bucket}/c/b.txt changed"):
+    # the work unit that read it reports the error (a DataError naming the unit, then the object)
+    with pytest.raises(DataError, match=rf"s3://{bucket}/c/b.txt changed after it was listed"):
         prepare([f"s3://{bucket}/c/"], tmp_path / "out", workers=0, val_fraction=0)
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
 

@@ -89,6 +89,14 @@ def vllm_text_greedy(llm, texts: list[str], new_tokens: int) -> list[tuple[list[
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
+def check_text_prompts_start_a_document(model: Mamba3Transformer, llm, new_tokens: int) -> None:
+    """LLM.generate with text: vLLM tokenizes through the export's tokenizer, which adds the EOS before
+    the text, so the continuation is `mamba3lite generate`'s (TEXT_PROMPTS: empty, one-token, long)."""
+    for text, (prompt_ids, tokens) in zip(TEXT_PROMPTS, vllm_text_greedy(llm, TEXT_PROMPTS, new_tokens)):
+        assert prompt_ids == text_prompt_ids(text), repr(text)
+        assert tokens == reference_greedy(model, prompt_ids, new_tokens), repr(text)
+
+
 def reference_greedy(model: Mamba3Transformer, prompt: list[int], new_tokens: int) -> list[int]:
     """The model's own greedy continuation (prefill, then the O(1) step), no stop at EOS."""
     ids = torch.tensor([prompt])

@@ -25,6 +25,7 @@ examples:
   mamba3lite prepare --source web/ --weight 0.7 --source stdlib --weight 0.3 \\
       --target-tokens 5e6 --out data/mix
   mamba3lite prepare --mixture mixture.yaml --out data/mix
+  mamba3lite prepare --source /shared/corpus --out /shared/data/corpus --ray auto
 """
 
 
@@ -119,6 +120,14 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
         "is the same for any value",
     )
     parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="compute the work units as tasks on a Ray cluster: HOST:PORT of its head, or auto on a node "
+        "of it (pip install 'mamba3lite[ray]'); every node must see the sources and --out at the same "
+        "paths; the output is the same as without it",
+    )
+    parser.add_argument(
         "--shard-tokens",
         type=_count,
         default=DEFAULT_SHARD_TOKENS,
@@ -139,6 +148,15 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MIN_CHARS,
         metavar="N",
         help=f"drop documents shorter than N characters after cleaning (default {DEFAULT_MIN_CHARS})",
+    )
+    parser.add_argument(
+        "--dedup-partitions",
+        type=int,
+        default=0,
+        metavar="P",
+        help="for a corpus whose dedup set would not fit this machine's memory (~90 bytes a kept "
+        "document): first compute every unit, then find the repeated digests in P tasks, so that only "
+        "those are remembered; the output is the same (default 0: one set here)",
     )
     parser.add_argument(
         "--no-dedup",
@@ -207,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         seed=args.seed,
         max_docs=args.max_docs,
+        ray=args.ray,
+        dedup_partitions=args.dedup_partitions,
         progress=sys.stderr.isatty() and not os.environ.get("MAMBA3LITE_NO_PROGRESS"),
     )
     summary = prepare(sources, args.out, options, mixture=args.mixture)

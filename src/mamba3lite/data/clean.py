@@ -101,6 +101,13 @@ def init_worker(cfg: WorkerConfig) -> None:
     _WORKER.update(cfg=cfg, tok=tok, dtype=shards.dtype_for_vocab(tok.vocab_size))
 
 
+def ensure_worker(cfg: WorkerConfig) -> None:
+    """init_worker unless this process is already set up for `cfg` (a long-lived Ray worker process
+    runs the tasks of many runs)."""
+    if _WORKER.get("cfg") != cfg:
+        init_worker(cfg)
+
+
 def _text_of(kind: int, payload: bytes | str | None, text_field: str) -> str | UnitResult:
     """The unit's text, or the result of a unit dropped before cleaning (binary, bad JSONL line)."""
     if kind == KIND_TEXT_BYTES:

@@ -15,11 +15,16 @@ class Dedup:
         self.seen: set[bytes] = seen or set()
         self.unsaved: list[bytes] = []
         self.n_saved = n_saved  # digests in the snapshot's file
+        # With the set partitioned by digest (`dedup_partition`): the digests that occur more than once
+        # in the corpus; only those are remembered (any other is never a duplicate). None: all are.
+        self.candidates: set[bytes] | None = None
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self.seen
 
     def add(self, digest: bytes) -> None:
+        if self.candidates is not None and digest not in self.candidates:
+            return  # occurs once in the whole corpus: never looked up again
         self.seen.add(digest)
         self.unsaved.append(digest)
 

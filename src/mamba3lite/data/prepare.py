@@ -1,48 +1,74 @@
-"""Raw text → verified token shards: read → clean → dedup → tokenize (parallel) → pack. Resumable.
+"""Raw text → verified token shards: plan → map (clean + tokenize each work unit) → commit. Resumable.
 
 `prepare(sources, out, options)` is the library form of `mamba3lite prepare`. Each stage has its own
 module: `fit_tokenizer` (with --train-tokenizer: a BPE fit to the train split, before anything else),
-`clean` (the worker side), `workers` (the pool, batched reading), `mixture` (which source is next),
-`packing` (the dedup set, the shard being filled), `stats` (the counters) and `staging` (snapshots,
-resume, the final move); this module is the loop that joins them. The pipeline:
+`plan` (the listing cut into work units), `units` (one unit computed by a worker, the pure function,
+and the driver's reading of it), `clean` (what it does to a document), `workers` (the executor seam and
+the local pool; `ray_executor` for --ray), `mixture` (which source is next), `packing` (the dedup set,
+the shard being filled), `dedup_partition` (--dedup-partitions), `stats` (the counters) and `staging`
+(snapshots, resume, the final move); this module is the driver that joins them. The pipeline:
 
 0. **Fit the tokenizer** (`--train-tokenizer N` only): the sources are read once for the first 16 MB of
    train documents (the split is a hash of the cleaned text, so it is known before any token is), a
    byte-level BPE of N ids is fit to them and written into the staging directory; it is moved into OUT
    as `tokenizer.json` with the shards, and the manifest names it relative to OUT.
 
-1. **Read** (main process): each source (`sources.Source`) yields units in a fixed order.
-2. **Clean + tokenize** (worker processes, `--workers`): decode (UTF-8 without its byte-order mark, or
-   UTF-16/32 after theirs; undecodable bytes → U+FFFD, counted), skip binary files, NFC-normalise,
-   CRLF/CR → LF, drop control characters other than newline and tab, drop empty and `< min_chars`
-   documents, hash the cleaned text (sha256), pick its split from that hash, and encode it; every
-   document is followed by EOS. Batches go to a process pool and come back in
-   submission order, so the result never depends on the number of workers or on timing.
-3. **Mix** (main process): the next document comes from the source with the fewest tokens taken per
-   unit of rate (ties: lowest index). With a target token count, source i stops after
+1. **Plan** (driver): each source's files are listed once, sorted, with sizes and modification times,
+   and cut into work units of about a MiB (`plan`); the plan, with the arguments and its hash, is
+   written to `OUT/.prepare/plan.json`, and a re-run reads it instead of listing again. (An `hf:` stream
+   cannot be read from a position: the driver reads it and cuts it into units of 1,024 rows, shipped
+   with their rows.)
+2. **Map** (the executor: `--workers` processes of this machine, or Ray tasks with `--ray`): each unit
+   is a pure function of (plan, unit), computed by a worker on its own (`units.run_unit`): it reads the
+   unit's files itself, decodes (UTF-8 without its byte-order mark, or UTF-16/32 after theirs;
+   undecodable bytes → U+FFFD, counted), skips binary files, NFC-normalises, turns CRLF/CR into LF,
+   drops control characters other than newline and tab, drops empty and `< min_chars` documents, hashes
+   the cleaned text (sha256), picks its split from that hash and encodes it, EOS after every document;
+   it writes the unit's tokens, an index of 42 bytes per document (outcome, split, counts, digest) and
+   last a completion record with the plan hash and both files' sha256. A unit with a complete, verified
+   record is never computed again. The driver submits each source's units in plan order, a few in
+   flight, and takes their records in that order, so the result never depends on the executor, the
+   number of workers or timing.
+3. **Mix** (driver, from the indexes): the next document comes from the source with the fewest tokens
+   taken per unit of rate (ties: lowest index). With a target token count, source i stops after
    weight_i / Σweights × target tokens and its rate is its weight; without one, every document of every
    source is used and the rate is the source's size on disk. Either way the sources run out together,
    so every shard sees every source. No source is ever repeated: one that runs out early contributes
    what it has (the manifest records what each source contributed).
-4. **Dedup** (main process): exact duplicates of an earlier kept document (same cleaned-text hash, in
-   mixing order) are dropped.
-5. **Pack**: per split, whole documents are appended until the next one would overflow `shard_tokens`;
-   the shard is then written atomically and re-read/verified through `shards.write_shard`. A document
-   longer than `shard_tokens` gets a shard of its own. Documents are never split across shards.
+4. **Dedup** (driver): exact duplicates of an earlier kept document (same cleaned-text hash, in mixing
+   order) are dropped.
+5. **Commit**: per split, whole documents are appended until the next one would overflow `shard_tokens`;
+   the shard is then written from the units' token files (memory-mapped) atomically and re-read/verified
+   through `shards.write_shard`. A document longer than `shard_tokens` gets a shard of its own.
+   Documents are never split across shards. The manifest is written last.
 
 The split is a pure function of a document's cleaned content and `seed` (sha256 → a number in [0, 1),
 below `val_fraction` → val), so it is stable when a source grows.
 
+**What the driver keeps per document.** It reads each unit's index (42 bytes a document) while the unit
+is consumed and drops it after; the partly filled shards are slices of the units' memory-mapped token
+files (bounded by `shard_tokens`, not by the corpus). What grows with the corpus is the dedup set: one
+16-byte digest per kept document in a Python set, measured at ~83 bytes a digest (the bytes object, 56,
+and its share of the hash table), ~90 with the digests not yet snapshotted. A 64 GB driver, leaving
+8 GB for the rest, therefore dedups ~600M kept documents (~0.6-1.2T tokens at 1-2k tokens a document).
+Beyond that, `--dedup-partitions P` partitions the set by digest (`dedup_partition`): after every unit
+is computed, P tasks, each reading the digests of its 1/P of the digest space from every unit's index,
+write the digests that occur more than once in the whole corpus; the driver then keeps in its set only
+those (a document whose digest occurs once is never a duplicate), ~90 bytes per repeated digest, and the
+decisions stay exact and in mixing order: the same bytes out. `--no-dedup` keeps nothing per document.
+
 **Staging and resume.** All work happens in `OUT/.prepare/`; a previous dataset in OUT stays intact
 until the new one is complete, and the manifest is written last. After a shard (at most once a second,
-SNAPSHOT_MIN_INTERVAL_S), a snapshot of the pipeline (per-source cursors, counters, both splits' partly
+SNAPSHOT_MIN_INTERVAL_S), a snapshot of the driver (per-source cursors, counters, both splits' partly
 filled shards, the dedup set) goes to `OUT/.prepare/state.json` (atomically). A re-run with the same
 arguments and unchanged source files re-verifies the shards of the snapshot, restores it and continues
-from there; the result is byte-identical to an uninterrupted run. A failure caused by bad input removes
-the staging directory (a re-run would fail the same way); an interruption (kill, Ctrl-C, disk full, a
-worker killed for memory) leaves it for the resume. A run holds `OUT/.prepare.lock` (mamba3lite.dirlock)
-from before it looks at OUT until the manifest is written, so a second prepare into OUT fails at once
-instead of sharing the staging directory; the file is removed when the run ends.
+from there, reusing every unit already computed; without a usable snapshot it starts the driver afresh
+and still reuses the units. The result is byte-identical to an uninterrupted run, and the summary counts
+the units computed and reused. A failure caused by bad input removes the staging directory (a re-run
+would fail the same way); an interruption (kill, Ctrl-C, disk full, a worker killed for memory, a lost
+node) leaves it for the resume. A run holds `OUT/.prepare.lock` (mamba3lite.dirlock) from before it
+looks at OUT until the manifest is written, so a second prepare into OUT fails at once instead of
+sharing the staging directory; the file is removed when the run ends.
 """
 
 from __future__ import annotations
@@ -53,7 +79,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,14 +89,18 @@ from typing import Any
 import numpy as np
 
 from mamba3lite.atomicfile import atomic_write_bytes
-from mamba3lite.data import shards, staging, workers
+from mamba3lite.data import dedup_partition, ray_executor, shards, staging, units, workers
+from mamba3lite.data import plan as planning
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
 from mamba3lite.data.packing import Packer
+from mamba3lite.data.plan import Plan
 from mamba3lite.data.shards import SPLITS, Manifest
 from mamba3lite.data.sources import Source, format_location
 from mamba3lite.data.staging import LOCK_NAME, STAGE_DIRNAME, PipelineState, Stage
-from mamba3lite.data.stats import PrepareStats
+from mamba3lite.data.stats import PrepareStats, WorkCounts
+from mamba3lite.data.units import UnitJob, UnitRecord
+from mamba3lite.data.workers import Executor, UnitStream
 from mamba3lite.data_identity import TOKENIZER_NAME, vocab_hash_of
 from mamba3lite.dirlock import DirLock
 from mamba3lite.errors import ConfigError, DataError, Mamba3LiteError, TransientError
@@ -107,6 +138,8 @@ class PrepareOptions:
     seed: int = 0  # salts the train/val split hash
     max_docs: int | None = None  # at most this many documents (units) from each source
     progress: bool = False  # progress bars on stderr
+    ray: str | None = None  # a Ray cluster's address ('auto': the one this machine joined) runs the units
+    dedup_partitions: int = 0  # > 0: find the repeated digests in this many tasks first (dedup_partition)
 
     def n_workers(self) -> int:
         return min(4, os.cpu_count() or 1) if self.workers is None else self.workers
@@ -120,12 +153,20 @@ class PrepareOptions:
         if self.min_chars < 0:
             raise ConfigError(f"--min-chars must be >= 0, got {self.min_chars}")
         workers = self.n_workers()
+        if self.ray is not None and not self.ray.strip():
+            raise ConfigError(
+                "--ray needs a cluster address (HOST:PORT, or auto for the local node's cluster)"
+            )
         if workers < 0:
             raise ConfigError(f"--workers must be >= 0 (0 = in this process), got {workers}")
         if workers > (most := 4 * (os.cpu_count() or 1)):  # each is a process with its own tokenizer
             raise ConfigError(f"--workers {workers} is more than 4 per CPU of this machine (at most {most})")
         if self.target_tokens is not None and self.target_tokens < 1:
             raise ConfigError(f"--target-tokens must be >= 1, got {self.target_tokens}")
+        if self.dedup_partitions < 0:
+            raise ConfigError(
+                f"--dedup-partitions must be >= 0 (0 = one set in the driver), got {self.dedup_partitions}"
+            )
         if self.max_docs is not None and self.max_docs < 1:
             raise ConfigError(f"--max-docs must be >= 1, got {self.max_docs}")
         if self.train_tokenizer is not None:
@@ -172,6 +213,7 @@ class PrepareSummary:
     stats: dict
     seconds: float
     resumed_shards: int  # shards kept from an interrupted earlier run
+    work: WorkCounts | None = None  # the units computed and reused, and where (None: nothing computed)
 
     @property
     def n_tokens(self) -> int:
@@ -203,6 +245,8 @@ class PrepareSummary:
             f"{len(m.shards)} shards, {shard_bytes / 1e6:.2f} MB on disk, {self.seconds:.1f} s, "
             f"{rate:,.0f} tokens/s{resumed}",
         ]
+        if self.work is not None:
+            lines += self.work.table()
         val_fraction = m.extra.get("prepare", {}).get("val_fraction", 0)
         if val_fraction and not m.split_shards("val"):
             lines.append(
@@ -255,16 +299,31 @@ class _Run:
     """One execution of the pipeline into the staging directory; see the module docstring."""
 
     def __init__(
-        self, stage: Stage, sources: list[Source], mixer: Mixer, stats: PrepareStats, opts: PrepareOptions
+        self,
+        stage: Stage,
+        plan: Plan,
+        sources: list[Source],
+        mixer: Mixer,
+        stats: PrepareStats,
+        opts: PrepareOptions,
     ):
         self.stage = stage
+        self.plan = plan
         self.sources = sources
         self.opts = opts
         self.mixer = mixer
         self.state = PipelineState.fresh(stats)
         self.resumed_shards = 0
+        self.work = WorkCounts()
         self._sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
         self._last_snapshot = time.monotonic()
+
+    def unit_items(self, i: int) -> Iterator[tuple[planning.WorkUnit, list | None]]:
+        """Source i's units from its cursor on, each with its rows when it is a stream's (hf:)."""
+        start = self.state.cursors[i][0]
+        if self.sources[i].hf is not None:
+            return planning.stream_units(self.sources[i], i, start)
+        return ((unit, None) for unit in self.plan.units[i][start:])
 
     def try_resume(self) -> str | None:
         """Restore the staged snapshot; None when resumed, else why not (the caller starts afresh)."""
@@ -305,11 +364,11 @@ class _Run:
             time.sleep(self._sleep)
 
     def _consume(self, i: int, loc: Any, r: UnitResult, progress: _Progress) -> None:
-        """Count, filter, dedup and pack source i's next unit."""
+        """Count, filter, dedup and pack source i's next document."""
         state, dedup = self.state, self.opts.dedup
         if r.status == KEPT and not (dedup and r.digest in state.dedup):
             self._make_room(r)
-        state.cursors[i] += 1
+        state.cursors[i][1] += 1
         state.stats.read(i, r.n_replaced)
         if r.status == BAD_LINE and not self.opts.skip_bad_lines:
             raise DataError(f"{format_location(loc)}: {r.problem}")
@@ -326,15 +385,27 @@ class _Run:
         state.stats.keep(i, r.split, int(r.tokens.size), r.n_bytes, r.n_special)
         progress.on_kept(r.tokens.size, r.n_bytes)
 
-    def run(self, pool, depth: int) -> None:
-        """Mix, dedup and pack every source's units into shards in the stage (the last ones included)."""
+    def run(self, executor: Executor, depth: int) -> None:
+        """Mix, dedup and pack every source's documents into shards in the stage (the last ones
+        included), `executor` computing the units, up to `depth` per source in flight."""
         progress = _Progress(self.opts.progress)
-        submit = workers.submitter(pool)
+        self.work.executor = executor.describe()
+
+        def on_record(record: UnitRecord) -> None:
+            self.work.add(record)
+            progress.on_read(record.n_docs, record.n_bytes_read)
+
+        max_docs, per_source = self.opts.max_docs, self.state.stats.sources
         streams = [
-            workers.UnitStream(src.units(self.state.cursors[i]), submit, depth, progress.on_read)
-            for i, src in enumerate(self.sources)
+            units.SourceDocs(
+                self.stage.dir,
+                self.stage.dtype,
+                UnitStream(self.unit_items(i), executor, depth, on_record).next,
+                self.state.cursors[i],
+                None if max_docs is None else max_docs - per_source[i].documents_in,
+            )
+            for i in range(len(self.plan.units))
         ]
-        per_source = self.state.stats.sources
         active = [i for i in range(len(streams)) if not per_source[i].exhausted]
         try:
             while (i := self.mixer.pick(self.state.taken, active)) is not None:
@@ -399,22 +470,23 @@ def prepare(
     t_start = time.perf_counter()
     opts = dataclasses.replace(options or PrepareOptions(), **fields)
     specs, opts = _resolve_specs(sources, mixture, opts)
-    resolved = [Source(s.spec, text_field=opts.text_field, max_docs=opts.max_docs) for s in specs]
     out = Path(out)
-    _skip_own_output(resolved, out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
+    if opts.ray is not None:
+        ray_executor.check(opts.ray)  # before any source is read or anything written
+    resolved, listing = _list_sources(specs, opts, out)
     tok = _DatasetTokenizer.make(resolved, opts)  # fit to the train split before anything is written
     out_existed = out.exists()
     with _lock(out):
         record = opts.args_record(specs, tok.record)
+        plan = Plan([s.spec for s in specs], listing, record)
         try:
             mixer = Mixer(
-                [s.weight for s in specs], [src.size_bytes() for src in resolved], opts.target_tokens
+                [s.weight for s in specs], plan.size_bytes(opts.max_docs, resolved), opts.target_tokens
             )
-            fingerprints = [src.fingerprint() for src in resolved]
-            stage = Stage(out, record, fingerprints, shards.dtype_for_vocab(tok.vocab_size))
-            run = _Run(stage, resolved, mixer, PrepareStats.new(specs), opts)
+            stage = Stage(out, record, [plan.listing_hash], shards.dtype_for_vocab(tok.vocab_size))
+            run = _Run(stage, plan, resolved, mixer, PrepareStats.new(specs), opts)
         except Mamba3LiteError:  # a source that cannot be read: leave no empty `out` behind
             if not out_existed:
                 shutil.rmtree(out, ignore_errors=True)
@@ -424,12 +496,35 @@ def prepare(
             return PrepareSummary(out, finished, finished.extra["stats"], seconds, len(finished.shards))
         _check_out(out, record, opts.overwrite)
         _start_or_resume(run)
+        plan.save(stage.dir)
         cfg = WorkerConfig(tok.stage(stage), opts.min_chars, opts.text_field, opts.seed, opts.val_fraction)
-        _run_pipeline(run, cfg, out_existed)
+        _run_pipeline(
+            run, UnitJob(cfg, str(stage.dir), plan.hash, opts.max_docs, _test_unit_sleep()), out_existed
+        )
         manifest = _manifest(run, tok)
         stage.finalize(manifest)
         seconds = time.perf_counter() - t_start
-        return PrepareSummary(out, manifest, manifest.extra["stats"], seconds, run.resumed_shards)
+        return PrepareSummary(out, manifest, manifest.extra["stats"], seconds, run.resumed_shards, run.work)
+
+
+def _test_unit_sleep() -> float:
+    return float(os.environ.get(units.UNIT_SLEEP_ENV, "0") or 0)
+
+
+def _list_sources(
+    specs: list[SourceSpec], opts: PrepareOptions, out: Path
+) -> tuple[list[Source], list[list[planning.WorkUnit]]]:
+    """The sources and their work units: from the plan an earlier run of these sources recorded in the
+    staging directory (nothing listed again; its files only stat'ed), else listed now."""
+    names = [s.spec for s in specs]
+    listing = planning.read_listing(out / STAGE_DIRNAME, names)
+    if listing is not None:
+        recorded = Plan(names, listing, {})
+        if recorded.changed() is None:
+            return recorded.sources(opts.text_field, opts.max_docs), listing
+    resolved = [Source(s.spec, text_field=opts.text_field, max_docs=opts.max_docs) for s in specs]
+    _skip_own_output(resolved, out)
+    return resolved, planning.list_units(resolved)
 
 
 @dataclass(frozen=True)
@@ -502,23 +597,62 @@ def _discard(stage: Stage, out_existed: bool) -> None:
 
 
 def _start_or_resume(run: _Run) -> None:
-    stage = run.stage.dir
-    if stage.is_dir() and (why := run.try_resume()) is not None:
-        print(f"note: not resuming the unfinished run in {stage}: {why}; starting afresh", file=sys.stderr)
-        shutil.rmtree(stage)
+    stage = run.stage
+    if stage.dir.is_dir() and (why := run.try_resume()) is not None:
+        print(
+            f"note: not resuming the unfinished run in {stage.dir}: {why}; starting afresh", file=sys.stderr
+        )
+        stage.clear()  # the units' records stay: each is reused if it belongs to this plan and verifies
     if run.resumed_shards:
         print(f"resuming: {run.resumed_shards} shards already done and verified", file=sys.stderr)
-    stage.mkdir(parents=True, exist_ok=True)
+    stage.dir.mkdir(parents=True, exist_ok=True)
 
 
-def _run_pipeline(run: _Run, cfg: WorkerConfig, out_existed: bool) -> None:
-    """Run the pipeline with its worker pool. Bad input removes the staging directory (the same
-    arguments would fail the same way); an interruption or a lost worker leaves it for the resume."""
-    n_workers = run.opts.n_workers()
-    pool = None
+def _executor(opts: PrepareOptions, job: UnitJob) -> Executor:
+    """The local pool, or a Ray cluster with --ray (Ray is imported only then)."""
+    if opts.ray is None:
+        return workers.LocalPool(job, opts.n_workers())
+    return ray_executor.RayExecutor(opts.ray, job)
+
+
+def _partition_dedup(run: _Run, executor: Executor, depth: int) -> Executor:
+    """The pre-pass of a partitioned dedup (`dedup_partition`): compute every unit not yet consumed (up
+    to `depth` in flight), find the digests that occur more than once in `dedup_partitions` tasks, and
+    make them the dedup's candidates. Returns the executor answering from the records computed here."""
+    records: dict[str, UnitRecord] = {}
+    window: deque = deque()
+    for i in range(len(run.plan.units)):
+        try:
+            for unit, rows in run.unit_items(i):
+                window.append((unit.key, executor.submit(unit, rows)))
+                if len(window) >= depth:
+                    key, handle = window.popleft()
+                    records[key] = handle.result()
+        except Mamba3LiteError:
+            pass  # a stream's read error: raised again where the driver reaches it (it reads it again)
+    while window:
+        key, handle = window.popleft()
+        records[key] = handle.result()
+    n_parts = run.opts.dedup_partitions
+    stage = str(run.stage.dir)
+    handles = [executor.call(dedup_partition.duplicate_digests, stage, p, n_parts) for p in range(n_parts)]
+    for handle in handles:
+        handle.result()
+    run.state.dedup.candidates = dedup_partition.load_candidates(stage, n_parts)
+    run.work.dedup_partitions, run.work.dedup_candidates = n_parts, len(run.state.dedup.candidates)
+    return workers.Prefetched(executor, records)
+
+
+def _run_pipeline(run: _Run, job: UnitJob, out_existed: bool) -> None:
+    """Run the pipeline with its executor. Bad input removes the staging directory (the same arguments
+    would fail the same way); an interruption or a lost worker leaves it for the resume."""
+    executor = None
     try:
-        pool = workers.start_pool(cfg, n_workers)
-        run.run(pool, depth=2 * n_workers + 1 if n_workers else 1)
+        executor = _executor(run.opts, job)
+        depth = 2 * executor.parallelism + 1 if run.opts.ray is not None or run.opts.n_workers() else 1
+        if run.opts.dedup and run.opts.dedup_partitions:
+            executor = _partition_dedup(run, executor, depth)
+        run.run(executor, depth)
     except BrokenProcessPool as e:
         raise Mamba3LiteError(
             f"a tokenizer worker process died (killed for memory?); the shards done so far are kept in "
@@ -530,8 +664,8 @@ def _run_pipeline(run: _Run, cfg: WorkerConfig, out_existed: bool) -> None:
         _discard(run.stage, out_existed)
         raise
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)  # batches still queued (a target was reached)
+        if executor is not None:
+            executor.close()
     stats = run.state.stats
     if stats.kept == 0:
         _discard(run.stage, out_existed)

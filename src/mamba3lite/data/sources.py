@@ -407,6 +407,30 @@ class Source:
                 f"cannot read {unreadable[0]}{more}: permission denied; fix the permissions or leave it out"
             )
 
+    @classmethod
+    def from_listing(
+        cls,
+        spec: str,
+        files: list[Path],
+        *,
+        text_field: str = "text",
+        max_docs: int | None = None,
+        objects: list[ObjectInfo] | None = None,
+    ) -> Source:
+        """The source `spec` with the files (or, for a URL, the `objects`) a recorded plan listed
+        (`data.plan`): nothing is listed again, so a resume, or a worker reading one unit of the plan,
+        costs no directory walk."""
+        src = cls.__new__(cls)
+        src.spec, src.text_field, src.max_docs = spec, text_field, max_docs
+        src.files, src.skipped_datasets = list(files), []
+        src.store = Store(spec) if objects is not None else None
+        src.objects = list(objects or [])
+        src.hf = None
+        if spec.startswith("hf:"):
+            parts = spec[3:].split(":")
+            src.hf = (parts[0], parts[1] if len(parts) == 2 and parts[1] else None)
+        return src
+
     def __repr__(self) -> str:
         return f"Source({self.spec!r})"
 
@@ -602,7 +626,61 @@ class Source:
             ahead[p] = pool.submit(self.store.read, obj, limit=intake.SOURCE_DOCUMENT.max_bytes)
             in_flight += obj.size
 
-    def _parquet_texts(self, path: Path | ObjectInfo) -> Iterator[str | None]:
+    def parquet_row_group_bytes(self, path: Path) -> list[int]:
+        """The (uncompressed) size of each row group of a .parquet file, from its footer: how a plan cuts
+        a large one into units."""
+        meta = self._open_parquet(path).metadata
+        return [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+
+    def part_units(self, path: Path, part: tuple[int, int]) -> Iterator[Unit]:
+        """The units of one part of a large file, as a plan cut it (`data.plan`), at most `max_docs`:
+        of a .jsonl file the lines that start in bytes [begin, end) (located as `path byte N`: a line
+        number would need the file read from its start); of a .parquet file the rows of row groups
+        [begin, end) (numbered as in the whole file)."""
+        if path.name.lower().endswith(".parquet"):
+            pf = self._open_parquet(path)
+            first = sum(pf.metadata.row_group(g).num_rows for g in range(part[0])) + 1
+            texts = self._parquet_texts(path, row_groups=list(range(*part)))
+            gen: Iterator[Unit] = (((str(path), row), KIND_STR, t) for row, t in enumerate(texts, first))
+        else:
+            gen = self._jsonl_range(path, *part)
+        return itertools.islice(gen, self.max_docs) if self.max_docs is not None else gen
+
+    @staticmethod
+    def _jsonl_range(path: Path, begin: int, end: int) -> Iterator[Unit]:
+        cap = intake.MAX_SOURCE_LINE_BYTES
+        with intake.open_regular(path, intake.SOURCE_JSONL) as f:
+
+            def rest_of_line(line: bytes) -> int:  # bounded reads to the end of a long line
+                n = 0
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(cap + 1)
+                    n += len(line)
+                return n
+
+            pos = max(begin - 1, 0)
+            f.seek(pos)
+            if begin:  # the line that holds byte begin - 1 started in the part before
+                line = f.readline(cap + 1)
+                pos += len(line) + rest_of_line(line)
+            while pos < end:
+                line = f.readline(cap + 1)
+                if not line:
+                    return
+                where = f"{path} byte {pos}"
+                pos += len(line)
+                if len(line) > cap:
+                    pos += rest_of_line(line)
+                    raise DataError(
+                        f"{where}: a line longer than {cap // intake.MiB} MiB, more than one document "
+                        "may be; split that document, or fix the file if it is not JSON lines"
+                    )
+                if line.strip():
+                    yield where, KIND_JSONL, line
+
+    def _parquet_texts(
+        self, path: Path | ObjectInfo, row_groups: list[int] | None = None
+    ) -> Iterator[str | None]:
         pf = self._open_parquet(path)
         names = pf.schema_arrow.names
         if self.text_field not in names:
@@ -621,7 +699,7 @@ class Source:
                 f"{path}: column {self.text_field!r} holds {kind}, not text; fix: --text-field NAME of a "
                 "string column"
             )
-        batches = pf.iter_batches(columns=[self.text_field], batch_size=1024)
+        batches = pf.iter_batches(columns=[self.text_field], batch_size=1024, row_groups=row_groups)
         while True:
             try:  # damaged pages fail here, in the middle of the file
                 batch = next(batches, None)

@@ -7,6 +7,8 @@
       pending.N.bin         both splits' partly filled shards at snapshot N (train's tokens, then val's)
       seen.bin              the dedup digests, appended at each snapshot (state.json says how many count)
       commit.json           written when the dataset is complete, before it is moved into OUT
+      plan.json             the plan: the sources' listing cut into work units, the arguments (`plan`)
+      units/                each work unit's tokens, index and completion record (`units`)
 
 A snapshot is taken right after a shard is written. A re-run with the same arguments and unchanged
 source files re-verifies the snapshot's shards and restores it (`Stage.restore`). When the dataset is
@@ -29,6 +31,7 @@ from mamba3lite import intake
 from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.data.clean import DIGEST_BYTES
 from mamba3lite.data.packing import Dedup, Packer
+from mamba3lite.data.plan import PLAN_NAME
 from mamba3lite.data.shards import (
     MANIFEST_NAME,
     SPLITS,
@@ -38,6 +41,7 @@ from mamba3lite.data.shards import (
     is_own_tokenizer,
 )
 from mamba3lite.data.stats import PrepareStats
+from mamba3lite.data.units import UNITS_DIRNAME
 from mamba3lite.data_identity import TOKENIZER_NAME
 from mamba3lite.errors import Mamba3LiteError
 
@@ -50,10 +54,11 @@ SEEN_NAME = "seen.bin"
 
 @dataclass
 class PipelineState:
-    """Everything a snapshot holds, besides the arguments: per-source cursors (units consumed) and tokens
-    taken, the counters, the dedup set, the shards written and both splits' partly filled shards."""
+    """Everything a snapshot holds, besides the arguments: per-source cursors ([work unit, documents of
+    it consumed]) and tokens taken, the counters, the dedup set, the shards written and both splits'
+    partly filled shards."""
 
-    cursors: list[int]
+    cursors: list[list[int]]
     taken: list[int]
     stats: PrepareStats
     dedup: Dedup
@@ -63,7 +68,7 @@ class PipelineState:
     @classmethod
     def fresh(cls, stats: PrepareStats) -> PipelineState:
         n = len(stats.sources)
-        return cls([0] * n, [0] * n, stats, Dedup(), [], {s: Packer(s) for s in SPLITS})
+        return cls([[0, 0] for _ in range(n)], [0] * n, stats, Dedup(), [], {s: Packer(s) for s in SPLITS})
 
 
 def _sha256(tokens: np.ndarray) -> str:
@@ -178,6 +183,17 @@ class Stage:
             with open(self.dir / SEEN_NAME, "r+b") as f:  # drop digests appended after the snapshot
                 f.truncate(state.dedup.n_saved * DIGEST_BYTES)
         return state
+
+    def clear(self) -> None:
+        """Remove the snapshot and the shards, keeping the plan and the work units' records (`units`):
+        a run that starts afresh reuses each unit that belongs to its plan and verifies."""
+        for p in self.dir.iterdir():
+            if p.name in (UNITS_DIRNAME, PLAN_NAME):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
     def finished_manifest(self) -> Manifest | None:
         """The staged manifest when an earlier run of these same arguments, on the same source files,

@@ -1,4 +1,5 @@
-"""What `prepare` counted: documents read, kept and dropped (by reason), per source and split.
+"""What `prepare` counted: documents read, kept and dropped (by reason), per source and split; and the
+work units computed and reused, per node (`WorkCounts`, the summary's only).
 
 `PrepareStats.to_dict()` is the manifest's `extra["stats"]` (a contract: its keys and their order do not
 change) and, with the internal `exhausted` flags, part of the resume snapshot; `from_dict` reads the
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mamba3lite.data.shards import SPLITS
+
+if TYPE_CHECKING:
+    from mamba3lite.data.units import UnitRecord
 
 DROP_REASONS = ("too_short", "duplicate", "binary", "empty", "bad_lines")
 
@@ -111,3 +115,43 @@ class PrepareStats:
             replaced_bytes=int(d["replaced_bytes"]),
             special_tokens_removed=int(d["special_tokens_removed"]),
         )
+
+
+@dataclass
+class WorkCounts:
+    """The work units of a run: how many were computed and how many reused (a complete, verified record
+    from an interrupted run, or one Ray re-ran after a node was lost), and per node: units, documents,
+    tokens and the seconds its tasks took (throughput = tokens / task seconds: per worker, not per node)."""
+
+    executor: str = ""
+    computed: int = 0
+    reused: int = 0
+    nodes: dict = field(default_factory=dict)  # node -> [units, documents, tokens, seconds]
+    dedup_partitions: int = 0  # tasks the dedup set was partitioned into (0: not partitioned)
+    dedup_candidates: int = 0  # digests occurring more than once: all the driver's set may hold
+
+    def add(self, record: UnitRecord) -> None:
+        if record.reused:
+            self.reused += 1
+            return
+        self.computed += 1
+        n = self.nodes.setdefault(record.node, [0, 0, 0, 0.0])
+        n[0] += 1
+        n[1] += record.n_docs
+        n[2] += record.n_tokens
+        n[3] += record.seconds
+
+    def table(self) -> list[str]:
+        lines = [f"units: {self.computed:,} computed, {self.reused:,} reused ({self.executor})"]
+        if self.dedup_partitions:
+            lines.append(
+                f"dedup: partitioned by digest into {self.dedup_partitions} tasks; "
+                f"{self.dedup_candidates:,} digests occur more than once (all the driver remembers)"
+            )
+        for node, (n_units, n_docs, n_tokens, secs) in sorted(self.nodes.items()):
+            rate = n_tokens / secs if secs > 0 else float("nan")
+            lines.append(
+                f"  node {node}: {n_units:,} units, {n_docs:,} documents, {n_tokens:,} tokens, "
+                f"{rate:,.0f} tokens/s per task"
+            )
+        return lines

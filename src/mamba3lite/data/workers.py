@@ -1,8 +1,11 @@
-"""The parallel stage of `prepare`: tokenizer worker processes and each source's units read in batches.
+"""The executor seam of `prepare`, and its local implementation: a pool of worker processes.
 
-`start_pool` starts the workers (fork where available) before any thread of ours exists; `UnitStream`
-reads one source's units in batches, keeps up to `depth` batches in flight and yields the results in
-submission order, so the output never depends on the number of workers or on timing.
+An executor computes work units (`units.run_unit`) and hands back their records: `submit(unit)` returns
+a handle whose `.result()` is the unit's `UnitRecord`; `parallelism` says how many run at once; `close()`
+stops it. `LocalPool` is the processes of this machine (`--workers`); `ray_executor.RayExecutor` is a Ray
+cluster (`--ray`). `prepare` never asks which one it has. `UnitStream` submits one source's units in
+order, keeps up to `depth` in flight, and yields their records in plan order, so the output never depends
+on the executor, the number of workers or timing.
 """
 
 from __future__ import annotations
@@ -15,16 +18,34 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Protocol
 
-from mamba3lite.data import clean
-from mamba3lite.data.clean import UnitResult, WorkerConfig
-from mamba3lite.data.sources import Location
-
-_BATCH_UNITS = 512
-_BATCH_BYTES = 256 * 1024
+from mamba3lite.data import clean, units
+from mamba3lite.data.plan import WorkUnit
+from mamba3lite.data.units import UnitJob, UnitRecord
 
 
-def _init_pool_worker(cfg: WorkerConfig, parent: int) -> None:
+class Handle(Protocol):
+    def result(self) -> UnitRecord: ...
+
+
+class Executor(Protocol):
+    """Computes work units: the local pool or a Ray cluster."""
+
+    parallelism: int  # units computed at once
+
+    def submit(self, unit: WorkUnit, rows: list | None = None) -> Handle: ...
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """Any other task (a module-level function): a handle whose .result() is fn(*args)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+def _init_pool_worker(cfg: clean.WorkerConfig, parent: int) -> None:
     # Ctrl-C is the main process's to handle (it stops the pool); workers would only add tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker whose parent was killed (SIGKILL, OOM killer) would otherwise wait on the task queue
@@ -47,92 +68,126 @@ def _start_method():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def start_pool(cfg: WorkerConfig, workers: int) -> ProcessPoolExecutor | None:
-    """`workers` started tokenizer processes, or None (and this process set up as the worker) for 0.
+def _run_unit(job: UnitJob, unit: WorkUnit, rows: list | None = None) -> UnitRecord:
+    return units.run_unit(job, unit, rows)  # looked up at call time: a test can replace the worker function
+
+
+class _Lazy:
+    """A task run in this process when its result is asked for (workers=0): a Future's interface."""
+
+    def __init__(self, fn: Callable, *args: Any) -> None:
+        self._fn, self._args = fn, args
+
+    def result(self) -> Any:
+        return self._fn(*self._args)
+
+
+class LocalPool:
+    """`workers` processes of this machine (0: this process computes each unit when it is needed).
 
     A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies (killed for memory) a Pool loses
     its task and waits forever; the executor raises BrokenProcessPool."""
-    if not workers:
-        clean.init_worker(cfg)
-        return None
-    pool = ProcessPoolExecutor(
-        workers, mp_context=_start_method(), initializer=_init_pool_worker, initargs=(cfg, os.getpid())
-    )
-    pool.submit(int).result()  # start the workers now, before any thread of ours exists
-    return pool
 
+    def __init__(self, job: UnitJob, workers: int) -> None:
+        self._job = job
+        self.parallelism = max(workers, 1)
+        self._workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+        if not workers:
+            clean.init_worker(job.cfg)
+            return
+        self._pool = ProcessPoolExecutor(
+            workers,
+            mp_context=_start_method(),
+            initializer=_init_pool_worker,
+            initargs=(job.cfg, os.getpid()),
+        )
+        self._pool.submit(int).result()  # start the workers now, before any thread of ours exists
 
-class _Ready:
-    """A batch processed lazily in this process (workers=0): the same interface as a Future."""
+    def submit(self, unit: WorkUnit, rows: list | None = None) -> Handle:
+        return self.call(_run_unit, self._job, unit, rows)
 
-    def __init__(self, items: list) -> None:
-        self._items = items
+    def call(self, fn: Callable, *args: Any) -> Any:
+        if self._pool is None:
+            return _Lazy(fn, *args)
+        return self._pool.submit(fn, *args)
 
-    def result(self) -> list[UnitResult]:
-        # Looked up at call time, so a test can replace the worker function.
-        return clean.process_batch(self._items)
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)  # units still queued (a target was reached)
 
-
-def submitter(pool: ProcessPoolExecutor | None) -> Callable[[list], object]:
-    """items -> a handle whose .result() is process_batch(items): in `pool`, or lazily here."""
-    if pool is None:
-        return _Ready
-    return lambda items: pool.submit(clean.process_batch, items)
+    def describe(self) -> str:
+        return f"{self._workers} local worker process(es)" if self._workers else "this process"
 
 
 class UnitStream:
-    """One source's units, processed in batches with up to `depth` batches in flight, yielded in order
-    as (location, result)."""
+    """One source's units, (unit, rows or None) in plan order, computed by `executor` with up to `depth`
+    in flight, their records yielded in that order; `on_record` is called with each as it is taken. An
+    error reading the units (an hf: stream's) is raised once the units before it were taken."""
 
-    def __init__(self, units: Iterator, submit, depth: int, on_read: Callable[[int, int], None]) -> None:
-        self._units = units
-        self._submit = submit
+    def __init__(
+        self,
+        unit_items: Iterator[tuple[WorkUnit, list | None]],
+        executor: Executor,
+        depth: int,
+        on_record: Callable[[UnitRecord], None],
+    ) -> None:
+        self._units = unit_items
+        self._executor = executor
         self._depth = depth
-        self._on_read = on_read
+        self._on_record = on_record
         self._pending: deque = deque()
-        self._current: Iterator = iter(())
-        self._reading = True
-
-    def _read_batch(self) -> tuple[list, list, int, Exception | None]:
-        locs, items, n_bytes = [], [], 0
-        try:
-            for loc, kind, payload in self._units:
-                locs.append(loc)
-                items.append((kind, payload))
-                n_bytes += len(payload) if payload is not None else 0
-                if len(items) >= _BATCH_UNITS or n_bytes >= _BATCH_BYTES:
-                    break
-        except Exception as e:  # re-raised by next() at this position
-            # A read error (a truncated archive, a damaged Parquet page) is raised where the consumer
-            # reaches it: read-ahead depth grows with --workers, and a run that reaches its target
-            # first must not fail with more workers when it succeeds with fewer.
-            return locs, items, n_bytes, e
-        return locs, items, n_bytes, None
+        self._error: Exception | None = None
 
     def _fill(self) -> None:
-        while self._reading and len(self._pending) < self._depth:
-            locs, items, n_bytes, error = self._read_batch()
-            if items:
-                self._on_read(len(items), n_bytes)
-                self._pending.append((locs, self._submit(items)))
-            if error is not None or not items:
-                self._reading = False
-                if error is not None:
-                    self._pending.append((None, error))
+        while self._error is None and len(self._pending) < self._depth:
+            try:
+                item = next(self._units, None)
+            except Exception as e:  # raised by next() at this position
+                self._error = e
                 return
+            if item is None:
+                return
+            self._pending.append(self._executor.submit(*item))
 
-    def next(self) -> tuple[Location, UnitResult] | None:
-        """The next (location, result), or None when the source is exhausted."""
-        while True:
-            nxt = next(self._current, None)
-            if nxt is not None:
-                return nxt
-            self._fill()
-            if not self._pending:
-                return None
-            locs, handle = self._pending.popleft()
-            if locs is None:
-                raise handle
-            results = handle.result()
-            self._fill()  # keep the workers busy while this batch is consumed
-            self._current = zip(locs, results)
+    def next(self) -> UnitRecord | None:
+        """The next unit's record, or None when the source has no more units."""
+        self._fill()
+        if not self._pending:
+            if self._error is not None:
+                raise self._error
+            return None
+        record = self._pending.popleft().result()
+        self._fill()  # keep the workers busy while this unit is consumed
+        self._on_record(record)
+        return record
+
+
+class _Done:
+    def __init__(self, record: UnitRecord) -> None:
+        self._record = record
+
+    def result(self) -> UnitRecord:
+        return self._record
+
+
+class Prefetched:
+    """`executor` with the records of units already computed (the pre-pass of a partitioned dedup): a
+    unit submitted again is answered from them (each once), any other goes to the executor."""
+
+    def __init__(self, executor: Executor, records: dict[str, UnitRecord]) -> None:
+        self._executor, self._records = executor, records
+        self.parallelism = executor.parallelism
+
+    def submit(self, unit: WorkUnit, rows: list | None = None) -> Handle:
+        record = self._records.pop(unit.key, None)
+        return _Done(record) if record is not None else self._executor.submit(unit, rows)
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        return self._executor.call(fn, *args)
+
+    def close(self) -> None:
+        self._executor.close()
+
+    def describe(self) -> str:
+        return self._executor.describe()

@@ -1,0 +1,369 @@
+"""One work unit of `prepare`, computed by a worker on its own: `run_unit(job, unit)`.
+
+A pure function of (plan, unit): the worker reads the unit's files from their paths (checking each
+against the size and modification time the plan recorded), decodes, cleans, hashes, splits and
+tokenizes every document (`clean.process_batch`), and writes into the staging directory
+
+    units/KEY.tok    the kept documents' tokens, EOS after each, raw little-endian in the dataset's dtype
+    units/KEY.idx    one INDEX_DTYPE row per document read, in order: outcome, split, counts, digest
+    units/KEY.json   the completion record, last: the plan hash, counts, both files' sha256, the bad
+                     JSONL lines (position, location, problem), who computed it and in how long
+
+The driver reads only the index (42 bytes a document) and the record; it opens a unit's token file
+only to copy kept documents into a shard. A unit whose record exists, names this plan and whose two
+files verify is never computed again (`stored_record`): a resumed run, or a task Ray re-runs after a
+node was lost, returns it as it is.
+
+A read error in the middle of a unit (a damaged Parquet page, a truncated archive) ends it: the
+documents before it are written, and the record, returned but not saved (a re-run would meet the same
+error), carries the error, which the driver raises when it reaches that position (a run that reaches its
+target first does not fail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mamba3lite import intake
+from mamba3lite.atomicfile import sha256_file
+from mamba3lite.data import clean
+from mamba3lite.data.clean import BAD_LINE, KEPT, UnitResult, WorkerConfig
+from mamba3lite.data.plan import WorkUnit, is_object, listed_source
+from mamba3lite.data.sources import format_location
+from mamba3lite.errors import DataError, Mamba3LiteError, TransientError
+
+UNITS_DIRNAME = "units"
+_SPLIT_CODES = {"train": 0, "val": 1}
+SPLIT_NAMES = ("train", "val")
+INDEX_DTYPE = np.dtype(
+    [
+        ("status", "u1"),  # clean.KEPT, EMPTY, ...
+        ("split", "u1"),  # 0 train, 1 val
+        ("n_replaced", "<u4"),
+        ("n_special", "<u4"),
+        ("n_tokens", "<u8"),  # EOS included; 0 unless kept
+        ("n_bytes", "<u8"),  # of the cleaned text, UTF-8
+        ("digest", "u1", (clean.DIGEST_BYTES,)),
+    ]
+)
+# Units are read and tokenized in batches of at most this many documents or bytes (as the pool's were).
+_BATCH_UNITS = 512
+_BATCH_BYTES = 256 * 1024
+# Test hook, read by the driver into UnitJob.test_sleep_s: a fault test can then lose a node while
+# its units are running.
+UNIT_SLEEP_ENV = "MAMBA3LITE_PREPARE_TEST_UNIT_SLEEP_S"
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """What every task of a run shares: the worker settings, the staging directory, the plan's hash."""
+
+    cfg: WorkerConfig  # tokenizer and the settings that change a document's outcome
+    stage_dir: str  # OUT/.prepare, on storage every worker sees
+    plan_hash: str  # `Plan.hash`; a record of another plan is never reused
+    max_docs: int | None  # no unit needs more documents than its source may give
+    test_sleep_s: float = 0.0  # test hook (UNIT_SLEEP_ENV): seconds each computed unit sleeps first
+
+
+@dataclass
+class UnitRecord:
+    """A computed unit (the completion record, `units/KEY.json`)."""
+
+    key: str
+    plan_hash: str
+    n_docs: int  # documents read (index rows)
+    n_tokens: int  # tokens in the token file
+    n_bytes_read: int  # raw bytes of the unit's files
+    tok_sha256: str
+    idx_sha256: str
+    problems: list = field(default_factory=list)  # [doc position, location, problem] of bad JSONL lines
+    error: str | None = None  # a read error after the n_docs documents (never in a saved record)
+    transient: bool = False  # the error is a network's: the staged work is kept for a re-run
+    node: str = ""  # where it was computed
+    seconds: float = 0.0  # how long it took there
+    reused: bool = False  # found complete and verified instead of computed
+
+
+def units_dir(stage_dir: str | Path) -> Path:
+    return Path(stage_dir) / UNITS_DIRNAME
+
+
+def _paths(stage_dir: str | Path, key: str) -> tuple[Path, Path, Path]:
+    d = units_dir(stage_dir)
+    return d / f"{key}.tok", d / f"{key}.idx", d / f"{key}.json"
+
+
+def stored_record(job: UnitJob, unit: WorkUnit) -> UnitRecord | None:
+    """The unit's saved record if it names this plan and both its files verify, else None."""
+    tok, idx, rec = _paths(job.stage_dir, unit.key)
+    try:
+        record = UnitRecord(**intake.read_json(rec, intake.STAGE_STATE))
+    except (Mamba3LiteError, OSError, TypeError):
+        return None
+    if record.plan_hash != job.plan_hash or record.key != unit.key or record.error is not None:
+        return None
+    try:
+        for path in (tok, idx):  # through the border first: a pipe put there would block the hash
+            intake.regular_file_size(path, intake.STAGE_DATA)
+        if sha256_file(tok) != record.tok_sha256 or sha256_file(idx) != record.idx_sha256:
+            return None
+    except (Mamba3LiteError, OSError):
+        return None
+    record.reused = True
+    return record
+
+
+class _StagedFile:
+    """A unit's file written under a temporary name and renamed into place, hashed as it is written.
+    Not fsync'ed (unlike the dataset's own files): a unit is only ever reused after its record and both
+    files verify against each other, so a crash that loses or tears one costs a recomputation, never
+    a wrong byte; skipping three fsyncs a unit keeps the staging cheap."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd, self._tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        self._f = os.fdopen(fd, "wb", buffering=1 << 20)
+        self._sha = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+        self._sha.update(data)
+
+    def commit(self) -> str:
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+
+
+def write_staged(path: Path, data: bytes | memoryview) -> str:
+    f = _StagedFile(path)
+    try:
+        f.write(data)
+        return f.commit()
+    except BaseException:
+        f.abort()
+        raise
+
+
+def node_name() -> str:
+    return socket.gethostname()
+
+
+def run_unit(job: UnitJob, unit: WorkUnit, rows: list | None = None, node: str | None = None) -> UnitRecord:
+    """Compute `unit` (see the module docstring), or return its stored record. Runs in a worker whose
+    tokenizer `clean.init_worker(job.cfg)` built. `rows`: an hf: stream's unit comes with its rows
+    (`plan.stream_units`); any other is read from its files."""
+    if (stored := stored_record(job, unit)) is not None:
+        return stored
+    t0 = time.perf_counter()
+    if job.test_sleep_s:
+        time.sleep(job.test_sleep_s)
+    tok_path, idx_path, rec_path = _paths(job.stage_dir, unit.key)
+    tok_path.parent.mkdir(parents=True, exist_ok=True)
+    index_rows: list[tuple] = []
+    problems: list = []
+    error, transient = None, False
+    out = _StagedFile(tok_path)
+    n_tokens = 0
+    try:
+        try:
+            for locs, results in _batches(job, unit, rows):
+                for loc, r in zip(locs, results):
+                    if r.status == BAD_LINE:
+                        problems.append([len(index_rows), format_location(loc), r.problem])
+                    if r.status == KEPT:
+                        out.write(memoryview(r.tokens).cast("B"))
+                        n_tokens += int(r.tokens.size)
+                        digest = np.frombuffer(r.digest, dtype=np.uint8)
+                        index_rows.append(
+                            (
+                                KEPT,
+                                _SPLIT_CODES[r.split],
+                                r.n_replaced,
+                                r.n_special,
+                                r.tokens.size,
+                                r.n_bytes,
+                                digest,
+                            )
+                        )
+                    else:
+                        index_rows.append(
+                            (r.status, 0, r.n_replaced, 0, 0, 0, np.zeros(clean.DIGEST_BYTES, np.uint8))
+                        )
+        except TransientError as e:
+            error, transient = str(e), True
+        except Mamba3LiteError as e:
+            error = f"{unit.describe()}: {e}"
+        tok_sha = out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    index = np.array(index_rows, dtype=INDEX_DTYPE)
+    idx_sha = write_staged(idx_path, index.tobytes())
+    record = UnitRecord(
+        key=unit.key,
+        plan_hash=job.plan_hash,
+        n_docs=len(index_rows),
+        n_tokens=n_tokens,
+        n_bytes_read=unit.n_bytes,
+        tok_sha256=tok_sha,
+        idx_sha256=idx_sha,
+        problems=problems,
+        error=error,
+        transient=transient,
+        node=node or node_name(),
+        seconds=time.perf_counter() - t0,
+    )
+    if error is None:
+        write_staged(rec_path, json.dumps(asdict(record)).encode())  # last: the unit is complete
+    return record
+
+
+def _batches(job: UnitJob, unit: WorkUnit, rows: list | None):
+    """(locations, results) of the unit's documents, a batch at a time, each file checked against the
+    plan first (a file that changed between listing and reading is an error naming it)."""
+    if rows is not None:
+        for b in range(0, len(rows), _BATCH_UNITS):
+            batch = rows[b : b + _BATCH_UNITS]
+            yield [loc for loc, _, _ in batch], clean.process_batch([(kind, text) for _, kind, text in batch])
+        return
+    for path, size, mtime in unit.files:
+        if is_object((path, size, mtime)):
+            continue  # an object: each read is checked against its listing (data/store.py)
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise intake.SOURCE_DOCUMENT.fail(
+                f"cannot read {path} on {node_name()}: {e.strerror}; every worker must see the sources "
+                "at the paths they were listed under (a file system every node mounts at the same path)"
+            ) from e
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise intake.SOURCE_DOCUMENT.fail(
+                f"{path} changed since this run listed it (size or modification time); "
+                "re-run the same command to list the sources again"
+            )
+    src = listed_source(unit.spec, list(unit.files), job.cfg.text_field, job.max_docs)
+    docs = src.units(0) if unit.part is None else src.part_units(Path(unit.files[0][0]), unit.part)
+    locs, items, n_bytes = [], [], 0
+    for loc, kind, payload in docs:
+        locs.append(loc)
+        items.append((kind, payload))
+        n_bytes += len(payload) if payload is not None else 0
+        if len(items) >= _BATCH_UNITS or n_bytes >= _BATCH_BYTES:
+            yield locs, clean.process_batch(items)
+            locs, items, n_bytes = [], [], 0
+    if items:
+        yield locs, clean.process_batch(items)
+
+
+def load_index(stage_dir: str | Path, record: UnitRecord) -> np.ndarray:
+    """The unit's index rows (INDEX_DTYPE), checked against the record's count."""
+    tok, idx, _ = _paths(stage_dir, record.key)
+    if not (idx.exists() and (tok.exists() or not record.n_tokens)):
+        raise DataError(
+            f"unit {record.key} was computed on {record.node}, but its files are not in {idx.parent} as "
+            f"{node_name()} sees it; --out must be on storage every node mounts at the same path"
+        )
+    intake.regular_file_size(idx, intake.STAGE_DATA)
+    index = np.fromfile(idx, dtype=INDEX_DTYPE)
+    assert index.size == record.n_docs, (record.key, index.size, record.n_docs)
+    return index
+
+
+def open_tokens(stage_dir: str | Path, record: UnitRecord, dtype: np.dtype) -> np.ndarray:
+    """The unit's token file, memory-mapped (read only as shards are written)."""
+    tok, _, _ = _paths(stage_dir, record.key)
+    if record.n_tokens == 0:
+        return np.empty(0, dtype=dtype)
+    tokens = np.memmap(tok, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    assert tokens.size == record.n_tokens, (record.key, tokens.size, record.n_tokens)
+    # A plain ndarray over the map (it keeps the map open): slicing a memmap costs ~4 us a document in
+    # numpy's memmap bookkeeping, the driver's largest cost per document.
+    return tokens.view(np.ndarray)
+
+
+class SourceDocs:
+    """The driver's side of one source: its documents from `cursor` on, in plan order, as (location,
+    UnitResult) whose tokens are slices of the units' memory-mapped token files (the driver reads each
+    unit's index, never its text). `next_record` gives the source's next unit record (None: no more);
+    `cursor` ([unit index, documents of it consumed], the snapshot's) is advanced in place as the
+    caller consumes documents (its second number) and as units are finished (here); at most `left`
+    more documents (None: all)."""
+
+    def __init__(
+        self,
+        stage_dir: Path,
+        dtype: np.dtype,
+        next_record: Callable[[], UnitRecord | None],
+        cursor: list[int],
+        left: int | None,
+    ) -> None:
+        self._stage_dir, self._dtype, self._next_record = stage_dir, dtype, next_record
+        self._cursor, self._left = cursor, left
+        self._docs: Iterator = iter(())
+        self._record: UnitRecord | None = None
+
+    def _open(self, record: UnitRecord) -> Iterator[tuple[Any, UnitResult]]:
+        """The unit's documents from the cursor's position on."""
+        index = load_index(self._stage_dir, record)
+        tokens = open_tokens(self._stage_dir, record, self._dtype)
+        first = self._cursor[1]
+        ends = np.cumsum(index["n_tokens"], dtype=np.int64)
+        starts = (ends - index["n_tokens"].astype(np.int64))[first:].tolist()
+        problems = {pos: (loc, problem) for pos, loc, problem in record.problems}
+        index = index[first:]
+        columns = [index[k].tolist() for k in ("status", "split", "n_replaced", "n_special", "n_bytes")]
+        digests = index["digest"].tobytes()
+        width = clean.DIGEST_BYTES
+        # The hot loop of the driver (one pass a document): plain lists and slices, no numpy scalars.
+        for k, (status, split, n_replaced, n_special, n_bytes, start, end) in enumerate(
+            zip(*columns, starts, ends[first:].tolist())
+        ):
+            if status == KEPT:
+                digest = digests[k * width : (k + 1) * width]
+                r = UnitResult(
+                    KEPT, n_replaced, digest, SPLIT_NAMES[split], tokens[start:end], n_bytes, n_special
+                )
+                yield record.key, r
+            elif status == BAD_LINE:
+                loc, problem = problems[first + k]
+                yield loc, UnitResult(BAD_LINE, n_replaced, problem=problem)
+            else:
+                yield record.key, UnitResult(status, n_replaced)
+        if record.error is not None:
+            raise (TransientError if record.transient else DataError)(record.error)
+
+    def next(self) -> tuple[Any, UnitResult] | None:
+        """The next (location, result), or None when the source is exhausted."""
+        if self._left is not None and self._left <= 0:
+            return None
+        while True:
+            item = next(self._docs, None)
+            if item is not None:
+                if self._left is not None:
+                    self._left -= 1
+                return item
+            if self._record is not None:  # every document of the current unit was consumed
+                self._cursor[:] = [self._cursor[0] + 1, 0]
+            self._record = self._next_record()
+            if self._record is None:
+                return None
+            self._docs = self._open(self._record)
