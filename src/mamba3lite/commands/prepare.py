@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     _add_source_options(parser)
     _add_dataset_options(parser)
+    _add_compute_options(parser)
     _add_reading_options(parser)
 
 
@@ -113,21 +114,6 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
         "N - 257 merges, N >= 258 (e.g. 8192); deterministic; not with --tokenizer",
     )
     parser.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="tokenizer processes (default min(4, CPUs); 0 = in this process); the output "
-        "is the same for any value",
-    )
-    parser.add_argument(
-        "--ray",
-        metavar="ADDRESS",
-        default=None,
-        help="compute the work units as tasks on a Ray cluster: HOST:PORT of its head, or auto on a node "
-        "of it (pip install 'mamba3lite[ray]'); every node must see the sources and --out at the same "
-        "paths; the output is the same as without it",
-    )
-    parser.add_argument(
         "--shard-tokens",
         type=_count,
         default=DEFAULT_SHARD_TOKENS,
@@ -163,6 +149,25 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
         dest="dedup",
         action="store_false",
         help="keep exact duplicate documents (default: drop them)",
+    )
+
+
+def _add_compute_options(parser: argparse.ArgumentParser) -> None:
+    """Where the work units are computed: local processes or a Ray cluster (the output is the same)."""
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer processes (default min(4, CPUs); 0 = in this process); the output "
+        "is the same for any value",
+    )
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="compute the work units as tasks on a Ray cluster: HOST:PORT of its head, or auto on a node "
+        "of it (pip install 'mamba3lite[ray]'); every node must see the sources and --out at the same "
+        "paths; the output is the same as without it",
     )
 
 

@@ -192,22 +192,7 @@ def run_unit(job: UnitJob, unit: WorkUnit, rows: list | None = None, node: str |
                     if r.status == KEPT:
                         out.write(memoryview(r.tokens).cast("B"))
                         n_tokens += int(r.tokens.size)
-                        digest = np.frombuffer(r.digest, dtype=np.uint8)
-                        index_rows.append(
-                            (
-                                KEPT,
-                                _SPLIT_CODES[r.split],
-                                r.n_replaced,
-                                r.n_special,
-                                r.tokens.size,
-                                r.n_bytes,
-                                digest,
-                            )
-                        )
-                    else:
-                        index_rows.append(
-                            (r.status, 0, r.n_replaced, 0, 0, 0, np.zeros(clean.DIGEST_BYTES, np.uint8))
-                        )
+                    index_rows.append(_index_row(r))
         except TransientError as e:
             error, transient = str(e), True
         except Mamba3LiteError as e:
@@ -235,6 +220,15 @@ def run_unit(job: UnitJob, unit: WorkUnit, rows: list | None = None, node: str |
     if error is None:
         write_staged(rec_path, json.dumps(asdict(record)).encode())  # last: the unit is complete
     return record
+
+
+def _index_row(r) -> tuple:
+    """A document's row of the unit's index (INDEX_DTYPE): a kept one's split, counts and digest; any
+    other's status and replacement count."""
+    if r.status == KEPT:
+        digest = np.frombuffer(r.digest, dtype=np.uint8)
+        return KEPT, _SPLIT_CODES[r.split], r.n_replaced, r.n_special, r.tokens.size, r.n_bytes, digest
+    return r.status, 0, r.n_replaced, 0, 0, 0, np.zeros(clean.DIGEST_BYTES, np.uint8)
 
 
 def _batches(job: UnitJob, unit: WorkUnit, rows: list | None):
