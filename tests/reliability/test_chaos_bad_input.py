@@ -821,5 +821,7 @@ def test_prepare_refuses_a_document_too_large_to_hold_without_reading_it(world, 
     rc = _in(world, main, ["prepare", "--source", name, "--out", "big_out", "--workers", "0"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and err.count("error:") == 1, err
-    assert f"error: {name}" in err and ("longer than" in err or "more than a text source file" in err), err
+    # the work unit that read it names itself, then the file
+    assert f"error: unit 000-000000 ({name}): {name}" in err, err
+    assert "longer than" in err or "more than a text source file" in err, err
     assert _same(before, _hash(world)) and not (world / "big_out").exists()
