@@ -210,6 +210,11 @@ def test_bad_out_urls_are_one_line_and_leave_nothing(s3, tmp_path, monkeypatch, 
     ) as e:
         P.prepare([src], f"s3://{allowed}/ds/", **KW, stage_dir=str(tmp_path / "st"))
     assert "\n" not in str(e.value) and not (tmp_path / "st").exists()
+    # a store whose conditional write mamba3lite cannot vouch for: refused before anything is written
+    with pytest.raises(
+        ConfigError, match=r"memory://ds/.prepare.lock: mamba3lite knows no conditional write"
+    ):
+        P.prepare([src], "memory://ds/", **KW, stage_dir=str(tmp_path / "st"))
     # --stage-dir without an --out URL
     with pytest.raises(ConfigError, match="--stage-dir applies only to an --out URL"):
         P.prepare([src], tmp_path / "local", **KW, stage_dir=str(tmp_path / "st"))

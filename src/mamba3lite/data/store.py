@@ -69,6 +69,8 @@ _UNREACHABLE = frozenset(
 _READ_BUFFER_BYTES = 1 << 20
 # S3's answer to a read whose If-Match etag no longer matches (s3fs raises it as OSError(EINVAL)).
 _CHANGED = frozenset({"FileExpired", "PreconditionFailed"})
+# Schemes whose fsspec implementation sends a conditional create (s3fs: PUT with If-None-Match: *).
+_CONDITIONAL_PUT = frozenset({"s3", "s3a"})
 _CREDENTIALS_HINT = (
     "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials; "
     "gcloud auth for gs://, HF_TOKEN for hf://) and the bucket's policy"
@@ -366,15 +368,18 @@ class Store:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             return True
+        if url_scheme(self.url) not in _CONDITIONAL_PUT:
+            # fsspec's other implementations accept mode="create" but may ignore it: a lock that two
+            # writers could both take is worse than none.
+            raise ConfigError(
+                f"{self.url_of(key)}: mamba3lite knows no conditional write (create-if-absent) for "
+                f"{url_scheme(self.url)}:// that it could test, and the lock of a run needs one; write to "
+                "s3:// or to a local --out (then upload it with mamba3lite.data.store.upload_dataset)"
+            )
         try:
             self.fs.pipe_file(self._path(key), data, mode="create")
         except FileExistsError:
             return False
-        except TypeError as e:  # an fsspec implementation without mode="create"
-            raise ConfigError(
-                f"{self.url_of(key)}: this store offers no conditional write (create-if-absent), which "
-                "the lock of a run needs; use s3:// or a local --out"
-            ) from e
         except Exception as e:
             raise storage_error(e, self.url_of(key), "write") from None
         return True

@@ -45,6 +45,7 @@ from mamba3lite.atomicfile import atomic_write_bytes
 from mamba3lite.data.object_lock import LOCK_KEY, ObjectLock
 from mamba3lite.data.shards import MANIFEST_NAME, Manifest
 from mamba3lite.data.store import Store, upload_dataset
+from mamba3lite.data_identity import TOKENIZER_NAME
 from mamba3lite.errors import ConfigError, DataError, DataNotFoundError
 
 DEFAULT_STAGE_ROOT = Path("~/.cache/mamba3lite/prepare")
@@ -144,6 +145,13 @@ def publish(
         staged = manifest.extra.get("prepare")
         if had_manifest and not overwrite and previous != staged:  # a tokenizer fit to other text
             raise _refuse(url, previous)
-        upload_dataset(stage, url, journal=stage / JOURNAL_NAME)
+        n_files = len(manifest.shards) + 1 + (stage / TOKENIZER_NAME).is_file()
+        uploaded = upload_dataset(stage, url, journal=stage / JOURNAL_NAME)
+        skipped = (
+            f", {n_files - len(uploaded)} already there from the interrupted upload"
+            if n_files > len(uploaded)
+            else ""
+        )
+        print(f"uploaded {len(uploaded)} object(s) to {url}, manifest.json last{skipped}", file=sys.stderr)
         shutil.rmtree(stage, ignore_errors=True)
     return built, manifest
