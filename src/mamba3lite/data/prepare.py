@@ -469,8 +469,9 @@ def prepare(
     `sources` are specs or (spec, weight) pairs; `mixture` adds those of a YAML file (its target_tokens
     applies unless the options give one). `options` (a PrepareOptions), or its fields as keywords
     (`prepare(["stdlib"], "data/stdlib", val_fraction=0.02)`; keywords override `options`). The output
-    does not depend on the number of workers. Returns a summary; raises ConfigError / DataError (nothing
-    in `out` damaged) on bad input."""
+    does not depend on the number of workers. `out` may be an s3:// URL: the dataset is built in the
+    local `stage_dir` and uploaded, manifest last, under a lock object (`url_out`). Returns a summary;
+    raises ConfigError / DataError (nothing in `out` damaged) on bad input."""
     t_start = time.perf_counter()
     opts = dataclasses.replace(options or PrepareOptions(), **fields)
     specs, opts = _resolve_specs(sources, mixture, opts)
