@@ -21,6 +21,10 @@ from mamba3lite.errors import ConfigError, DataError, StorageAccessError, Storag
 from test_prepare_helpers import tree_hashes
 from test_prepare_resume import KW, _Interrupt, _prepare_interrupted
 
+# A few shards (each object is a PUT and a HEAD): for the tests that need no many-shard resume.
+FEW = {**KW, "shard_tokens": 1500}
+MID = {**KW, "shard_tokens": 300}
+
 
 def _texts() -> dict[str, bytes]:
     a = [f"alpha {i}: " + "words " * (4 + i % 9) for i in range(120)]
@@ -53,11 +57,11 @@ def _bucket_objects(s3, bucket: str, prefix: str) -> dict[str, str]:
 
 def test_prepare_to_a_bucket_equals_a_local_out(s3, tmp_path):
     src = _local_corpus(tmp_path)
-    ref = P.prepare([src], tmp_path / "ref", **KW)
+    ref = P.prepare([src], tmp_path / "ref", **FEW)
     bucket = s3.bucket()
     url = f"s3://{bucket}/ds/"
     stage = tmp_path / "stage"
-    summary = P.prepare([src], url, **KW, stage_dir=str(stage))
+    summary = P.prepare([src], url, **FEW, stage_dir=str(stage))
     assert (
         summary.out == url and summary.n_tokens == ref.n_tokens > 0 and f"dataset   {url}" in summary.table()
     )
@@ -65,18 +69,25 @@ def test_prepare_to_a_bucket_equals_a_local_out(s3, tmp_path):
     assert _bucket_objects(s3, bucket, "ds/") == tree_hashes(tmp_path / "ref")
     assert not stage.exists()
     # the same command again rebuilds the same dataset; other arguments are refused, bucket untouched
-    P.prepare([src], url, **KW, stage_dir=str(stage))
+    P.prepare([src], url, **FEW, stage_dir=str(stage))
     with pytest.raises(ConfigError, match=rf"--out {url} holds a dataset prepared with different arguments"):
-        P.prepare([src], url, **{**KW, "val_fraction": 0.5}, stage_dir=str(stage))
+        P.prepare([src], url, **{**FEW, "val_fraction": 0.5}, stage_dir=str(stage))
     assert _bucket_objects(s3, bucket, "ds/") == tree_hashes(tmp_path / "ref")
     # --overwrite replaces it (the manifest last); a shard no longer named stays, unread
-    P.prepare([src], url, **{**KW, "val_fraction": 0.5}, stage_dir=str(stage), overwrite=True)
+    P.prepare([src], url, **{**FEW, "val_fraction": 0.5}, stage_dir=str(stage), overwrite=True)
     manifest = json.loads(s3.client.get_object(Bucket=bucket, Key="ds/manifest.json")["Body"].read())
     assert manifest["extra"]["prepare"]["val_fraction"] == 0.5
+    # with its own tokenizer (fit during the run): tokenizer.json goes up too; the same command again
+    # passes the check before the fit (the vocabulary is not known yet) and the one after it
+    P.prepare([src], tmp_path / "ref_bpe", **FEW, train_tokenizer=300)
+    for _ in range(2):
+        P.prepare([src], f"s3://{bucket}/bpe/", **FEW, train_tokenizer=300, stage_dir=str(stage))
+        assert _bucket_objects(s3, bucket, "bpe/") == tree_hashes(tmp_path / "ref_bpe")
+    assert "tokenizer.json" in tree_hashes(tmp_path / "ref_bpe")
     # a prefix holding the user's objects is never written into, --overwrite or not
     s3.put(bucket, "mine/notes.txt", b"my own file")
     with pytest.raises(ConfigError, match=r"holds objects that are not a mamba3lite dataset .*notes.txt"):
-        P.prepare([src], f"s3://{bucket}/mine/", **KW, stage_dir=str(stage), overwrite=True)
+        P.prepare([src], f"s3://{bucket}/mine/", **FEW, stage_dir=str(stage), overwrite=True)
     assert _bucket_objects(s3, bucket, "mine/") == {
         "notes.txt": _bucket_objects(s3, bucket, "mine/")["notes.txt"]
     }
@@ -84,7 +95,7 @@ def test_prepare_to_a_bucket_equals_a_local_out(s3, tmp_path):
 
 def test_an_interrupted_upload_resumes_without_computing_again(s3, tmp_path, monkeypatch):
     src = _local_corpus(tmp_path)
-    P.prepare([src], tmp_path / "ref", **KW)
+    P.prepare([src], tmp_path / "ref", **MID)
     bucket = s3.bucket()
     url, stage = f"s3://{bucket}/ds/", tmp_path / "stage"
     calls = []
@@ -99,14 +110,15 @@ def test_an_interrupted_upload_resumes_without_computing_again(s3, tmp_path, mon
     monkeypatch.setattr(Store, "put_file", counted)
     interrupt = True
     with pytest.raises(_Interrupt):
-        P.prepare([src], url, **KW, stage_dir=str(stage))
+        P.prepare([src], url, **MID, stage_dir=str(stage))
     assert not _bucket_objects(s3, bucket, "ds/").get(MANIFEST_NAME)  # unfinished: no manifest
     assert LOCK_KEY not in _bucket_objects(s3, bucket, "ds/")  # released on the way out
     n_files = len(tree_hashes(tmp_path / "ref")) - 1
+    assert n_files >= 8
     interrupt, calls[:] = False, []
     built = []
     monkeypatch.setattr(P, "_prepare_local", lambda *a: built.append(a))
-    resumed = P.prepare([src], url, **KW, stage_dir=str(stage))
+    resumed = P.prepare([src], url, **MID, stage_dir=str(stage))
     assert built == [] and resumed.work is None  # nothing computed again
     assert len(calls) == n_files - 4  # the 4 objects uploaded before the interruption are skipped
     assert _bucket_objects(s3, bucket, "ds/") == tree_hashes(tmp_path / "ref") and not stage.exists()
@@ -149,21 +161,21 @@ def test_two_runs_on_one_url_are_refused_and_a_dead_runs_lock_is_taken_over(s3, 
     with pytest.raises(
         DataError, match=rf"{url} is in use by another `mamba3lite prepare` \(pid {os.getpid()}"
     ):
-        P.prepare([src], url, **KW, stage_dir=stage)
+        P.prepare([src], url, **FEW, stage_dir=stage)
     assert set(_bucket_objects(s3, bucket, "ds/")) == {LOCK_KEY}  # nothing written by the refused run
     assert not ObjectLock(store, "x", "y").store.create(LOCK_KEY, b"")  # the conditional put refuses too
     held.release()
     # a lock left by a run on another machine: the error says how to remove it
     s3.put(bucket, f"ds/{LOCK_KEY}", json.dumps({"host": "elsewhere", "pid": 1, "since": "then"}).encode())
     with pytest.raises(DataError, match=rf"delete its lock {url}{LOCK_KEY} \(aws s3 rm"):
-        P.prepare([src], url, **KW, stage_dir=stage)
+        P.prepare([src], url, **FEW, stage_dir=stage)
     # a lock left by a dead run on this machine (SIGKILL): taken over with a note
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     record = {"host": socket.gethostname(), "pid": int(dead.stdout), "since": "then"}
     s3.put(bucket, f"ds/{LOCK_KEY}", json.dumps(record).encode())
-    P.prepare([src], url, **KW, stage_dir=stage)
+    P.prepare([src], url, **FEW, stage_dir=stage)
     assert "taking it over" in capsys.readouterr().err
     objects = _bucket_objects(s3, bucket, "ds/")
     assert MANIFEST_NAME in objects and LOCK_KEY not in objects
@@ -208,16 +220,16 @@ def test_bad_out_urls_are_one_line_and_leave_nothing(s3, tmp_path, monkeypatch, 
     with pytest.raises(
         StorageUnreachableError, match=r"cannot reach the object store \(AWS_ENDPOINT_URL="
     ) as e:
-        P.prepare([src], f"s3://{allowed}/ds/", **KW, stage_dir=str(tmp_path / "st"))
+        P.prepare([src], f"s3://{allowed}/ds/", **FEW, stage_dir=str(tmp_path / "st"))
     assert "\n" not in str(e.value) and not (tmp_path / "st").exists()
     # a store whose conditional write mamba3lite cannot vouch for: refused before anything is written
     with pytest.raises(
         ConfigError, match=r"memory://ds/.prepare.lock: mamba3lite knows no conditional write"
     ):
-        P.prepare([src], "memory://ds/", **KW, stage_dir=str(tmp_path / "st"))
+        P.prepare([src], "memory://ds/", **FEW, stage_dir=str(tmp_path / "st"))
     # --stage-dir without an --out URL
     with pytest.raises(ConfigError, match="--stage-dir applies only to an --out URL"):
-        P.prepare([src], tmp_path / "local", **KW, stage_dir=str(tmp_path / "st"))
+        P.prepare([src], tmp_path / "local", **FEW, stage_dir=str(tmp_path / "st"))
     assert issubclass(StorageAccessError, Exception) and url_out.default_stage_dir("s3://b/x/") == (
         url_out.default_stage_dir("s3://b/x")
     )
