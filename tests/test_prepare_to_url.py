@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from mamba3lite.data import prepare as P
-from mamba3lite.data import url_out
+from mamba3lite.data import staging, url_out
 from mamba3lite.data.object_lock import LOCK_KEY, ObjectLock
 from mamba3lite.data.shards import MANIFEST_NAME
 from mamba3lite.data.store import Store
@@ -73,10 +75,12 @@ def test_prepare_to_a_bucket_equals_a_local_out(s3, tmp_path):
     with pytest.raises(ConfigError, match=rf"--out {url} holds a dataset prepared with different arguments"):
         P.prepare([src], url, **{**FEW, "val_fraction": 0.5}, stage_dir=str(stage))
     assert _bucket_objects(s3, bucket, "ds/") == tree_hashes(tmp_path / "ref")
-    # --overwrite replaces it (the manifest last); a shard no longer named stays, unread
-    P.prepare([src], url, **{**FEW, "val_fraction": 0.5}, stage_dir=str(stage), overwrite=True)
-    manifest = json.loads(s3.client.get_object(Bucket=bucket, Key="ds/manifest.json")["Body"].read())
-    assert manifest["extra"]["prepare"]["val_fraction"] == 0.5
+    # --overwrite replaces it (the manifest last), and the replaced dataset's extra shards are removed
+    wider = {**FEW, "val_fraction": 0.5, "shard_tokens": 3000}
+    P.prepare([src], tmp_path / "ref_wider", **wider)
+    P.prepare([src], url, **wider, stage_dir=str(stage), overwrite=True)
+    assert _bucket_objects(s3, bucket, "ds/") == tree_hashes(tmp_path / "ref_wider")
+    assert len(tree_hashes(tmp_path / "ref_wider")) < len(tree_hashes(tmp_path / "ref"))
     # with its own tokenizer (fit during the run): tokenizer.json goes up too; the same command again
     # passes the check before the fit (the vocabulary is not known yet) and the one after it
     P.prepare([src], tmp_path / "ref_bpe", **FEW, train_tokenizer=300)
@@ -233,3 +237,43 @@ def test_bad_out_urls_are_one_line_and_leave_nothing(s3, tmp_path, monkeypatch, 
     assert issubclass(StorageAccessError, Exception) and url_out.default_stage_dir("s3://b/x/") == (
         url_out.default_stage_dir("s3://b/x")
     )
+
+
+def test_a_killed_run_is_resumed_by_the_same_command(s3, tmp_path):
+    """SIGKILL mid-build (no clean-up: the lock object stays): the same command takes the dead run's lock
+    over, resumes from its snapshot and uploads the same bytes as an uninterrupted run."""
+    src = _local_corpus(tmp_path)
+    P.prepare([src], tmp_path / "ref", **KW)
+    bucket = s3.bucket()
+    url, stage = f"s3://{bucket}/ds/", tmp_path / "stage"
+    cmd = [
+        sys.executable,
+        "-m",
+        "mamba3lite",
+        "prepare",
+        "--source",
+        src,
+        "--out",
+        url,
+        "--stage-dir",
+        str(stage),
+    ]
+    cmd += ["--workers", "0", "--shard-tokens", "120", "--val-fraction", "0.25", "--min-chars", "1"]
+    env = {**os.environ, P.SLEEP_ENV: "0.2", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = stage / staging.STAGE_DIRNAME / staging.STATE_NAME
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None and not state.is_file():
+            time.sleep(0.05)
+        assert proc.poll() is None, (
+            "the run finished before it could be killed: " + proc.stderr.read().decode()
+        )
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert set(_bucket_objects(s3, bucket, "ds/")) == {LOCK_KEY}  # a dead run's lock, nothing else
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "taking it over" in r.stderr and "resuming:" in r.stderr
+    assert _bucket_objects(s3, bucket, "ds/") == tree_hashes(tmp_path / "ref") and not stage.exists()

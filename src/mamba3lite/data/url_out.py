@@ -19,7 +19,9 @@ The run, under the URL's lock object (`object_lock`):
    `STAGE/.upload-to` (the URL): from here on the staged dataset is final and only the upload remains.
 3. **Upload** (`store.upload_dataset`): the destination's manifest is deleted first, the shards and
    tokenizer.json are uploaded, each checked by size and recorded in `STAGE/.upload.json` with the etag
-   the store gave it, and `manifest.json` last. The staging directory is then removed.
+   the store gave it, and `manifest.json` last. Then the objects of a replaced dataset that the new
+   manifest does not name are deleted (readers of the new manifest never look for them), and the
+   staging directory is removed.
 
 **Resume.** The same command after an interruption: during the build, the local prepare resumes from
 its snapshot (a URL source's recorded listing is read, not listed again); during the upload (`.upload-to`
@@ -153,5 +155,17 @@ def publish(
             else ""
         )
         print(f"uploaded {len(uploaded)} object(s) to {url}, manifest.json last{skipped}", file=sys.stderr)
+        _remove_replaced(store, {MANIFEST_NAME, *(info.path for info in manifest.shards)}, stage)
         shutil.rmtree(stage, ignore_errors=True)
     return built, manifest
+
+
+def _remove_replaced(store: Store, keep: set[str], stage: Path) -> None:
+    """Delete the objects of a dataset this upload replaced (--overwrite with fewer shards, a
+    tokenizer.json no longer used): after the new manifest, which names none of them, so no reader of
+    it misses one."""
+    if (stage / TOKENIZER_NAME).is_file():
+        keep.add(TOKENIZER_NAME)
+    for obj in store.list():
+        if _OURS.match(obj.key) and obj.key not in keep:
+            store.delete(obj.key)
