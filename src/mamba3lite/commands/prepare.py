@@ -26,6 +26,7 @@ examples:
       --target-tokens 5e6 --out data/mix
   mamba3lite prepare --mixture mixture.yaml --out data/mix
   mamba3lite prepare --source /shared/corpus --out /shared/data/corpus --ray auto
+  mamba3lite prepare --source s3://corpus/notes/ --out s3://datasets/notes/
 """
 
 
@@ -98,7 +99,21 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     """What is written: where, tokenized how, in which shards and splits, cleaned how."""
     from mamba3lite.data.prepare import DEFAULT_MIN_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
 
-    parser.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to write")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR|URL",
+        help="the dataset directory to write, or a URL (s3://bucket/prefix/, any fsspec URL): built in "
+        "--stage-dir, then uploaded with manifest.json last (pip install 'mamba3lite[s3]')",
+    )
+    parser.add_argument(
+        "--stage-dir",
+        default=None,
+        metavar="DIR",
+        help="with an --out URL: the local directory the dataset is built in before its upload, removed "
+        "after it (needs room for the whole dataset; with --ray a path every node sees; default "
+        "~/.cache/mamba3lite/prepare/<hash of the URL>, which a re-run finds to resume)",
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -232,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         max_docs=args.max_docs,
         ray=args.ray,
         dedup_partitions=args.dedup_partitions,
+        stage_dir=args.stage_dir,
         progress=sys.stderr.isatty() and not os.environ.get("MAMBA3LITE_NO_PROGRESS"),
     )
     summary = prepare(sources, args.out, options, mixture=args.mixture)

@@ -89,7 +89,7 @@ from typing import Any
 import numpy as np
 
 from mamba3lite.atomicfile import atomic_write_bytes
-from mamba3lite.data import dedup_partition, ray_executor, shards, staging, units, workers
+from mamba3lite.data import dedup_partition, ray_executor, shards, staging, units, url_out, workers
 from mamba3lite.data import plan as planning
 from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
@@ -99,6 +99,7 @@ from mamba3lite.data.shards import SPLITS, Manifest
 from mamba3lite.data.sources import Source, format_location
 from mamba3lite.data.staging import LOCK_NAME, STAGE_DIRNAME, PipelineState, Stage
 from mamba3lite.data.stats import PrepareStats, WorkCounts
+from mamba3lite.data.store import is_url, url_scheme
 from mamba3lite.data.units import UnitJob, UnitRecord
 from mamba3lite.data.workers import Executor, UnitStream
 from mamba3lite.data_identity import TOKENIZER_NAME, vocab_hash_of
@@ -140,6 +141,9 @@ class PrepareOptions:
     progress: bool = False  # progress bars on stderr
     ray: str | None = None  # a Ray cluster's address ('auto': the one this machine joined) runs the units
     dedup_partitions: int = 0  # > 0: find the repeated digests in this many tasks first (dedup_partition)
+    stage_dir: str | None = (
+        None  # --out URL only: the local directory it is built in (url_out; None: default)
+    )
 
     def n_workers(self) -> int:
         return min(4, os.cpu_count() or 1) if self.workers is None else self.workers
@@ -208,7 +212,7 @@ class PrepareOptions:
 class PrepareSummary:
     """What `prepare` did. `stats` is the manifest's `extra["stats"]`; timings live only here."""
 
-    out: Path
+    out: Path | str  # the dataset directory, or the URL it was uploaded to
     manifest: Manifest
     stats: dict
     seconds: float
@@ -227,7 +231,7 @@ class PrepareSummary:
         dropped = ", ".join(f"{k} {v:,}" for k, v in s["dropped"].items())
         name = m.tokenizer["name"]
         if name == TOKENIZER_NAME:
-            name = f"its own BPE, {self.out / name}"
+            name = f"its own BPE, {str(self.out).rstrip('/')}/{name}"
         lines = [
             f"dataset   {self.out}  ({name}, vocab {m.vocab_size:,}, eos id {m.eos_id}, {m.dtype})",
             f"documents read {s['documents_in']:,}  kept {s['kept']:,}  dropped: {dropped}",
@@ -465,12 +469,50 @@ def prepare(
     `sources` are specs or (spec, weight) pairs; `mixture` adds those of a YAML file (its target_tokens
     applies unless the options give one). `options` (a PrepareOptions), or its fields as keywords
     (`prepare(["stdlib"], "data/stdlib", val_fraction=0.02)`; keywords override `options`). The output
-    does not depend on the number of workers. Returns a summary; raises ConfigError / DataError (nothing
-    in `out` damaged) on bad input."""
+    does not depend on the number of workers. `out` may be an s3:// URL: the dataset is built in the
+    local `stage_dir` and uploaded, manifest last, under a lock object (`url_out`). Returns a summary;
+    raises ConfigError / DataError (nothing in `out` damaged) on bad input."""
     t_start = time.perf_counter()
     opts = dataclasses.replace(options or PrepareOptions(), **fields)
     specs, opts = _resolve_specs(sources, mixture, opts)
-    out = Path(out)
+    if is_url(str(out)) and url_scheme(str(out)) != "file":
+        return _prepare_to_url(specs, str(out), opts, t_start)
+    if opts.stage_dir is not None:
+        raise ConfigError("--stage-dir applies only to an --out URL (s3://...); a local --out stages in OUT")
+    return _prepare_local(specs, Path(str(out).split("://", 1)[-1]), opts, t_start)
+
+
+def _prepare_to_url(
+    specs: list[SourceSpec], url: str, opts: PrepareOptions, t_start: float
+) -> PrepareSummary:
+    """`prepare --out URL`: built in a local staging directory, uploaded manifest last (url_out)."""
+    if opts.ray is not None:
+        ray_executor.check(opts.ray)  # before the lock is taken or anything written
+    if opts.train_tokenizer is None:
+        tok = load_tokenizer(opts.tokenizer)
+        tok_record = {"name": tok.name, "vocab_hash": tok.vocab_hash}
+    else:  # known once the tokenizer is fit; url_out checks it again before uploading
+        tok_record = {"name": TOKENIZER_NAME, "vocab_hash": None}
+    expected = opts.args_record(specs, tok_record)
+    # The staging directory is ours (disposable): a dataset there with other arguments is replaced.
+    local = dataclasses.replace(opts, overwrite=True, stage_dir=None)
+    built, manifest = url_out.publish(
+        url,
+        opts.stage_dir,
+        expected,
+        opts.overwrite,
+        lambda stage: _prepare_local(specs, stage, local, t_start),
+    )
+    seconds = time.perf_counter() - t_start
+    if built is None:  # an interrupted upload, resumed: nothing computed
+        return PrepareSummary(url, manifest, manifest.extra["stats"], seconds, len(manifest.shards))
+    return dataclasses.replace(built, out=url, manifest=manifest, seconds=seconds)
+
+
+def _prepare_local(
+    specs: list[SourceSpec], out: Path, opts: PrepareOptions, t_start: float
+) -> PrepareSummary:
+    """`prepare` into the local directory `out` (see the module docstring)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
     if opts.ray is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -68,6 +69,8 @@ _UNREACHABLE = frozenset(
 _READ_BUFFER_BYTES = 1 << 20
 # S3's answer to a read whose If-Match etag no longer matches (s3fs raises it as OSError(EINVAL)).
 _CHANGED = frozenset({"FileExpired", "PreconditionFailed"})
+# Schemes whose fsspec implementation sends a conditional create (s3fs: PUT with If-None-Match: *).
+_CONDITIONAL_PUT = frozenset({"s3", "s3a"})
 _CREDENTIALS_HINT = (
     "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials; "
     "gcloud auth for gs://, HF_TOKEN for hf://) and the bucket's policy"
@@ -349,6 +352,38 @@ class Store:
             return
         self._call("write", self.url_of(key), self.fs.put_file, str(src), self._path(key))
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Write object `key` only if it does not exist: True when written, False when something was
+        there already. One conditional request, so of two writers exactly one wins: on S3 a PUT with
+        `If-None-Match: *` (s3fs's `mode="create"`; AWS S3 and moto honour it, some S3-compatible
+        servers do not), on a file system `O_CREAT | O_EXCL`. A store without a conditional write is a
+        ConfigError naming the URL."""
+        if self._local:
+            path = Path(self._path(key))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        if url_scheme(self.url) not in _CONDITIONAL_PUT:
+            # fsspec's other implementations accept mode="create" but may ignore it: a lock that two
+            # writers could both take is worse than none.
+            raise ConfigError(
+                f"{self.url_of(key)}: mamba3lite knows no conditional write (create-if-absent) for "
+                f"{url_scheme(self.url)}:// that it could test, and the lock of a run needs one; write to "
+                "s3:// or to a local --out (then upload it with mamba3lite.data.store.upload_dataset)"
+            )
+        try:
+            self.fs.pipe_file(self._path(key), data, mode="create")
+        except FileExistsError:
+            return False
+        except Exception as e:
+            raise storage_error(e, self.url_of(key), "write") from None
+        return True
+
     def delete(self, key: str) -> None:
         """Remove object `key` (nothing when it is absent)."""
         if self.exists(key):
@@ -389,13 +424,18 @@ class _CheckedRaw(io.RawIOBase):
         super().close()
 
 
-def upload_dataset(local_dir: str | Path, dest_url: str) -> list[str]:
+def upload_dataset(local_dir: str | Path, dest_url: str, *, journal: Path | None = None) -> list[str]:
     """Upload the prepared dataset in `local_dir` to `dest_url`, the object-store form of the shards
     module's rule "manifest last": an existing manifest at the destination is removed first, then every
     other file (shards, tokenizer.json) is uploaded and checked by size, and manifest.json last. A reader
     that finds a manifest finds every shard it names; a prefix without one is an unfinished upload.
     Staging leftovers (names that start with a dot: OUT/.prepare, lock files) are not uploaded. Returns
-    the keys uploaded, in order (the manifest last)."""
+    the keys uploaded, in order (the manifest last).
+
+    `journal`: a local JSON file recording, after each object, the size and etag the store gave it. A
+    re-run with the same journal skips an object the store still has with that size and etag (the etag
+    changes with every write, so the object is the one this upload wrote, byte for byte) and uploads
+    everything else again; the journal belongs to one local dataset (delete it with the dataset)."""
     root = Path(local_dir)
     if not (root / MANIFEST_NAME).is_file():
         raise DataNotFoundError(
@@ -408,13 +448,39 @@ def upload_dataset(local_dir: str | Path, dest_url: str) -> list[str]:
         for p in root.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
     )
+    done = _read_journal(journal)
     store.delete(MANIFEST_NAME)  # from here on the destination is an unfinished write
     keys = [k for k in files if k != MANIFEST_NAME]
+    uploaded = []
     for key in keys:
+        size = (root / key).stat().st_size
+        if done.get(key, [None])[0] == size and done[key][1] and done[key][1] == _etag_now(store, key):
+            continue  # this upload's own object, unchanged since (see the docstring)
         store.put_file(key, root / key)
-        if (size := store.stat(key).size) != (root / key).stat().st_size:
-            raise DataError(
-                f"{store.url_of(key)}: uploaded {size} bytes of {(root / key).stat().st_size}; re-run"
-            )
+        now = store.stat(key)
+        if now.size != size:
+            raise DataError(f"{store.url_of(key)}: uploaded {now.size} bytes of {size}; re-run")
+        uploaded.append(key)
+        if journal is not None:
+            done[key] = [size, now.etag]
+            atomic_write_bytes(journal, json.dumps(done, sort_keys=True).encode())
     store.put(MANIFEST_NAME, (root / MANIFEST_NAME).read_bytes())
-    return [*keys, MANIFEST_NAME]
+    return [*uploaded, MANIFEST_NAME]
+
+
+def _read_journal(journal: Path | None) -> dict:
+    if journal is None or not journal.is_file():
+        return {}
+    try:
+        done = json.loads(journal.read_bytes())
+    except (OSError, ValueError):
+        return {}  # unreadable: upload everything again
+    return done if isinstance(done, dict) else {}
+
+
+def _etag_now(store: Store, key: str) -> str | None:
+    """The etag of object `key` now, None when it is absent (or the store keeps no etag)."""
+    try:
+        return store.stat(key).etag
+    except DataNotFoundError:
+        return None
