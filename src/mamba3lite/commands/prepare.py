@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     _add_source_options(parser)
+    _add_output_options(parser)
     _add_dataset_options(parser)
     _add_compute_options(parser)
     _add_reading_options(parser)
@@ -95,10 +96,8 @@ def _add_source_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
-    """What is written: where, tokenized how, in which shards and splits, cleaned how."""
-    from mamba3lite.data.prepare import DEFAULT_MIN_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
-
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """Where the dataset is written (a directory, or a URL through a local staging directory)."""
     parser.add_argument(
         "--out",
         required=True,
@@ -114,6 +113,12 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
         "after it (needs room for the whole dataset; with --ray a path every node sees; default "
         "~/.cache/mamba3lite/prepare/<hash of the URL>, which a re-run finds to resume)",
     )
+
+
+def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
+    """What is written: tokenized how, in which shards and splits, cleaned how."""
+    from mamba3lite.data.prepare import DEFAULT_MIN_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
+
     parser.add_argument(
         "--tokenizer",
         default=None,
