@@ -53,7 +53,9 @@ import yaml
 from mamba3lite.checkpoint.run_dir import RunDir
 from mamba3lite.train.parallel.lighthouse import start_lighthouse
 
-HEARTBEAT_TIMEOUT_MS = 500  # the lighthouse's: how soon a dead group leaves the quorum (its default: 5 s)
+# the lighthouse's: how soon a dead group leaves the quorum, and how long a quorum waits for a group that
+# heartbeats but has not joined (a survivor still blocked in the collective the dead group left; defaults 5 s)
+HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS = 500, 1000
 
 
 def step_s(trains: list[dict], before: float) -> float:
@@ -107,7 +109,7 @@ def restart_all(work: Path, data: Path, groups: int, steps: int, fault_at: int, 
 
 
 def torchft(work: Path, data: Path, groups: int, steps: int, fault_at: int) -> dict:
-    server = start_lighthouse("127.0.0.1", 0, min_replicas=1, join_timeout_ms=20000,
+    server = start_lighthouse("127.0.0.1", 0, min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
                               heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)  # fmt: skip
     try:
         batch = {"gradient_accumulation_steps": None, "global_batch_size": 2 * groups}
@@ -179,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"done: {name} at {groups} replicas", file=sys.stderr, flush=True)
     every, t = args.save_every, args.step_time
     print(f"\nOne fault at step {args.fault_at} of {args.steps} (restart-all checkpoints every {every}); "
-          f"times in seconds from the kill; the lighthouse's heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms "
-          "(the healthy groups' stall under torchft is about that)\n")  # fmt: skip
+          f"times in seconds from the kill; the lighthouse's heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms, "
+          f"join timeout {JOIN_TIMEOUT_MS} ms (the healthy groups' stall under torchft is at most about "
+          "their sum)\n")  # fmt: skip
     print(f"| replicas | mode | step (ms) | healthy stalled (s) | all back (s) | rolled back | replica-s "
           f"lost | replica-steps lost here / at {t:g} s per step | wall (s) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
