@@ -19,6 +19,7 @@ Columns (one fault each; times from the kill):
                         the attempt the fault interrupted, which did not commit)
     replica-s lost      replica-seconds without new progress: restart-all G x all back; torchft
                         (G - 1) x healthy stalled + all back (the failed group, absent until it is back)
+                        + G x rolled x a step here (the interrupted attempt)
     replica-steps lost  the same in steps of one replica: here (/ this step time), and at --step-time
                         (a realistic model's step): the restart, quorum and heal seconds stay what they were
                         here (they do not scale with the step), each rolled-back step costs a step;
