@@ -19,8 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--join-timeout-ms",
         type=int,
-        default=60000,
-        help="how long a quorum waits for groups that heartbeat but have not asked to join yet",
+        default=5000,
+        help="how long a quorum waits for groups that heartbeat but have not asked to join (one restarting, "
+        "or one still blocked in a collective a dead group left): the healthy groups stand still at most "
+        "this long (default 5000, the heartbeat timeout's)",
     )
     p.add_argument(
         "--heartbeat-timeout-ms",

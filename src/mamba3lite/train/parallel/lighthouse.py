@@ -11,7 +11,7 @@ from mamba3lite.errors import ConfigError
 from mamba3lite.train.parallel.replicas import INSTALL_HINT
 
 
-def start_lighthouse(bind: str = "[::]", port: int = 0, min_replicas: int = 1, join_timeout_ms: int = 60000,
+def start_lighthouse(bind: str = "[::]", port: int = 0, min_replicas: int = 1, join_timeout_ms: int = 5000,
                      heartbeat_timeout_ms: int = 5000):  # fmt: skip
     """A running `LighthouseServer` (`.address()`, `.shutdown()`); ConfigError for bad settings or a port
     in use."""

@@ -87,6 +87,21 @@ class SingleReplica:
     def begin_step(self, step: int) -> StepNews | None:
         return None
 
+    def _allreduce(self, t: torch.Tensor, op: ReduceOp) -> bool:
+        """torchft's all-reduce over the groups of the quorum (AVG: the sum / participants); False when it
+        failed (a peer died), and then this group's side of the cross-group process group is torn down at
+        once. Why: at G > 2 groups a collective fails at once only in the groups that exchange data with
+        the dead one directly; another waits on their still-open sockets for the whole `timeout_s`, and
+        the lighthouse holds the next quorum for it (it heartbeats but has not joined) up to its join
+        timeout. Closing the sockets usually fails it at once too (4 of 5 benchmark runs at 4 groups); the
+        short join timeout of `mamba3lite lighthouse` bounds the rest. The next quorum builds a fresh
+        process group anyway."""
+        self.manager.allreduce(t, reduce_op=op).wait()
+        if self.manager.errored() is None:
+            return True
+        self.pg.abort()
+        return False
+
     def average(self, grads: list[torch.Tensor]) -> None:
         pass
 
@@ -223,8 +238,7 @@ class ReplicaGroups:
         h = int(self.fingerprint[:5], 16)  # 20 bits: h^2 and sums stay exact in float64
         t = torch.zeros(self.groups + 3, dtype=torch.float64)
         t[self.group_id], t[-3], t[-2], t[-1] = 1.0, 1.0, h, h * h
-        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
-        if self.manager.errored():
+        if not self._allreduce(t, ReduceOp.SUM):
             return self.participants
         n, s, s2 = t[-3].item(), t[-2].item(), t[-1].item()
         if n >= 1 and n * s2 != s * s:
@@ -237,6 +251,21 @@ class ReplicaGroups:
             )
         return [g for g in range(self.groups) if t[g].item() > 0]
 
+    def _allreduce(self, t: torch.Tensor, op: ReduceOp) -> bool:
+        """torchft's all-reduce over the groups of the quorum (AVG: the sum / participants); False when it
+        failed (a peer died), and then this group's side of the cross-group process group is torn down at
+        once. Why: at G > 2 groups a collective fails at once only in the groups that exchange data with
+        the dead one directly; another waits on their still-open sockets for the whole `timeout_s`, and
+        the lighthouse holds the next quorum for it (it heartbeats but has not joined) up to its join
+        timeout. Closing the sockets usually fails it at once too (4 of 5 benchmark runs at 4 groups); the
+        short join timeout of `mamba3lite lighthouse` bounds the rest. The next quorum builds a fresh
+        process group anyway."""
+        self.manager.allreduce(t, reduce_op=op).wait()
+        if self.manager.errored() is None:
+            return True
+        self.pg.abort()
+        return False
+
     def average(self, grads: list[torch.Tensor]) -> None:
         """The step's gradients become their mean over the groups taking part: one all-reduce of them in
         one flat buffer (sum, then / participants: for two groups (a + b) / 2 exactly, in either order)."""
@@ -245,7 +274,7 @@ class ReplicaGroups:
         # FSDP2 inside the group: each rank's shards, averaged with the same rank's of the other groups
         grads = [g.to_local() if is_dtensor(g) else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.manager.allreduce(flat).wait()
+        self._allreduce(flat, ReduceOp.AVG)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -256,7 +285,7 @@ class ReplicaGroups:
         loss is finite (a group whose every micro-step was skipped has none: nan when no group has one)."""
         finite = math.isfinite(loss)
         t = torch.tensor([loss if finite else 0.0, float(finite)], dtype=torch.float64)
-        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        self._allreduce(t, ReduceOp.SUM)
         total, count = t.tolist()
         return total / count if count > 0 else float("nan")
 
