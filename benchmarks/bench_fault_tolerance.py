@@ -125,7 +125,7 @@ def torchft(work: Path, data: Path, groups: int, steps: int, fault_at: int) -> d
                 assert p.wait(timeout=H.PATIENCE_S * 2) == 0, (work / f"g{g}.log").read_text()[-3000:]
         finally:
             for p in procs:
-                p.kill()
+                F.stop_group(p)
         wall = time.time() - t0
     finally:
         server.shutdown()

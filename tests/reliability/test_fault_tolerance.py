@@ -79,7 +79,7 @@ def test_a_killed_group_heals_live_and_the_run_equals_the_replayed_oracle(
         assert g1.wait(timeout=H.PATIENCE_S) == 0, g1.log.read_text()[-3000:]
     finally:
         for p in procs:
-            p.kill()
+            F.stop_group(p)
     run0, run1 = tmp_path / "g0", tmp_path / "g1"
     # committed steps 1..30 on the healthy group, each once
     assert [r["step"] for r in F.rows(run0, "train")] == list(range(1, F.STEPS + 1))
@@ -136,7 +136,7 @@ def test_killing_and_restarting_every_group_resumes_bit_exact(tmp_path, chaos_da
     finally:
         server.shutdown()
         for p in procs:
-            p.kill()
+            F.stop_group(p)
     assert all(any(r.get("event") == "resume" for r in H.metrics_rows(tmp_path / f"g{g}")) for g in (0, 1))
     oracle = F.oracle_weights(configs[0], [[1, steps, [0, 1]]], steps=steps)
     for g in (0, 1):
