@@ -12,6 +12,7 @@ never depends on where they land: whatever the kill point, resume must end bit-f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -177,6 +178,33 @@ def finish(p: subprocess.Popen, timeout: float = PATIENCE_S) -> tuple[int, str, 
         f"process did not finish within {timeout} s:\n{texts[0][-2000:]}\n{texts[1][-2000:]}"
     )
     return rc, texts[0], texts[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first), read from /proc while they run."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for c in children:
+            out += [c, *descendants(c)]
+    return out
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL `p` and every process below it, then reap `p`. torchrun starts each worker in a session of
+    its own, so killing torchrun's process group (or torchrun alone) would leave its workers waiting in a
+    collective, each for its timeout."""
+    for pid in [*descendants(p.pid), p.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    p.wait()
 
 
 def run_train(config: Path, *extra: str, env: dict | None = None, timeout: float = PATIENCE_S):

@@ -5,7 +5,6 @@ replays a run's recorded participation in one process."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -50,18 +49,14 @@ def start_group(
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     argv = [*torchrun, "--max-restarts", str(restarts), "-m", "mamba3lite", "train", "--config", str(config)]
     out = open(log, "w", encoding="utf-8")  # noqa: SIM115 (the child holds it; closed with the process)
-    # a session of its own: stop_group ends torchrun and every worker it started, even after a failure
-    p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     p.log = log  # type: ignore[attr-defined]
     return p
 
 
 def stop_group(torchrun: subprocess.Popen) -> None:
-    """SIGKILL a group's torchrun and the workers it started (killing torchrun alone would leave them
-    waiting in a collective, each for its timeout); nothing if it has ended."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(torchrun.pid, signal.SIGKILL)
-    torchrun.wait()
+    """SIGKILL a group's torchrun and the workers it started; nothing if they have ended."""
+    H.kill_tree(torchrun)
 
 
 def worker_pids(torchrun: subprocess.Popen) -> list[int]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -118,14 +117,11 @@ def run_with_kills(work: Path, program: list[str], plan, timeout_s: float, env: 
     }  # fmt: skip
     started = time.monotonic()
     with open(work / "out.txt", "w+") as out, open(work / "err.txt", "w+") as err:
-        p = subprocess.Popen(
-            torchrun_argv(len(plan), program), stdout=out, stderr=err, env=env, start_new_session=True
-        )
+        p = subprocess.Popen(torchrun_argv(len(plan), program), stdout=out, stderr=err, env=env)
         try:
             rc = p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # torchrun and every worker it started
-            p.wait()
+            H.kill_tree(p)  # torchrun and every worker it started
             rc = None
         err.seek(0)
         stderr = err.read()

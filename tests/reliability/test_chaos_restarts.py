@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import chaos_harness as H
@@ -66,3 +67,25 @@ def test_the_plain_torch_reproduction_connects_every_restarted_generation_at_its
     assert run.outcome == "ok", about
     assert len(run.recover_s) == 3, about
     assert "connectFullMesh failed" not in run.stderr, about
+
+
+def test_kill_tree_ends_workers_that_torchrun_starts_in_sessions_of_their_own():
+    # The harness's clean-up after a hang: a child in a new session (as torchrun starts its workers)
+    # survives a kill of its parent's process group, not kill_tree.
+    code = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+        "time.sleep(600)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code])
+    assert H.wait_until(lambda: H.descendants(p.pid), timeout=30)
+    (child,) = H.descendants(p.pid)
+    H.kill_tree(p)
+    assert H.wait_until(lambda: not os.path.exists(f"/proc/{child}") or "Z" in _state(child), timeout=10)
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2]
+    except OSError:
+        return "gone"
