@@ -7,6 +7,7 @@ The tests talk to it the way users talk to S3: through the environment botocore 
 
 from __future__ import annotations
 
+import json
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -36,6 +37,22 @@ class S3Server:
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=bucket, Key=key, Body=data)
+
+    def user_of_one_bucket(self, bucket: str, name: str) -> dict[str, str]:
+        """An IAM user allowed everything on `bucket` and nothing else: the environment (its access key)
+        that signs requests as that user once `enforce_auth(True)`. moto names a listing's action
+        s3:ListObjectsV2 where AWS says s3:ListBucket, so the policy allows s3:* on the one bucket."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1")
+        user = f"{name}-{bucket}"
+        iam.create_user(UserName=user)
+        statement = {"Effect": "Allow", "Action": "s3:*",
+                     "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]}  # fmt: skip
+        policy = {"Version": "2012-10-17", "Statement": [statement]}
+        iam.put_user_policy(UserName=user, PolicyName="one-bucket", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
 
     def enforce_auth(self, on: bool) -> None:
         """Turn moto's IAM enforcement on (every request from now on must be signed by a user it knows,

@@ -127,30 +127,12 @@ def test_errors_are_one_line_and_name_the_url(s3, monkeypatch):
 def test_bucket_without_permission(s3, monkeypatch):
     """moto enforces IAM when asked (its reset-auth switch): a user allowed one bucket is refused
     another, and unknown credentials are refused everywhere."""
-    import boto3
 
     allowed, closed = s3.bucket("open"), s3.bucket("closed")
     s3.put(allowed, "p/a.txt", b"readable")
     s3.put(closed, "p/a.txt", b"secret")
-    iam = boto3.client("iam", endpoint_url=s3.endpoint, region_name="us-east-1")
-    user = f"reader-{allowed}"
-    iam.create_user(UserName=user)
-    policy = {
-        "Version": "2012-10-17",
-        "Statement": [
-            {
-                "Effect": "Allow",
-                # moto names a listing's action s3:ListObjectsV2 where AWS says s3:ListBucket: allow all
-                # actions, on one bucket only
-                "Action": "s3:*",
-                "Resource": [f"arn:aws:s3:::{allowed}", f"arn:aws:s3:::{allowed}/*"],
-            }
-        ],
-    }
-    iam.put_user_policy(UserName=user, PolicyName="read-one", PolicyDocument=json.dumps(policy))
-    key = iam.create_access_key(UserName=user)["AccessKey"]
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    for name, value in s3.user_of_one_bucket(allowed, "reader").items():
+        monkeypatch.setenv(name, value)
     s3.enforce_auth(True)
     try:
         (obj,) = Store(f"s3://{allowed}/p/").list()

@@ -186,26 +186,10 @@ def test_two_runs_on_one_url_are_refused_and_a_dead_runs_lock_is_taken_over(s3, 
 
 
 def test_bad_out_urls_are_one_line_and_leave_nothing(s3, tmp_path, monkeypatch, cli):
-    import boto3
 
     src = _local_corpus(tmp_path)
     allowed, closed = s3.bucket("open"), s3.bucket("closed")
-    iam = boto3.client("iam", endpoint_url=s3.endpoint, region_name="us-east-1")
-    user = f"writer-{allowed}"
-    iam.create_user(UserName=user)
-    policy = {
-        "Version": "2012-10-17",
-        "Statement": [
-            {
-                "Effect": "Allow",
-                "Action": "s3:*",
-                "Resource": [f"arn:aws:s3:::{allowed}", f"arn:aws:s3:::{allowed}/*"],
-            }
-        ],
-    }
-    iam.put_user_policy(UserName=user, PolicyName="one", PolicyDocument=json.dumps(policy))
-    key = iam.create_access_key(UserName=user)["AccessKey"]
-    env = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+    env = s3.user_of_one_bucket(allowed, "writer")
     s3.enforce_auth(True)
     try:
         args = ("prepare", "--source", src, "--workers", "0", "--stage-dir", str(tmp_path / "st"))

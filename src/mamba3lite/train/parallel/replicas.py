@@ -87,21 +87,6 @@ class SingleReplica:
     def begin_step(self, step: int) -> StepNews | None:
         return None
 
-    def _allreduce(self, t: torch.Tensor, op: ReduceOp) -> bool:
-        """torchft's all-reduce over the groups of the quorum (AVG: the sum / participants); False when it
-        failed (a peer died), and then this group's side of the cross-group process group is torn down at
-        once. Why: at G > 2 groups a collective fails at once only in the groups that exchange data with
-        the dead one directly; another waits on their still-open sockets for the whole `timeout_s`, and
-        the lighthouse holds the next quorum for it (it heartbeats but has not joined) up to its join
-        timeout. Closing the sockets usually fails it at once too (4 of 5 benchmark runs at 4 groups); the
-        short join timeout of `mamba3lite lighthouse` bounds the rest. The next quorum builds a fresh
-        process group anyway."""
-        self.manager.allreduce(t, reduce_op=op).wait()
-        if self.manager.errored() is None:
-            return True
-        self.pg.abort()
-        return False
-
     def average(self, grads: list[torch.Tensor]) -> None:
         pass
 
