@@ -8,6 +8,7 @@ The tests talk to it the way users talk to S3: through the environment botocore 
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -66,3 +67,11 @@ class S3Server:
         )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200
+
+
+def unreachable_endpoint() -> str:
+    """An endpoint URL on 127.0.0.1 that nothing listens on (a port just bound and closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"

@@ -20,6 +20,7 @@ from mamba3lite.errors import (
     StorageAccessError,
     StorageUnreachableError,
 )
+from s3_server import unreachable_endpoint
 
 
 def make_corpus(root: Path) -> dict[str, bytes]:
@@ -111,12 +112,7 @@ def test_errors_are_one_line_and_name_the_url(s3, monkeypatch):
     with pytest.raises(ObjectChangedError, match=rf"s3://{bucket}/p/a.txt changed"):
         Store(f"s3://{bucket}/p/").read(obj)
     # an endpoint nothing listens on (a port just closed): transient, names the endpoint setting
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", unreachable_endpoint())
     with pytest.raises(
         StorageUnreachableError, match=r"cannot reach the object store \(AWS_ENDPOINT_URL="
     ) as e:

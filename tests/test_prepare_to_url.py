@@ -20,6 +20,7 @@ from mamba3lite.data.object_lock import LOCK_KEY, ObjectLock
 from mamba3lite.data.shards import MANIFEST_NAME
 from mamba3lite.data.store import Store
 from mamba3lite.errors import ConfigError, DataError, StorageAccessError, StorageUnreachableError
+from s3_server import unreachable_endpoint
 from test_prepare_helpers import tree_hashes
 from test_prepare_resume import KW, _Interrupt, _prepare_interrupted
 
@@ -201,10 +202,7 @@ def test_bad_out_urls_are_one_line_and_leave_nothing(s3, tmp_path, monkeypatch, 
         s3.enforce_auth(False)
     assert _bucket_objects(s3, closed, "") == {} and not (tmp_path / "st").exists()
     # an endpoint nothing listens on: transient (exit 1), names the endpoint setting
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", unreachable_endpoint())
     with pytest.raises(
         StorageUnreachableError, match=r"cannot reach the object store \(AWS_ENDPOINT_URL="
     ) as e:
