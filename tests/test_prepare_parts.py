@@ -50,17 +50,59 @@ def test_as_spec_accepts_the_three_forms():
     assert as_spec(spec) is spec
 
 
-def test_packer_adds_whole_documents_and_starts_the_next_shard():
+def test_mixer_run_length_is_the_number_of_picks_in_a_row_one_at_a_time_would_make():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 5))
+        target = None if trial % 2 else int(rng.integers(50, 5000))
+        mixer = Mixer(rng.uniform(0.1, 3, n).tolist(), rng.integers(1, 1000, n).tolist(), target)
+        taken = rng.integers(0, 2000, n).tolist()
+        active = sorted(rng.choice(n, int(rng.integers(1, n + 1)), replace=False).tolist())
+        if (i := mixer.pick(taken, active)) is None:
+            continue
+        gains = rng.integers(0, 300, 40) * (rng.random(40) < 0.8)  # a dropped document takes nothing
+        totals = (taken[i] + np.cumsum(gains) - gains).tolist()
+        expected, trial_taken = 0, list(taken)
+        while expected < len(totals):
+            trial_taken[i] = totals[expected]
+            if mixer.pick(trial_taken, active) != i:
+                break
+            expected += 1
+        assert mixer.run_length(taken, active, i, totals) == expected
+
+
+def test_packer_adds_documents_as_pieces_of_the_units_and_starts_the_next_shard():
     p = Packer("train")
     assert p.fits(1000, shard_tokens=10)  # an empty shard takes a document longer than a shard
-    p.add(np.arange(4, dtype=np.uint16), n_bytes=7)
-    p.add(np.arange(3, dtype=np.uint16), n_bytes=5)
-    assert (p.n_tokens, p.n_docs, p.n_bytes) == (7, 2, 12)
-    assert p.fits(3, shard_tokens=10) and not p.fits(4, shard_tokens=10)
-    assert p.tokens().tolist() == [0, 1, 2, 3, 0, 1, 2] and p.next_path() == "train/shard_00000.bin"
+    assert p.room(np.cumsum([1000, 5]), shard_tokens=10) == 1 and p.room(np.cumsum([4, 6, 1]), 10) == 2
+    # Documents that follow on in a unit's token file make one piece; a gap (a duplicate, the other
+    # split's document) starts another; a later call continuing the last piece extends it.
+    p.add("u1", np.array([0, 4, 9]), np.array([4, 7, 12]), n_bytes=12)
+    p.add("u1", np.array([12]), np.array([14]), n_bytes=3)
+    p.add("u2", np.array([0]), np.array([2]), n_bytes=1)
+    assert p.pieces == [["u1", 0, 7], ["u1", 9, 14], ["u2", 0, 2]]
+    assert (p.n_tokens, p.n_docs, p.n_bytes) == (14, 5, 16)
+    assert p.fits(6, shard_tokens=20) and not p.fits(7, shard_tokens=20)
+    assert p.room(np.cumsum([3, 3, 1]), shard_tokens=20) == 2
+    job = p.job()
+    assert job.path == "train/shard_00000.bin" and job.pieces[1] == ("u1", 9, 14) and job.n_docs == 5
+    assert type(job).from_dict(json.loads(json.dumps(job.to_dict()))) == job
+    assert Packer.from_dict(json.loads(json.dumps(p.to_dict()))) == p
     p.shard_written()
-    assert (p.n_tokens, p.n_docs, p.n_bytes, p.parts) == (0, 0, 0, [])
-    assert p.next_index == 1 and p.next_path() == "train/shard_00001.bin" and p.tokens().size == 0
+    assert (p.n_tokens, p.n_docs, p.n_bytes, p.pieces) == (0, 0, 0, [])
+    assert p.next_index == 1 and p.next_path() == "train/shard_00001.bin"
+    with pytest.raises(ValueError, match="do not add up"):
+        Packer.from_dict({**p.to_dict(), "pieces": [["u", 0, 3]]})
+
+
+def test_dedup_finds_repeats_of_kept_digests_and_within_a_batch():
+    d = Dedup()
+    d.add_all([b"a" * 16])
+    assert d.duplicates([b"b" * 16, b"c" * 16]) == []
+    assert d.duplicates([b"b" * 16, b"a" * 16, b"c" * 16, b"b" * 16]) == [1, 3]
+    d.candidates = {b"b" * 16}  # partitioned: only digests that occur twice in the corpus are kept
+    d.add_all([b"b" * 16, b"c" * 16])
+    assert b"b" * 16 in d and b"c" * 16 not in d and d.unsaved == [b"a" * 16, b"b" * 16]
 
 
 def test_dedup_tracks_what_the_next_snapshot_must_save():

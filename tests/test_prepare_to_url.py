@@ -147,9 +147,10 @@ def test_a_resumed_prepare_from_a_url_source_does_not_list_it_again(s3, tmp_path
     _prepare_interrupted(monkeypatch, 3, [src], url, stage_dir=str(stage))
     assert listed.count(src) == 1
     listed.clear()
+    written = len(json.loads((stage / staging.STAGE_DIRNAME / staging.STATE_NAME).read_text())["shards"])
     resumed = P.prepare([src], url, **KW, stage_dir=str(stage))
     assert listed.count(src) == 0, "a resume reads the plan's listing"
-    assert resumed.resumed_shards == 3 and resumed.work.reused > 0
+    assert resumed.resumed_shards == written > 0 and resumed.work.reused > 0
     got = _bucket_objects(s3, bucket, "ds/")
     shards = {k: v for k, v in tree_hashes(tmp_path / "ref").items() if k != MANIFEST_NAME}
     assert {k: v for k, v in got.items() if k != MANIFEST_NAME} == shards and len(shards) == len(

@@ -226,8 +226,11 @@ def test_a_resumed_prepare_fits_the_same_tokenizer_and_equals_an_uninterrupted_o
         with pytest.raises(_Interrupt):
             P.prepare([src], tmp_path / "ds", **kw)
     assert (tmp_path / "ds" / staging.STAGE_DIRNAME / "tokenizer.json").is_file()
+    written = len(
+        json.loads((tmp_path / "ds" / staging.STAGE_DIRNAME / staging.STATE_NAME).read_text())["shards"]
+    )
     resumed = P.prepare([src], tmp_path / "ds", **kw)
-    assert resumed.resumed_shards == 3
+    assert resumed.resumed_shards == written > 0
     assert tree_hashes(tmp_path / "ds") == tree_hashes(tmp_path / "ref")
 
 

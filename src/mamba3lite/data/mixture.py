@@ -122,3 +122,22 @@ class Mixer:
             if best is None or taken[i] * self.rates[best] < taken[best] * self.rates[i]:
                 best = i
         return best
+
+    def run_length(self, taken: Sequence[int], active: Sequence[int], i: int, totals: Sequence[int]) -> int:
+        """How many picks in a row go to source i while its tokens taken are totals[0], totals[1], ... in
+        turn, the others' staying as in `taken` (totals[0] must pick i). `pick` is monotone in taken[i]
+        (more taken never makes a source more eligible), so a binary search over `pick` itself."""
+        trial = list(taken)
+
+        def picks(k: int) -> bool:
+            trial[i] = int(totals[k])
+            return self.pick(trial, active) == i
+
+        lo, hi = 1, len(totals)  # the first k that does not pick i, or len(totals)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if picks(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo

@@ -38,19 +38,23 @@ the shard being filled), `dedup_partition` (--dedup-partitions), `stats` (the co
 4. **Dedup** (driver): exact duplicates of an earlier kept document (same cleaned-text hash, in mixing
    order) are dropped.
 5. **Commit**: per split, whole documents are appended until the next one would overflow `shard_tokens`;
-   the shard is then written from the units' token files (memory-mapped) atomically and re-read/verified
-   through `shards.write_shard`. A document longer than `shard_tokens` gets a shard of its own.
-   Documents are never split across shards. The manifest is written last.
+   the shard is then sent to be written, as a task like a unit's (`packing.write_shard_job`): the driver
+   describes it as pieces of the units' token files, and the task gathers them, writes the shard
+   atomically and re-reads/verifies it (`shards.write_shard`). A document longer than `shard_tokens` gets
+   a shard of its own. Documents are never split across shards. The manifest is written last.
 
 The split is a pure function of a document's cleaned content and `seed` (sha256 → a number in [0, 1),
 below `val_fraction` → val), so it is stable when a source grows.
 
-**What the driver keeps per document.** It reads each unit's index (42 bytes a document) while the unit
-is consumed and drops it after; the partly filled shards are slices of the units' memory-mapped token
-files (bounded by `shard_tokens`, not by the corpus). What grows with the corpus is the dedup set: one
-16-byte digest per kept document in a Python set, measured at ~83 bytes a digest (the bytes object, 56,
-and its share of the hash table), ~90 with the digests not yet snapshotted. A 64 GB driver, leaving
-8 GB for the rest, therefore dedups ~600M kept documents (~0.6-1.2T tokens at 1-2k tokens a document).
+**What the driver does and keeps per document.** It reads each unit's index (42 bytes a document) while
+the unit is consumed and drops it after, and it never reads or copies a token: a shard is a list of
+(unit, token range) pieces. It takes a source's documents a run at a time, a run being as many as the
+mixer picks in a row (`Mixer.run_length`; with one source, a whole unit), decided with numpy over the
+index's columns, so its cost per document is a few array operations' share, not a Python step. What
+grows with the corpus is the dedup set: one 16-byte digest per kept document in a Python set, measured
+at ~83 bytes a digest (the bytes object, 56, and its share of the hash table), ~90 with the digests not
+yet snapshotted. A 64 GB driver, leaving 8 GB for the rest, therefore dedups ~600M kept documents
+(~0.6-1.2T tokens at 1-2k tokens a document).
 Beyond that, `--dedup-partitions P` partitions the set by digest (`dedup_partition`): after every unit
 is computed, P tasks, each reading the digests of its 1/P of the digest space from every unit's index,
 write the digests that occur more than once in the whole corpus; the driver then keeps in its set only
@@ -59,8 +63,9 @@ decisions stay exact and in mixing order: the same bytes out. `--no-dedup` keeps
 
 **Staging and resume.** All work happens in `OUT/.prepare/`; a previous dataset in OUT stays intact
 until the new one is complete, and the manifest is written last. After a shard (at most once a second,
-SNAPSHOT_MIN_INTERVAL_S), a snapshot of the driver (per-source cursors, counters, both splits' partly
-filled shards, the dedup set) goes to `OUT/.prepare/state.json` (atomically). A re-run with the same
+SNAPSHOT_MIN_INTERVAL_S), a snapshot of the driver (per-source cursors, counters, the shards written and
+those sent to be written, both splits' partly filled shards, the dedup set) goes to
+`OUT/.prepare/state.json` (atomically). A re-run with the same
 arguments and unchanged source files re-verifies the shards of the snapshot, restores it and continues
 from there, reusing every unit already computed; without a usable snapshot it starts the driver afresh
 and still reuses the units. The result is byte-identical to an uninterrupted run, and the summary counts
@@ -73,6 +78,7 @@ sharing the staging directory; the file is removed when the run ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -89,9 +95,9 @@ from typing import Any
 import numpy as np
 
 from mamba3lite.atomicfile import atomic_write_bytes
-from mamba3lite.data import dedup_partition, ray_executor, shards, staging, units, url_out, workers
+from mamba3lite.data import dedup_partition, packing, ray_executor, shards, staging, units, url_out, workers
 from mamba3lite.data import plan as planning
-from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, UnitResult, WorkerConfig
+from mamba3lite.data.clean import BAD_LINE, DROP_NAMES, KEPT, WorkerConfig
 from mamba3lite.data.mixture import Mixer, SourceSpec, as_spec, load_mixture
 from mamba3lite.data.packing import Packer
 from mamba3lite.data.plan import Plan
@@ -342,57 +348,113 @@ class _Run:
         self.stage.save(self.state)
         self._last_snapshot = time.monotonic()
 
-    def _flush(self, packer: Packer) -> None:
-        info = shards.write_shard(
-            self.stage.dir,
-            packer.next_path(),
-            packer.tokens(),
-            split=packer.split,
-            n_docs=packer.n_docs,
-            n_bytes=packer.n_bytes,
-            dtype=self.stage.dtype,
-        )
+    def _written(self, info: shards.ShardInfo) -> None:
+        self.state.queued.pop(0)
         self.state.shards.append(info)
-        packer.shard_written()
 
-    def _make_room(self, r: UnitResult) -> None:
-        """Write the shard `r` would overflow, before `r` is counted: a snapshot taken here describes
-        the state before this unit."""
-        packer = self.state.packers[r.split]
-        if packer.fits(r.tokens.size, self.opts.shard_tokens):
-            return
-        self._flush(packer)
-        if time.monotonic() - self._last_snapshot >= SNAPSHOT_MIN_INTERVAL_S:
-            self._snapshot()
+    def _flush(self, packer: Packer) -> None:
+        """Send the split's current shard to be written (a task), and start the next."""
+        self._send(packer.job())
+        packer.shard_written()
+        self._flushed = True
+        while len(self._writes) > self._executor.parallelism:
+            self._written(self._writes.popleft().result())
         if self._sleep:
             time.sleep(self._sleep)
 
-    def _consume(self, i: int, loc: Any, r: UnitResult, progress: _Progress) -> None:
-        """Count, filter, dedup and pack source i's next document."""
-        state, dedup = self.state, self.opts.dedup
-        if r.status == KEPT and not (dedup and r.digest in state.dedup):
-            self._make_room(r)
-        state.cursors[i][1] += 1
-        state.stats.read(i, r.n_replaced)
-        if r.status == BAD_LINE and not self.opts.skip_bad_lines:
-            raise DataError(f"{format_location(loc)}: {r.problem}")
-        if r.status != KEPT:
-            state.stats.drop(DROP_NAMES[r.status])
-            return
-        if dedup:
-            if r.digest in state.dedup:
-                state.stats.drop("duplicate")
-                return
-            state.dedup.add(r.digest)
-        state.packers[r.split].add(r.tokens, r.n_bytes)
-        state.taken[i] += int(r.tokens.size)
-        state.stats.keep(i, r.split, int(r.tokens.size), r.n_bytes, r.n_special)
-        progress.on_kept(r.tokens.size, r.n_bytes)
+    def _send(self, job: packing.ShardJob) -> None:
+        self.state.queued.append(job)
+        stage, dtype = str(self.stage.dir), self.stage.dtype
+        self._writes.append(self._executor.call(packing.write_shard_job, stage, dtype, job))
+
+    def _drain(self) -> None:
+        """Wait for every shard sent to be written."""
+        while self._writes:
+            self._written(self._writes.popleft().result())
+
+    def _pack(self, view: units.UnitView, docs: np.ndarray) -> None:
+        """Append the kept documents `docs` (positions in `view`, in mixing order) to their splits' shards,
+        writing each shard that the next document would overflow (`Packer.fits`)."""
+        for code, split in enumerate(units.SPLIT_NAMES):
+            mine = docs[view.split[docs] == code]
+            if not mine.size:
+                continue
+            packer, starts, ends = self.state.packers[split], view.starts[mine], view.ends[mine]
+            sizes_cum, bytes_cum = np.cumsum(ends - starts), np.cumsum(view.n_bytes[mine])
+            k = 0
+            while k < mine.size:
+                base, bbase = (sizes_cum[k - 1], bytes_cum[k - 1]) if k else (0, 0)
+                j = k + packer.room(sizes_cum[k:] - base, self.opts.shard_tokens)
+                if j > k:
+                    packer.add(view.record.key, starts[k:j], ends[k:j], int(bytes_cum[j - 1] - bbase))
+                if j < mine.size:
+                    self._flush(packer)
+                k = j
+
+    def _window(self, i: int, left: int) -> int:
+        """How many documents of source i to look at for its next run of picks: as many as its last run
+        took, doubled while runs fill their window (a run is usually a whole unit for one source, one or
+        two documents when sources interleave)."""
+        return max(1, min(left, self._windows[i]))
+
+    def _take(self, i: int, docs: units.SourceDocs, view: units.UnitView) -> None:
+        """Consume source i's next run of documents from `view`: as many as the mixer picks in a row,
+        each counted, filtered, deduplicated and packed as one at a time would be."""
+        state, lo = self.state, view.pos
+        w = self._window(i, docs.limit())
+        hi = lo + w
+        status = view.status[lo:hi]
+        kept = np.flatnonzero(status == KEPT)
+        digests = view.digests[lo:hi][kept].tolist() if self.opts.dedup else []
+        dup = np.zeros(kept.size, dtype=bool)
+        dup[state.dedup.duplicates(digests) if self.opts.dedup else []] = True
+        gain = np.zeros(w, dtype=np.int64)
+        gain[kept[~dup]] = view.n_tokens[lo:hi][kept[~dup]]
+        totals = state.taken[i] + np.cumsum(gain) - gain  # source i's tokens taken before each document
+        m = 1 if w == 1 else self.mixer.run_length(state.taken, self._active, i, totals.tolist())
+        bad = np.flatnonzero(status[:m] == BAD_LINE) if not self.opts.skip_bad_lines else []
+        if len(bad):
+            m = int(bad[0]) + 1
+        self._windows[i] = 2 * w if m == w else max(1, 2 * m)
+        take = kept < m
+        taken_docs, taken_dup = kept[take], dup[take]
+        self._count(i, view, lo, m, taken_docs, taken_dup)
+        docs.advance(m)
+        if len(bad):
+            k = lo + int(bad[0])
+            raise DataError(f"{format_location(view.location(k))}: {view.problem(k)}")
+        fresh = taken_docs[~taken_dup]
+        if self.opts.dedup:
+            state.dedup.add_all([digests[k] for k in np.flatnonzero(take)[~taken_dup].tolist()])
+        self._pack(view, lo + fresh)
+        state.taken[i] = int(totals[m - 1] + gain[m - 1])
+
+    def _count(
+        self, i: int, view: units.UnitView, lo: int, m: int, kept: np.ndarray, dup: np.ndarray
+    ) -> None:
+        """Count documents lo..lo+m of `view`: read, dropped (by reason) and kept (per split)."""
+        stats, progress = self.state.stats, self._progress
+        stats.read(i, int(view.n_replaced[lo : lo + m].sum()), m)
+        codes = np.bincount(view.status[lo : lo + m], minlength=len(DROP_NAMES) + 1).tolist()
+        for code, name in DROP_NAMES.items():
+            if codes[code]:
+                stats.drop(name, codes[code])
+        if dup.any():
+            stats.drop("duplicate", int(dup.sum()))
+        fresh = lo + kept[~dup]
+        for code, split in enumerate(units.SPLIT_NAMES):
+            mine = fresh[view.split[fresh] == code]
+            if mine.size:
+                n_tokens, n_bytes = int(view.n_tokens[mine].sum()), int(view.n_bytes[mine].sum())
+                stats.keep(i, split, n_tokens, n_bytes, int(view.n_special[mine].sum()), int(mine.size))
+                progress.on_kept(n_tokens, n_bytes)
 
     def run(self, executor: Executor, depth: int) -> None:
         """Mix, dedup and pack every source's documents into shards in the stage (the last ones
-        included), `executor` computing the units, up to `depth` per source in flight."""
-        progress = _Progress(self.opts.progress)
+        included), `executor` computing the units, up to `depth` per source in flight, and writing the
+        shards."""
+        self._progress = progress = _Progress(self.opts.progress)
+        self._executor, self._writes = executor, deque()
         self.work.executor = executor.describe()
 
         def on_record(record: UnitRecord) -> None:
@@ -403,25 +465,37 @@ class _Run:
         streams = [
             units.SourceDocs(
                 self.stage.dir,
-                self.stage.dtype,
                 UnitStream(self.unit_items(i), executor, depth, on_record).next,
                 self.state.cursors[i],
                 None if max_docs is None else max_docs - per_source[i].documents_in,
             )
             for i in range(len(self.plan.units))
         ]
-        active = [i for i in range(len(streams)) if not per_source[i].exhausted]
+        self._active = [i for i in range(len(streams)) if not per_source[i].exhausted]
+        self._windows = [1] * len(streams)
+        queued, self.state.queued = self.state.queued, []  # a resumed snapshot's, written again
+        for job in queued:
+            self._send(job)
         try:
-            while (i := self.mixer.pick(self.state.taken, active)) is not None:
-                item = streams[i].next()
-                if item is None:
+            while (i := self.mixer.pick(self.state.taken, self._active)) is not None:
+                view = streams[i].view()
+                if view is None:
                     per_source[i].exhausted = True
-                    active.remove(i)
-                else:
-                    self._consume(i, *item, progress)
+                    self._active.remove(i)
+                    continue
+                self._flushed = False
+                self._take(i, streams[i], view)
+                if self._flushed and time.monotonic() - self._last_snapshot >= SNAPSHOT_MIN_INTERVAL_S:
+                    self._snapshot()
             for split in SPLITS:  # the last, partly filled shards
                 if self.state.packers[split].n_docs:
                     self._flush(self.state.packers[split])
+            self._drain()
+        except BaseException:
+            for handle in self._writes:  # let the shard writes already sent end before the stage is touched
+                with contextlib.suppress(Exception):
+                    handle.result()
+            raise
         finally:
             progress.close()
 
@@ -687,7 +761,8 @@ def _partition_dedup(run: _Run, executor: Executor, depth: int) -> Executor:
 
 def _run_pipeline(run: _Run, job: UnitJob, out_existed: bool) -> None:
     """Run the pipeline with its executor. Bad input removes the staging directory (the same arguments
-    would fail the same way); an interruption or a lost worker leaves it for the resume."""
+    would fail the same way) once the executor has stopped (no task writes into it after); an
+    interruption or a lost worker leaves it for the resume."""
     executor = None
     try:
         executor = _executor(run.opts, job)
@@ -703,6 +778,9 @@ def _run_pipeline(run: _Run, job: UnitJob, out_existed: bool) -> None:
     except TransientError:
         raise  # a network error, say: the shards done so far are kept for a re-run to resume
     except Mamba3LiteError:
+        if executor is not None:
+            executor.close()
+            executor = None
         _discard(run.stage, out_existed)
         raise
     finally:

@@ -3,23 +3,23 @@
     OUT/.prepare.lock       held (mamba3lite.dirlock) from before a run looks at OUT until it ends
     OUT/.prepare/           the staging directory: train/ val/ shards as they are written, and
       tokenizer.json        the tokenizer fit by --train-tokenizer (written again by every run)
-      state.json            the last snapshot: arguments, source fingerprints, cursors, counters, shards
-      pending.N.bin         both splits' partly filled shards at snapshot N (train's tokens, then val's)
+      state.json            the last snapshot: arguments, source fingerprints, cursors, counters, the
+                            shards written, those still being written and both splits' partly filled
+                            ones (each as pieces of the units' token files, `packing`)
       seen.bin              the dedup digests, appended at each snapshot (state.json says how many count)
       commit.json           written when the dataset is complete, before it is moved into OUT
       plan.json             the plan: the sources' listing cut into work units, the arguments (`plan`)
       units/                each work unit's tokens, index and completion record (`units`)
 
-A snapshot is taken right after a shard is written. A re-run with the same arguments and unchanged
-source files re-verifies the snapshot's shards and restores it (`Stage.restore`). When the dataset is
-complete its manifest is validated and written into the stage (`Stage.finalize`), then moved into OUT
-split by split, manifest last (`commit`); an interrupted move is completed by the next run of the same
-command (`Stage.finished_manifest`), computing nothing again.
+A snapshot is taken after a shard is sent to be written. A re-run with the same arguments and unchanged
+source files re-verifies the snapshot's shards and the units its unwritten shards name, and restores it
+(`Stage.restore`). When the dataset is complete its manifest is validated and written into the stage
+(`Stage.finalize`), then moved into OUT split by split, manifest last (`commit`); an interrupted move is
+completed by the next run of the same command (`Stage.finished_manifest`), computing nothing again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from mamba3lite import intake
-from mamba3lite.atomicfile import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
+from mamba3lite.atomicfile import atomic_write_json, fsync_dir, sha256_file
 from mamba3lite.data.clean import DIGEST_BYTES
-from mamba3lite.data.packing import Dedup, Packer
+from mamba3lite.data.packing import Dedup, Packer, ShardJob
 from mamba3lite.data.plan import PLAN_NAME
 from mamba3lite.data.shards import (
     MANIFEST_NAME,
@@ -41,7 +41,7 @@ from mamba3lite.data.shards import (
     is_own_tokenizer,
 )
 from mamba3lite.data.stats import PrepareStats
-from mamba3lite.data.units import UNITS_DIRNAME
+from mamba3lite.data.units import UNITS_DIRNAME, tokens_verify
 from mamba3lite.data_identity import TOKENIZER_NAME
 from mamba3lite.errors import Mamba3LiteError
 
@@ -55,8 +55,8 @@ SEEN_NAME = "seen.bin"
 @dataclass
 class PipelineState:
     """Everything a snapshot holds, besides the arguments: per-source cursors ([work unit, documents of
-    it consumed]) and tokens taken, the counters, the dedup set, the shards written and both splits'
-    partly filled shards."""
+    it consumed]) and tokens taken, the counters, the dedup set, the shards written, those sent to be
+    written (`queued`, in order) and both splits' partly filled shards."""
 
     cursors: list[list[int]]
     taken: list[int]
@@ -64,15 +64,18 @@ class PipelineState:
     dedup: Dedup
     shards: list[ShardInfo]
     packers: dict[str, Packer]
+    queued: list[ShardJob]
 
     @classmethod
     def fresh(cls, stats: PrepareStats) -> PipelineState:
         n = len(stats.sources)
-        return cls([[0, 0] for _ in range(n)], [0] * n, stats, Dedup(), [], {s: Packer(s) for s in SPLITS})
+        packers = {s: Packer(s) for s in SPLITS}
+        return cls([[0, 0] for _ in range(n)], [0] * n, stats, Dedup(), [], packers, [])
 
-
-def _sha256(tokens: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(tokens).cast("B")).hexdigest()
+    def unit_keys(self) -> set[str]:
+        """The units whose tokens the unwritten shards name."""
+        keys = {key for p in self.packers.values() for key, _, _ in p.pieces}
+        return keys.union(*(job.unit_keys() for job in self.queued))
 
 
 class Stage:
@@ -85,22 +88,6 @@ class Stage:
         self.fingerprints = fingerprints
         self.dtype = dtype
 
-    def _pending_path(self, snap: int) -> Path:
-        return self.dir / f"pending.{snap}.bin"
-
-    def _save_pending(self, snap: int, packers: dict[str, Packer]) -> dict:
-        pending, parts = {}, []
-        for split in SPLITS:
-            p = packers[split]
-            tokens = p.tokens().astype(self.dtype, copy=False)
-            parts.append(tokens)
-            pending[split] = {"n_tokens": int(tokens.size), "n_docs": p.n_docs, "n_bytes": p.n_bytes}
-            pending[split]["next_index"] = p.next_index
-        both = np.concatenate(parts)
-        atomic_write_bytes(self._pending_path(snap), both)
-        pending["sha256"] = _sha256(both)
-        return pending
-
     def _save_seen(self, dedup: Dedup) -> None:
         with open(self.dir / SEEN_NAME, "ab") as f:
             f.write(b"".join(dedup.unsaved))
@@ -109,42 +96,20 @@ class Stage:
         dedup.saved()
 
     def save(self, state: PipelineState) -> None:
-        """Persist `state`; called right after a shard is written (before the next unit)."""
-        snap = len(state.shards)
-        pending = self._save_pending(snap, state.packers)
+        """Persist `state` (between two documents)."""
         self._save_seen(state.dedup)
         record = {
             "args": self.args_record,
             "fingerprints": self.fingerprints,
-            "snapshot": snap,
             "cursors": state.cursors,
             "taken": state.taken,
             "stats": state.stats.to_dict(public=False),
             "n_seen": state.dedup.n_saved,
-            "pending": pending,
+            "packers": [state.packers[split].to_dict() for split in SPLITS],
+            "queued": [job.to_dict() for job in state.queued],
             "shards": [s.__dict__ for s in state.shards],
         }
         atomic_write_json(self.dir / STATE_NAME, record)
-        for p in self.dir.glob("pending.*.bin"):
-            if p.name != self._pending_path(snap).name:
-                p.unlink()
-
-    def _load_packers(self, record: dict) -> dict[str, Packer] | str:
-        pending_path = self._pending_path(record["snapshot"])
-        intake.regular_file_size(pending_path, intake.STAGE_DATA)  # np.fromfile would block on a FIFO
-        both = np.fromfile(pending_path, dtype=self.dtype)
-        if _sha256(both) != record["pending"]["sha256"]:
-            return "the partly filled shards do not verify"
-        packers, offset = {}, 0
-        for split in SPLITS:
-            meta = record["pending"][split]
-            tokens = both[offset : offset + meta["n_tokens"]]
-            offset += meta["n_tokens"]
-            packers[split] = Packer(
-                split, [tokens] if tokens.size else [], int(tokens.size), meta["n_docs"], meta["n_bytes"],
-                meta["next_index"],
-            )  # fmt: skip
-        return packers if offset == both.size else "the partly filled shards have the wrong size"
 
     def _load(self, record: dict) -> PipelineState | str:
         infos = [ShardInfo(**d) for d in record["shards"]]
@@ -152,9 +117,10 @@ class Stage:
             path = self.dir / info.path
             if not path.is_file() or sha256_file(path) != info.sha256:
                 return f"shard {info.path} does not verify"
-        packers = self._load_packers(record)
-        if isinstance(packers, str):
-            return packers
+        packers = {p.split: p for p in map(Packer.from_dict, record["packers"])}
+        queued = [ShardJob.from_dict(d) for d in record["queued"]]
+        if set(packers) != set(SPLITS):
+            return "the partly filled shards are not one per split"
         n_seen = record["n_seen"]
         with intake.open_regular(self.dir / SEEN_NAME, intake.STAGE_DATA) as f:
             blob = f.read(n_seen * DIGEST_BYTES)
@@ -162,7 +128,12 @@ class Stage:
             return "the dedup record is short"
         seen = {blob[i : i + DIGEST_BYTES] for i in range(0, len(blob), DIGEST_BYTES)}
         stats = PrepareStats.from_dict(record["stats"])
-        return PipelineState(record["cursors"], record["taken"], stats, Dedup(seen, n_seen), infos, packers)
+        dedup = Dedup(seen, n_seen)
+        state = PipelineState(record["cursors"], record["taken"], stats, dedup, infos, packers, queued)
+        for key in sorted(state.unit_keys()):
+            if not tokens_verify(self.dir, key):
+                return f"unit {key}, which an unwritten shard names, does not verify"
+        return state
 
     def restore(self) -> PipelineState | str:
         """The snapshot in the staging dir if it matches these arguments and verifies, else why not (the

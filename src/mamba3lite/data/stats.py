@@ -71,21 +71,22 @@ class PrepareStats:
         """Zero counts for sources with `.spec` and `.weight` (SourceSpec)."""
         return cls([SourceStats(s.spec, s.weight) for s in specs])
 
-    def read(self, i: int, n_replaced: int) -> None:
-        """A unit of source i was read (whatever becomes of it)."""
-        self.documents_in += 1
-        self.sources[i].documents_in += 1
+    def read(self, i: int, n_replaced: int, n_docs: int = 1) -> None:
+        """`n_docs` documents of source i were read (whatever becomes of them), `n_replaced` characters
+        replaced in them."""
+        self.documents_in += n_docs
+        self.sources[i].documents_in += n_docs
         self.replaced_bytes += n_replaced
 
-    def drop(self, reason: str) -> None:
-        self.dropped[reason] += 1
+    def drop(self, reason: str, n_docs: int = 1) -> None:
+        self.dropped[reason] += n_docs
 
-    def keep(self, i: int, split: str, n_tokens: int, n_bytes: int, n_special: int) -> None:
-        """A document of source i went into `split`."""
-        self.kept += 1
+    def keep(self, i: int, split: str, n_tokens: int, n_bytes: int, n_special: int, n_docs: int = 1) -> None:
+        """`n_docs` documents of source i went into `split`, with these totals."""
+        self.kept += n_docs
         self.special_tokens_removed += n_special
         src = self.sources[i]
-        src.documents[split] += 1
+        src.documents[split] += n_docs
         src.tokens[split] += n_tokens
         src.bytes[split] += n_bytes
 

@@ -9,8 +9,8 @@ tokenizes every document (`clean.process_batch`), and writes into the staging di
     units/KEY.json   the completion record, last: the plan hash, counts, both files' sha256, the bad
                      JSONL lines (position, location, problem), who computed it and in how long
 
-The driver reads only the index (42 bytes a document) and the record; it opens a unit's token file
-only to copy kept documents into a shard. A unit whose record exists, names this plan and whose two
+The driver reads only the index (42 bytes a document) and the record; the shard-writing tasks
+(`packing.write_shard_job`) read the token files. A unit whose record exists, names this plan and whose two
 files verify is never computed again (`stored_record`): a resumed run, or a task Ray re-runs after a
 node was lost, returns it as it is.
 
@@ -29,7 +29,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ import numpy as np
 from mamba3lite import intake
 from mamba3lite.atomicfile import sha256_file
 from mamba3lite.data import clean
-from mamba3lite.data.clean import BAD_LINE, KEPT, UnitResult, WorkerConfig
+from mamba3lite.data.clean import BAD_LINE, KEPT, WorkerConfig
 from mamba3lite.data.plan import WorkUnit, is_object, listed_source
 from mamba3lite.data.sources import format_location
 from mamba3lite.errors import DataError, Mamba3LiteError, TransientError
@@ -282,82 +282,117 @@ def load_index(stage_dir: str | Path, record: UnitRecord) -> np.ndarray:
     return index
 
 
-def open_tokens(stage_dir: str | Path, record: UnitRecord, dtype: np.dtype) -> np.ndarray:
-    """The unit's token file, memory-mapped (read only as shards are written)."""
-    tok, _, _ = _paths(stage_dir, record.key)
-    if record.n_tokens == 0:
+def map_tokens(stage_dir: str | Path, key: str, dtype: np.dtype) -> np.ndarray:
+    """Unit `key`'s token file, memory-mapped read-only (empty when the unit kept nothing)."""
+    tok, _, _ = _paths(stage_dir, key)
+    if not tok.exists() or tok.stat().st_size == 0:
         return np.empty(0, dtype=dtype)
-    tokens = np.memmap(tok, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
-    assert tokens.size == record.n_tokens, (record.key, tokens.size, record.n_tokens)
-    # A plain ndarray over the map (it keeps the map open): slicing a memmap costs ~4 us a document in
-    # numpy's memmap bookkeeping, the driver's largest cost per document.
-    return tokens.view(np.ndarray)
+    return np.memmap(tok, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+
+
+def tokens_verify(stage_dir: str | Path, key: str) -> bool:
+    """Whether unit `key` has a saved record and its token file matches it (a resumed driver checks the
+    units its unwritten shards name)."""
+    tok, _, rec = _paths(stage_dir, key)
+    try:
+        record = UnitRecord(**intake.read_json(rec, intake.STAGE_STATE))
+        if record.n_tokens == 0:
+            return True
+        intake.regular_file_size(tok, intake.STAGE_DATA)
+        return sha256_file(tok) == record.tok_sha256
+    except (Mamba3LiteError, OSError, TypeError):
+        return False
+
+
+@dataclass
+class UnitView:
+    """The driver's view of one computed unit: its index as columns (numpy arrays, one entry a document),
+    each kept document's [start, end) in the unit's token file, and `pos`, the documents consumed."""
+
+    record: UnitRecord
+    status: np.ndarray
+    split: np.ndarray
+    n_replaced: np.ndarray
+    n_special: np.ndarray
+    n_tokens: np.ndarray  # int64
+    n_bytes: np.ndarray  # int64
+    digests: np.ndarray  # V16: .tolist() gives each digest as bytes
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+    pos: int
+
+    @classmethod
+    def open(cls, stage_dir: str | Path, record: UnitRecord, pos: int) -> UnitView:
+        index = load_index(stage_dir, record)
+        n_tokens = index["n_tokens"].astype(np.int64)
+        ends = np.cumsum(n_tokens)
+        digests = np.ascontiguousarray(index["digest"]).view(f"V{clean.DIGEST_BYTES}").reshape(-1)
+        return cls(
+            record, index["status"], index["split"], index["n_replaced"].astype(np.int64),
+            index["n_special"].astype(np.int64), n_tokens, index["n_bytes"].astype(np.int64), digests,
+            ends - n_tokens, ends, pos,
+        )  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        return int(self.status.size)
+
+    def location(self, k: int) -> Any:
+        """Where document k was read, for an error message: a bad line's position, else the unit."""
+        for pos, loc, _ in self.record.problems:
+            if pos == k:
+                return loc
+        return self.record.key
+
+    def problem(self, k: int) -> str:
+        return next(problem for pos, _, problem in self.record.problems if pos == k)
 
 
 class SourceDocs:
-    """The driver's side of one source: its documents from `cursor` on, in plan order, as (location,
-    UnitResult) whose tokens are slices of the units' memory-mapped token files (the driver reads each
-    unit's index, never its text). `next_record` gives the source's next unit record (None: no more);
-    `cursor` ([unit index, documents of it consumed], the snapshot's) is advanced in place as the
-    caller consumes documents (its second number) and as units are finished (here); at most `left`
-    more documents (None: all)."""
+    """The driver's side of one source: its units' views in plan order, from `cursor` on (the driver
+    reads each unit's index, never its text or tokens). `next_record` gives the source's next unit record
+    (None: no more); `cursor` ([unit index, documents of it consumed], the snapshot's) is advanced in
+    place by `advance`; at most `left` more documents (None: all)."""
 
     def __init__(
         self,
         stage_dir: Path,
-        dtype: np.dtype,
         next_record: Callable[[], UnitRecord | None],
         cursor: list[int],
         left: int | None,
     ) -> None:
-        self._stage_dir, self._dtype, self._next_record = stage_dir, dtype, next_record
-        self._cursor, self._left = cursor, left
-        self._docs: Iterator = iter(())
-        self._record: UnitRecord | None = None
+        self._stage_dir, self._next_record = stage_dir, next_record
+        self._cursor, self.left = cursor, left
+        self._view: UnitView | None = None
 
-    def _open(self, record: UnitRecord) -> Iterator[tuple[Any, UnitResult]]:
-        """The unit's documents from the cursor's position on."""
-        index = load_index(self._stage_dir, record)
-        tokens = open_tokens(self._stage_dir, record, self._dtype)
-        first = self._cursor[1]
-        ends = np.cumsum(index["n_tokens"], dtype=np.int64)
-        starts = (ends - index["n_tokens"].astype(np.int64))[first:].tolist()
-        problems = {pos: (loc, problem) for pos, loc, problem in record.problems}
-        index = index[first:]
-        columns = [index[k].tolist() for k in ("status", "split", "n_replaced", "n_special", "n_bytes")]
-        digests = index["digest"].tobytes()
-        width = clean.DIGEST_BYTES
-        # The hot loop of the driver (one pass a document): plain lists and slices, no numpy scalars.
-        for k, (status, split, n_replaced, n_special, n_bytes, start, end) in enumerate(
-            zip(*columns, starts, ends[first:].tolist())
-        ):
-            if status == KEPT:
-                digest = digests[k * width : (k + 1) * width]
-                r = UnitResult(
-                    KEPT, n_replaced, digest, SPLIT_NAMES[split], tokens[start:end], n_bytes, n_special
-                )
-                yield record.key, r
-            elif status == BAD_LINE:
-                loc, problem = problems[first + k]
-                yield loc, UnitResult(BAD_LINE, n_replaced, problem=problem)
-            else:
-                yield record.key, UnitResult(status, n_replaced)
-        if record.error is not None:
-            raise (TransientError if record.transient else DataError)(record.error)
-
-    def next(self) -> tuple[Any, UnitResult] | None:
-        """The next (location, result), or None when the source is exhausted."""
-        if self._left is not None and self._left <= 0:
+    def view(self) -> UnitView | None:
+        """The unit with the next document (`pos`), or None when the source is exhausted. A unit whose
+        read ended in an error raises it once its documents before the error are consumed."""
+        if self.left is not None and self.left <= 0:
             return None
-        while True:
-            item = next(self._docs, None)
-            if item is not None:
-                if self._left is not None:
-                    self._left -= 1
-                return item
-            if self._record is not None:  # every document of the current unit was consumed
+        while self._view is None or self._view.pos >= self._view.size:
+            if self._view is not None:  # every document of the current unit was consumed
+                record = self._view.record
+                if record.error is not None:
+                    raise (TransientError if record.transient else DataError)(record.error)
                 self._cursor[:] = [self._cursor[0] + 1, 0]
-            self._record = self._next_record()
-            if self._record is None:
+            record = self._next_record()
+            if record is None:
+                self._view = None
                 return None
-            self._docs = self._open(self._record)
+            self._view = UnitView.open(self._stage_dir, record, self._cursor[1])
+        return self._view
+
+    def limit(self) -> int:
+        """How many documents may be taken from the current view."""
+        assert self._view is not None
+        n = self._view.size - self._view.pos
+        return n if self.left is None else min(n, self.left)
+
+    def advance(self, n: int) -> None:
+        """`n` documents of the current view were consumed."""
+        assert self._view is not None
+        self._view.pos += n
+        self._cursor[1] += n
+        if self.left is not None:
+            self.left -= n
