@@ -619,9 +619,17 @@ def test_mqar_hybrid_with_attention_after_a_mamba3_layer_learns_recall_at_the_be
 def test_bench_object_store_prints_its_table():
     pytest.importorskip("moto.server", reason="needs moto[server]: make venv")
     out = run_script("bench_object_store.py", "--objects", "40")
-    for case in ("list once (s3)", "prepare from local copy", "prepare from s3://"):
-        assert re.search(rf"^{re.escape(case)}\s+[\d.]+\s+[\d,]+$", out, re.M), out
-    assert "shards byte-identical: True; manifests identical but for the source spec: True" in out
+    assert re.search(r"^list once \(s3\)\s+[\d.]+\s+[\d,]+$", out, re.M), out
+    for case in ("local -> local", "s3:// -> local", "s3:// -> s3://"):
+        assert re.search(rf"^prepare {re.escape(case)}\s+[\d.]+\s+[\d,]+\s+[\d.]+x$", out, re.M), out
+    spec = "extra.prepare.sources[0].spec, extra.stats.sources[0].spec"
+    for case in ("s3:// -> local", "s3:// -> s3://"):
+        assert (
+            f"{case}: shards byte-identical to local -> local's: True; manifest differs only in the source "
+            f"spec: True ({spec})"
+        ) in out, out
+    assert "s3:// -> s3://: manifest byte-identical to s3:// -> local's: True; the prefix holds" in out
+    assert "(2 objects, no lock): True; stage dir removed: True" in out
 
 
 @pytest.mark.slow

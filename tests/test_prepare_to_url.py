@@ -98,6 +98,41 @@ def test_prepare_to_a_bucket_equals_a_local_out(s3, tmp_path):
     }
 
 
+def test_a_bucket_of_small_objects_prepared_to_a_bucket_equals_a_local_prepare(s3, tmp_path):
+    """Issue 50's object-storage identity in small (benchmarks/bench_object_store.py runs it on 10,000
+    objects): a bucket of a few dozen objects, one document each, two exact duplicates and one too
+    short, prepared to an s3:// --out in one run gives a local prepare's shards byte for byte, and a
+    manifest that differs only in the two fields recording the source spec."""
+    local, bucket = tmp_path / "corpus", s3.bucket()
+    for i in range(36):
+        j = i - 5 if i in (17, 29) else i  # 17 and 29 repeat 12 and 24
+        data = b"x" if i == 8 else f"doc {j}: {'word ' * (3 + j % 11)}\n".encode()
+        name = f"d{i % 3}/doc_{i:02d}.txt"
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(data)
+        s3.put(bucket, f"c/{name}", data)
+    opts = {**KW, "min_chars": 5}
+    ref = P.prepare([str(local)], tmp_path / "ref", **opts)
+    src, url = f"s3://{bucket}/c/", f"s3://{bucket}/ds/"
+    P.prepare([src], url, **opts, stage_dir=str(tmp_path / "stage"))
+    dropped = ref.manifest.extra["stats"]["dropped"]
+    assert dropped["duplicate"] == 2 and dropped["too_short"] == 1
+    # the prefix holds exactly the local dataset's files (no lock object), each shard byte for byte
+    objects, expected = _bucket_objects(s3, bucket, "ds/"), tree_hashes(tmp_path / "ref")
+    assert objects.keys() == expected.keys() and len(expected) >= 4
+    assert {k: v for k, v in objects.items() if k != MANIFEST_NAME} == {
+        k: v for k, v in expected.items() if k != MANIFEST_NAME
+    }
+    uploaded = json.loads(s3.client.get_object(Bucket=bucket, Key=f"ds/{MANIFEST_NAME}")["Body"].read())
+    local_manifest = json.loads((tmp_path / "ref" / MANIFEST_NAME).read_text())
+    for manifest, spec in ((uploaded, src), (local_manifest, str(local))):
+        recorded = manifest["extra"]["prepare"]["sources"][0], manifest["extra"]["stats"]["sources"][0]
+        assert [r["spec"] for r in recorded] == [spec, spec]
+        for r in recorded:
+            r["spec"] = "SOURCE"
+    assert uploaded == local_manifest and not (tmp_path / "stage").exists()
+
+
 def test_an_interrupted_upload_resumes_without_computing_again(s3, tmp_path, monkeypatch):
     src = _local_corpus(tmp_path)
     P.prepare([src], tmp_path / "ref", **MID)
