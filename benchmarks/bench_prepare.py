@@ -285,7 +285,7 @@ def _print_side_by_side(results: list[tuple[corpora.Corpus, dict]]) -> None:
     print(f"{'corpus':<14}{'pipeline / raw (>= 0.90)':>28}{'--ray / local pool (>= 0.80)':>32}")
     for corpus, r in results:
         ratio, ray_ratio = _ratios(r["best"])
-        ray = "not run (--ray)" if ray_ratio is None else f"{ray_ratio:.2f} {_met(ray_ratio, 0.8)}"
+        ray = "not run (no --ray)" if ray_ratio is None else f"{ray_ratio:.2f} {_met(ray_ratio, 0.8)}"
         print(f"{corpus.name:<14}{f'{ratio:.2f} {_met(ratio, 0.9)}':>28}{ray:>32}")
 
 
