@@ -18,7 +18,9 @@ each the best of --repeats runs (interleaved, so drift hits all alike):
 
   prepare --ray       (with --ray) the same prepare, its units as Ray tasks: `--ray local` starts a
                       one-node cluster on this machine with --workers CPUs (the same CPUs as the pool),
-                      `--ray ADDRESS` uses a running one; printed side by side with the ratio
+                      `--ray ADDRESS` uses a running one; printed side by side with the ratio. One
+                      cluster serves every corpus: with --repeats 1 the first corpus's row includes
+                      the start of its worker processes (use --repeats >= 2, or put a small corpus first)
 
 tokens/s counts the tokens of the text (the pipeline's EOS tokens are not counted; the pipeline counts
 the documents it keeps, so the duplicates it tokenizes and then drops, 1% of jsonl:MB, count against
