@@ -316,6 +316,21 @@ def test_bench_prepare_prints_its_ratio():
 
 
 @pytest.mark.slow
+def test_bench_prepare_prints_a_table_per_corpus_and_their_ratios_side_by_side():
+    out = run_script(
+        "bench_prepare.py", "--source", "numpy,jsonl:0.2", "--max-docs", "10", "--repeats", "1",
+        "--workers", "1",
+    )  # fmt: skip
+    assert re.search(r"^corpus: numpy: the \.py files of numpy ", out, re.M), out
+    assert re.search(r"^corpus: jsonl:0\.2: 0\.2 MB of generated JSONL in 4 files, ", out, re.M), out
+    # The raw row encodes the texts prepare reads (of JSON lines: the text fields): 10 unique documents.
+    rows = re.findall(r"^(raw tiktoken|prepare end-to-end)\s+([\d,]+)\s", out, re.M)
+    assert len(rows) == 4 and rows[2][1] == rows[3][1], out
+    for corpus in ("numpy", "jsonl:0.2"):
+        assert re.search(rf"^{re.escape(corpus)}\s+[\d.]+ (met|NOT met)\s+not run \(no --ray\)$", out, re.M)
+
+
+@pytest.mark.slow
 def test_bench_checkpoint_prints_its_table(tmp_path):
     out = run_script("bench_checkpoint.py", "--preset", "tiny", "--repeat", "1", "--dir", str(tmp_path))
     assert re.search(r"^ours \(3 atomic files \+ sha256\)\s+\d+\s+[\d.]+", out, re.M), out
