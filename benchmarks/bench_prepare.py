@@ -30,8 +30,9 @@ second corpus, and `--ray` >= 0.8 of the local pool's on the stdlib and on a 200
 ratios side by side.
 
 Then the driver's cost, from one more run whose units are all already computed (the work units kept
-from a run stopped before its commit; the driver then only verifies them, reads their indexes, mixes,
-dedups and writes the shards): seconds per document and per token; each task's throughput (tokens over
+from a run stopped before its commit; the driver then reads their indexes, mixes, dedups and describes
+the shards, while verifying the units and writing the shards are tasks, whose time is not the
+driver's): seconds per document and per token; each task's throughput (tokens over
 the seconds the tasks took, from the pool's run); and the worker count at which the driver saturates
 (driver tokens/s over one task's tokens/s): more workers than that wait on the driver.
 """
@@ -96,6 +97,9 @@ def _raw_tiktoken(batches: list[list[str]], workers: int) -> tuple[int, float]:
 _LAST: dict = {}  # the last pipeline run's summary (its per-task throughput)
 
 
+_UNIT_MB: dict = {"unit_mb": None}  # --unit-mb, for every prepare of the run
+
+
 def _pipeline(spec: str, max_docs: int | None, workers: int, ray: str | None = None) -> tuple[int, float]:
     from mamba3lite.data.prepare import prepare
 
@@ -110,6 +114,7 @@ def _pipeline(spec: str, max_docs: int | None, workers: int, ray: str | None = N
             shard_tokens=1_000_000,
             val_fraction=0.005,
             ray=ray,
+            **_UNIT_MB,
         )
         dt = time.perf_counter() - t0
         _LAST["summary"] = s
@@ -125,11 +130,12 @@ class _Stop(BaseException):
 
 def _driver_cost(spec: str, max_docs: int | None) -> tuple[int, int, float]:
     """(documents, tokens, seconds) of the driver's own work (reading the units' indexes, mixing, dedup,
-    writing the shards) in a run whose work units are all computed already."""
+    describing the shards) in a run whose work units are all computed already; the tasks' time (here in
+    this process: verifying each unit's record, writing each shard) is not counted."""
+    from mamba3lite.data import packing, staging, units
     from mamba3lite.data import prepare as P
-    from mamba3lite.data import staging, units
 
-    kw = dict(workers=0, max_docs=max_docs, shard_tokens=1_000_000, val_fraction=0.005)
+    kw = dict(workers=0, max_docs=max_docs, shard_tokens=1_000_000, val_fraction=0.005, **_UNIT_MB)
     tmp = Path(tempfile.mkdtemp(prefix="bench_prepare_driver_"))
     finalize = staging.Stage.finalize
     try:
@@ -143,9 +149,9 @@ def _driver_cost(spec: str, max_docs: int | None) -> tuple[int, int, float]:
         staging.Stage.finalize = finalize
         (tmp / "ds" / staging.STAGE_DIRNAME / staging.STATE_NAME).unlink(missing_ok=True)  # afresh
         # Only the driver's loop is timed (not start-up, the plan, the manifest), less the time the
-        # executor's part took in this process (workers=0: verifying each unit's record).
-        spent = {"run": 0.0, "units": 0.0}
-        run, run_unit = P._Run.run, units.run_unit
+        # executor's tasks took in this process (workers=0: verifying each unit's record, the shards).
+        spent = {"run": 0.0, "units": 0.0, "shards": 0.0}
+        run, run_unit, write_shard = P._Run.run, units.run_unit, packing.write_shard_job
 
         def timed(store, fn):
             def wrapper(*a, **k):
@@ -158,12 +164,14 @@ def _driver_cost(spec: str, max_docs: int | None) -> tuple[int, int, float]:
             return wrapper
 
         P._Run.run, units.run_unit = timed("run", run), timed("units", run_unit)
+        packing.write_shard_job = timed("shards", write_shard)
         try:
             s = P.prepare([spec], tmp / "ds", **kw)
         finally:
-            P._Run.run, units.run_unit = run, run_unit
+            P._Run.run, units.run_unit, packing.write_shard_job = run, run_unit, write_shard
         assert s.work is not None and s.work.computed == 0, s.work
-        return s.stats["documents_in"], s.manifest.n_tokens(), spent["run"] - spent["units"]
+        driver_s = spent["run"] - spent["units"] - spent["shards"]
+        return s.stats["documents_in"], s.manifest.n_tokens(), driver_s
     finally:
         staging.Stage.finalize = finalize
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,12 +320,16 @@ def main() -> int:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
+        "--unit-mb", type=float, default=None, help="prepare's --unit-mb, for every run (default: its 1 MiB)"
+    )
+    ap.add_argument(
         "--ray",
         default=None,
         metavar="ADDRESS",
         help="also run prepare --ray: 'local' starts a one-node cluster with --workers CPUs, or ADDRESS",
     )
     args = ap.parse_args()
+    _UNIT_MB["unit_mb"] = args.unit_mb
     names = list(dict.fromkeys(n for group in args.source or [["stdlib"]] for n in group))
     # rayon (HF tokenizers) reads this when its thread pool starts: the same parallelism for every row.
     os.environ["RAYON_NUM_THREADS"] = str(args.workers)

@@ -13,7 +13,7 @@ import pytest
 from mamba3lite.data import plan as planning
 from mamba3lite.data import prepare as P
 from mamba3lite.data import staging, units
-from mamba3lite.errors import DataError
+from mamba3lite.errors import ConfigError, DataError
 from test_prepare_helpers import tree_hashes
 from test_prepare_resume import KW, _corpus, _prepare_interrupted
 
@@ -33,6 +33,12 @@ def test_cutting_files_into_small_units_changes_no_byte(tmp_path, monkeypatch):
     cut = P.prepare(sources, tmp_path / "cut", **{**KW, "workers": 2})
     assert cut.work.computed > 20
     assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "whole")
+    # --unit-mb, the user's form of the same knob: smaller still (a document or two a unit)
+    tiny = P.prepare(sources, tmp_path / "tiny", **KW, unit_mb=200 / (1 << 20))
+    assert tiny.work.computed > cut.work.computed
+    assert tree_hashes(tmp_path / "tiny") == tree_hashes(tmp_path / "whole")
+    with pytest.raises(ConfigError, match="--unit-mb must be in"):
+        P.prepare(sources, tmp_path / "bad", **KW, unit_mb=0)
 
 
 def test_a_rerun_reads_the_plan_and_reuses_every_recorded_unit_that_verifies(tmp_path, monkeypatch, capsys):

@@ -182,6 +182,15 @@ def _add_compute_options(parser: argparse.ArgumentParser) -> None:
         "is the same for any value",
     )
     parser.add_argument(
+        "--unit-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="MiB of source text in each work unit, the task a worker computes (default 1); the output "
+        "is the same for any size: larger units mean less driver work per token, for hundreds of "
+        "workers; smaller ones finer balance and resume",
+    )
+    parser.add_argument(
         "--ray",
         metavar="ADDRESS",
         default=None,
@@ -252,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         max_docs=args.max_docs,
         ray=args.ray,
         dedup_partitions=args.dedup_partitions,
+        unit_mb=args.unit_mb,
         stage_dir=args.stage_dir,
         progress=sys.stderr.isatty() and not os.environ.get("MAMBA3LITE_NO_PROGRESS"),
     )

@@ -147,6 +147,9 @@ class PrepareOptions:
     progress: bool = False  # progress bars on stderr
     ray: str | None = None  # a Ray cluster's address ('auto': the one this machine joined) runs the units
     dedup_partitions: int = 0  # > 0: find the repeated digests in this many tasks first (dedup_partition)
+    # MiB of source text a work unit holds (None: plan.UNIT_BYTES, 1 MiB). The output does not depend on
+    # it; the driver's work is mostly per unit, so larger units let it keep more workers busy.
+    unit_mb: float | None = None
     stage_dir: str | None = (
         None  # --out URL only: the local directory it is built in (url_out; None: default)
     )
@@ -179,6 +182,10 @@ class PrepareOptions:
             )
         if self.max_docs is not None and self.max_docs < 1:
             raise ConfigError(f"--max-docs must be >= 1, got {self.max_docs}")
+        if self.unit_mb is not None and not 0 < self.unit_mb <= 1024:
+            raise ConfigError(
+                f"--unit-mb must be in (0, 1024] (MiB of text a task reads), got {self.unit_mb}"
+            )
         if self.train_tokenizer is not None:
             from mamba3lite.tokenizer_train import check_n_ids
 
@@ -424,8 +431,11 @@ class _Run:
             k = lo + int(bad[0])
             raise DataError(f"{format_location(view.location(k))}: {view.problem(k)}")
         fresh = taken_docs[~taken_dup]
-        if self.opts.dedup:
-            state.dedup.add_all([digests[k] for k in np.flatnonzero(take)[~taken_dup].tolist()])
+        if self.opts.dedup:  # the documents taken are a prefix of those kept
+            taken_digests = digests[: taken_docs.size]
+            if taken_dup.any():
+                taken_digests = [taken_digests[k] for k in np.flatnonzero(~taken_dup).tolist()]
+            state.dedup.add_all(taken_digests)
         self._pack(view, lo + fresh)
         state.taken[i] = int(totals[m - 1] + gain[m - 1])
 
@@ -640,7 +650,8 @@ def _list_sources(
             return recorded.sources(opts.text_field, opts.max_docs), listing
     resolved = [Source(s.spec, text_field=opts.text_field, max_docs=opts.max_docs) for s in specs]
     _skip_own_output(resolved, out)
-    return resolved, planning.list_units(resolved)
+    unit_bytes = None if opts.unit_mb is None else max(1, round(opts.unit_mb * (1 << 20)))
+    return resolved, planning.list_units(resolved, unit_bytes)
 
 
 @dataclass(frozen=True)

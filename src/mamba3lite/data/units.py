@@ -269,15 +269,17 @@ def _batches(job: UnitJob, unit: WorkUnit, rows: list | None):
 
 
 def load_index(stage_dir: str | Path, record: UnitRecord) -> np.ndarray:
-    """The unit's index rows (INDEX_DTYPE), checked against the record's count."""
-    tok, idx, _ = _paths(stage_dir, record.key)
-    if not (idx.exists() and (tok.exists() or not record.n_tokens)):
+    """The unit's index rows (INDEX_DTYPE), checked against the record's count. (Plain strings, not
+    pathlib: the driver calls this once a unit, and pathlib's joins were most of its cost.)"""
+    d = os.path.join(stage_dir, UNITS_DIRNAME)
+    idx, tok = os.path.join(d, f"{record.key}.idx"), os.path.join(d, f"{record.key}.tok")
+    if not (os.path.exists(idx) and (not record.n_tokens or os.path.exists(tok))):
         raise DataError(
-            f"unit {record.key} was computed on {record.node}, but its files are not in {idx.parent} as "
+            f"unit {record.key} was computed on {record.node}, but its files are not in {d} as "
             f"{node_name()} sees it; --out must be on storage every node mounts at the same path"
         )
-    intake.regular_file_size(idx, intake.STAGE_DATA)
-    index = np.fromfile(idx, dtype=INDEX_DTYPE)
+    with intake.open_regular(idx, intake.STAGE_DATA) as f:
+        index = np.frombuffer(f.read(), dtype=INDEX_DTYPE)
     assert index.size == record.n_docs, (record.key, index.size, record.n_docs)
     return index
 
