@@ -29,10 +29,11 @@ second corpus, and `--ray` >= 0.8 of the local pool's on the stdlib and on a 200
 (`--source stdlib,numpy,jsonl:200 --ray local`); with more than one corpus a last table puts the
 ratios side by side.
 
-Then the driver's cost, from one more run whose units are all already computed (the work units kept
-from a run stopped before its commit; the driver then reads their indexes, mixes, dedups and describes
-the shards, while verifying the units and writing the shards are tasks, whose time is not the
-driver's): seconds per document and per token; each task's throughput (tokens over
+Then the driver's cost, from more runs whose units are all already computed (the work units kept from
+a run stopped before its commit), one with the local pool and one with --ray: the CPU seconds of the
+driver's process over its loop (reading the units' indexes, mixing, dedup, describing the shards, and the
+executor's share: submitting tasks, taking results; verifying the units and writing the shards are tasks
+that run elsewhere), per unit, document and token; each task's throughput (tokens over
 the seconds the tasks took, from the pool's run); and the worker count at which the driver saturates
 (driver tokens/s over one task's tokens/s): more workers than that wait on the driver.
 """
@@ -128,52 +129,50 @@ class _Stop(BaseException):
     pass
 
 
-def _driver_cost(spec: str, max_docs: int | None) -> tuple[int, int, float]:
-    """(documents, tokens, seconds) of the driver's own work (reading the units' indexes, mixing, dedup,
-    describing the shards) in a run whose work units are all computed already; the tasks' time (here in
-    this process: verifying each unit's record, writing each shard) is not counted."""
-    from mamba3lite.data import packing, staging, units
+def _driver_cost(spec: str, max_docs: int | None, workers: int, ray: str | None) -> dict[str, tuple]:
+    """Per executor (the local pool of `workers`; Ray at `ray` when given): (units, documents, tokens,
+    CPU seconds of the driver's process) over the driver's loop in a run whose work units are all
+    computed already. The tasks (verifying each unit's record, writing the shards) run elsewhere; the
+    CPU time of the driver's process is its own work (reading indexes, mixing, dedup, describing the
+    shards) and the executor's share in it (submitting tasks, taking their results)."""
     from mamba3lite.data import prepare as P
+    from mamba3lite.data import staging
 
-    kw = dict(workers=0, max_docs=max_docs, shard_tokens=1_000_000, val_fraction=0.005, **_UNIT_MB)
+    kw = dict(max_docs=max_docs, shard_tokens=1_000_000, val_fraction=0.005, **_UNIT_MB)
     tmp = Path(tempfile.mkdtemp(prefix="bench_prepare_driver_"))
-    finalize = staging.Stage.finalize
-    try:
+    finalize, run = staging.Stage.finalize, P._Run.run
+    got: dict = {}
 
-        def stop(self, manifest):
-            raise _Stop
+    def stop(self, manifest):
+        raise _Stop
 
-        staging.Stage.finalize = stop  # the units stay staged
-        with contextlib.suppress(_Stop):
-            P.prepare([spec], tmp / "ds", **kw)
-        staging.Stage.finalize = finalize
-        (tmp / "ds" / staging.STAGE_DIRNAME / staging.STATE_NAME).unlink(missing_ok=True)  # afresh
-        # Only the driver's loop is timed (not start-up, the plan, the manifest), less the time the
-        # executor's tasks took in this process (workers=0: verifying each unit's record, the shards).
-        spent = {"run": 0.0, "units": 0.0, "shards": 0.0}
-        run, run_unit, write_shard = P._Run.run, units.run_unit, packing.write_shard_job
-
-        def timed(store, fn):
-            def wrapper(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    spent[store] += time.perf_counter() - t0
-
-            return wrapper
-
-        P._Run.run, units.run_unit = timed("run", run), timed("units", run_unit)
-        packing.write_shard_job = timed("shards", write_shard)
+    def timed(self, *a):
+        t0 = time.process_time()
         try:
-            s = P.prepare([spec], tmp / "ds", **kw)
+            return run(self, *a)
         finally:
-            P._Run.run, units.run_unit, packing.write_shard_job = run, run_unit, write_shard
-        assert s.work is not None and s.work.computed == 0, s.work
-        driver_s = spent["run"] - spent["units"] - spent["shards"]
-        return s.stats["documents_in"], s.manifest.n_tokens(), driver_s
+            got["cpu"], got["run"] = time.process_time() - t0, self
+
+    executors = {f"local pool, {workers} workers": {"workers": workers}}
+    if ray is not None:
+        executors["Ray"] = {"workers": workers, "ray": ray}
+    out = {}
+    try:
+        staging.Stage.finalize = stop  # the units stay staged for every measurement
+        with contextlib.suppress(_Stop):
+            P.prepare([spec], tmp / "ds", workers=workers, **kw)
+        P._Run.run = timed
+        for name, how in executors.items():
+            (tmp / "ds" / staging.STAGE_DIRNAME / staging.STATE_NAME).unlink(missing_ok=True)  # afresh
+            with contextlib.suppress(_Stop):
+                P.prepare([spec], tmp / "ds", **how, **kw)
+            r = got["run"]
+            assert r.work.computed == 0, r.work
+            n_tokens = sum(info.n_tokens for info in r.state.shards)
+            out[name] = (r.work.reused, r.state.stats.documents_in, n_tokens, got["cpu"])
+        return out
     finally:
-        staging.Stage.finalize = finalize
+        staging.Stage.finalize, P._Run.run = finalize, run
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -241,7 +240,7 @@ def _bench(corpus: corpora.Corpus, args: argparse.Namespace, hf, ray_address: st
         "n_texts": len(texts),
         "mb": sum(len(t.encode("utf-8")) for t in texts) / 1e6,
         "task_rate": max(task_rates),
-        "driver": _driver_cost(corpus.spec, args.max_docs),
+        "driver": _driver_cost(corpus.spec, args.max_docs, args.workers, ray_address),
     }
 
 
@@ -275,17 +274,19 @@ def _print_corpus(corpus: corpora.Corpus, r: dict, args: argparse.Namespace) -> 
             f"prepare --ray / local pool = {ray_ratio:.2f}  (same {args.workers} CPUs; target >= 0.80: "
             f"{_met(ray_ratio, 0.8)})"
         )
-    n_docs, n_tokens, driver_s = r["driver"]
     task_rate = r["task_rate"]
-    driver_rate = n_tokens / driver_s
     print()
-    print(f"{'driver / task':<34}{'value':>16}")
-    print(f"{'driver seconds per document':<34}{driver_s / n_docs * 1e6:>13.1f} us")
-    print(f"{'driver seconds per token':<34}{driver_s / n_tokens * 1e9:>13.1f} ns")
-    print(f"{'driver tokens/s':<34}{driver_rate:>16,.0f}")
-    print(f"{'one task tokens/s':<34}{task_rate:>16,.0f}")
+    head = f"{'driver (CPU of its process)':<32}{'per unit':>11}{'per doc':>10}{'per token':>11}"
+    print(f"{head}{'saturates at':>16}")
+    for name, (n_units, n_docs, n_tokens, cpu_s) in r["driver"].items():
+        workers = n_tokens / cpu_s / task_rate
+        print(
+            f"{name:<32}{cpu_s / n_units * 1e3:>8.2f} ms{cpu_s / n_docs * 1e6:>7.2f} us"
+            f"{cpu_s / n_tokens * 1e9:>8.2f} ns{workers:>8,.0f} workers"
+        )
     print(
-        f"driver saturates at ~{driver_rate / task_rate:,.0f} workers (driver tokens/s / one task's tokens/s)"
+        f"one task: {task_rate:,.0f} tokens/s; the driver saturates at (driver tokens/s) / (one task's "
+        f"tokens/s) workers (target >= 256)"
     )
     print(flush=True)
 

@@ -41,6 +41,12 @@ def test_cutting_files_into_small_units_changes_no_byte(tmp_path, monkeypatch):
         P.prepare(sources, tmp_path / "bad", **KW, unit_mb=0)
 
 
+def test_a_large_corpus_gets_larger_units_up_to_a_cap():
+    assert planning.default_unit_bytes(0) == planning.default_unit_bytes(8 << 30) == planning.UNIT_BYTES
+    assert planning.default_unit_bytes(100 << 30) == (100 << 30) // planning.TARGET_UNITS  # 12.5 MiB
+    assert planning.default_unit_bytes(10 << 40) == planning.MAX_UNIT_BYTES
+
+
 def test_a_rerun_reads_the_plan_and_reuses_every_recorded_unit_that_verifies(tmp_path, monkeypatch, capsys):
     sources = _corpus(tmp_path)
     monkeypatch.setattr(planning, "UNIT_BYTES", 400)

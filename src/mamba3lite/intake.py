@@ -39,7 +39,6 @@ import stat
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from mamba3lite.errors import (
@@ -174,7 +173,7 @@ def torch_load_refusal(e: Exception) -> str:
 def regular_file_size(path: str | os.PathLike, kind: FileKind) -> int:
     """The size of `path` after checking that it is (a symlink to) an existing regular file within the
     kind's cap. Opens nothing. Raises the kind's errors naming the path."""
-    path = Path(path)
+    path = os.fspath(path)
     try:
         st = os.stat(path)  # follows symlinks: a link to /dev/zero is judged by /dev/zero
     except FileNotFoundError:

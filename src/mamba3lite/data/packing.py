@@ -42,10 +42,19 @@ class Dedup:
     def duplicates(self, digests: Sequence[bytes]) -> list[int]:
         """The positions in `digests` (documents in mixing order) that repeat an earlier one: one kept
         before, or one earlier in `digests`."""
-        if self.seen.isdisjoint(digests) and len(set(digests)) == len(digests):
-            return []  # the common case, in two passes in C
+        batch = set(digests)
+        repeated = self.seen.intersection(batch)  # set operations in C; a Python step only for suspects
+        if len(batch) != len(digests):
+            counts: dict[bytes, int] = {}
+            for d in digests:
+                counts[d] = counts.get(d, 0) + 1
+            repeated.update(d for d, n in counts.items() if n > 1)
+        if not repeated:
+            return []
         seen, here, dups = self.seen, set(), []
         for k, d in enumerate(digests):
+            if d not in repeated:
+                continue
             if d in seen or d in here:
                 dups.append(k)
             else:

@@ -1,8 +1,9 @@
 """The plan of a `prepare` run: every source's files listed once, sorted, with sizes and modification
 times, cut into work units, with the arguments and one hash of the two.
 
-A *work unit* is a run of consecutive files of one source (about `UNIT_BYTES` of them; a larger .jsonl
-file is cut into byte ranges, a larger .parquet file into runs of row groups). It is what one task
+A *work unit* is a run of consecutive files of one source (about `UNIT_BYTES` of them, more on a corpus
+past ~8 GiB (`default_unit_bytes`), or `--unit-mb`; a larger .jsonl file is cut into byte ranges, a
+larger .parquet file into runs of row groups). It is what one task
 computes (`units.run_unit`): a pure function of (plan, unit), read by the worker from the unit's own
 paths, so the driver ships no corpus bytes. Units are consumed in plan order, so the output never
 depends on how many workers computed them, or where.
@@ -38,6 +39,13 @@ PLAN_NAME = "plan.json"
 # Small files are grouped into units of about this many bytes: one task per stdlib file (~18 KB) would
 # cost more in scheduling and records than in tokenizing; 1 MiB is ~0.5 s of one core's tokenizing.
 UNIT_BYTES = 1 << 20
+# A large corpus gets larger units, so that it is cut into about TARGET_UNITS of them (at most
+# MAX_UNIT_BYTES each): the driver's work, and the executor's, is mostly a fixed share per task (reading
+# its record and index; a Ray task costs its driver a few hundred microseconds), and a large corpus is the
+# one a large cluster prepares, whose workers one driver must keep busy. 8,192 units still give each of
+# 256 workers 32. The output does not depend on the units.
+TARGET_UNITS = 8192
+MAX_UNIT_BYTES = 64 << 20
 PLAN_VERSION = 1
 # An hf: stream is cut into units of this many rows (~0.5 MB of typical web text).
 STREAM_UNIT_ROWS = 1024
@@ -113,19 +121,30 @@ def listed_source(spec: str, entries: list[FileEntry], text_field: str, max_docs
     return Source.from_listing(spec, [], text_field=text_field, max_docs=max_docs, objects=objects)
 
 
+def default_unit_bytes(total_bytes: int) -> int:
+    """The unit size for a corpus of `total_bytes` (see TARGET_UNITS): UNIT_BYTES up to ~8 GiB."""
+    return min(MAX_UNIT_BYTES, max(UNIT_BYTES, total_bytes // TARGET_UNITS))
+
+
 def list_units(sources: list[Source], unit_bytes: int | None = None) -> list[list[WorkUnit]]:
     """Each source's work units, in order: consecutive files grouped until they reach `unit_bytes`
-    (default UNIT_BYTES)."""
-    unit_bytes = UNIT_BYTES if unit_bytes is None else unit_bytes
+    (default: `default_unit_bytes` of the whole listing)."""
+    listings = [
+        []
+        if src.hf is not None
+        else [(_object_entry(o), None) for o in src.objects] or [(_stat(p), p) for p in src.files]
+        for src in sources
+    ]
+    if unit_bytes is None:
+        unit_bytes = default_unit_bytes(sum(entry[1] for listed in listings for entry, _ in listed))
     out = []
-    for i, src in enumerate(sources):
+    for i, (src, listed) in enumerate(zip(sources, listings)):
         if src.hf is not None:
             out.append([])  # a stream: cut while read (`stream_units`)
             continue
         units: list[WorkUnit] = []
         group: list[FileEntry] = []
         size = 0
-        listed = [(_object_entry(o), None) for o in src.objects] or [(_stat(p), p) for p in src.files]
         for entry, p in listed:
             parts = [] if p is None else _parts(src, p, entry[1], unit_bytes)
             if parts:  # a large file that can be cut: its parts are units of their own
