@@ -138,7 +138,9 @@ def _driver_cost(spec: str, max_docs: int | None, workers: int, ray: str | None)
     from mamba3lite.data import prepare as P
     from mamba3lite.data import staging
 
-    kw = dict(max_docs=max_docs, shard_tokens=1_000_000, val_fraction=0.005, **_UNIT_MB)
+    # Shards of the default size (a shard is a task too: at 1M tokens a shard, as in the rows above, Ray's
+    # ~1 ms of driver CPU a task would be ~1 ns a token).
+    kw = dict(max_docs=max_docs, shard_tokens=P.DEFAULT_SHARD_TOKENS, val_fraction=0.005, **_UNIT_MB)
     tmp = Path(tempfile.mkdtemp(prefix="bench_prepare_driver_"))
     finalize, run = staging.Stage.finalize, P._Run.run
     got: dict = {}

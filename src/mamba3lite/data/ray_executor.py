@@ -101,7 +101,6 @@ class RayExecutor:
 
     def __init__(self, address: str, job: UnitJob) -> None:
         self.ray = ray = _import_ray()
-        self._job = job
         self._connected_here = False
         if not ray.is_initialized():
             _check_reachable(address)
@@ -113,22 +112,28 @@ class RayExecutor:
                     "pass the address it prints, or --ray auto on a node of it"
                 ) from e
             self._connected_here = True
-        self._task = ray.remote(_run_unit_task).options(max_retries=MAX_RETRIES, retry_exceptions=False)
+        self._tasks: dict = {}  # fn -> its remote function, made once (Ray exports it at its first call)
+        self._task = self._remote(_run_unit_task)
+        self._job_ref = ray.put(job)  # stored once, not serialized again with every unit
         self.parallelism = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.pending: set = set()
 
     def submit(self, unit: WorkUnit, rows: list | None = None) -> _Handle:
-        ref = self._task.remote(self._job, unit, rows)  # rows: an hf: stream's, shipped with its unit
+        ref = self._task.remote(self._job_ref, unit, rows)  # rows: an hf: stream's, shipped with its unit
         self.pending.add(ref)
         return _Handle(self, ref, unit)
 
     def call(self, fn, *args):
         """Any other task (a module-level function) on the cluster; .result() is fn(*args)."""
-        task = self.ray.remote(fn).options(max_retries=MAX_RETRIES, retry_exceptions=False)
-        ref = task.remote(*args)
+        ref = self._remote(fn).remote(*args)
         self.pending.add(ref)
         return _Handle(self, ref, None)
+
+    def _remote(self, fn):
+        if fn not in self._tasks:
+            self._tasks[fn] = self.ray.remote(fn).options(max_retries=MAX_RETRIES, retry_exceptions=False)
+        return self._tasks[fn]
 
     def close(self) -> None:
         for ref in self.pending:  # units still queued or running when a target was reached
