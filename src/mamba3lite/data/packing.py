@@ -11,6 +11,7 @@ killed driver is written again, to the same bytes.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +45,8 @@ class Dedup:
         before, or one earlier in `digests`."""
         batch = set(digests)
         repeated = self.seen.intersection(batch)  # set operations in C; a Python step only for suspects
-        if len(batch) != len(digests):
-            counts: dict[bytes, int] = {}
-            for d in digests:
-                counts[d] = counts.get(d, 0) + 1
-            repeated.update(d for d, n in counts.items() if n > 1)
+        if len(batch) != len(digests):  # repeats within the batch (Counter counts in C)
+            repeated.update(d for d, n in Counter(digests).items() if n > 1)
         if not repeated:
             return []
         seen, here, dups = self.seen, set(), []
