@@ -14,10 +14,10 @@ the shard being filled), `dedup_partition` (--dedup-partitions), `stats` (the co
    as `tokenizer.json` with the shards, and the manifest names it relative to OUT.
 
 1. **Plan** (driver): each source's files are listed once, sorted, with sizes and modification times,
-   and cut into work units of about a MiB (`plan`); the plan, with the arguments and its hash, is
-   written to `OUT/.prepare/plan.json`, and a re-run reads it instead of listing again. (An `hf:` stream
-   cannot be read from a position: the driver reads it and cuts it into units of 1,024 rows, shipped
-   with their rows.)
+   and cut into work units (`plan`: about a MiB, more on a large corpus, or `--unit-mb`); the plan, with
+   the arguments and its hash, is written to `OUT/.prepare/plan.json`, and a re-run reads it instead of
+   listing again. (An `hf:` stream cannot be read from a position: the driver reads it and cuts it into
+   units of 1,024 rows, shipped with their rows.)
 2. **Map** (the executor: `--workers` processes of this machine, or Ray tasks with `--ray`): each unit
    is a pure function of (plan, unit), computed by a worker on its own (`units.run_unit`): it reads the
    unit's files itself, decodes (UTF-8 without its byte-order mark, or UTF-16/32 after theirs;
