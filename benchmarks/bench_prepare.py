@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import shutil
 import sys
@@ -166,7 +167,7 @@ def _driver_cost(spec: str, max_docs: int | None, workers: int, ray: str | None)
         P._Run.run = timed
         for name, how in executors.items():
             (tmp / "ds" / staging.STAGE_DIRNAME / staging.STATE_NAME).unlink(missing_ok=True)  # afresh
-            with contextlib.suppress(_Stop):
+            with contextlib.suppress(_Stop), contextlib.redirect_stderr(io.StringIO()):  # its note says so
                 P.prepare([spec], tmp / "ds", **how, **kw)
             r = got["run"]
             assert r.work.computed == 0, r.work

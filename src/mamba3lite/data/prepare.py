@@ -727,7 +727,9 @@ def _start_or_resume(run: _Run) -> None:
     stage = run.stage
     if stage.dir.is_dir() and (why := run.try_resume()) is not None:
         print(
-            f"note: not resuming the unfinished run in {stage.dir}: {why}; starting afresh", file=sys.stderr
+            f"note: not resuming the driver of the unfinished run in {stage.dir}: {why}; it starts afresh,"
+            " reusing each work unit already computed that verifies",
+            file=sys.stderr,
         )
         stage.clear()  # the units' records stay: each is reused if it belongs to this plan and verifies
     if run.resumed_shards:

@@ -138,6 +138,8 @@ class Stage:
     def restore(self) -> PipelineState | str:
         """The snapshot in the staging dir if it matches these arguments and verifies, else why not (the
         caller starts afresh)."""
+        if not (self.dir / STATE_NAME).exists():
+            return "it left no snapshot (it stopped before its first shard)"
         try:
             record = intake.read_json(self.dir / STATE_NAME, intake.STAGE_STATE)
         except Mamba3LiteError as e:
