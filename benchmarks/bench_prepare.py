@@ -4,8 +4,9 @@
 
 Text: each --source corpus (corpora.py; repeat the flag or give a comma list for one table each):
 `stdlib` (this interpreter's standard-library .py files, as `prepare` reads them; the default), `numpy`
-(the installed numpy's .py files, a glob source) or `jsonl:MB` (about MB megabytes of generated JSON lines
-of real text, 1% exact duplicates, in several files), or the first --max-docs documents of each. Rows,
+(the installed numpy's .py files, a glob source), `licences` (the licence and copyright texts installed on
+this machine: many short files, many alike) or `jsonl:MB` (about MB megabytes of generated JSON lines of
+real text, 1% exact duplicates, in several files), or the first --max-docs documents of each. Rows,
 each the best of --repeats runs (interleaved, so drift hits all alike):
 
   raw tiktoken        encode_ordinary_batch(texts, num_threads=W) on the already decoded texts (no I/O):
@@ -315,8 +316,8 @@ def main() -> int:
         type=_sources,
         action="append",
         metavar="CORPUS",
-        help="stdlib (default), numpy or jsonl:MB (e.g. jsonl:200); repeat it or give a comma list for "
-        "one table per corpus",
+        help="stdlib (default), numpy, licences or jsonl:MB (e.g. jsonl:200); repeat it or give a comma "
+        "list for one table per corpus",
     )
     ap.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument(

@@ -4,6 +4,9 @@
     numpy       the .py files of the installed numpy package (a glob source: NUMPY_DIR/**/*.py)
     jsonl:MB    about MB megabytes (10^6 bytes) of JSON lines written by `write_jsonl` into a temporary
                 directory, removed afterwards
+    licences    the licence and copyright texts installed on this machine (`licence_files`: files named
+                LICENSE*, LICENCE*, COPYING*, NOTICE* or copyright below LICENCE_ROOTS), copied into a
+                temporary directory: many short plain-text files, many of them the same licence
 
 The JSONL corpus is made of real text found on this machine: the .py .md .rst .txt files of the installed
 packages (this interpreter's site-packages), taken in a seeded order and read line by line as one stream
@@ -46,6 +49,10 @@ assert MIN_DOC_BYTES + MAX_LINE_BYTES <= MAX_DOC_BYTES
 DUPLICATE_EVERY = 100  # every 100th document repeats an earlier one: 1% exact duplicates
 FILE_MB = 25.0  # megabytes per JSONL file
 MIN_FILES = 4
+# Where the licences corpus is looked for: this environment's packages, and the system's documentation.
+LICENCE_ROOTS = (sys.prefix, sysconfig.get_paths()["purelib"], "/usr/share/doc", "/usr/share/common-licenses")
+LICENCE_PREFIXES = ("license", "licence", "copying", "notice", "copyright")
+MAX_LICENCE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -69,14 +76,15 @@ class JsonlCorpus:
 
 def check_name(name: str) -> str:
     """`name` if it names a corpus (argparse type), else argparse.ArgumentTypeError saying which do."""
-    if name in ("stdlib", "numpy"):
+    if name in ("stdlib", "numpy", "licences"):
         return name
     if name.startswith("jsonl:"):
         with contextlib.suppress(ValueError):
             if math.isfinite(mb := float(name[len("jsonl:") :])) and mb > 0:
                 return name
     raise argparse.ArgumentTypeError(
-        f"unknown corpus {name!r}: expected stdlib, numpy or jsonl:MB with MB > 0 megabytes (e.g. jsonl:200)"
+        f"unknown corpus {name!r}: expected stdlib, numpy, licences or jsonl:MB with MB > 0 megabytes "
+        "(e.g. jsonl:200)"
     )
 
 
@@ -91,6 +99,20 @@ def open_corpus(name: str, *, seed: int = 0) -> Iterator[Corpus]:
         assert spec is not None and spec.origin is not None, "numpy is a dependency of mamba3lite"
         root = Path(spec.origin).parent
         yield Corpus(name, f"{root}/**/*.py", f"the .py files of numpy {importlib.metadata.version('numpy')}")
+    elif name == "licences":
+        tmp = Path(tempfile.mkdtemp(prefix="bench_corpus_"))
+        try:
+            files = licence_files()
+            if not files:
+                raise SystemExit(f"no licence files found below {', '.join(LICENCE_ROOTS)}")
+            n_bytes = 0
+            for k, f in enumerate(files):  # numbered in the listing's order: prepare reads them in that order
+                n_bytes += len(data := f.read_bytes())
+                (tmp / f"{k:05d}-{f.name}").write_bytes(data)
+            about = f"{len(files):,} licence and copyright files, {n_bytes / 1e6:.1f} MB"
+            yield Corpus(name, str(tmp), about)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp = Path(tempfile.mkdtemp(prefix="bench_corpus_"))
         try:
@@ -129,6 +151,23 @@ def write_jsonl(out_dir: str | os.PathLike, megabytes: float, *, seed: int = 0) 
             written += len(line)
             n_docs += 1
     return JsonlCorpus(files, n_docs, n_duplicates, written)
+
+
+def licence_files() -> list[Path]:
+    """The regular files below LICENCE_ROOTS (each real file once, symlinks not followed) whose name starts
+    with one of LICENCE_PREFIXES in any case, at most MAX_LICENCE_BYTES each, sorted by path."""
+    found: dict[tuple[int, int], Path] = {}
+    for root in LICENCE_ROOTS:
+        for dirpath, _, filenames in os.walk(root):
+            for f in filenames:
+                if not f.lower().startswith(LICENCE_PREFIXES):
+                    continue
+                path = Path(dirpath) / f
+                with contextlib.suppress(OSError):
+                    st = path.lstat()
+                    if path.is_file() and not path.is_symlink() and 0 < st.st_size <= MAX_LICENCE_BYTES:
+                        found.setdefault((st.st_dev, st.st_ino), path)
+    return sorted(found.values())
 
 
 @cache

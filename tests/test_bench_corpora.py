@@ -60,6 +60,31 @@ def test_the_jsonl_corpus_is_deterministic_sized_and_has_its_duplicate_fraction(
     assert len({clean_text(t)[0] for t in unique}) == len(unique) == len(set(texts))
 
 
+def test_the_licences_corpus_copies_each_licence_file_once_in_order(corpora, tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    (root / "pkg-1.0.dist-info").mkdir(parents=True)
+    (root / "doc" / "zlib").mkdir(parents=True)
+    (root / "pkg-1.0.dist-info" / "LICENSE.txt").write_text("MIT License\n")
+    (root / "doc" / "zlib" / "copyright").write_text("zlib licence\n")
+    (root / "doc" / "zlib" / "README").write_text("not a licence\n")
+    (root / "doc" / "COPYING").symlink_to(root / "doc" / "zlib" / "copyright")  # a link: not followed
+    (root / "NOTICE").write_bytes(b"")  # empty: left out
+    monkeypatch.setattr(corpora, "LICENCE_ROOTS", (str(root), str(root / "doc")))  # the same file twice
+    assert corpora.licence_files() == [
+        root / "doc" / "zlib" / "copyright",
+        root / "pkg-1.0.dist-info" / "LICENSE.txt",
+    ]
+    with corpora.open_corpus("licences") as corpus:
+        copied = sorted(Path(corpus.spec).iterdir())
+        assert [p.name for p in copied] == ["00000-copyright", "00001-LICENSE.txt"]
+        assert [p.read_text() for p in copied] == ["zlib licence\n", "MIT License\n"]
+        assert corpus.about == "2 licence and copyright files, 0.0 MB"
+    assert not Path(corpus.spec).exists()
+    monkeypatch.setattr(corpora, "LICENCE_ROOTS", (str(tmp_path / "none"),))
+    with pytest.raises(SystemExit, match="no licence files found"), corpora.open_corpus("licences"):
+        pass
+
+
 def test_bench_prepare_help_names_its_corpora_and_refuses_an_unknown_one():
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
 
@@ -71,7 +96,7 @@ def test_bench_prepare_help_names_its_corpora_and_refuses_an_unknown_one():
 
     out = run("--help")
     assert out.returncode == 0, out.stderr
-    assert "--source CORPUS" in out.stdout and "jsonl:MB" in out.stdout
+    assert "--source CORPUS" in out.stdout and "jsonl:MB" in out.stdout and "licences" in out.stdout
     bad = run("--source", "stdlib,jsonl:x", "--repeats", "1")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "unknown corpus 'jsonl:x': expected stdlib, numpy or jsonl:MB" in bad.stderr
+    assert "unknown corpus 'jsonl:x': expected stdlib, numpy, licences or jsonl:MB" in bad.stderr
