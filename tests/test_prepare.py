@@ -99,6 +99,11 @@ def test_round_trip_structure_and_counts(messy_corpus, tmp_path):
     assert sum(src["documents"].values()) == 7
     assert m.extra["prepare"]["tokenizer"] == "gpt2"
     assert summary.n_tokens == m.n_tokens() and "too_short 1" in summary.table()
+    # Tokenized in this run: what was written, and the duplicate of a.txt (its tokens and EOS) dropped after.
+    dup_tokens = len(TOK.encode(expected[0])) + 1
+    assert summary.work.n_tokens() == m.n_tokens() + dup_tokens
+    assert f"{m.n_tokens() + dup_tokens:,} tokens tokenized in this run" in summary.table()
+    assert "tokens/s written" in summary.table()
     # Nothing but the dataset is left behind.
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train", "val"]
 

@@ -260,8 +260,14 @@ class PrepareSummary:
         lines += [
             "",
             f"{len(m.shards)} shards, {shard_bytes / 1e6:.2f} MB on disk, {self.seconds:.1f} s, "
-            f"{rate:,.0f} tokens/s{resumed}",
+            f"{rate:,.0f} tokens/s written{resumed}",
         ]
+        if self.work is not None and (tokenized := self.work.n_tokens()):
+            # What the workers encoded, the documents dropped as duplicates and the EOS tokens included: the
+            # rate to set beside a tokenizer's own (the written rate is lower by the duplicates' share).
+            lines.append(
+                f"{tokenized:,} tokens tokenized in this run: {tokenized / self.seconds:,.0f} tokens/s"
+            )
         if self.work is not None:
             lines += self.work.table()
         val_fraction = m.extra.get("prepare", {}).get("val_fraction", 0)

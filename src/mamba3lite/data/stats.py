@@ -142,6 +142,10 @@ class WorkCounts:
         n[2] += record.n_tokens
         n[3] += record.seconds
 
+    def n_tokens(self) -> int:
+        """Tokens of the units computed in this run (EOS and the documents dropped after, included)."""
+        return sum(n[2] for n in self.nodes.values())
+
     def table(self) -> list[str]:
         lines = [f"units: {self.computed:,} computed, {self.reused:,} reused ({self.executor})"]
         if self.dedup_partitions:
