@@ -228,7 +228,8 @@ def _walk_dir(root: Path, skipped: list[Path] | None = None) -> list[Path]:
     earlier one) skipped. Symlinked directories are followed (as `**` globs do), each real directory
     walked once: a link back to a directory already walked (a cycle, or a second link to it) adds
     nothing. The datasets skipped are appended to `skipped`; DataError if `root` itself is one."""
-    out = []
+    out: list[tuple[str, str]] = []  # (path relative to root, path): strings, as pathlib costs ~10x per file
+    prefix = os.path.join(os.fspath(root), "")  # every dirpath os.walk yields starts with it
 
     def unreadable(e: OSError) -> None:  # os.walk skips a directory it cannot list, silently
         raise DataError(
@@ -255,9 +256,11 @@ def _walk_dir(root: Path, skipped: list[Path] | None = None) -> list[Path]:
                 seen.add(real)
                 keep.append(d)
         dirnames[:] = keep
-        out.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
-    files = [p for p in out if p.is_file()]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+        for f in filenames:
+            if not f.startswith("."):
+                path = os.path.join(dirpath, f)
+                out.append((path[len(prefix) :].replace(os.sep, "/"), path))
+    return [Path(path) for _, path in sorted(out) if os.path.isfile(path)]
 
 
 def _glob(spec: str, skipped: list[Path] | None = None) -> list[Path]:
