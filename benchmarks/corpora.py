@@ -30,7 +30,7 @@ import json
 import math
 import os
 import random
-import shutil
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -100,30 +100,23 @@ def open_corpus(name: str, *, seed: int = 0) -> Iterator[Corpus]:
         root = Path(spec.origin).parent
         yield Corpus(name, f"{root}/**/*.py", f"the .py files of numpy {importlib.metadata.version('numpy')}")
     elif name == "licences":
-        tmp = Path(tempfile.mkdtemp(prefix="bench_corpus_"))
-        try:
+        with tempfile.TemporaryDirectory(prefix="bench_corpus_", ignore_cleanup_errors=True) as tmp:
             files = licence_files()
             if not files:
                 raise SystemExit(f"no licence files found below {', '.join(LICENCE_ROOTS)}")
             n_bytes = 0
             for k, f in enumerate(files):  # numbered in the listing's order: prepare reads them in that order
                 n_bytes += len(data := f.read_bytes())
-                (tmp / f"{k:05d}-{f.name}").write_bytes(data)
-            about = f"{len(files):,} licence and copyright files, {n_bytes / 1e6:.1f} MB"
-            yield Corpus(name, str(tmp), about)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+                (Path(tmp) / f"{k:05d}-{f.name}").write_bytes(data)
+            yield Corpus(name, tmp, f"{len(files):,} licence and copyright files, {n_bytes / 1e6:.1f} MB")
     else:
-        tmp = Path(tempfile.mkdtemp(prefix="bench_corpus_"))
-        try:
+        with tempfile.TemporaryDirectory(prefix="bench_corpus_", ignore_cleanup_errors=True) as tmp:
             made = write_jsonl(tmp, float(name[len("jsonl:") :]), seed=seed)
             about = (
                 f"{made.n_bytes / 1e6:.1f} MB of generated JSONL in {len(made.files)} files, "
                 f"{made.n_docs:,} documents ({made.n_duplicates:,} exact duplicates), seed {seed}"
             )
-            yield Corpus(name, str(tmp), about)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            yield Corpus(name, tmp, about)
 
 
 def write_jsonl(out_dir: str | os.PathLike, megabytes: float, *, seed: int = 0) -> JsonlCorpus:
@@ -164,8 +157,8 @@ def licence_files() -> list[Path]:
                     continue
                 path = Path(dirpath) / f
                 with contextlib.suppress(OSError):
-                    st = path.lstat()
-                    if path.is_file() and not path.is_symlink() and 0 < st.st_size <= MAX_LICENCE_BYTES:
+                    st = path.lstat()  # one stat: a link is not a regular file here
+                    if stat.S_ISREG(st.st_mode) and 0 < st.st_size <= MAX_LICENCE_BYTES:
                         found.setdefault((st.st_dev, st.st_ino), path)
     return sorted(found.values())
 

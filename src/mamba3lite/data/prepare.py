@@ -262,13 +262,12 @@ class PrepareSummary:
             f"{len(m.shards)} shards, {shard_bytes / 1e6:.2f} MB on disk, {self.seconds:.1f} s, "
             f"{rate:,.0f} tokens/s written{resumed}",
         ]
-        if self.work is not None and (tokenized := self.work.n_tokens()):
-            # What the workers encoded, the documents dropped as duplicates and the EOS tokens included: the
-            # rate to set beside a tokenizer's own (the written rate is lower by the duplicates' share).
-            lines.append(
-                f"{tokenized:,} tokens tokenized in this run: {tokenized / self.seconds:,.0f} tokens/s"
-            )
         if self.work is not None:
+            if tokenized := self.work.n_tokens():
+                # What the workers encoded, the documents dropped as duplicates and the EOS tokens included:
+                # the rate to set beside a tokenizer's own (the written one lower by the duplicates' share).
+                per_s = tokenized / self.seconds if self.seconds > 0 else float("nan")
+                lines.append(f"{tokenized:,} tokens tokenized in this run: {per_s:,.0f} tokens/s")
             lines += self.work.table()
         val_fraction = m.extra.get("prepare", {}).get("val_fraction", 0)
         if val_fraction and not m.split_shards("val"):
